@@ -1,0 +1,1 @@
+"""Thin command modules: parse -> config -> launch or call library code."""

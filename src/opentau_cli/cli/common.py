@@ -1,0 +1,75 @@
+"""What every command shares: the sub-app factory, option types, and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from opentau_cli.errors import RunError, UserError
+
+# Commands that take dotted config overrides after their own options.
+OVERRIDES_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
+
+ConfigPathOpt = Annotated[
+    Optional[Path],
+    typer.Option("--config_path", "--config-path", help="Training config JSON (a path under configs/ is found without the prefix)."),
+]
+AccelerateConfigOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--accelerate-config",
+        "--accelerate_config",
+        help="Accelerate YAML; default: Accelerate's default config file if present, else one process.",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+
+
+def make_app(help_text: str) -> typer.Typer:
+    return typer.Typer(
+        help=help_text,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        rich_markup_mode="markdown",
+        context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    )
+
+
+def error(message: str) -> None:
+    typer.echo(f"Error: {message}", err=True)
+
+
+def warn(message: str) -> None:
+    typer.echo(f"Warning: {message}", err=True)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Known failures become one line on stderr and an exit code; OPENTAU_DEBUG=1 shows the traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (UserError, RunError) as e:
+            if os.environ.get("OPENTAU_DEBUG"):
+                traceback.print_exc()
+            error(str(e))
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("Interrupted.", err=True)
+            raise typer.Exit(130) from None
+        except BrokenPipeError:  # `opentau ... | head`
+            sys.stderr.close()
+            raise typer.Exit(0) from None
+
+    return wrapper
+
+
+def not_available(what: str) -> None:
+    raise UserError(f"{what} is not available yet in this version of opentau.")

@@ -1,0 +1,40 @@
+"""The `opentau` command line: wires the command groups together."""
+
+from __future__ import annotations
+
+import sys
+
+from opentau_cli import __version__
+from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, profile_cmd, train_cmd
+from opentau_cli.cli.common import make_app
+
+import typer
+
+app = make_app(
+    "Train pi05 robot policies with Accelerate (single process, DDP, DeepSpeed ZeRO-2/3); "
+    "checkpoint, resume, consolidate and profile them safely."
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"opentau {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version.")) -> None:
+    pass
+
+
+train_cmd.register(app)
+profile_cmd.register(app)
+app.add_typer(checkpoint_cmd.app, name="checkpoint")
+app.add_typer(config_cmd.app, name="config")
+app.add_typer(dataset_cmd.app, name="dataset")
+
+
+def train_alias() -> None:
+    """`opentau-train ...` is `opentau train ...` (the upstream entry point)."""
+    sys.argv[1:1] = ["train"]
+    app(prog_name="opentau-train")

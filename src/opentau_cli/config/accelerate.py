@@ -1,0 +1,158 @@
+"""Read an Accelerate config YAML into a typed description of the launch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from opentau_cli.errors import UserError
+
+Backend = Literal["single", "ddp", "deepspeed", "fsdp"]
+
+# Accelerate's distributed_type values and what they mean for us.
+_DISTRIBUTED_TYPES: dict[str, Backend] = {
+    "NO": "single",
+    "MULTI_GPU": "ddp",
+    "MULTI_CPU": "ddp",
+    "MULTI_NPU": "ddp",
+    "MULTI_XPU": "ddp",
+    "MULTI_MLU": "ddp",
+    "MULTI_SDAA": "ddp",
+    "MULTI_MUSA": "ddp",
+    "MULTI_HPU": "ddp",
+    "DEEPSPEED": "deepspeed",
+    "FSDP": "fsdp",
+}
+_ACCELERATE_KEYS = {"distributed_type", "compute_environment", "num_processes", "mixed_precision", "use_cpu", "num_machines"}
+
+
+def default_accelerate_config_path() -> Path:
+    """Accelerate's default config file location (honours HF_HOME / ACCELERATE_CONFIG_DIR like Accelerate does)."""
+    if os.environ.get("ACCELERATE_CONFIG_DIR"):
+        return Path(os.environ["ACCELERATE_CONFIG_DIR"]) / "default_config.yaml"
+    hf_home = Path(os.environ.get("HF_HOME", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"))
+    return hf_home / "accelerate" / "default_config.yaml"
+
+
+@dataclass(frozen=True)
+class AccelerateSetup:
+    """What an Accelerate YAML asks for. `path` is None for the built-in single-process default."""
+
+    backend: Backend = "single"
+    distributed_type: str = "NO"
+    num_processes: int = 1
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = "no"
+    use_cpu: bool = False
+    zero_stage: int | None = None
+    ds_gradient_accumulation_steps: int | None = None
+    ds_gradient_clipping: float | None = None
+    ds_offload_optimizer_device: str | None = None
+    ds_offload_param_device: str | None = None
+    ds_zero3_init_flag: bool | None = None
+    ds_config_file: str | None = None
+    path: Path | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Total processes over all machines (Accelerate's num_processes is already the total)."""
+        return self.num_processes
+
+    @property
+    def label(self) -> str:
+        if self.backend == "deepspeed":
+            return f"DeepSpeed ZeRO-{self.zero_stage}"
+        return {"single": "single process", "ddp": "DDP", "fsdp": "FSDP"}[self.backend]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["path"] = str(self.path) if self.path else None
+        return d
+
+
+def _int(raw: dict, key: str, default: int | None, path: Path) -> int | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
+        raise UserError(f"Accelerate config '{path}': '{key}' must be an integer, got {value!r}.")
+    return int(value)
+
+
+def read_accelerate_config(path: str | Path) -> AccelerateSetup:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"Accelerate config '{path}' not found.")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"Accelerate config '{path}' is not valid YAML{where}.") from None
+    if not isinstance(raw, dict) or not (_ACCELERATE_KEYS & raw.keys()):
+        raise UserError(
+            f"'{path}' is not an Accelerate config: expected keys such as distributed_type and num_processes "
+            "(create one with `accelerate config`, or copy configs/examples/accelerate_*_config.yaml)."
+        )
+    dtype = str(raw.get("distributed_type", "NO")).upper()
+    if dtype not in _DISTRIBUTED_TYPES:
+        raise UserError(
+            f"Accelerate config '{path}': unknown distributed_type '{raw.get('distributed_type')}' "
+            f"(supported: {', '.join(sorted(_DISTRIBUTED_TYPES))})."
+        )
+    backend = _DISTRIBUTED_TYPES[dtype]
+    mixed = str(raw.get("mixed_precision") or "no").lower()
+    if mixed not in ("no", "bf16", "fp16", "fp8"):
+        raise UserError(f"Accelerate config '{path}': unknown mixed_precision '{mixed}' (no, bf16, fp16, fp8).")
+    num_processes = _int(raw, "num_processes", 1, path) or 1
+    fields: dict = dict(
+        backend=backend,
+        distributed_type=dtype,
+        num_processes=num_processes if backend != "single" else 1,
+        num_machines=_int(raw, "num_machines", 1, path) or 1,
+        machine_rank=_int(raw, "machine_rank", 0, path) or 0,
+        main_process_ip=raw.get("main_process_ip"),
+        main_process_port=_int(raw, "main_process_port", None, path),
+        mixed_precision=mixed,
+        use_cpu=bool(raw.get("use_cpu", False)),
+        path=path,
+    )
+    if backend == "deepspeed":
+        ds = raw.get("deepspeed_config") or {}
+        if not isinstance(ds, dict):
+            raise UserError(f"Accelerate config '{path}': deepspeed_config must be a mapping.")
+        stage = _int(ds, "zero_stage", None, path)
+        if ds.get("deepspeed_config_file"):
+            raise UserError(
+                f"Accelerate config '{path}': deepspeed_config_file is not supported; put zero_stage, "
+                "offload and clipping settings in deepspeed_config instead."
+            )
+        if stage not in (0, 1, 2, 3):
+            raise UserError(f"Accelerate config '{path}': deepspeed_config.zero_stage must be 0-3, got {ds.get('zero_stage')!r}.")
+        clip = ds.get("gradient_clipping")
+        fields.update(
+            zero_stage=stage,
+            ds_gradient_accumulation_steps=_int(ds, "gradient_accumulation_steps", None, path),
+            ds_gradient_clipping=float(clip) if clip is not None else None,
+            ds_offload_optimizer_device=ds.get("offload_optimizer_device"),
+            ds_offload_param_device=ds.get("offload_param_device"),
+            ds_zero3_init_flag=ds.get("zero3_init_flag"),
+        )
+    return AccelerateSetup(**fields)
+
+
+def resolve_accelerate_config(path: str | Path | None) -> AccelerateSetup:
+    """The YAML the user named; else Accelerate's default config file if it exists; else one process."""
+    if path is not None:
+        return read_accelerate_config(path)
+    default = default_accelerate_config_path()
+    if default.is_file():
+        return read_accelerate_config(default)
+    return AccelerateSetup()

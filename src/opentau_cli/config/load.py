@@ -1,0 +1,209 @@
+"""Build a TrainConfig from a JSON file, the environment and dotted command-line overrides."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import EnvSettingsSource
+
+from opentau_cli.errors import UserError
+from opentau_cli.config.model import TrainConfig
+
+# OPENTAU_* variables that are not config keys.
+NON_CONFIG_ENV = {"OPENTAU_DEBUG", "OPENTAU_CACHE_DIR", "OPENTAU_LOG_LEVEL"}
+# Where `--config_path=examples/x.json` is also looked up (the contract allows dropping the `configs/` prefix).
+CONFIG_SEARCH_DIRS = ("configs",)
+
+
+def all_keys(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, nested sections included."""
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        keys.append(key)
+        sub = _section_type(field.annotation)
+        if sub is not None:
+            keys.extend(all_keys(sub, key + "."))
+    return keys
+
+
+def suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:  # a misspelt leaf under the right section is the common case: match the last part too
+        leaves = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.6)
+        close = [leaves[leaf[0]]] if leaf else []
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _field_annotation(key: str) -> Any:
+    model: type[BaseModel] = TrainConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            raise UserError(f"Unknown config key '{key}'{suggest(key)}.")
+        if i == len(parts) - 1:
+            return field.annotation
+        sub = _section_type(field.annotation)
+        if sub is None:
+            raise UserError(f"Unknown config key '{key}': '{'.'.join(parts[: i + 1])}' is not a section{suggest(key)}.")
+        model = sub
+    raise AssertionError("unreachable")
+
+
+def _is_text(annotation: Any) -> bool:
+    """True when the field holds text, so '123' must stay a string and not become a number."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_text(a) for a in args if a is not type(None))
+    if origin is Literal:
+        return all(isinstance(a, str) for a in args)
+    return annotation in (str, Path)
+
+
+def coerce_value(key: str, raw: str) -> Any:
+    annotation = _field_annotation(key)
+    optional = type(None) in typing.get_args(annotation)
+    if optional and raw.strip().lower() in ("null", "none"):
+        return None
+    if _is_text(annotation):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw  # let pydantic judge it ("True", "yes", ...)
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--k v`, `--k=v`, and a bare `--flag` (meaning true) into {dotted key: raw string}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise UserError(f"Unexpected argument '{arg}': overrides look like --key=value or --key value.")
+        body = arg[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value = body, args[i + 1]
+            i += 1
+        else:
+            key, value = body, "true"
+        key = key.replace("-", "_")
+        _field_annotation(key)  # unknown keys fail here, with a suggestion
+        out[key] = value
+        i += 1
+    return out
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[leaf] = value
+
+
+def _deep_merge(base: dict, top: Mapping) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def find_config_file(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_file():
+        return p
+    for base in CONFIG_SEARCH_DIRS:
+        if (Path(base) / p).is_file():
+            return Path(base) / p
+    if p.is_dir():
+        raise UserError(f"Config path '{p}' is a directory; pass a JSON file (e.g. {p / 'train_config.json'}).")
+    raise UserError(f"Config file '{p}' not found.")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UserError(f"Cannot read config file '{path}': {e.strerror}.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"Config file '{path}' is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"Config file '{path}' must hold a JSON object, not {type(data).__name__}.")
+    return data
+
+
+def env_values(environ: Mapping[str, str] | None = None) -> dict:
+    """The OPENTAU_* variables as a nested dict (parsed by pydantic-settings); unknown ones are errors."""
+    environ = os.environ if environ is None else environ
+    valid = set(all_keys())
+    for name in environ:
+        if name.upper().startswith("OPENTAU_") and name.upper() not in NON_CONFIG_ENV:
+            key = name[len("OPENTAU_"):].lower().replace("__", ".")
+            if key not in valid:
+                raise UserError(f"Environment variable {name} is not a config key{suggest(key)}.")
+    source = EnvSettingsSource(TrainConfig)
+    source.env_vars = {k.lower(): v for k, v in environ.items()}
+    return source()
+
+
+def format_validation_error(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'{suggest(key)}")
+        else:
+            got = e.get("input")
+            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            lines.append(f"{key}: {e['msg']}{shown}")
+    head = f"Invalid config{origin}: " if len(lines) == 1 else f"Invalid config{origin}:\n  "
+    return head + "\n  ".join(lines)
+
+
+def load_config(
+    config_path: str | Path | None = None,
+    overrides: Mapping[str, str] | list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> TrainConfig:
+    """JSON file < OPENTAU_* environment < overrides. Raises UserError with one readable message."""
+    data: dict = {}
+    origin = ""
+    found: Path | None = None
+    if config_path is not None:
+        found = find_config_file(config_path)
+        data = read_json(found)
+        origin = f" in {found}"
+    data = _deep_merge(data, env_values(environ))
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    for key, raw in (overrides or {}).items():
+        _set_dotted(data, key, coerce_value(key, raw))
+    if found is not None:
+        data["config_path"] = str(found)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, origin)) from None

@@ -1,0 +1,132 @@
+"""The one shared config model used by every command.
+
+Precedence (lowest to highest): field defaults, the JSON file, `OPENTAU_*` environment variables
+(nested with `__`, e.g. `OPENTAU_POLICY__CHUNK_SIZE=10`), dotted command-line overrides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEMO_DATASET = "@demo"
+
+
+class Section(BaseModel):
+    """A nested section: unknown keys are errors, values are re-checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PolicyConfig(Section):
+    type: Literal["pi05", "pi0"] = Field("pi05", description="Policy family.")
+    preset: Literal["pi05", "pi05_small", "pi05_tiny"] = Field(
+        "pi05", description="Architecture size: pi05 (~3.3B), pi05_small (~100M, CPU benchmarks), pi05_tiny (a few M)."
+    )
+    chunk_size: int = Field(50, ge=1, description="Number of future actions predicted per sample.")
+    n_action_steps: int = Field(50, ge=1, description="Actions returned by sample_actions; <= chunk_size.")
+    max_state_dim: int = Field(32, ge=1, description="State is zero-padded to this width.")
+    max_action_dim: int = Field(32, ge=1, description="Actions are zero-padded to this width.")
+    image_resolution: tuple[int, int] = Field((224, 224), description="(height, width) every camera is resized to.")
+    tokenizer_max_length: int = Field(200, ge=8, description="Prompt tokens (task text + discretized state).")
+    tokenizer_path: Path | None = Field(None, description="Local Hugging Face tokenizer dir; byte-level when unset.")
+    pretrained_path: Path | None = Field(None, description="Local model.safetensors (or dir) to start from.")
+    pretrained_strict: bool = Field(True, description="Fail on missing/unexpected keys in pretrained_path.")
+    freeze_vision_encoder: bool = Field(True, description="Do not train the SigLIP vision tower.")
+    train_expert_only: bool = Field(False, description="Train only the action expert (and its projections).")
+    gradient_checkpointing: bool = Field(False, description="Activation checkpointing on transformer layers.")
+    use_torch_compile: bool = Field(False, description="torch.compile the policy (eager under ZeRO-3).")
+    knowledge_insulation: bool = Field(False, description="Detach prefix keys/values seen by the action expert.")
+    discrete_action_loss: bool = Field(False, description="Add cross-entropy on uniformly binned action tokens.")
+    discrete_action_bins: int = Field(256, ge=2, description="Bins for the discrete action tokens.")
+    loss_weighting: dict[str, float] = Field(
+        default_factory=lambda: {"mse": 1.0, "ce": 1.0}, description="Weight of each loss term in the total."
+    )
+    num_inference_steps: int = Field(10, ge=1, description="Euler steps in sample_actions.")
+
+
+class DatasetConfig(Section):
+    root: str = Field(DEMO_DATASET, description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}' for the bundled synthetic demo.")
+    camera_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="Dataset feature -> camera slot, e.g. {'observation.images.top': 'camera0'}; empty = every image/video feature in order.",
+    )
+    num_cameras: int = Field(1, ge=1, description="Camera slots the policy sees; missing cameras are padded and flagged.")
+    state_key: str = Field("observation.state", description="Dataset feature used as robot state.")
+    action_key: str = Field("action", description="Dataset feature used as action.")
+    episodes: list[int] | None = Field(None, description="Restrict to these episode indices (None = all).")
+    num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
+    video_backend: Literal["pyav"] = Field("pyav", description="Video decoder (install the 'video' extra).")
+
+
+class OptimizerConfig(Section):
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(2.5e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip_norm: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+
+
+class SchedulerConfig(Section):
+    type: Literal["cosine_with_warmup", "constant"] = "cosine_with_warmup"
+    warmup_steps: int = Field(1000, ge=0)
+    decay_steps: int | None = Field(None, ge=1, description="Cosine decay length; None = the run's steps.")
+    decay_lr: float = Field(2.5e-6, ge=0, description="Final learning rate of the cosine.")
+
+
+class CheckpointConfig(Section):
+    keep_last: int | None = Field(None, ge=1, description="Keep only the newest N complete checkpoints (None = all).")
+    save_on_preemption: bool = Field(True, description="On SIGTERM/SIGUSR1 finish the step, save, exit 0.")
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard events under <output_dir>/tensorboard/.")
+    progress_bar: Literal["auto", "rich", "plain"] = Field("auto", description="'auto': rich on a TTY, plain lines otherwise.")
+
+
+class ValidationConfig(Section):
+    val_split: float = Field(0.0, ge=0, lt=1, description="Fraction of episodes held out for validation (whole episodes).")
+    val_freq: int = Field(0, ge=0, description="Validate every N steps (0 = never).")
+    max_batches: int | None = Field(None, ge=1, description="Cap on validation batches per rank.")
+
+
+class TrainConfig(BaseSettings):
+    """Everything a training run needs. `train_config.json` in each checkpoint is this, resolved."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OPENTAU_", env_nested_delimiter="__", extra="forbid", validate_assignment=True, nested_model_default_partial_update=True
+    )
+
+    output_dir: Path = Field(Path("outputs/train/pi05"), description="Run directory: checkpoints/, logs/, metrics.jsonl.")
+    overwrite: bool = Field(False, description="Allow an existing output_dir when not resuming (its contents are replaced).")
+    resume: bool = Field(False, description="Resume from the checkpoint this config was loaded from (or output_dir's newest).")
+    config_path: Path | None = Field(None, description="Where this config was loaded from (set automatically).")
+    seed: int = Field(1000, ge=0)
+    steps: int = Field(30000, ge=1, description="Total optimizer steps of the run.")
+    batch_size: int = Field(8, ge=1, description="Samples per process per optimizer step (= per_device_batch_size * gradient_accumulation_steps).")
+    per_device_batch_size: int | None = Field(None, ge=1, description="Micro-batch per forward; None = batch_size / gradient_accumulation_steps.")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    log_freq: int = Field(100, ge=1, description="Log metrics every N steps.")
+    save_freq: int = Field(1000, ge=1, description="Save a checkpoint every N steps (and at the last step).")
+
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+
+    @model_validator(mode="after")
+    def _fill_micro_batch(self) -> "TrainConfig":
+        # Derived, so a config that only says batch_size + accumulation is complete; the consistency rule lives in rules.py.
+        if self.per_device_batch_size is None and self.batch_size % self.gradient_accumulation_steps == 0:
+            object.__setattr__(self, "per_device_batch_size", self.batch_size // self.gradient_accumulation_steps)
+        return self
+
+    def to_json_dict(self) -> dict:
+        return self.model_dump(mode="json")

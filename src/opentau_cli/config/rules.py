@@ -1,0 +1,117 @@
+"""Every rule that `train` checks before spawning a process; `config validate` runs exactly this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opentau_cli.config.accelerate import AccelerateSetup
+from opentau_cli.config.model import DEMO_DATASET, TrainConfig
+from opentau_cli.errors import UserError
+
+
+@dataclass
+class Validated:
+    """A config that passed every rule, possibly adjusted (e.g. compile downgraded), and what was said about it."""
+
+    config: TrainConfig
+    accelerate: AccelerateSetup
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.batch_size * self.accelerate.world_size
+
+
+def cuda_is_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def output_dir_in_use(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool | None = None) -> Validated:
+    """Check cfg against itself and the launch; returns a possibly adjusted copy. All problems are reported at once."""
+    cfg = cfg.model_copy(deep=True)
+    cuda = cuda_is_available() if cuda_available is None else cuda_available
+    errors: list[str] = []
+    warnings: list[str] = []
+    zero3 = accel.backend == "deepspeed" and accel.zero_stage == 3
+
+    # Batch arithmetic.
+    micro, accum = cfg.per_device_batch_size, cfg.gradient_accumulation_steps
+    if micro is None or micro * accum != cfg.batch_size:
+        errors.append(
+            f"batch_size ({cfg.batch_size}) must equal per_device_batch_size ({micro if micro is not None else 'unset'}) "
+            f"x gradient_accumulation_steps ({accum})."
+        )
+
+    # Policy.
+    if cfg.policy.n_action_steps > cfg.policy.chunk_size:
+        errors.append(f"policy.n_action_steps ({cfg.policy.n_action_steps}) must be <= policy.chunk_size ({cfg.policy.chunk_size}).")
+    if zero3 and cfg.policy.gradient_checkpointing:
+        errors.append(
+            "policy.gradient_checkpointing=true is not supported under DeepSpeed ZeRO-3; "
+            "use DDP, FSDP or ZeRO-1/2, or set --policy.gradient_checkpointing=false."
+        )
+    if zero3 and cfg.policy.use_torch_compile:
+        warnings.append("policy.use_torch_compile=true is not supported under DeepSpeed ZeRO-3: running eager instead.")
+        cfg.policy.use_torch_compile = False
+    for name in ("pretrained_path", "tokenizer_path"):
+        p = getattr(cfg.policy, name)
+        if p is not None and not Path(p).exists():
+            errors.append(f"policy.{name} '{p}' does not exist.")
+    for term in cfg.policy.loss_weighting:
+        if term not in ("mse", "ce"):
+            errors.append(f"policy.loss_weighting has unknown term '{term}' (known: mse, ce).")
+
+    # Data and validation.
+    if cfg.dataset.root != DEMO_DATASET and not Path(cfg.dataset.root).is_dir():
+        errors.append(f"dataset.root '{cfg.dataset.root}' is not a directory (use '{DEMO_DATASET}' for the bundled demo data).")
+    if cfg.validation.val_freq > 0 and cfg.validation.val_split == 0:
+        errors.append("validation.val_freq > 0 needs held-out episodes: set validation.val_split (e.g. 0.1).")
+
+    # Schedule.
+    if cfg.scheduler.type == "cosine_with_warmup" and cfg.scheduler.warmup_steps >= cfg.steps:
+        warnings.append(f"scheduler.warmup_steps ({cfg.scheduler.warmup_steps}) >= steps ({cfg.steps}): the run never leaves warm-up.")
+
+    # Launch.
+    if accel.backend == "fsdp" and not cuda:
+        errors.append(
+            "FSDP needs CUDA GPUs and none are visible; Accelerate would silently run a single process. "
+            "Use an accelerate config with DDP or DeepSpeed on this machine."
+        )
+    if accel.mixed_precision == "fp16" and not cuda:
+        errors.append("mixed_precision 'fp16' needs CUDA; use 'bf16' or 'no' on CPU.")
+    if accel.mixed_precision == "fp8":
+        errors.append("mixed_precision 'fp8' is not supported by opentau; use 'bf16'.")
+    if accel.num_machines > 1 and not accel.main_process_ip:
+        errors.append("num_machines > 1 needs main_process_ip in the accelerate config.")
+    if accel.backend == "deepspeed":
+        if accel.ds_gradient_accumulation_steps is not None and accel.ds_gradient_accumulation_steps != accum:
+            warnings.append(
+                f"DeepSpeed gradient_accumulation_steps={accel.ds_gradient_accumulation_steps} in {accel.path} "
+                f"differs from the config's gradient_accumulation_steps={accum}: using {accum}."
+            )
+        clip = cfg.optimizer.grad_clip_norm
+        if accel.ds_gradient_clipping is not None and accel.ds_gradient_clipping != clip:
+            warnings.append(
+                f"DeepSpeed gradient_clipping={accel.ds_gradient_clipping} in {accel.path} "
+                f"differs from the config's optimizer.grad_clip_norm={clip}: using {clip}."
+            )
+
+    # Output directory: never clobber a run by accident.
+    if not cfg.resume and not cfg.overwrite and output_dir_in_use(cfg.output_dir):
+        errors.append(
+            f"output_dir '{cfg.output_dir}' already exists; resume it with `opentau resume {cfg.output_dir}`, "
+            "pick another --output_dir, or pass --overwrite=true."
+        )
+
+    if errors:
+        if len(errors) == 1:
+            raise UserError(errors[0])
+        raise UserError("The config has problems:\n  " + "\n  ".join(errors))
+    return Validated(config=cfg, accelerate=accel, warnings=warnings)
