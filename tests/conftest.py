@@ -1,0 +1,41 @@
+"""Shared test fixtures. End-to-end tests run the installed `opentau` script from the same environment as pytest."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "configs" / "examples"
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def opentau_bin(name: str = "opentau") -> str:
+    """The console script installed next to the running interpreter (the venv's bin/)."""
+    candidate = Path(sys.executable).parent / name
+    found = str(candidate) if candidate.exists() else shutil.which(name)
+    assert found, f"{name} is not installed; run `pip install -e .[dev]`"
+    return found
+
+
+def run_cli(args: list[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 600, script: str = "opentau"):
+    """Run the installed CLI as a real subprocess; returns CompletedProcess with text stdout/stderr."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("OPENTAU_DEBUG", None)
+    return subprocess.run([opentau_bin(script), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def isolated_env(tmp_path, monkeypatch):
+    """No user Accelerate default config and no OPENTAU_* variables leak into a test."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("ACCELERATE_CONFIG_DIR", raising=False)
+    for name in list(os.environ):
+        if name.startswith("OPENTAU_") and name != "OPENTAU_CACHE_DIR":
+            monkeypatch.delenv(name)
+    return tmp_path
