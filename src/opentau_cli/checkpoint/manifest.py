@@ -1,0 +1,159 @@
+"""The manifest of a checkpoint: size and xxhash of every file, written last, checked before anything is loaded.
+
+`manifest.json` = {"version": 1, "hash": "xxh3_128", "files": {"<relative/posix/path>": {"size": N, "hash": "<hex>"}}}.
+The manifest itself is not listed. A directory is a complete checkpoint only if its manifest vouches for exactly the
+files present, so a half-written save never passes as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+MANIFEST_NAME = "manifest.json"
+HASH_NAME = "xxh3_128"
+_CHUNK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint directory: kind is missing | extra | truncated | altered."""
+
+    kind: str
+    path: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.path}" + (f" ({self.detail})" if self.detail else "")
+
+
+def hash_file(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_manifest_name(name: str) -> bool:
+    # Temp files of an interrupted manifest write are ours too, not checkpoint content.
+    return name == MANIFEST_NAME or (name.startswith(f".{MANIFEST_NAME}.") and name.endswith(".tmp"))
+
+
+def list_files(ckpt_dir: Path) -> list[str]:
+    """Relative posix paths of every regular file under ckpt_dir (symlinks to files count), manifest excluded."""
+    ckpt_dir = Path(ckpt_dir)
+    out = []
+    for root, dirs, files in os.walk(ckpt_dir):
+        dirs.sort()
+        for name in sorted(files):
+            rel = Path(root, name).relative_to(ckpt_dir).as_posix()
+            if root == str(ckpt_dir) and _is_manifest_name(name):
+                continue
+            out.append(rel)
+    return out
+
+
+def write_json_atomic(path: Path, data: dict) -> Path:
+    """Write JSON via a temp file in the same directory, fsync, then rename (readers never see half a file)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_manifest(ckpt_dir: Path) -> Path:
+    """Hash every file of ckpt_dir and write ckpt_dir/manifest.json atomically; call it after everything else is written."""
+    ckpt_dir = Path(ckpt_dir)
+    files = {}
+    for rel in list_files(ckpt_dir):
+        p = ckpt_dir / rel
+        files[rel] = {"size": p.stat().st_size, "hash": hash_file(p)}
+    return write_json_atomic(ckpt_dir / MANIFEST_NAME, {"version": 1, "hash": HASH_NAME, "files": files})
+
+
+def read_manifest(ckpt_dir: Path) -> dict | None:
+    """The parsed manifest, or None when it is absent or unreadable."""
+    try:
+        data = json.loads((Path(ckpt_dir) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or data.get("hash") != HASH_NAME:
+        return None
+    return data
+
+
+def verify_manifest(ckpt_dir: Path, *, rehash: bool = True) -> list[Problem]:
+    """Everything wrong with ckpt_dir against its manifest (empty list = sound).
+
+    rehash=False checks presence and sizes only (cheap: for listing and picking a checkpoint); True also re-hashes.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return [Problem("missing", str(ckpt_dir), "not a directory")]
+    manifest_path = ckpt_dir / MANIFEST_NAME
+    manifest = read_manifest(ckpt_dir)
+    if manifest is None:
+        why = "unreadable or not an opentau manifest" if manifest_path.exists() else "no manifest: the save never finished"
+        return [Problem("missing" if not manifest_path.exists() else "altered", MANIFEST_NAME, why)]
+    expected: dict = manifest["files"]
+    present = set(list_files(ckpt_dir))
+    problems = []
+    for rel in sorted(expected):
+        entry = expected[rel]
+        p = ckpt_dir / rel
+        if rel not in present:
+            problems.append(Problem("missing", rel))
+            continue
+        size = p.stat().st_size
+        if size < entry["size"]:
+            problems.append(Problem("truncated", rel, f"{size} of {entry['size']} bytes"))
+        elif size != entry["size"]:
+            problems.append(Problem("altered", rel, f"{size} bytes, expected {entry['size']}"))
+        elif rehash and hash_file(p) != entry["hash"]:
+            problems.append(Problem("altered", rel, "content hash differs"))
+    for rel in sorted(present - set(expected)):
+        problems.append(Problem("extra", rel, "not in the manifest"))
+    return problems
+
+
+def is_complete(ckpt_dir: Path) -> bool:
+    """True if ckpt_dir has a manifest and exactly the files it lists, at their sizes (no re-hash: cheap)."""
+    return not verify_manifest(ckpt_dir, rehash=False)
+
+
+def add_to_manifest(ckpt_dir: Path, rel_paths: list[str]) -> Path:
+    """Vouch for files added after the save (e.g. a consolidated model.safetensors) without re-hashing the rest."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
+    if manifest is None:
+        raise FileNotFoundError(f"{ckpt_dir / MANIFEST_NAME} is missing or unreadable")
+    for rel in rel_paths:
+        p = ckpt_dir / rel
+        manifest["files"][Path(rel).as_posix()] = {"size": p.stat().st_size, "hash": hash_file(p)}
+    return write_json_atomic(ckpt_dir / MANIFEST_NAME, manifest)
+
+
+def remove_from_manifest(ckpt_dir: Path, rel_paths: list[str]) -> None:
+    """Forget files deliberately removed (e.g. an old consolidated output replaced with --force)."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
+    if manifest is None:
+        return
+    for rel in rel_paths:
+        manifest["files"].pop(Path(rel).as_posix(), None)
+    write_json_atomic(ckpt_dir / MANIFEST_NAME, manifest)
