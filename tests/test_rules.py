@@ -1,0 +1,164 @@
+"""Accelerate YAML parsing and the validation rules shared by `config validate` and `train`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opentau_cli.config import AccelerateSetup, load_config, read_accelerate_config, resolve_accelerate_config, validate
+from opentau_cli.errors import UserError
+from conftest import EXAMPLES
+
+ZERO3 = EXAMPLES / "accelerate_deepspeed_zero3_config.yaml"
+ZERO2 = EXAMPLES / "accelerate_deepspeed_config.yaml"
+
+
+def cfg(*overrides: str, tmp: Path | None = None):
+    base = [f"--output_dir={tmp / 'run'}"] if tmp else []
+    return load_config(None, [*base, *overrides], environ={})
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, backend, stage, procs, mixed",
+    [
+        ("accelerate_ddp_config.yaml", "ddp", None, 8, "bf16"),
+        ("accelerate_deepspeed_config.yaml", "deepspeed", 2, 8, "bf16"),
+        ("accelerate_deepspeed_zero3_config.yaml", "deepspeed", 3, 8, "bf16"),
+        ("accelerate_cpu_ddp_config.yaml", "ddp", None, 2, "no"),
+        ("accelerate_cpu_deepspeed_config.yaml", "deepspeed", 2, 2, "no"),
+        ("accelerate_cpu_deepspeed_zero3_config.yaml", "deepspeed", 3, 2, "no"),
+    ],
+)
+def test_example_accelerate_configs_parse_to_their_backend(name, backend, stage, procs, mixed):
+    setup = read_accelerate_config(EXAMPLES / name)
+    assert (setup.backend, setup.zero_stage, setup.world_size, setup.mixed_precision) == (backend, stage, procs, mixed)
+
+
+def test_deepspeed_accumulation_and_clipping_are_read(tmp_path):
+    path = write_yaml(
+        tmp_path / "ds.yaml",
+        "distributed_type: DEEPSPEED\nnum_processes: 4\nnum_machines: 2\nmain_process_ip: 10.0.0.1\n"
+        "deepspeed_config:\n  zero_stage: 1\n  gradient_accumulation_steps: 4\n  gradient_clipping: 0.5\n",
+    )
+    setup = read_accelerate_config(path)
+    assert (setup.zero_stage, setup.ds_gradient_accumulation_steps, setup.ds_gradient_clipping) == (1, 4, 0.5)
+    assert (setup.num_machines, setup.main_process_ip) == (2, "10.0.0.1")
+
+
+def test_without_a_yaml_the_default_accelerate_config_is_used_when_present(isolated_env, monkeypatch):
+    assert resolve_accelerate_config(None) == AccelerateSetup()  # none present: one process
+    default = isolated_env / "hf_home" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text((EXAMPLES / "accelerate_cpu_ddp_config.yaml").read_text())
+    setup = resolve_accelerate_config(None)
+    assert (setup.backend, setup.world_size, setup.path) == ("ddp", 2, default)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("just: a yaml\n", "is not an Accelerate config"),
+        ("distributed_type: MULTI_TPU_PLUS\nnum_processes: 2\n", "unknown distributed_type 'MULTI_TPU_PLUS'"),
+        ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 7\n", "zero_stage must be 0-3"),
+        ("distributed_type: MULTI_GPU\nnum_processes: two\n", "'num_processes' must be an integer"),
+        ("distributed_type: [unclosed\n", "not valid YAML at line"),
+    ],
+)
+def test_bad_accelerate_yaml_is_one_clear_user_error(tmp_path, text, message):
+    with pytest.raises(UserError, match=message):
+        read_accelerate_config(write_yaml(tmp_path / "a.yaml", text))
+
+
+def test_zero3_rejects_gradient_checkpointing_and_names_alternatives(tmp_path):
+    with pytest.raises(UserError, match=r"ZeRO-3.*use DDP, FSDP or ZeRO-1/2"):
+        validate(cfg("--policy.gradient_checkpointing=true", tmp=tmp_path), read_accelerate_config(ZERO3), cuda_available=True)
+
+
+def test_zero2_allows_gradient_checkpointing(tmp_path):
+    checked = validate(cfg("--policy.gradient_checkpointing=true", tmp=tmp_path), read_accelerate_config(ZERO2), cuda_available=True)
+    assert checked.config.policy.gradient_checkpointing
+
+
+def test_zero3_downgrades_torch_compile_to_eager_with_a_warning(tmp_path):
+    checked = validate(cfg("--policy.use_torch_compile=true", tmp=tmp_path), read_accelerate_config(ZERO3), cuda_available=True)
+    assert checked.config.policy.use_torch_compile is False
+    assert any("eager" in w for w in checked.warnings)
+
+
+def test_fsdp_without_cuda_is_refused_instead_of_silently_running_one_process(tmp_path):
+    fsdp = read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n"))
+    with pytest.raises(UserError, match="FSDP needs CUDA"):
+        validate(cfg(tmp=tmp_path), fsdp, cuda_available=False)
+    assert validate(cfg(tmp=tmp_path), fsdp, cuda_available=True).accelerate.backend == "fsdp"
+
+
+def test_batch_size_must_equal_micro_batch_times_accumulation(tmp_path):
+    with pytest.raises(UserError, match=r"batch_size \(8\) must equal per_device_batch_size \(3\) x gradient_accumulation_steps \(2\)"):
+        validate(cfg("--per_device_batch_size=3", "--gradient_accumulation_steps=2", tmp=tmp_path), AccelerateSetup())
+    with pytest.raises(UserError, match="per_device_batch_size \\(unset\\)"):
+        validate(cfg("--gradient_accumulation_steps=3", tmp=tmp_path), AccelerateSetup())
+    checked = validate(cfg("--gradient_accumulation_steps=4", tmp=tmp_path), AccelerateSetup())
+    assert checked.config.per_device_batch_size == 2
+
+
+def test_deepspeed_yaml_disagreeing_with_config_warns_and_config_wins(tmp_path):
+    ds = read_accelerate_config(
+        write_yaml(
+            tmp_path / "ds.yaml",
+            "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 2\n"
+            "  gradient_accumulation_steps: 8\n  gradient_clipping: 5.0\n",
+        )
+    )
+    checked = validate(cfg("--gradient_accumulation_steps=2", tmp=tmp_path), ds, cuda_available=False)
+    assert checked.config.gradient_accumulation_steps == 2
+    assert checked.config.optimizer.grad_clip_norm == 1.0
+    assert any("gradient_accumulation_steps=8" in w and "using 2" in w for w in checked.warnings)
+    assert any("gradient_clipping=5.0" in w and "using 1.0" in w for w in checked.warnings)
+
+
+def test_existing_output_dir_is_refused_unless_resuming_or_overwriting(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match="already exists.*opentau resume"):
+        validate(cfg(tmp=tmp_path), AccelerateSetup())
+    validate(cfg("--overwrite=true", tmp=tmp_path), AccelerateSetup())
+    validate(cfg("--resume=true", tmp=tmp_path), AccelerateSetup())
+
+
+def test_n_action_steps_cannot_exceed_chunk_size(tmp_path):
+    with pytest.raises(UserError, match=r"n_action_steps \(20\) must be <= policy.chunk_size \(10\)"):
+        validate(cfg("--policy.chunk_size=10", "--policy.n_action_steps=20", tmp=tmp_path), AccelerateSetup())
+
+
+@pytest.mark.parametrize("key", ["steps", "log_freq", "save_freq"])
+def test_steps_and_frequencies_must_be_positive(key):
+    with pytest.raises(UserError, match=f"{key}: Input should be greater than or equal to 1"):
+        cfg(f"--{key}=0")
+
+
+def test_all_problems_are_reported_together(tmp_path):
+    with pytest.raises(UserError) as err:
+        validate(
+            cfg("--policy.n_action_steps=99", "--per_device_batch_size=3", tmp=tmp_path),
+            read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n")),
+            cuda_available=False,
+        )
+    text = str(err.value)
+    assert "n_action_steps" in text and "batch_size" in text and "FSDP" in text
+
+
+def test_fp16_on_cpu_is_refused(tmp_path):
+    setup = read_accelerate_config(write_yaml(tmp_path / "a.yaml", "distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: fp16\n"))
+    with pytest.raises(UserError, match="fp16.*needs CUDA"):
+        validate(cfg(tmp=tmp_path), setup, cuda_available=False)
+
+
+def test_validation_frequency_without_held_out_episodes_is_refused(tmp_path):
+    with pytest.raises(UserError, match="val_split"):
+        validate(cfg("--validation.val_freq=10", tmp=tmp_path), AccelerateSetup())
