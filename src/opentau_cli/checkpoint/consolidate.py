@@ -1,0 +1,499 @@
+"""Streaming consolidation of DeepSpeed ZeRO-1/2/3 checkpoints (any number of ranks) into safetensors.
+
+Reproduces DeepSpeed's `zero_to_fp32.py` tensor for tensor (same names, shapes, dtypes and values) without its
+memory cost: shards are read lazily and safely (`shard_reader`, nothing unpickled beyond an allow-list), each output
+tensor is assembled from its ranks' slices only when it is written, and the output is written atomically.
+
+Layout of the result (as zero_to_fp32 builds it): buffers (floats as fp32), frozen parameters (kept in the
+model-states files), trainable parameters (from the fp32 master partitions in the optimizer files), then tied /
+shared parameters duplicated under each name, floating tensors cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from opentau_cli.checkpoint import manifest as mf
+from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
+from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFile, ShardFormatError, UnsafeCheckpointError
+from opentau_cli.errors import RunError, UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
+
+
+@dataclass
+class ZeroCheckpoint:
+    """What consolidation learned from a DeepSpeed tag directory (the one holding the *_states.pt files)."""
+
+    tag_dir: Path
+    zero_stage: int
+    world_size: int
+    step: int | None
+    entries: list[TensorEntry] = field(default_factory=list)  # source dtype (before output casting)
+    ds_version: str | None = None
+
+
+@dataclass
+class ConsolidateResult:
+    files: list[Path]
+    num_tensors: int
+    total_bytes: int
+    already: bool = False
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10**9 bytes (the Hugging Face convention: GB = 10**9, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+    if not m:
+        raise UserError(f"--max-shard-size '{text}' is not a size like 5GB, 500MB or 2GiB.")
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    if m.group(2) not in units:
+        raise UserError(f"--max-shard-size '{text}' is not a size like 5GB, 500MB or 2GiB.")
+    size = int(float(m.group(1)) * units[m.group(2)])
+    if size <= 0:
+        raise UserError("--max-shard-size must be positive.")
+    return size
+
+
+def find_tag_dir(ckpt_dir: Path) -> Path:
+    """The directory holding DeepSpeed's *_model_states.pt: via `latest`, a single tag subdir, or ckpt_dir itself."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise UserError(f"{ckpt_dir} is not a directory.")
+
+    def has_states(d: Path) -> bool:
+        return any(d.glob("*_model_states.pt"))
+
+    for root in (ckpt_dir, ckpt_dir / "pytorch_model"):
+        latest = root / "latest"
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if tag and "/" not in tag and has_states(root / tag):
+                return root / tag
+            raise UserError(f"{latest} names DeepSpeed tag '{tag}', but {root / tag} holds no *_model_states.pt file.")
+    if has_states(ckpt_dir):
+        return ckpt_dir
+    candidates = sorted({p.parent for p in ckpt_dir.glob("*/*_model_states.pt")} | {p.parent for p in ckpt_dir.glob("*/*/*_model_states.pt")})
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        raise UserError(f"{ckpt_dir} holds several DeepSpeed tags ({', '.join(c.name for c in candidates)}) and no "
+                        "'latest' file; pass the tag directory itself.")
+    if (ckpt_dir / "model.safetensors").exists():
+        raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint: its weights are already in model.safetensors.")
+    raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint (no *_model_states.pt under it).")
+
+
+def _ranked_files(tag_dir: Path, kind: str) -> dict[int, Path]:
+    files = {}
+    for p in tag_dir.glob(f"*_{kind}_states.pt"):
+        m = _RANK_RE.search(p.name)
+        if m and int(m.group(2)) != 0:
+            raise UserError(f"{p}: tensor/pipeline-parallel (mp_rank > 0) checkpoints are not supported.")
+        files[int(m.group(1)) if m else 0] = p
+    return files
+
+
+def _zero_stage(value) -> int:
+    if isinstance(value, Opaque):  # ZeroStageEnum(n), never constructed: its argument is the stage
+        value = value.args[0] if value.args else None
+    if not isinstance(value, int):
+        raise ShardFormatError(f"unreadable zero_stage {value!r}")
+    return int(value)
+
+
+def _scalar(t) -> float | None:
+    return float(t.read().reshape(-1)[0]) if isinstance(t, LazyTensor) and t.numel() == 1 else None
+
+
+def _optimizer_step(optim_sd: dict) -> float | None:
+    """The optimizer's step count in an optim-states file (same on every rank of one save)."""
+    base = optim_sd.get("optimizer_state_dict")
+    state = base.get("state") if isinstance(base, dict) else None
+    if isinstance(state, dict):
+        for s in state.values():
+            if isinstance(s, dict) and "step" in s:
+                return _scalar(s["step"]) if isinstance(s["step"], LazyTensor) else float(s["step"])
+    return None
+
+
+def _load(path: Path):
+    try:
+        return ShardFile(path).load()
+    except UnsafeCheckpointError as e:
+        raise UserError(f"Refusing {path}: {e}") from None
+    except ShardFormatError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"Cannot read {path}: {e.strerror or e}") from None
+
+
+def read_zero_checkpoint(ckpt_dir: Path) -> ZeroCheckpoint:
+    """Open a DeepSpeed ZeRO checkpoint, check that its shards belong together, and plan every output tensor."""
+    tag_dir = find_tag_dir(ckpt_dir)
+    model_files = _ranked_files(tag_dir, "model")
+    optim_files = _ranked_files(tag_dir, "optim")
+    if not optim_files:
+        raise UserError(f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or the save did not finish).")
+    optim = {r: _load(p) for r, p in sorted(optim_files.items())}
+    first = optim[min(optim)]["optimizer_state_dict"]
+    if "zero_stage" not in first:
+        raise UserError(f"{optim_files[min(optim)]} is not a ZeRO optimizer-states file.")
+    stage = _zero_stage(first["zero_stage"])
+    world = first["partition_count"]
+    world = max(world) if isinstance(world, list) else int(world)
+
+    missing = sorted(set(range(world)) - set(optim_files))
+    if missing:
+        raise UserError(f"{tag_dir}: the optimizer shard of rank(s) {', '.join(map(str, missing))} is missing "
+                        f"(the checkpoint was written by {world} ranks).")
+    extra = sorted(set(optim_files) - set(range(world)))
+    if extra:
+        raise UserError(f"{optim_files[extra[0]]} is from another run: this checkpoint was written by {world} ranks.")
+    steps = {}
+    for r, sd in optim.items():
+        osd = sd["optimizer_state_dict"]
+        pc = osd.get("partition_count")
+        pc = max(pc) if isinstance(pc, list) else pc
+        if pc != world or _zero_stage(osd.get("zero_stage")) != stage:
+            raise UserError(f"{optim_files[r]} is from another run (ZeRO-{_zero_stage(osd.get('zero_stage'))}, "
+                            f"{pc} ranks; the others: ZeRO-{stage}, {world} ranks).")
+        steps[r] = _optimizer_step(osd)
+
+    if stage <= 2:
+        if 0 not in model_files:
+            raise UserError(f"{tag_dir}: the model-states file (mp_rank_00_model_states.pt) is missing.")
+        models = {0: _load(model_files[0])}
+    else:
+        missing = sorted(set(range(world)) - set(model_files))
+        if missing:
+            raise UserError(f"{tag_dir}: the model-states shard of rank(s) {', '.join(map(str, missing))} is missing "
+                            f"(the checkpoint was written by {world} ranks).")
+        models = {r: _load(model_files[r]) for r in range(world)}
+    for r, sd in models.items():
+        if not isinstance(sd, dict) or "buffer_names" not in sd or "module" not in sd:
+            raise UserError(f"{model_files[r]} is not a DeepSpeed model-states file.")
+        dp = sd.get("dp_world_size")
+        if dp is not None and int(dp) != world:
+            raise UserError(f"{model_files[r]} is from another run: written by {dp} ranks, the optimizer shards by {world}.")
+    global_steps = {r: sd.get("global_steps") for r, sd in models.items()}
+    if len(set(global_steps.values())) > 1:
+        r = next(r for r, s in global_steps.items() if s != global_steps[0])
+        raise UserError(f"{model_files[r]} is from another save: step {global_steps[r]}, rank 0 has step {global_steps[0]}.")
+    if len({s for s in steps.values()}) > 1:
+        r = next(r for r, s in steps.items() if s != steps[0])
+        raise UserError(f"{optim_files[r]} is from another save: its optimizer is at step {steps[r]:g}, "
+                        f"rank 0's at {steps[0]:g}.")
+
+    ckpt = ZeroCheckpoint(tag_dir, stage, world, global_steps.get(0), ds_version=models[0].get("ds_version"))
+    ckpt.entries = _plan(stage, world, models, optim, optim_files)
+    return ckpt
+
+
+def _plan(stage, world, models, optim, optim_files) -> list[TensorEntry]:
+    m0 = models[0]
+    entries: dict[str, TensorEntry] = {}
+
+    # Buffers: full copies in rank 0's module state; floats promoted to fp32 like zero_to_fp32.
+    for name in m0["buffer_names"]:
+        t = m0["module"].get(name)
+        if isinstance(t, LazyTensor):
+            entries[name] = TensorEntry(name, tuple(t.shape), t.dtype, _reader_whole(t))
+
+    # Frozen parameters live in the model-states files: whole tensors (ZeRO-1/2) or per-rank fragments (ZeRO-3).
+    frozen_shapes = m0.get("frozen_param_shapes") or {}
+    for name, shape in frozen_shapes.items():
+        shape = tuple(shape)
+        if stage <= 2:
+            frag = m0["frozen_param_fragments"][name]
+            entries[name] = TensorEntry(name, tuple(frag.shape), frag.dtype, _reader_whole(frag))
+        else:
+            frags = [models[r]["frozen_param_fragments"][name] for r in range(world)]
+            entries[name] = TensorEntry(name, shape, frags[0].dtype, _reader_zero3(frags, [0] * world, frags[0].numel(), shape))
+
+    key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+    groups = [optim[r]["optimizer_state_dict"][key] for r in range(world)]
+    if any(len(g) != len(groups[0]) for g in groups):
+        raise UserError(f"{optim_files[world - 1]} is from another run: its number of parameter groups differs from rank 0's.")
+    param_shapes = m0["param_shapes"]
+    if stage <= 2:
+        paddings = optim[0]["optimizer_state_dict"].get("param_alignment_paddings")
+        for g, shapes in enumerate(param_shapes):
+            parts = [groups[r][g] for r in range(world)]
+            _plan_zero2_group(entries, shapes, parts, paddings[g] if paddings is not None else None, world, optim_files)
+    else:
+        _plan_zero3(entries, param_shapes, groups, world, optim_files)
+
+    # Tied / shared parameters: DeepSpeed stores one copy; the state dict names both (zero_to_fp32 does the same).
+    for alias, source in (m0.get("shared_params") or {}).items():
+        if source in entries:
+            src = entries[source]
+            entries[alias] = TensorEntry(alias, src.shape, src.dtype, src.produce)
+    return list(entries.values())
+
+
+def _reader_whole(t: LazyTensor):
+    return lambda: t.read()
+
+
+def _plan_zero2_group(entries, shapes, parts, paddings, world, optim_files):
+    """ZeRO-1/2: the group's full fp32 vector is the ranks' partitions concatenated; params lie in it in order."""
+    sizes = [p.numel() for p in parts]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    avail = sum(sizes)
+    offset = 0
+    if paddings is not None and len(paddings) != len(shapes):
+        raise UserError("the optimizer shards' alignment paddings do not match the model's parameters.")
+    for i, (name, shape) in enumerate(shapes.items()):
+        shape = tuple(shape)
+        n = math.prod(shape)
+        entries[name] = TensorEntry(name, shape, parts[0].dtype, _reader_concat(parts, starts, offset, n, shape))
+        offset += n + (paddings[i] if paddings is not None else 0)
+    align = 2 * world  # ZeRO-2 pads groups to a multiple of 2 * world size (as zero_to_fp32 checks)
+    if align * math.ceil(offset / align) != align * math.ceil(avail / align):
+        raise UserError(f"{optim_files[world - 1]} does not fit this checkpoint's parameters "
+                        f"({avail} values for {offset}): a shard from another run or model.")
+
+
+def _reader_concat(parts: list[LazyTensor], starts: list[int], offset: int, n: int, shape):
+    def read():
+        out, need, pos = [], n, offset
+        for part, start in zip(parts, starts):
+            end = start + part.numel()
+            if need and start <= pos < end:
+                take = min(need, end - pos)
+                out.append(part.read_flat(pos - start, take))
+                pos += take
+                need -= take
+        if need:
+            raise UserError("the optimizer shards are shorter than the parameters they should hold.")
+        return (out[0] if len(out) == 1 else torch.cat(out)).view(shape)
+
+    return read
+
+
+def _plan_zero3(entries, param_shapes, groups, world, optim_files):
+    """ZeRO-3: each parameter is split into `world` slices of ceil(n / world) values, slice r at the same offset of
+    rank r's (concatenated) flat groups; the last slice is zero-padded."""
+    per_rank_total = [sum(g.numel() for g in groups[r]) for r in range(world)]
+    if len(set(per_rank_total)) != 1:
+        r = next(r for r in range(world) if per_rank_total[r] != per_rank_total[0])
+        raise UserError(f"{optim_files[r]} is from another run: its partition holds {per_rank_total[r]} values, rank 0's {per_rank_total[0]}.")
+    offset = 0
+    for shapes in param_shapes:
+        for name, shape in shapes.items():
+            shape = tuple(shape)
+            n = math.prod(shape)
+            part = math.ceil(n / world)
+            slices = [_GroupSlice(groups[r], offset, part) for r in range(world)]
+            entries[name] = TensorEntry(name, shape, groups[0][0].dtype, _reader_zero3(slices, [0] * world, part, shape))
+            offset += part
+    if offset != per_rank_total[0]:
+        raise UserError(f"{optim_files[0]} does not fit this checkpoint's parameters ({per_rank_total[0]} values per "
+                        f"rank for {offset}): a shard from another run or model.")
+
+
+class _GroupSlice:
+    """`count` values at `offset` of one rank's flat groups taken end to end (a slice may span two groups)."""
+
+    def __init__(self, groups: list[LazyTensor], offset: int, count: int):
+        self.groups, self.offset, self.count = groups, offset, count
+
+    def numel(self) -> int:
+        return self.count
+
+    def read_flat(self, start: int = 0, count: int | None = None) -> torch.Tensor:
+        count = self.count - start if count is None else count
+        pos, out, g_start = self.offset + start, [], 0
+        for g in self.groups:
+            g_end = g_start + g.numel()
+            if count and g_start <= pos < g_end:
+                take = min(count, g_end - pos)
+                out.append(g.read_flat(pos - g_start, take))
+                pos += take
+                count -= take
+            g_start = g_end
+        if count:
+            raise UserError("the optimizer shards are shorter than the parameters they should hold.")
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _reader_zero3(frags, _unused, part: int, shape):
+    n = math.prod(shape)
+
+    def read():
+        pieces, have = [], 0
+        for f in frags:
+            if have >= n:
+                break
+            take = min(part, n - have)
+            pieces.append(f.read_flat(0, take))
+            have += take
+        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if flat.numel() != n:
+            raise UserError("the ZeRO-3 fragments are shorter than the parameters they should hold.")
+        return flat.view(shape)
+
+    return read
+
+
+def _cast(entry: TensorEntry, dtype: torch.dtype) -> TensorEntry:
+    if not entry.dtype.is_floating_point or entry.dtype == dtype:
+        return entry
+    produce = entry.produce
+    # Floats go through fp32 first, as zero_to_fp32 promotes buffers before casting: identical bits either way.
+    return TensorEntry(entry.name, entry.shape, dtype, lambda: produce().float().to(dtype))
+
+
+def _split_shards(entries: list[TensorEntry], max_bytes: int) -> list[list[TensorEntry]]:
+    shards, cur, size = [], [], 0
+    for e in entries:
+        if cur and size + e.nbytes > max_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        size += e.nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def output_paths(ckpt_dir: Path, output: Path | None) -> Path:
+    """The single-file output path: CKPT_DIR/model.safetensors, --output FILE.safetensors, or --output DIR/model.safetensors."""
+    if output is None:
+        return Path(ckpt_dir) / "model.safetensors"
+    output = Path(output)
+    return output if output.suffix == ".safetensors" else output / "model.safetensors"
+
+
+def _index_path(single: Path) -> Path:
+    return single.with_name(single.name + ".index.json")
+
+
+def _shard_name(single: Path, i: int, n: int) -> Path:
+    return single.with_name(f"{single.stem}-{i:05d}-of-{n:05d}{single.suffix}")
+
+
+def is_consolidated(single: Path) -> bool:
+    return single.is_file() or _index_path(single).is_file()
+
+
+def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5GB", output: Path | None = None,
+                force: bool = False, progress=None) -> ConsolidateResult:
+    """Write the consolidated weights of a DeepSpeed checkpoint as safetensors. Raises UserError / RunError."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
+    max_bytes = parse_size(max_shard_size)
+    ckpt_dir = Path(ckpt_dir)
+    single = output_paths(ckpt_dir, output)
+    tag_dir = find_tag_dir(ckpt_dir)
+    if is_consolidated(single) and not force:
+        existing = single if single.is_file() else _index_path(single)
+        return ConsolidateResult([existing], 0, existing.stat().st_size, already=True)
+
+    # A checkpoint with a manifest must still match it (cheap size check: catches truncated or missing shards).
+    if (ckpt_dir / mf.MANIFEST_NAME).exists():
+        problems = [p for p in mf.verify_manifest(ckpt_dir, rehash=False) if p.kind != "extra"]
+        if problems:
+            raise UserError(f"{ckpt_dir} does not match its manifest: " + "; ".join(map(str, problems[:5])))
+
+    ckpt = read_zero_checkpoint(ckpt_dir)
+    entries = [_cast(e, DTYPES[dtype]) for e in ckpt.entries]
+    total = sum(e.nbytes for e in entries)
+    out_dir = single.parent
+    _check_writable(out_dir, total)
+
+    metadata = {"format": "pt", "producer": "opentau checkpoint consolidate", "zero_stage": str(ckpt.zero_stage),
+                "world_size": str(ckpt.world_size), "step": str(ckpt.step)}
+    shards = _split_shards(entries, max_bytes)
+    written: list[Path] = []
+    try:
+        if len(shards) == 1:
+            written.append(write_safetensors(single, shards[0], metadata, progress))
+        else:
+            # Shards first, the index last: the index is what makes the sharded output exist.
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                path = _shard_name(single, i, len(shards))
+                written.append(write_safetensors(path, shard, metadata, progress))
+                weight_map.update({e.name: path.name for e in shard})
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            written.append(mf.write_json_atomic(_index_path(single), index))
+    except OSError as e:
+        for p in written:
+            p.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC or e.errno == errno.EFBIG or e.errno == errno.EDQUOT:
+            raise RunError(f"Disk full while writing the consolidated weights to {out_dir}; nothing was left behind. "
+                           f"Free {total / 1e9:.2f} GB there or pass --output on another disk.") from None
+        raise RunError(f"Writing the consolidated weights to {out_dir} failed ({e.strerror or e}); nothing was left behind.") from None
+    except BaseException:
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise
+    removed = _remove_stale_layout(single, written)
+    _vouch(ckpt_dir, written, removed)
+    return ConsolidateResult(written, len(entries), total)
+
+
+def _check_writable(out_dir: Path, total: int) -> None:
+    if not out_dir.is_dir():
+        raise UserError(f"Output directory {out_dir} does not exist.")
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise UserError(f"Output directory {out_dir} is not writable.")
+    free = shutil.disk_usage(out_dir).free
+    if free < total:
+        raise UserError(f"Not enough disk space in {out_dir}: the consolidated weights need {total / 1e9:.2f} GB, "
+                        f"{free / 1e9:.2f} GB are free.")
+
+
+def _remove_stale_layout(single: Path, written: list[Path]) -> list[Path]:
+    """After --force, drop the previous output's files that the new layout does not use (single <-> sharded)."""
+    index, removed = _index_path(single), []
+    if single not in written and single.is_file():
+        single.unlink()
+        removed.append(single)
+    if index not in written and index.is_file():
+        try:
+            old = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError):
+            old = set()
+        for name in old:
+            p = single.with_name(name)
+            if p not in written and p.name.startswith(single.stem + "-") and p.is_file():
+                p.unlink()
+                removed.append(p)
+        index.unlink()
+        removed.append(index)
+    return removed
+
+
+def _vouch(ckpt_dir: Path, written: list[Path], removed: list[Path]) -> None:
+    """Outputs inside a checkpoint with a manifest get listed in it, so `verify` and resume still trust the directory."""
+    if mf.read_manifest(ckpt_dir) is None:
+        return
+    root = ckpt_dir.resolve()
+
+    def rel(paths):
+        out = []
+        for p in paths:
+            try:
+                out.append(p.resolve().relative_to(root).as_posix())
+            except ValueError:  # written outside the checkpoint (--output elsewhere)
+                continue
+        return out
+
+    if removed:
+        mf.remove_from_manifest(ckpt_dir, rel(removed))
+    if written:
+        mf.add_to_manifest(ckpt_dir, rel(written))

@@ -1,0 +1,88 @@
+"""Make a real DeepSpeed checkpoint with `accelerator.save_state` (run under `accelerate launch`; used by tests).
+
+The model has what consolidation must get right: a frozen submodule (kept in the model-states files, not the
+optimizer partitions), float and integer buffers, a tied weight, and odd sizes so that ZeRO pads partitions.
+
+    python -m accelerate.commands.launch --num_processes 2 --use_deepspeed --zero_stage 3 \
+        tests/ds_ckpt_helper.py OUT_DIR [--width 13] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+
+class TinyTied(nn.Module):
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.frozen = nn.Linear(width, width)  # like a frozen vision encoder
+        self.body = nn.Sequential(nn.Linear(width, 3 * width + 1), nn.GELU(), nn.Linear(3 * width + 1, width))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.frozen.requires_grad_(False)
+        self.register_buffer("state_mean", torch.linspace(-1.0, 1.0, width))
+        self.register_buffer("seen", torch.arange(5, dtype=torch.int64))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = self.frozen(h) + self.body(h) + self.state_mean.to(h.dtype)
+        return self.head(h)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--width", type=int, default=13)
+    parser.add_argument("--vocab", type=int, default=37)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    # No DataLoader is prepared, so DeepSpeed needs the micro batch size spelled out.
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
+    torch.manual_seed(0)
+    model = TinyTied(args.vocab, args.width)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    gen = torch.Generator().manual_seed(1 + accelerator.process_index)
+    for _ in range(args.steps):
+        tokens = torch.randint(0, args.vocab, (2, 5), generator=gen)
+        logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab), tokens.reshape(-1))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.save_state(args.out_dir)
+    accelerator.wait_for_everyone()
+
+
+def launch(out_dir, *, zero_stage: int, num_processes: int, width: int = 13, steps: int = 2, mixed_precision="no",
+           timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run this script under `accelerate launch` with DeepSpeed on CPU; returns the finished process."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "false"}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--num_processes", str(num_processes), "--num_machines", "1", "--use_deepspeed",
+        "--zero_stage", str(zero_stage), "--mixed_precision", mixed_precision,
+        "--main_process_port", str(29500 + (os.getpid() % 2000) + zero_stage * 7 + num_processes),
+        "--zero3_init_flag", "false", "--gradient_accumulation_steps", "1",
+        __file__, str(out_dir), "--width", str(width), "--steps", str(steps),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"DeepSpeed checkpoint helper failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+if __name__ == "__main__":
+    main()
