@@ -1,0 +1,405 @@
+"""pi05 (and pi0) as one torch module built from transformers pieces.
+
+What is reused from transformers: `PI0Config` (sub-configs), `PaliGemmaModel` (SigLIP vision tower, projector, Gemma
+language model), a Gemma model as the action expert, Gemma's attention projections / MLP / RMSNorm / rotary
+embedding, and PI0's sinusoidal time embedding and action-time MLP (for `type: pi0`).
+
+What is written here is what pi05 changes, plus the per-layer control it needs:
+- the prefix (images + prompt) runs through the VLM layers, keeping each layer's keys/values (a KV cache, as in
+  transformers' PI0); the expert's layers then attend to that cache and to the action tokens. This equals joint
+  attention because the prefix never attends to the suffix;
+- adaRMS: the expert's RMSNorms take scale, shift and a residual gate from the flow-matching time;
+- the robot state is discretized into 256 bins inside the prompt (pi0 instead uses a state token);
+- knowledge insulation: the expert sees detached prefix keys/values;
+- an optional cross-entropy loss on uniformly binned action tokens appended to the prefix (a simple stand-in for
+  pi05's FAST tokens), causal among themselves and hidden from the expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.models.gemma.modeling_gemma import GemmaModel, GemmaRMSNorm, apply_rotary_pos_emb
+from transformers.models.paligemma.modeling_paligemma import PaliGemmaModel
+from transformers.models.pi0.modeling_pi0 import PI0ActionTimeEmbedding, PI0TimestepEmbeddings
+
+from opentau_cli.config.model import PolicyConfig
+from opentau_cli.errors import UserError
+from opentau_cli.policies.pi05.configuration import arch_config
+from opentau_cli.policies.pi05.tokenization import STATE_BINS, action_token_id, encode_prompts, load_tokenizer
+
+# Normalized values (in standard deviations) are clipped to +-DISCRETE_RANGE before uniform binning.
+DISCRETE_RANGE = 3.0
+
+
+def discretize(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """Uniform bins over [-DISCRETE_RANGE, DISCRETE_RANGE] of a normalized value."""
+    scaled = (x.float().clamp(-DISCRETE_RANGE, DISCRETE_RANGE) + DISCRETE_RANGE) / (2 * DISCRETE_RANGE)
+    return (scaled * bins).long().clamp(0, bins - 1)
+
+
+class AdaRMSNorm(nn.Module):
+    """RMSNorm whose scale and shift (and a residual gate) are a linear function of the time conditioning."""
+
+    def __init__(self, dim: int, cond_dim: int, with_gate: bool, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.dim, self.with_gate = eps, dim, with_gate
+        chunks = 3 if with_gate else 2
+        # Raw parameters created with their final values (no in-place init after construction): safe under ZeRO-3's
+        # zero.Init, which partitions parameters as soon as a module's __init__ returns.
+        self.weight = nn.Parameter(torch.zeros(chunks * dim, cond_dim))
+        # scale 0, shift 0, gate 1 at init: starts as a plain norm + residual. openpi zero-inits the gate too, which
+        # only suits loading pretrained weights; a gate of 0 would silence every expert layer when training from scratch.
+        bias = torch.zeros(chunks * dim)
+        if with_gate:
+            bias[2 * dim :] = 1.0
+        self.bias = nn.Parameter(bias)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        modulation = F.linear(cond, self.weight, self.bias).float()[:, None, :]
+        scale, shift = modulation[..., : self.dim], modulation[..., self.dim : 2 * self.dim]
+        gate = modulation[..., 2 * self.dim :].to(x.dtype) if self.with_gate else None
+        return (normed * (1 + scale) + shift).to(x.dtype), gate
+
+
+class Pi05TimeEmbedding(nn.Module):
+    """Noisy actions -> expert tokens; time -> the adaRMS conditioning (sinusoid, then a 2-layer MLP)."""
+
+    def __init__(self, arch):
+        super().__init__()
+        width = arch.dit_config.hidden_size
+        self.sinusoid_embeds = PI0TimestepEmbeddings(arch)
+        self.action_in_proj = nn.Linear(arch.max_action_dim, width)
+        self.time_mlp_in = nn.Linear(width, width)
+        self.time_mlp_out = nn.Linear(width, width)
+
+    def forward(self, noisy_actions: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.action_in_proj(noisy_actions)
+        cond = self.sinusoid_embeds(time.float()).to(tokens.dtype)
+        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(cond))))
+        return tokens, cond
+
+
+def _norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None):
+    if isinstance(norm, AdaRMSNorm):
+        return norm(x, cond)
+    return norm(x), None
+
+
+def _gated(residual: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return residual + (out if gate is None else out * gate)
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    batch, length, _ = x.shape
+    return x.view(batch, length, -1, head_dim).transpose(1, 2)
+
+
+def _attend(q, k, v, mask) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).flatten(2)
+
+
+class Pi05Policy(nn.Module):
+    """The policy module: `forward(batch) -> losses`, `sample_actions(batch) -> actions`."""
+
+    def __init__(self, cfg: PolicyConfig):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.n_action_steps > cfg.chunk_size:
+            raise UserError(f"policy.n_action_steps={cfg.n_action_steps} exceeds policy.chunk_size={cfg.chunk_size}.")
+        arch = arch_config(cfg)
+        # The expert never reads token ids: a 1-row table instead of a vocabulary-sized one, removed below.
+        arch.dit_config.vocab_size = 1
+        self.arch = arch
+        self.vocab_size = arch.vlm_config.text_config.vocab_size
+        self.head_dim = arch.vlm_config.text_config.head_dim
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path, self.vocab_size, cfg.discrete_action_bins)
+        if cfg.discrete_action_loss and not self.tokenizer.action_room:
+            raise UserError(
+                f"policy.discrete_action_bins={cfg.discrete_action_bins} does not fit the {self.vocab_size}-token vocabulary "
+                f"next to the tokenizer's {self.tokenizer.reserved} ids; lower it."
+            )
+
+        self.vlm = PaliGemmaModel(arch.vlm_config)
+        self.expert = GemmaModel(arch.dit_config)
+        # Unused parameters break DDP without find_unused_parameters: drop what the expert never reads.
+        del self.expert.embed_tokens
+        if cfg.type == "pi05":
+            width = arch.dit_config.hidden_size
+            self.embed_suffix = Pi05TimeEmbedding(arch)
+            for layer in self.expert.layers:
+                layer.input_layernorm = AdaRMSNorm(width, width, with_gate=True)
+                layer.post_attention_layernorm = AdaRMSNorm(width, width, with_gate=True)
+            self.expert.norm = AdaRMSNorm(width, width, with_gate=False)
+        else:
+            self.embed_suffix = PI0ActionTimeEmbedding(arch)  # state token + action/time MLP, as in transformers' PI0
+        self.action_out_proj = nn.Linear(arch.dit_config.hidden_size, cfg.max_action_dim)
+
+        # Dataset statistics travel with the weights; identity until set_stats (or a checkpoint) fills them.
+        self.register_buffer("state_mean", torch.zeros(cfg.max_state_dim))
+        self.register_buffer("state_std", torch.ones(cfg.max_state_dim))
+        self.register_buffer("action_mean", torch.zeros(cfg.max_action_dim))
+        self.register_buffer("action_std", torch.ones(cfg.max_action_dim))
+        self.register_buffer("state_dim", torch.tensor([cfg.max_state_dim], dtype=torch.int64))
+        self.register_buffer("action_dim", torch.tensor([cfg.max_action_dim], dtype=torch.int64))
+
+        self.gradient_checkpointing = False
+        self.set_trainable()
+
+    # ----------------------------------------------------------------------------------------------- setup
+    @property
+    def image_resolution(self) -> tuple[int, int]:
+        return tuple(self.cfg.image_resolution)
+
+    @property
+    def language_model(self) -> GemmaModel:
+        return self.vlm.language_model
+
+    def set_stats(self, stats: dict) -> None:
+        """Fill the normalization buffers from `{"state": {"mean", "std"}, "action": {...}}` (real dims)."""
+        for key, limit_name in (("state", "max_state_dim"), ("action", "max_action_dim")):
+            mean, std = (torch.as_tensor(stats[key][k], dtype=torch.float32).flatten() for k in ("mean", "std"))
+            limit = getattr(self.cfg, limit_name)
+            if mean.numel() > limit:
+                raise UserError(f"The dataset's {key} has {mean.numel()} dims but policy.{limit_name}={limit}; raise policy.{limit_name}.")
+            getattr(self, f"{key}_mean").zero_()[: mean.numel()] = mean.to(self.state_mean.device)
+            getattr(self, f"{key}_std").fill_(1.0)[: std.numel()] = std.to(self.state_mean.device)
+            getattr(self, f"{key}_dim").fill_(mean.numel())
+
+    def unused_parameter_names(self) -> list[str]:
+        """Parameters whose outputs nothing reads in the current mode (kept in the state_dict, never trained)."""
+        if self.cfg.discrete_action_loss:
+            return []
+        # Without the CE loss nothing reads the prefix's final hidden states: the last VLM layer only contributes K/V.
+        last = f"vlm.language_model.layers.{len(self.language_model.layers) - 1}."
+        unused = [
+            n
+            for n, _ in self.named_parameters()
+            if n.startswith(last) and not any(k in n for k in ("input_layernorm", "self_attn.k_proj", "self_attn.v_proj"))
+        ]
+        return unused + [n for n, _ in self.named_parameters() if n.startswith("vlm.language_model.norm.")]
+
+    def set_trainable(self) -> None:
+        """requires_grad per freeze_vision_encoder / train_expert_only, and off for parameters nothing reads."""
+        cfg = self.cfg
+        frozen_prefixes = []
+        if cfg.freeze_vision_encoder:
+            frozen_prefixes.append("vlm.vision_tower.")
+        # With knowledge insulation and no CE loss no gradient reaches the VLM at all.
+        if cfg.train_expert_only or (cfg.knowledge_insulation and not cfg.discrete_action_loss):
+            frozen_prefixes.append("vlm.")
+        unused = set(self.unused_parameter_names())
+        for name, param in self.named_parameters():
+            param.requires_grad_(name not in unused and not name.startswith(tuple(frozen_prefixes)))
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each transformer layer's activations in backward (VLM, expert and SigLIP layers)."""
+        self.gradient_checkpointing = True
+        self.vlm.vision_tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def _maybe_checkpoint(self, fn, *args):
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    # ------------------------------------------------------------------------------------------ inputs
+    def _prepare(self, batch: dict, with_actions: bool) -> dict:
+        """Normalize, zero-pad to max dims, tokenize the prompt with the discretized state; cast to the model dtype."""
+        param = next(self.parameters())
+        dtype, device = param.dtype, param.device
+        state = batch["state"].to(device=device, dtype=torch.float32)
+        batch_size, state_dim = state.shape
+        if state_dim > self.cfg.max_state_dim:
+            raise UserError(f"The batch state has {state_dim} dims but policy.max_state_dim={self.cfg.max_state_dim}.")
+        state = (state - self.state_mean[:state_dim].float()) / self.state_std[:state_dim].float().clamp_min(1e-6)
+        state_bins = discretize(state, STATE_BINS).tolist()
+        ids, lengths = encode_prompts(self.tokenizer, list(batch["task"]), [tuple(b) for b in state_bins], self.cfg.tokenizer_max_length)
+        out = {
+            "images": batch["images"].to(device=device, dtype=dtype) * 2 - 1,  # SigLIP expects [-1, 1]
+            "image_masks": batch["image_masks"].to(device=device, dtype=torch.bool),
+            "state": F.pad(state, (0, self.cfg.max_state_dim - state_dim)).to(dtype),
+            "input_ids": torch.tensor(ids, device=device),
+            "text_valid": torch.arange(self.cfg.tokenizer_max_length, device=device)[None] < torch.tensor(lengths, device=device)[:, None],
+            "batch_size": batch_size,
+        }
+        if with_actions:
+            actions = batch["actions"].to(device=device, dtype=torch.float32)
+            action_dim = actions.shape[-1]
+            if action_dim > self.cfg.max_action_dim:
+                raise UserError(f"The batch actions have {action_dim} dims but policy.max_action_dim={self.cfg.max_action_dim}.")
+            if actions.shape[1] != self.cfg.chunk_size:
+                raise UserError(f"The batch has action chunks of {actions.shape[1]} steps but policy.chunk_size={self.cfg.chunk_size}.")
+            actions = (actions - self.action_mean[:action_dim].float()) / self.action_std[:action_dim].float().clamp_min(1e-6)
+            out["actions"] = F.pad(actions, (0, self.cfg.max_action_dim - action_dim))
+            out["action_valid"] = ~batch["action_is_pad"].to(device=device, dtype=torch.bool)
+            out["action_dim"] = action_dim
+        return out
+
+    def _embed_prefix(self, inputs: dict, action_tokens: torch.Tensor | None):
+        """Image tokens + prompt tokens (+ shifted action tokens for the CE loss) and their masks/positions."""
+        images = inputs["images"]
+        batch_size, num_cameras = images.shape[:2]
+        vision_trains = any(p.requires_grad for p in self.vlm.vision_tower.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and vision_trains):
+            features = self.vlm.vision_tower(images.flatten(0, 1)).last_hidden_state
+        image_embeds = self.vlm.multi_modal_projector(features)
+        tokens_per_image = image_embeds.shape[1]
+        image_embeds = image_embeds.reshape(batch_size, num_cameras * tokens_per_image, -1)
+        image_valid = inputs["image_masks"].repeat_interleave(tokens_per_image, dim=1)
+
+        embed = self.language_model.embed_tokens
+        parts, valid = [image_embeds, embed(inputs["input_ids"]).to(image_embeds.dtype)], [image_valid, inputs["text_valid"]]
+        context_length = image_embeds.shape[1] + inputs["input_ids"].shape[1]
+        # Block ids: the context is one bidirectional block, each action token its own block (causal among them).
+        blocks = [torch.zeros(batch_size, context_length, dtype=torch.long, device=images.device)]
+        if action_tokens is not None:
+            start = torch.full_like(action_tokens[:, :1], self.tokenizer.start_id)
+            shifted = torch.cat([start, action_tokens[:, :-1]], dim=1)
+            parts.append(embed(shifted).to(image_embeds.dtype))
+            valid.append(torch.ones_like(shifted, dtype=torch.bool))
+            blocks.append(torch.arange(1, shifted.shape[1] + 1, device=images.device).expand(batch_size, -1))
+        embeds, valid, blocks = torch.cat(parts, 1), torch.cat(valid, 1), torch.cat(blocks, 1)
+        mask = (blocks[:, None, :] <= blocks[:, :, None]) & valid[:, None, :]
+        # Every query sees at least itself, so padded rows stay finite (a fully masked row would give NaN).
+        mask = mask | torch.eye(mask.shape[-1], dtype=torch.bool, device=mask.device)
+        positions = (valid.cumsum(-1) - 1).clamp_min(0)
+        context_valid = valid[:, :context_length]
+        expert_keys = F.pad(context_valid, (0, valid.shape[1] - context_length))  # the expert never sees action tokens
+        return embeds, mask, positions, expert_keys, context_length
+
+    def _embed_suffix(self, state, noisy_actions, time):
+        if self.cfg.type == "pi05":
+            tokens, cond = self.embed_suffix(noisy_actions, time)
+            blocks = torch.zeros(tokens.shape[1], dtype=torch.long, device=tokens.device)
+        else:
+            tokens, cond = self.embed_suffix(state, noisy_actions, time), None
+            # pi0: the state token sees only itself; the action tokens see the state and each other.
+            blocks = torch.ones(tokens.shape[1], dtype=torch.long, device=tokens.device)
+            blocks[0] = 0
+        return tokens, cond, blocks
+
+    # ------------------------------------------------------------------------------------------ layers
+    def _prefix_layer(self, index, hidden, cos, sin, mask, need_output: bool):
+        layer = self.language_model.layers[index]
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        k, v = _heads(attn.k_proj(x), self.head_dim), _heads(attn.v_proj(x), self.head_dim)
+        if not need_output:  # last layer without the CE loss: only its keys/values are read
+            _, k = apply_rotary_pos_emb(k, k, cos, sin)
+            return hidden, k, v
+        q = _heads(attn.q_proj(x), self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        hidden = hidden + attn.o_proj(_attend(q, k, v, mask))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden, k, v
+
+    def _expert_layer(self, index, hidden, cond, prefix_k, prefix_v, cos, sin, mask):
+        layer = self.expert.layers[index]
+        attn = layer.self_attn
+        if self.cfg.knowledge_insulation:
+            prefix_k, prefix_v = prefix_k.detach(), prefix_v.detach()
+        x, gate = _norm(layer.input_layernorm, hidden, cond)
+        q, k, v = (_heads(p(x), self.head_dim) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = torch.cat([prefix_k.to(k.dtype), k], dim=2), torch.cat([prefix_v.to(v.dtype), v], dim=2)
+        hidden = _gated(hidden, attn.o_proj(_attend(q, k, v, mask)), gate)
+        x, gate = _norm(layer.post_attention_layernorm, hidden, cond)
+        return _gated(hidden, layer.mlp(x), gate)
+
+    def _run_prefix(self, embeds, mask, positions, need_output: bool):
+        """Prefix through the VLM; returns each layer's (k, v) and the final normed hidden states (or None)."""
+        cos, sin = self.language_model.rotary_emb(embeds, positions)
+        hidden, cache = embeds, []
+        layers = len(self.language_model.layers)
+        for i in range(layers):
+            hidden, k, v = self._maybe_checkpoint(self._prefix_layer, i, hidden, cos, sin, mask, need_output or i < layers - 1)
+            cache.append((k, v))
+        return cache, (self.language_model.norm(hidden) if need_output else None)
+
+    def _run_expert(self, tokens, cond, blocks, cache, expert_keys, context_positions_end):
+        batch_size, length = tokens.shape[:2]
+        positions = context_positions_end[:, None] + torch.arange(length, device=tokens.device)[None]
+        cos, sin = self.language_model.rotary_emb(tokens, positions)
+        own = (blocks[None, :] <= blocks[:, None]).expand(batch_size, -1, -1)
+        mask = torch.cat([expert_keys[:, None, :].expand(-1, length, -1), own], dim=-1)
+        hidden = tokens
+        for i, (k, v) in enumerate(cache):
+            hidden = self._maybe_checkpoint(self._expert_layer, i, hidden, cond, k, v, cos, sin, mask)
+        hidden, _ = _norm(self.expert.norm, hidden, cond)
+        return self.action_out_proj(hidden[:, -self.cfg.chunk_size :])
+
+    # ------------------------------------------------------------------------------------------ API
+    def forward(self, batch: dict, noise: torch.Tensor | None = None, time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Flow-matching loss (and the optional discrete-action CE loss) on one batch."""
+        inputs = self._prepare(batch, with_actions=True)
+        actions = inputs["actions"]
+        batch_size = inputs["batch_size"]
+        dtype = inputs["images"].dtype
+        if time is None:
+            beta = torch.distributions.Beta(torch.tensor(1.5, device=actions.device), torch.tensor(1.0, device=actions.device))
+            time = beta.sample((batch_size,)) * 0.999 + 0.001
+        if noise is None:
+            noise = torch.randn_like(actions)
+        time, noise = time.to(actions.device, torch.float32), noise.to(actions.device, torch.float32)
+        noisy = time[:, None, None] * noise + (1 - time[:, None, None]) * actions
+        target = noise - actions
+
+        use_ce = self.cfg.discrete_action_loss
+        action_tokens = target_bins = None
+        if use_ce:
+            real = actions[..., : inputs["action_dim"]]
+            target_bins = discretize(real, self.cfg.discrete_action_bins).flatten(1)  # step-major
+            action_tokens = action_token_id(self.vocab_size, target_bins)
+        vlm_trains = any(p.requires_grad for p in self.vlm.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and vlm_trains):
+            embeds, mask, positions, expert_keys, context_length = self._embed_prefix(inputs, action_tokens)
+            cache, prefix_out = self._run_prefix(embeds, mask, positions, need_output=use_ce)
+        context_end = positions[:, context_length - 1] + 1
+        tokens, cond, blocks = self._embed_suffix(inputs["state"], noisy.to(dtype), time)
+        velocity = self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end).float()
+
+        weight = inputs["action_valid"][:, :, None].float() * (torch.arange(actions.shape[-1], device=actions.device) < inputs["action_dim"]).float()
+        mse = ((velocity - target) ** 2 * weight).sum() / weight.sum().clamp_min(1)
+        weights = self.cfg.loss_weighting
+        out = {"mse_loss": mse}
+        loss = weights.get("mse", 1.0) * mse
+        if use_ce:
+            bins = self.cfg.discrete_action_bins
+            # Logits over the action-bin rows of the (tied) embedding only: the full 257k vocabulary would not fit.
+            head = self.language_model.embed_tokens.weight[self.vocab_size - bins :]
+            logits = F.linear(prefix_out[:, context_length:], head).float()  # row r = token vocab-bins+r = bin bins-1-r
+            target_rows = bins - 1 - target_bins
+            token_valid = inputs["action_valid"].repeat_interleave(inputs["action_dim"], dim=1)
+            ce = F.cross_entropy(logits.flatten(0, 1), target_rows.flatten(), reduction="none")
+            ce = (ce * token_valid.flatten()).sum() / token_valid.sum().clamp_min(1)
+            out["ce_loss"] = ce
+            loss = loss + weights.get("ce", 1.0) * ce
+        out["loss"] = loss
+        return out
+
+    @torch.no_grad()
+    def sample_actions(self, batch: dict, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Integrate the flow from noise (t=1) to actions (t=0) in num_inference_steps Euler steps; un-normalized."""
+        inputs = self._prepare(batch, with_actions=False)
+        batch_size, dtype = inputs["batch_size"], inputs["images"].dtype
+        device = inputs["images"].device
+        embeds, mask, positions, expert_keys, context_length = self._embed_prefix(inputs, None)
+        cache, _ = self._run_prefix(embeds, mask, positions, need_output=False)
+        context_end = positions[:, context_length - 1] + 1
+        if noise is None:
+            noise = torch.randn(batch_size, self.cfg.chunk_size, self.cfg.max_action_dim, device=device)
+        x = noise.to(device, torch.float32)
+        steps = self.cfg.num_inference_steps
+        dt = -1.0 / steps
+        for step in range(steps):
+            time = torch.full((batch_size,), 1.0 + step * dt, device=device)
+            tokens, cond, blocks = self._embed_suffix(inputs["state"], x.to(dtype), time)
+            x = x + dt * self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end).float()
+        action_dim = int(self.action_dim.item())
+        actions = x[:, : self.cfg.n_action_steps, :action_dim]
+        return actions * self.action_std[:action_dim].float() + self.action_mean[:action_dim].float()
