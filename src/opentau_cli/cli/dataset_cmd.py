@@ -2,24 +2,73 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
-from opentau_cli.cli.common import handle_errors, make_app, not_available
+from opentau_cli.cli.common import JsonOpt, handle_errors, make_app
 
 app = make_app("Create and describe LeRobot-format datasets.")
 
 
 @app.command("synth")
 @handle_errors
-def synth_cmd(out_dir: Path = typer.Argument(...)) -> None:
-    """Write a small learnable LeRobot-format dataset, offline."""
-    not_available("dataset synth")
+def synth_cmd(
+    out_dir: Path = typer.Argument(..., help="New (or empty) directory to write the dataset into."),
+    episodes: int = typer.Option(30, "--episodes", help="Number of episodes."),
+    steps_per_episode: int = typer.Option(50, "--steps-per-episode", "--steps_per_episode", help="Frames per episode."),
+    cameras: int = typer.Option(1, "--cameras", help="Cameras (64x64 PNG images stored in the parquet files)."),
+    fmt: str = typer.Option("v2.1", "--format", help="LeRobot layout: v2.1 or v3.0."),
+    seed: int = typer.Option(0, "--seed", help="Same seed and options give the same data."),
+) -> None:
+    """Write a small learnable LeRobot-format dataset (2-D point reaching), offline.
+
+    Example: `opentau dataset synth /tmp/reach --episodes 20 --format v3.0`
+    """
+    from opentau_cli.data.synth import write_synth
+
+    out = write_synth(out_dir, episodes=episodes, steps_per_episode=steps_per_episode, cameras=cameras, fmt=fmt, seed=seed)
+    typer.echo(f"Wrote {episodes} episodes x {steps_per_episode} frames ({fmt}, {cameras} camera(s)) to {out}")
+
+
+def _fmt_vec(values: list[float], limit: int = 8) -> str:
+    shown = ", ".join(f"{v:.4g}" for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 @app.command("info")
 @handle_errors
-def info_cmd(dataset_dir: Path = typer.Argument(...)) -> None:
-    """Print features, episodes, frames, fps and stats of a dataset."""
-    not_available("dataset info")
+def info_cmd(
+    dataset_dir: str = typer.Argument(..., help="Dataset directory, or @demo."),
+    as_json: JsonOpt = False,
+) -> None:
+    """Print features, episodes, frames, fps and stats of a dataset.
+
+    Example: `opentau dataset info /work/data/my_lerobot_dataset --json`
+    """
+    from opentau_cli.data import resolve_dataset_root
+    from opentau_cli.data.info import describe_dataset
+
+    info = describe_dataset(resolve_dataset_root(dataset_dir))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    typer.echo(f"Dataset   {info['root']}")
+    typer.echo(f"Layout    LeRobot {info['codebase_version']} ({info['robot_type'] or 'robot type not given'})")
+    typer.echo(f"Episodes  {info['episodes']}")
+    typer.echo(f"Frames    {info['frames']}")
+    typer.echo(f"FPS       {info['fps']:g}")
+    typer.echo(f"Cameras   {', '.join(info['cameras']) or 'none'}")
+    for task in info["tasks"]:
+        typer.echo(f"Task      {task}")
+    typer.echo("Features")
+    for key, f in info["features"].items():
+        typer.echo(f"  {key:<34} {f['dtype']:<8} {f['shape']}")
+    typer.echo("Stats")
+    for key, s in info["stats"].items():
+        if s is None:
+            typer.echo(f"  {key}: none in meta/ (computed from the data when training)")
+        else:
+            typer.echo(f"  {key} mean {_fmt_vec(s['mean'])}")
+            typer.echo(f"  {' ' * len(key)} std  {_fmt_vec(s['std'])}  ({s['source']})")

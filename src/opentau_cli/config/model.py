@@ -60,6 +60,8 @@ class DatasetConfig(Section):
     episodes: list[int] | None = Field(None, description="Restrict to these episode indices (None = all).")
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
     video_backend: Literal["pyav"] = Field("pyav", description="Video decoder (install the 'video' extra).")
+    prompt: str | None = Field(None, description="Task prompt for frames whose dataset has no task text.")
+    video_cache_mb: int = Field(256, ge=1, description="Decoded, resized video frames kept per data worker (MiB).")
 
 
 class OptimizerConfig(Section):

@@ -71,6 +71,9 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool |
     # Data and validation.
     if cfg.dataset.root != DEMO_DATASET and not Path(cfg.dataset.root).is_dir():
         errors.append(f"dataset.root '{cfg.dataset.root}' is not a directory (use '{DEMO_DATASET}' for the bundled demo data).")
+    from opentau_cli.data.check import check_dataset  # late: data imports torch/pyarrow, config stays light
+
+    errors.extend(check_dataset(cfg))
     if cfg.validation.val_freq > 0 and cfg.validation.val_split == 0:
         errors.append("validation.val_freq > 0 needs held-out episodes: set validation.val_split (e.g. 0.1).")
 

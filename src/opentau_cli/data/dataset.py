@@ -1,0 +1,251 @@
+"""`LeRobotDataset`: one sample per frame, in the batch format of DESIGN interface 1 (without the batch dim)."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opentau_cli.data.images import decode_image, resize_with_pad
+from opentau_cli.data.meta import DatasetMeta, EpisodeMeta, read_meta
+from opentau_cli.data.stats import dataset_stats
+from opentau_cli.data.video import VideoFrames
+from opentau_cli.errors import UserError
+
+SLOT_RE = re.compile(r"^camera(\d+)$")
+
+
+def camera_slots(meta: DatasetMeta, camera_keys: dict[str, str], num_cameras: int) -> list[str | None]:
+    """Dataset feature feeding each camera slot (None = slot padded). Raises UserError on a bad mapping."""
+    slots: list[str | None] = [None] * num_cameras
+    if not camera_keys:
+        cams = meta.camera_features
+        if len(cams) > num_cameras:
+            raise UserError(
+                f"the dataset has {len(cams)} cameras ({', '.join(cams)}) but dataset.num_cameras is {num_cameras}: "
+                "raise dataset.num_cameras or choose cameras with dataset.camera_keys."
+            )
+        slots[: len(cams)] = cams
+        return slots
+    for feature, slot in camera_keys.items():
+        m = SLOT_RE.match(slot)
+        if not m or int(m.group(1)) >= num_cameras:
+            raise UserError(f"dataset.camera_keys maps '{feature}' to '{slot}'; slots are camera0..camera{num_cameras - 1}.")
+        if feature not in meta.features:
+            raise UserError(f"dataset.camera_keys names '{feature}', which is not a feature in {meta.root / 'meta/info.json'}.")
+        if meta.features[feature].get("dtype") not in ("image", "video"):
+            raise UserError(f"dataset.camera_keys names '{feature}', which is not an image or video feature.")
+        slots[int(m.group(1))] = feature
+    return slots
+
+
+def column_matrix(table, key: str, path: Path) -> np.ndarray:
+    """A vector (fixed-size list / list) or scalar column as float32 (rows, width)."""
+    if key not in table.column_names:
+        raise UserError(f"{path} has no column '{key}' (the dataset config maps it); columns: {', '.join(table.column_names)}.")
+    import pyarrow as pa
+
+    col = table.column(key).combine_chunks()
+    t = col.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        col = col.flatten()
+    arr = np.asarray(col.to_numpy(zero_copy_only=False), dtype=np.float32)
+    if arr.size % max(len(table), 1):
+        raise UserError(f"{path} column '{key}' has rows of different widths.")
+    return arr.reshape(len(table), -1)
+
+
+class LeRobotDataset(torch.utils.data.Dataset):
+    """Frames of a local LeRobot v2.1 / v3.0 dataset.
+
+    Numbers (state, action, indices) are read into memory at construction; images are decoded per sample
+    (parquet bytes, or mp4 through a bounded frame cache per worker).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        episodes: list[int] | None = None,
+        *,
+        chunk_size: int,
+        image_resolution: tuple[int, int],
+        num_cameras: int,
+        camera_keys: dict[str, str] | None = None,
+        state_key: str = "observation.state",
+        action_key: str = "action",
+        prompt: str | None = None,
+        video_cache_mb: int = 256,
+    ):
+        self.root = Path(root)
+        self.meta = read_meta(self.root)
+        self.chunk_size = chunk_size
+        self.resolution = (int(image_resolution[0]), int(image_resolution[1]))
+        self.num_cameras = num_cameras
+        self.state_key, self.action_key = state_key, action_key
+        self.prompt = prompt
+        for key, what in ((state_key, "dataset.state_key"), (action_key, "dataset.action_key")):
+            if key not in self.meta.features:
+                raise UserError(f"{what} '{key}' is not a feature in {self.root / 'meta/info.json'}.")
+        self.slots = camera_slots(self.meta, camera_keys or {}, num_cameras)
+        known = sorted(self.meta.episodes)
+        if episodes is None:
+            episodes = known
+        missing = sorted(set(episodes) - set(known))
+        if missing:
+            raise UserError(f"episodes {missing} are not in {self.root / 'meta'} (it has {len(known)} episodes).")
+        self.episodes = sorted(episodes)
+        self._load_numbers()
+        self.stats = dataset_stats(self.meta, self.episodes, self.state_key, self.action_key, self._state, self._action)
+        self._images: OrderedDict[Path, object] = OrderedDict()  # data file -> table of image columns (small LRU)
+        self._video = VideoFrames(cache_mb=video_cache_mb)
+
+    # -- facts -----------------------------------------------------------------------------------------------------
+    @property
+    def fps(self) -> float:
+        return self.meta.fps
+
+    @property
+    def state_dim(self) -> int:
+        return int(self._state.shape[1])
+
+    @property
+    def action_dim(self) -> int:
+        return int(self._action.shape[1])
+
+    def __len__(self) -> int:
+        return len(self._frame_ep)
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+    def _load_numbers(self) -> None:
+        """Concatenate state/action/indices of the chosen episodes; remember where each frame's episode starts/ends."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        states, actions, tasks, stamps, rows, ep_of = [], [], [], [], [], []
+        self._ep_start: dict[int, int] = {}
+        self._ep_file: dict[int, tuple[Path, int]] = {}  # episode -> (data file, first row in it)
+        tables: dict[Path, object] = {}
+        for ep in self.episodes:
+            em = self.meta.episodes[ep]
+            path = self.meta.data_path(em)
+            if path not in tables:
+                if not path.is_file():
+                    raise UserError(f"data file {path} for episode {ep} is missing.")
+                try:
+                    schema = pq.read_schema(path)
+                    cols = [c for c in (self.state_key, self.action_key, "episode_index", "frame_index", "timestamp", "task_index") if c in schema.names]
+                    tables[path] = pq.read_table(path, columns=cols)
+                except UserError:
+                    raise
+                except Exception as e:
+                    raise UserError(f"{path} is not a readable parquet file: {e}.") from None
+            table = tables[path]
+            if "episode_index" in table.column_names and self.meta.version == "v3.0":
+                mask = pc.equal(table.column("episode_index"), ep)
+                first = int(np.argmax(mask.to_numpy(zero_copy_only=False))) if table.num_rows else 0
+                table = table.filter(mask)
+            else:
+                first = 0
+            if table.num_rows == 0:
+                raise UserError(f"{path} holds no rows of episode {ep}.")
+            n = table.num_rows
+            self._ep_file[ep] = (path, first)
+            states.append(column_matrix(table, self.state_key, path))
+            actions.append(column_matrix(table, self.action_key, path))
+            tasks.append(table.column("task_index").to_numpy() if "task_index" in table.column_names else np.zeros(n, np.int64))
+            stamps.append(
+                table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names else np.arange(n) / self.fps
+            )
+            rows.append(np.arange(n))
+            ep_of.append(np.full(n, ep))
+        self._state = np.concatenate(states)
+        self._action = np.concatenate(actions)
+        self._task = np.concatenate(tasks).astype(np.int64)
+        self._time = np.concatenate(stamps)
+        self._row = np.concatenate(rows)  # position of the frame inside its episode
+        self._frame_ep = np.concatenate(ep_of)
+        starts = np.concatenate([[0], np.cumsum([len(s) for s in states])])
+        self._ep_start = {ep: int(starts[i]) for i, ep in enumerate(self.episodes)}
+        self._ep_end = {ep: int(starts[i + 1]) for i, ep in enumerate(self.episodes)}
+
+    # -- samples ---------------------------------------------------------------------------------------------------
+    def __getitem__(self, idx: int) -> dict:
+        idx = int(idx)
+        ep = int(self._frame_ep[idx])
+        end = self._ep_end[ep]
+        # Action chunk: the next chunk_size actions of this episode; past its end repeat the last one and flag it.
+        pos = np.arange(idx, idx + self.chunk_size)
+        is_pad = pos >= end
+        actions = self._action[np.minimum(pos, end - 1)]
+        h, w = self.resolution
+        images = np.zeros((self.num_cameras, h, w, 3), dtype=np.uint8)
+        masks = np.zeros(self.num_cameras, dtype=bool)
+        for slot, feature in enumerate(self.slots):
+            if feature is not None:
+                images[slot] = self._image(feature, ep, idx)
+                masks[slot] = True
+        return {
+            "images": torch.from_numpy(images).permute(0, 3, 1, 2).float().div_(255.0),
+            "image_masks": torch.from_numpy(masks),
+            "state": torch.from_numpy(self._state[idx].copy()),
+            "actions": torch.from_numpy(actions.copy()),
+            "action_is_pad": torch.from_numpy(is_pad),
+            "task": self._task_text(ep, int(self._task[idx])),
+        }
+
+    def _task_text(self, ep: int, task_index: int) -> str:
+        if task_index in self.meta.tasks:
+            return self.meta.tasks[task_index]
+        tasks = self.meta.episodes[ep].tasks
+        if tasks:
+            return tasks[0]
+        return self.prompt or ""
+
+    def _image(self, feature: str, ep: int, idx: int) -> np.ndarray:
+        em: EpisodeMeta = self.meta.episodes[ep]
+        if self.meta.features[feature].get("dtype") == "video":
+            path, start = self.meta.video_path(em, feature)
+            return self._video.get(path, start + float(self._time[idx]), self.fps, self.resolution)
+        path, first = self._ep_file[ep]
+        row = first + int(self._row[idx])
+        cell = self._image_table(path, feature).column(feature)[row].as_py()
+        data = cell.get("bytes") if isinstance(cell, dict) else cell
+        where = f"{path} column '{feature}', episode {ep} frame {int(self._row[idx])}"
+        if data is None and isinstance(cell, dict) and cell.get("path"):
+            img_path = self.root / cell["path"]
+            try:
+                data = img_path.read_bytes()
+            except OSError:
+                raise UserError(f"image file {img_path} ({where}) is missing.") from None
+        if not data:
+            raise UserError(f"empty image in {where}.")
+        try:
+            return resize_with_pad(decode_image(data), *self.resolution)
+        except Exception as e:
+            raise UserError(f"corrupt image in {where}: {e}.") from None
+
+    def _image_table(self, path: Path, feature: str):
+        """Image columns of one data file, kept for the next samples (a few files per worker)."""
+        import pyarrow.parquet as pq
+
+        key = (path, feature)
+        if key not in self._images:
+            if feature not in pq.read_schema(path).names:
+                raise UserError(f"{path} has no column '{feature}' (the camera mapping names it).")
+            try:
+                table = pq.read_table(path, columns=[feature])
+            except Exception as e:
+                raise UserError(f"{path}: cannot read image column '{feature}': {e}.") from None
+            self._images[key] = table
+            while len(self._images) > 8:
+                self._images.popitem(last=False)
+        self._images.move_to_end(key)
+        return self._images[key]
+
+    def __getstate__(self):  # workers get the numbers, not the parent's caches
+        state = self.__dict__.copy()
+        state["_images"] = OrderedDict()
+        return state

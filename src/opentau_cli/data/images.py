@@ -1,0 +1,47 @@
+"""Image decoding and resize-with-padding, shared by parquet images and video frames."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+
+def fit_size(src_h: int, src_w: int, height: int, width: int) -> tuple[int, int]:
+    """Largest (h, w) with the source's aspect ratio that fits inside (height, width)."""
+    scale = min(height / src_h, width / src_w)
+    return max(1, round(src_h * scale)), max(1, round(src_w * scale))
+
+
+def pad_center(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    out = np.zeros((height, width, 3), dtype=np.uint8)
+    h, w = pixels.shape[:2]
+    top, left = (height - h) // 2, (width - w) // 2
+    out[top : top + h, left : left + w] = pixels
+    return out
+
+
+def resize_with_pad(img: Image.Image, height: int, width: int) -> np.ndarray:
+    """Fit `img` inside (height, width) keeping its aspect ratio, centred on black: uint8 (H, W, 3).
+
+    Padding instead of stretching keeps geometry (a target's position) comparable across cameras of different shapes.
+    """
+    img = img.convert("RGB")
+    new_h, new_w = fit_size(img.height, img.width, height, width)
+    if (new_h, new_w) != (img.height, img.width):
+        img = img.resize((new_w, new_h), Image.BILINEAR)
+    return pad_center(np.asarray(img), height, width)
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """PNG/JPEG bytes -> PIL image; raises whatever PIL raises on damaged bytes (the caller names the file)."""
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()

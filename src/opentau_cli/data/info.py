@@ -1,0 +1,46 @@
+"""`describe_dataset`: what `opentau dataset info` prints, as plain data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opentau_cli.data.meta import read_meta
+from opentau_cli.data.stats import aggregate
+
+
+def _feature_stats(meta, key: str) -> dict | None:
+    """Mean/std of one feature over all episodes, from the meta files only (None when they do not have it)."""
+    parts = []
+    for ep in meta.episodes.values():
+        s = ep.stats.get(key)
+        if not s or "mean" not in s or "std" not in s:
+            parts = []
+            break
+        parts.append((int(s.get("count", [ep.length]).reshape(-1)[0]) if "count" in s else ep.length, s["mean"].reshape(-1), s["std"].reshape(-1)))
+    if parts:
+        mean, std = aggregate(parts)
+        return {"mean": mean.tolist(), "std": std.tolist(), "source": "per-episode stats"}
+    s = (meta.stats or {}).get(key)
+    if s and "mean" in s and "std" in s:
+        return {"mean": s["mean"].reshape(-1).tolist(), "std": s["std"].reshape(-1).tolist(), "source": "meta/stats.json"}
+    return None
+
+
+def describe_dataset(root: str | Path) -> dict:
+    meta = read_meta(root)
+    features = {
+        key: {"dtype": f.get("dtype"), "shape": list(f.get("shape", []))} for key, f in meta.features.items()
+    }
+    vectors = [k for k, f in meta.features.items() if f.get("dtype") in ("float32", "float64") and k != "timestamp"]
+    return {
+        "root": str(meta.root),
+        "codebase_version": meta.info.get("codebase_version"),
+        "robot_type": meta.info.get("robot_type"),
+        "fps": meta.fps,
+        "episodes": len(meta.episodes),
+        "frames": sum(e.length for e in meta.episodes.values()),
+        "tasks": [meta.tasks[i] for i in sorted(meta.tasks)],
+        "cameras": meta.camera_features,
+        "features": features,
+        "stats": {k: _feature_stats(meta, k) for k in vectors},
+    }

@@ -1,0 +1,133 @@
+"""The deterministic, rank-aware sampler and the resumable endless batch stream."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from opentau_cli.errors import UserError
+
+
+class ResumableSampler(torch.utils.data.Sampler):
+    """Sample order = f(seed, epoch); each rank takes every world_size-th index of it.
+
+    The remainder that does not divide by world_size is dropped so every rank has the same number of samples
+    (collectives never wait on a rank that ran out). Which samples are dropped changes with the epoch.
+    """
+
+    def __init__(self, num_samples: int, *, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.num_samples, self.seed, self.rank, self.world_size, self.shuffle = num_samples, seed, rank, world_size, shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples // self.world_size
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
+        else:
+            order = np.arange(self.num_samples)
+        used = len(self) * self.world_size
+        return order[:used][self.rank :: self.world_size].tolist()
+
+    def __iter__(self):
+        return iter(self.indices())
+
+
+class _EpochBatches:
+    """The batch sampler the DataLoader iterates: one epoch's batches from a starting batch on.
+
+    It lives in the main process (workers only receive indices), so BatchStream can move it between epochs
+    while persistent workers stay alive.
+    """
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int):
+        self.sampler, self.batch_size = sampler, batch_size
+        self.epoch, self.start = 0, 0
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size - self.start
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.epoch)
+        idx = self.sampler.indices()
+        for b in range(self.start, len(idx) // self.batch_size):
+            yield idx[b * self.batch_size : (b + 1) * self.batch_size]
+
+
+def _plain_user_error(e: UserError) -> UserError:
+    """A UserError raised in a DataLoader worker comes back with the worker's traceback as its text; keep the last line."""
+    text = str(e)
+    m = re.findall(r"UserError: (.*)", text)
+    return UserError(m[-1].strip()) if m else e
+
+
+class BatchStream:
+    """Endless batches across epochs; `state_dict()` counts batches handed to the caller (not prefetched ones)."""
+
+    def __init__(self, dataset, sampler: ResumableSampler, batch_size: int, *, num_workers: int = 0, pin_memory: bool = False,
+                 start_epoch: int = 0, start_batch: int = 0):
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+        self.batches_per_epoch = len(sampler) // batch_size
+        if self.batches_per_epoch == 0:
+            raise UserError(
+                f"one rank's share of the data ({len(sampler)} samples) is smaller than the batch size ({batch_size}): "
+                "use a smaller batch, fewer processes or more episodes."
+            )
+        self._batches = _EpochBatches(sampler, batch_size)
+        self._loader = DataLoader(
+            dataset,
+            batch_sampler=self._batches,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=num_workers > 0,
+            prefetch_factor=2 if num_workers > 0 else None,
+        )
+        self._it = None
+        self.load_state_dict({"epoch": start_epoch, "batch": start_batch})
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        epoch, batch = epoch + batch // self.batches_per_epoch, batch % self.batches_per_epoch
+        self.epoch, self.batch = epoch, batch
+        self._batches.epoch, self._batches.start = epoch, batch
+        self._it = None  # the next __next__ starts a fresh pass (persistent workers drop what they prefetched)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.batch >= self.batches_per_epoch:
+            self.load_state_dict({"epoch": self.epoch + 1, "batch": 0})
+        if self._it is None:
+            self._it = iter(self._loader)
+        try:
+            batch = next(self._it)
+        except StopIteration:  # only if the epoch ended early; move on as the counters say
+            self.load_state_dict({"epoch": self.epoch + 1, "batch": 0})
+            self._it = iter(self._loader)
+            batch = next(self._it)
+        except UserError as e:
+            raise _plain_user_error(e) from None
+        self.batch += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop worker processes now rather than at garbage collection."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        if getattr(self._loader, "_iterator", None) is not None:
+            self._loader._iterator._shutdown_workers()
+            self._loader._iterator = None

@@ -1,0 +1,219 @@
+"""A small, learnable LeRobot-format dataset written offline: 2-D point reaching with the target drawn in the image.
+
+Each episode: a blue dot (the robot) moves at constant speed toward a red target dot; when it gets there a new target
+appears. state = (x, y, vx, vy); action = the next displacement (dx, dy). The target is only visible in the images,
+so a policy has to read the image (and the state) to predict the actions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from opentau_cli.data.images import encode_png
+from opentau_cli.data.stats import feature_stats
+from opentau_cli.errors import UserError
+
+DEMO_VERSION = "v1"
+DEMO_SETTINGS = dict(episodes=30, steps_per_episode=50, cameras=1, fmt="v2.1", seed=0)
+CAMERA_NAMES = ["top", "front", "side", "wrist"]
+IMAGE_SIZE = 64
+FPS = 10
+SPEED = 0.05  # distance moved per step; reaching a target takes 2-20 steps
+TASK = "Move the blue dot to the red target."
+
+
+def camera_name(k: int) -> str:
+    return CAMERA_NAMES[k] if k < len(CAMERA_NAMES) else f"cam{k}"
+
+
+def _draw(pos: np.ndarray, target: np.ndarray, camera: int) -> np.ndarray:
+    """Render the scene for one camera: camera k>0 sees it mirrored/rotated so views differ but agree on the task."""
+    n = IMAGE_SIZE
+    img = np.full((n, n, 3), 235, dtype=np.uint8)
+    yy, xx = np.mgrid[0:n, 0:n]
+    for (x, y), color, radius in ((target, (220, 30, 30), 5), (pos, (30, 60, 220), 4)):
+        if camera % 2 == 1:
+            x = 1.0 - x
+        if camera >= 2:
+            x, y = y, x
+        cx, cy = x * (n - 1), (1.0 - y) * (n - 1)
+        img[(xx - cx) ** 2 + (yy - cy) ** 2 <= radius**2] = color
+    return img
+
+
+def _episode(rng: np.random.Generator, steps: int):
+    """One episode of states, actions, and the (position, target) drawn at each frame."""
+    target = rng.uniform(0.15, 0.85, size=2)
+    pos = rng.uniform(0.05, 0.95, size=2)
+    vel = np.zeros(2)
+    states, actions, scenes = [], [], []
+    for _ in range(steps):
+        delta = target - pos
+        dist = np.linalg.norm(delta)
+        if dist > SPEED:
+            delta *= SPEED / dist
+        states.append(np.concatenate([pos, vel]))
+        actions.append(delta.copy())
+        scenes.append((pos.copy(), target.copy()))
+        vel = delta
+        pos = pos + delta
+        if dist <= SPEED:  # reached: the next target appears (drawn from the next frame on)
+            target = rng.uniform(0.15, 0.85, size=2)
+    return np.array(states, np.float32), np.array(actions, np.float32), scenes
+
+
+def _features(cameras: int) -> dict:
+    feats = {
+        f"observation.images.{camera_name(k)}": {
+            "dtype": "image", "shape": [IMAGE_SIZE, IMAGE_SIZE, 3], "names": ["height", "width", "channel"],
+        }
+        for k in range(cameras)
+    }
+    feats["observation.state"] = {"dtype": "float32", "shape": [4], "names": [["x", "y", "vx", "vy"]]}
+    feats["action"] = {"dtype": "float32", "shape": [2], "names": [["dx", "dy"]]}
+    for name, dtype in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"), ("index", "int64"), ("task_index", "int64")):
+        feats[name] = {"dtype": dtype, "shape": [1], "names": None}
+    return feats
+
+
+def synth_info(episodes: int, steps_per_episode: int, cameras: int, fmt: str) -> dict:
+    """meta/info.json of a synth dataset (also what `check_dataset` uses for @demo before it exists)."""
+    info = {
+        "codebase_version": fmt,
+        "robot_type": "opentau_synth_point_reacher",
+        "total_episodes": episodes,
+        "total_frames": episodes * steps_per_episode,
+        "total_tasks": 1,
+        "total_videos": 0,
+        "total_chunks": 1,
+        "chunks_size": 1000,
+        "fps": FPS,
+        "splits": {"train": f"0:{episodes}"},
+        "features": _features(cameras),
+    }
+    if fmt == "v3.0":
+        info["data_path"] = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+        info["video_path"] = None
+        info["data_files_size_in_mb"] = 100
+    else:
+        info["data_path"] = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
+        info["video_path"] = None
+    return info
+
+
+def _episode_table(ep: int, first_index: int, states, actions, scenes, cameras: int):
+    import pyarrow as pa
+
+    n = len(states)
+    cols = {}
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    for k in range(cameras):
+        cols[f"observation.images.{camera_name(k)}"] = pa.array(
+            [{"bytes": encode_png(_draw(p, t, k)), "path": None} for p, t in scenes], type=image_type
+        )
+    cols["observation.state"] = pa.FixedSizeListArray.from_arrays(pa.array(states.reshape(-1)), 4)
+    cols["action"] = pa.FixedSizeListArray.from_arrays(pa.array(actions.reshape(-1)), 2)
+    cols["timestamp"] = pa.array((np.arange(n) / FPS).astype(np.float32))
+    cols["frame_index"] = pa.array(np.arange(n, dtype=np.int64))
+    cols["episode_index"] = pa.array(np.full(n, ep, dtype=np.int64))
+    cols["index"] = pa.array(np.arange(first_index, first_index + n, dtype=np.int64))
+    cols["task_index"] = pa.array(np.zeros(n, dtype=np.int64))
+    return pa.table(cols)
+
+
+def write_synth(out_dir: str | Path, *, episodes: int = 30, steps_per_episode: int = 50, cameras: int = 1, fmt: str = "v2.1", seed: int = 0) -> Path:
+    """Write the dataset into out_dir (which must not exist or be empty). Same arguments -> same bytes of data."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if fmt not in ("v2.1", "v3.0"):
+        raise UserError(f"--format must be v2.1 or v3.0, not '{fmt}'.")
+    if episodes < 1 or steps_per_episode < 1 or cameras < 0:
+        raise UserError("--episodes and --steps-per-episode must be >= 1 and --cameras >= 0.")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} already exists and is not empty; choose a new directory.")
+    rng = np.random.default_rng(seed)
+    info = synth_info(episodes, steps_per_episode, cameras, fmt)
+    (out / "meta").mkdir(parents=True, exist_ok=True)
+    tables, ep_stats, all_states, all_actions = [], [], [], []
+    for ep in range(episodes):
+        states, actions, scenes = _episode(rng, steps_per_episode)
+        tables.append(_episode_table(ep, ep * steps_per_episode, states, actions, scenes, cameras))
+        all_states.append(states)
+        all_actions.append(actions)
+        ep_stats.append({"observation.state": feature_stats(states), "action": feature_stats(actions)})
+    stats = {"observation.state": feature_stats(np.concatenate(all_states)), "action": feature_stats(np.concatenate(all_actions))}
+    (out / "meta" / "info.json").write_text(json.dumps(info, indent=4))
+    (out / "meta" / "stats.json").write_text(json.dumps(stats, indent=4))
+    if fmt == "v2.1":
+        for ep, table in enumerate(tables):
+            path = out / info["data_path"].format(episode_chunk=0, episode_index=ep)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, path)
+        _write_jsonl(out / "meta" / "episodes.jsonl", [{"episode_index": ep, "tasks": [TASK], "length": steps_per_episode} for ep in range(episodes)])
+        _write_jsonl(out / "meta" / "tasks.jsonl", [{"task_index": 0, "task": TASK}])
+        _write_jsonl(out / "meta" / "episodes_stats.jsonl", [{"episode_index": ep, "stats": s} for ep, s in enumerate(ep_stats)])
+    else:
+        path = out / info["data_path"].format(chunk_index=0, file_index=0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.concat_tables(tables), path)
+        rows = []
+        for ep, s in enumerate(ep_stats):
+            row = {
+                "episode_index": ep, "tasks": [TASK], "length": steps_per_episode,
+                "data/chunk_index": 0, "data/file_index": 0,
+                "dataset_from_index": ep * steps_per_episode, "dataset_to_index": (ep + 1) * steps_per_episode,
+                "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
+            }
+            for feat, fs in s.items():
+                for name, val in fs.items():
+                    row[f"stats/{feat}/{name}"] = [float(v) for v in val]
+            rows.append(row)
+        ep_path = out / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+        ep_path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), ep_path)
+        pq.write_table(pa.table({"task_index": pa.array([0], pa.int64()), "task": [TASK]}), out / "meta" / "tasks.parquet")
+    return out
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OPENTAU_CACHE_DIR") or Path.home() / ".cache" / "opentau")
+
+
+def demo_root() -> Path:
+    return cache_dir() / f"demo-{DEMO_VERSION}"
+
+
+def ensure_demo() -> Path:
+    """The @demo dataset, generated once. Written to a temp sibling and renamed, so racing ranks are safe."""
+    final = demo_root()
+    if (final / "meta" / "info.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        write_synth(tmp, **DEMO_SETTINGS)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "meta" / "info.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def demo_info() -> dict:
+    s = DEMO_SETTINGS
+    return synth_info(s["episodes"], s["steps_per_episode"], s["cameras"], s["fmt"])
