@@ -1,12 +1,19 @@
-"""LeRobot datasets (v2.1 / v3.0), the synthetic demo, and the resumable rank-aware data stream (DESIGN interface 4)."""
+"""LeRobot datasets (v2.1 / v3.0), the synthetic demo, and the resumable rank-aware data stream (DESIGN interface 4).
 
-from opentau_cli.data.build import TrainData, build_data, resolve_dataset_root, split_episodes
-from opentau_cli.data.check import check_dataset
-from opentau_cli.data.dataset import LeRobotDataset
-from opentau_cli.data.sampler import BatchStream, ResumableSampler
-from opentau_cli.data.synth import write_synth
+Names are imported on first use so that `config validate` (which only needs `check_dataset`) does not load torch.
+"""
 
-__all__ = [
-    "BatchStream", "LeRobotDataset", "ResumableSampler", "TrainData", "build_data", "check_dataset",
-    "resolve_dataset_root", "split_episodes", "write_synth",
-]
+import importlib
+
+_WHERE = {
+    "BatchStream": "sampler", "ResumableSampler": "sampler", "LeRobotDataset": "dataset", "TrainData": "build",
+    "build_data": "build", "resolve_dataset_root": "build", "split_episodes": "build", "check_dataset": "check",
+    "write_synth": "synth", "describe_dataset": "info",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"opentau_cli.data.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'opentau_cli.data' has no attribute {name!r}")

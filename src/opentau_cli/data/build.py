@@ -9,7 +9,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from opentau_cli.config.model import DEMO_DATASET, TrainConfig
-from opentau_cli.data.dataset import LeRobotDataset, camera_slots
+from opentau_cli.data.dataset import LeRobotDataset
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.sampler import BatchStream, ResumableSampler
 from opentau_cli.data.synth import ensure_demo

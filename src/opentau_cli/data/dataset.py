@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -10,37 +9,10 @@ import numpy as np
 import torch
 
 from opentau_cli.data.images import decode_image, resize_with_pad
-from opentau_cli.data.meta import DatasetMeta, EpisodeMeta, read_meta
+from opentau_cli.data.meta import EpisodeMeta, camera_slots, read_meta
 from opentau_cli.data.stats import dataset_stats
 from opentau_cli.data.video import VideoFrames
 from opentau_cli.errors import UserError
-
-SLOT_RE = re.compile(r"^camera(\d+)$")
-
-
-def camera_slots(meta: DatasetMeta, camera_keys: dict[str, str], num_cameras: int) -> list[str | None]:
-    """Dataset feature feeding each camera slot (None = slot padded). Raises UserError on a bad mapping."""
-    slots: list[str | None] = [None] * num_cameras
-    if not camera_keys:
-        cams = meta.camera_features
-        if len(cams) > num_cameras:
-            raise UserError(
-                f"the dataset has {len(cams)} cameras ({', '.join(cams)}) but dataset.num_cameras is {num_cameras}: "
-                "raise dataset.num_cameras or choose cameras with dataset.camera_keys."
-            )
-        slots[: len(cams)] = cams
-        return slots
-    for feature, slot in camera_keys.items():
-        m = SLOT_RE.match(slot)
-        if not m or int(m.group(1)) >= num_cameras:
-            raise UserError(f"dataset.camera_keys maps '{feature}' to '{slot}'; slots are camera0..camera{num_cameras - 1}.")
-        if feature not in meta.features:
-            raise UserError(f"dataset.camera_keys names '{feature}', which is not a feature in {meta.root / 'meta/info.json'}.")
-        if meta.features[feature].get("dtype") not in ("image", "video"):
-            raise UserError(f"dataset.camera_keys names '{feature}', which is not an image or video feature.")
-        slots[int(m.group(1))] = feature
-    return slots
-
 
 def column_matrix(table, key: str, path: Path) -> np.ndarray:
     """A vector (fixed-size list / list) or scalar column as float32 (rows, width)."""

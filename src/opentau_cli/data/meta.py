@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,3 +212,30 @@ def _read_v3_tasks(root: Path) -> dict[int, str]:
     if text_col is None or "task_index" not in table.column_names:
         raise UserError(f"{path} needs columns 'task_index' and 'task'.")
     return {int(i): str(t) for i, t in zip(table.column("task_index").to_pylist(), table.column(text_col).to_pylist())}
+
+
+SLOT_RE = re.compile(r"^camera(\d+)$")
+
+
+def camera_slots(meta: DatasetMeta, camera_keys: dict[str, str], num_cameras: int) -> list[str | None]:
+    """Dataset feature feeding each camera slot (None = slot padded). Raises UserError on a bad mapping."""
+    slots: list[str | None] = [None] * num_cameras
+    if not camera_keys:
+        cams = meta.camera_features
+        if len(cams) > num_cameras:
+            raise UserError(
+                f"the dataset has {len(cams)} cameras ({', '.join(cams)}) but dataset.num_cameras is {num_cameras}: "
+                "raise dataset.num_cameras or choose cameras with dataset.camera_keys."
+            )
+        slots[: len(cams)] = cams
+        return slots
+    for feature, slot in camera_keys.items():
+        m = SLOT_RE.match(slot)
+        if not m or int(m.group(1)) >= num_cameras:
+            raise UserError(f"dataset.camera_keys maps '{feature}' to '{slot}'; slots are camera0..camera{num_cameras - 1}.")
+        if feature not in meta.features:
+            raise UserError(f"dataset.camera_keys names '{feature}', which is not a feature in {meta.root / 'meta/info.json'}.")
+        if meta.features[feature].get("dtype") not in ("image", "video"):
+            raise UserError(f"dataset.camera_keys names '{feature}', which is not an image or video feature.")
+        slots[int(m.group(1))] = feature
+    return slots
