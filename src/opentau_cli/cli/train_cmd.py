@@ -6,7 +6,23 @@ from pathlib import Path
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, ConfigPathOpt, handle_errors, not_available
+from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, ConfigPathOpt, handle_errors, warn
+
+
+def _launch(plan) -> None:
+    from opentau_cli import launch
+    from opentau_cli.config.summary import summarize
+
+    for note in plan.checked.warnings:
+        warn(note)
+    for note in plan.notes:
+        typer.echo(note, err=True)
+    typer.echo(summarize(plan.checked).replace("Config OK", "Training"), err=True)
+    if plan.resume_from:
+        typer.echo(f"Resuming from {plan.resume_from}", err=True)
+    code = launch.run(plan, echo=lambda m: typer.echo(m, err=True))
+    if code:
+        raise typer.Exit(code)
 
 
 @handle_errors
@@ -19,7 +35,9 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
 
         opentau-train --config_path=outputs/train/pi05/checkpoints/000040/train_config.json --resume=true --steps=100
     """
-    not_available("Training")
+    from opentau_cli.launch import plan_train
+
+    _launch(plan_train(config_path, accelerate_config, list(ctx.args)))
 
 
 @handle_errors
@@ -36,7 +54,9 @@ def resume(
 
         opentau resume outputs/train/pi05/checkpoints/000040
     """
-    not_available("Resuming")
+    from opentau_cli.launch import plan_resume
+
+    _launch(plan_resume(run_dir, accelerate_config, list(ctx.args)))
 
 
 def register(app: typer.Typer) -> None:

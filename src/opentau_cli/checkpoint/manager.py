@@ -1,0 +1,294 @@
+"""Save and find checkpoints: atomic publish, `last` link, retention, and the checks made before a resume.
+
+Layout (DESIGN.md section 4): `<run>/checkpoints/<step, zero-padded>/` holding what `accelerator.save_state` writes,
+`train_config.json`, `training_state.json` and, written last, `manifest.json`. A save goes to a hidden temp sibling
+`.tmp-<step>-<run id>/`, every rank finishes, rank 0 writes the manifest and renames it into place, then repoints
+`checkpoints/last`. A kill at any instant leaves either the old set of checkpoints or the new one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from opentau_cli.checkpoint.manifest import is_complete, verify_manifest, write_json_atomic, write_manifest
+from opentau_cli.errors import RunError, UserError
+
+CHECKPOINTS = "checkpoints"
+LAST = "last"
+TMP_PREFIX = ".tmp-"
+TRAINING_STATE = "training_state.json"
+TRAIN_CONFIG = "train_config.json"
+# Policy fields that change the shape of the weights: a checkpoint only resumes into the same values.
+ARCHITECTURE_FIELDS = (
+    "type", "preset", "chunk_size", "max_state_dim", "max_action_dim", "image_resolution",
+    "tokenizer_max_length", "discrete_action_loss", "discrete_action_bins",
+)
+
+
+def step_dir_name(step: int, total_steps: int) -> str:
+    return str(step).zfill(max(6, len(str(total_steps))))
+
+
+def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every published (numeric, non-hidden) checkpoint dir, oldest first; completeness not checked."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [(int(p.name), p) for p in ckpt_root.iterdir() if p.name.isdigit() and p.is_dir() and not p.is_symlink()]
+    return sorted(found)
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run (manifest present and matching), or None."""
+    for _, path in reversed(checkpoint_steps(Path(run_dir) / CHECKPOINTS)):
+        if is_complete(path):
+            return path
+    return None
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return (path / TRAINING_STATE).is_file() or (path / "manifest.json").is_file()
+
+
+def find_checkpoint(target: Path) -> Path:
+    """A checkpoint dir given a run dir (its newest complete checkpoint), its checkpoints/ dir, or a checkpoint dir."""
+    target = Path(target)
+    if not target.exists():
+        raise UserError(f"'{target}' does not exist: pass a run directory (e.g. outputs/train/pi05) or one of its checkpoints.")
+    if not target.is_dir():
+        raise UserError(f"'{target}' is not a directory: pass a run directory or a checkpoint directory.")
+    if is_checkpoint_dir(target):
+        return target.resolve()
+    run_dir = target.parent if target.name == CHECKPOINTS else target
+    found = latest(run_dir)
+    if found is None:
+        if checkpoint_steps(run_dir / CHECKPOINTS):
+            raise UserError(
+                f"No complete checkpoint in '{run_dir / CHECKPOINTS}' (every one fails its manifest); "
+                f"see `opentau checkpoint list {run_dir}`."
+            )
+        raise UserError(
+            f"No checkpoint found in '{target}': expected {run_dir / CHECKPOINTS}/<step>/; "
+            "start a new run with `opentau train` instead."
+        )
+    return found.resolve()
+
+
+def run_dir_of(ckpt_dir: Path) -> Path:
+    """<run>/checkpoints/<step> -> <run>."""
+    return ckpt_dir.parent.parent if ckpt_dir.parent.name == CHECKPOINTS else ckpt_dir.parent
+
+
+def read_training_state(ckpt_dir: Path) -> dict:
+    try:
+        return json.loads((ckpt_dir / TRAINING_STATE).read_text())
+    except (OSError, ValueError):
+        raise UserError(f"Checkpoint '{ckpt_dir}' has no readable {TRAINING_STATE}; it was not written by opentau train.") from None
+
+
+def check_resumable(ckpt_dir: Path, cfg, setup) -> dict:
+    """Refuse (UserError, nothing loaded) a checkpoint that is damaged or does not fit this launch; returns its state.
+
+    The manifest is checked first, so library loaders that unpickle (Accelerate's RNG .pkl, optimizer.bin,
+    DeepSpeed's .pt) only ever see files it vouches for.
+    """
+    problems = verify_manifest(ckpt_dir)
+    if problems:
+        shown = "; ".join(str(p) for p in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' fails its manifest ({shown}); nothing was loaded. Resume from an earlier "
+            f"checkpoint (see `opentau checkpoint list {run_dir_of(ckpt_dir)}`)."
+        )
+    state = read_training_state(ckpt_dir)
+    saved_backend, saved_stage = state.get("backend"), state.get("zero_stage")
+    saved_ds = saved_backend == "deepspeed"
+    if saved_ds and setup.backend != "deepspeed":
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' holds DeepSpeed ZeRO-{saved_stage} shards and this launch is {setup.label}: resume "
+            "with the same DeepSpeed accelerate config, or run `opentau checkpoint consolidate` on it and start a new run "
+            "with --policy.pretrained_path=<ckpt>/model.safetensors."
+        )
+    if not saved_ds and setup.backend == "deepspeed":
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' was saved by {saved_backend} training and this launch is {setup.label}: resume with "
+            f"the same backend, or start a new run with --policy.pretrained_path={ckpt_dir / 'model.safetensors'}."
+        )
+    if saved_ds and saved_stage != setup.zero_stage:
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' was saved under ZeRO-{saved_stage} and this launch is ZeRO-{setup.zero_stage}: "
+            "resume with the same ZeRO stage."
+        )
+    if state.get("world_size") != setup.world_size:
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' was saved by {state.get('world_size')} processes and this launch has "
+            f"{setup.world_size}: the data order and per-rank random state would not continue the run. Resume with "
+            f"{state.get('world_size')} processes, or start a new run from its weights with --policy.pretrained_path."
+        )
+    try:
+        saved_cfg = json.loads((ckpt_dir / TRAIN_CONFIG).read_text())
+    except (OSError, ValueError):
+        raise UserError(f"Checkpoint '{ckpt_dir}' has no readable {TRAIN_CONFIG}.") from None
+    saved_policy = saved_cfg.get("policy", {})
+    now_policy = cfg.policy.model_dump(mode="json")
+    diffs = [f"policy.{k}: checkpoint {saved_policy.get(k)!r}, now {now_policy.get(k)!r}"
+             for k in ARCHITECTURE_FIELDS if saved_policy.get(k) != now_policy.get(k)]
+    if diffs:
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' does not fit this config ({'; '.join(diffs)}); resume with the checkpoint's own "
+            f"{TRAIN_CONFIG}, or start a new run with --policy.pretrained_path."
+        )
+    if state.get("step", 0) >= cfg.steps:
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' is at step {state.get('step')} and the run has steps={cfg.steps}: "
+            f"pass a larger --steps to train further."
+        )
+    return state
+
+
+def clean_leftovers(run_dir: Path) -> list[Path]:
+    """Remove `.tmp-*` dirs of saves that were interrupted (they never passed as checkpoints)."""
+    root = Path(run_dir) / CHECKPOINTS
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(TMP_PREFIX) or p.name.startswith(".old-"):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def point_last(ckpt_root: Path, name: str) -> None:
+    """Atomically repoint `checkpoints/last` (relative symlink; a pointer file where links are not possible)."""
+    link = ckpt_root / LAST
+    tmp = ckpt_root / f".last-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(name, tmp)
+    except OSError:
+        tmp.write_text(name + "\n")
+    os.replace(tmp, link)
+
+
+def describe_os_error(e: OSError) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "the disk is full (or a file size limit was hit)"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "the output directory is not writable"
+    return e.strerror or str(e)
+
+
+class CheckpointManager:
+    """Saves checkpoints for one run. Every rank calls `save`; rank 0 publishes; retention runs after publishing.
+
+    `accelerator` needs save_state / load_state / wait_for_everyone / is_main_process / reduce.
+    """
+
+    def __init__(self, accelerator, run_dir: Path, *, total_steps: int, run_id: str, keep_last: int | None = None,
+                 protect: Path | None = None, enabled: bool = True):
+        self.accelerator = accelerator
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / CHECKPOINTS
+        self.total_steps = total_steps
+        self.run_id = run_id
+        self.keep_last = keep_last
+        self.protect = Path(protect).resolve() if protect else None
+        self.enabled = enabled
+        self.last_saved: Path | None = None
+
+    def save(self, step: int, *, config: dict, state: dict) -> Path | None:
+        """Write checkpoint `step` atomically. Raises RunError (on every rank) when it cannot be written."""
+        if not self.enabled:
+            return None
+        acc = self.accelerator
+        name = step_dir_name(step, self.total_steps)
+        tmp = self.root / f"{TMP_PREFIX}{name}-{self.run_id}"
+        final = self.root / name
+        error = self._all_ranks(lambda: self._write(tmp, config, state, final))
+        if not error:
+            error = self._all_ranks(lambda: self._publish(tmp, final, name) if acc.is_main_process else None)
+        if error:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = latest(self.run_dir)
+            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+            raise RunError(f"Could not save the checkpoint of step {step} under {self.root}: {error}; {kept}.")
+        self.last_saved = final
+        if acc.is_main_process:
+            self._retain()
+        return final
+
+    def load(self, ckpt_dir: Path) -> dict:
+        """Restore model, optimizer, scheduler and RNG (every rank); returns training_state.json's contents."""
+        self.accelerator.load_state(str(ckpt_dir))
+        return json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
+
+    # Internals.
+
+    def _all_ranks(self, fn) -> str | None:
+        """Run fn on this rank; every rank learns whether any rank failed (no rank is left waiting in a barrier)."""
+        import torch
+
+        message = None
+        try:
+            fn()
+        except OSError as e:
+            message = describe_os_error(e)
+        failed = torch.tensor([1.0 if message else 0.0], device=self.accelerator.device)
+        failed = self.accelerator.reduce(failed, reduction="sum")
+        if failed.item() and message is None:
+            message = "another rank could not write its part"
+        return message
+
+    def _write(self, tmp: Path, config: dict, state: dict, final: Path) -> None:
+        acc = self.accelerator
+        if acc.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp), safe_serialization=True)
+        if acc.is_main_process:
+            cfg = dict(config)
+            cfg["config_path"] = str(final / TRAIN_CONFIG)  # the config points at itself once published
+            write_json_atomic(tmp / TRAIN_CONFIG, cfg)
+            write_json_atomic(tmp / TRAINING_STATE, dict(state, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+        acc.wait_for_everyone()
+
+    def _publish(self, tmp: Path, final: Path, name: str) -> None:
+        write_manifest(tmp)  # last: its presence says every other file is complete
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # e.g. resumed from an earlier step: the new save replaces a stale one of the same step
+            old = self.root / f".old-{name}-{self.run_id}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        point_last(self.root, name)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _retain(self) -> None:
+        """Keep the newest `keep_last` complete checkpoints; never the one this run resumed from."""
+        if not self.keep_last:
+            return
+        complete = [p for _, p in checkpoint_steps(self.root) if is_complete(p)]
+        for path in complete[: max(0, len(complete) - self.keep_last)]:
+            if self.protect is not None and path.resolve() == self.protect:
+                continue
+            shutil.rmtree(path, ignore_errors=True)

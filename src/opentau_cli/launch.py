@@ -1,0 +1,296 @@
+"""Build and run `accelerate launch` on the training worker: CPU recipes, logs, exit codes and signals.
+
+The launcher is the only process the user talks to. It validates (the same rules as `config validate`), checks a
+resume target before anything is spawned, writes the resolved config and an Accelerate YAML with the CPU recipes of
+DESIGN.md section 3 applied into `<output_dir>/logs/<timestamp>/`, then runs the workers and maps their outcome to
+exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log path), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from opentau_cli.checkpoint.manager import check_resumable, clean_leftovers, find_checkpoint, read_training_state, run_dir_of
+from opentau_cli.config import AccelerateSetup, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, validate
+from opentau_cli.config.rules import cuda_is_available
+from opentau_cli.errors import RunError, UserError
+
+WORKER_MODULE = "opentau_cli.train.worker"
+# Signals that mean "finish the current step, save, exit 0" (cluster preemption).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class RunPlan:
+    """Everything a launch needs, decided before any process starts."""
+
+    checked: Validated
+    resume_from: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.checked.config
+
+    @property
+    def setup(self) -> AccelerateSetup:
+        return self.checked.accelerate
+
+
+def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str]) -> RunPlan:
+    """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest)."""
+    overrides = parse_overrides(args)
+    cfg = load_config(config_path, overrides)
+    if not cfg.resume:
+        setup = resolve_accelerate_config(accelerate_config)
+        return RunPlan(checked=check_machine(validate(cfg, setup)))
+    source = Path(cfg.config_path).parent if cfg.config_path else None
+    if source is not None and (source / "training_state.json").is_file():
+        ckpt = find_checkpoint(source)
+    else:
+        ckpt = find_checkpoint(cfg.output_dir)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides)
+
+
+def plan_resume(target: Path, accelerate_config: Path | None, args: list[str]) -> RunPlan:
+    """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
+    ckpt = find_checkpoint(target)
+    overrides = parse_overrides(args)
+    cfg = load_config(ckpt / "train_config.json", {**overrides, "resume": "true"})
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides)
+
+
+def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict) -> RunPlan:
+    notes = []
+    if "output_dir" not in overrides:
+        cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
+    if accelerate_config is not None:
+        setup = resolve_accelerate_config(accelerate_config)
+    else:
+        # The launch the checkpoint was saved under, so `opentau resume RUN` needs no flags.
+        saved = read_training_state(ckpt).get("accelerate")
+        if not saved:
+            raise UserError(f"Checkpoint '{ckpt}' does not record its launch; pass --accelerate-config.")
+        from opentau_cli.train.trainer import setup_from_dict
+
+        setup = setup_from_dict(saved)
+        notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
+    checked = check_machine(validate(cfg, setup))
+    check_resumable(ckpt, checked.config, setup)
+    return RunPlan(checked=checked, resume_from=ckpt, notes=notes)
+
+
+def check_machine(checked: Validated) -> Validated:
+    """Refuse what cannot sensibly run here: the full 3.3B preset without a GPU."""
+    cfg = checked.config
+    if cfg.policy.preset == "pi05" and not cuda_is_available():
+        raise UserError(
+            "The pi05 preset (~3.3B parameters) needs CUDA GPUs: no GPU is visible, and on CPU it would need about "
+            "55 GB of memory and minutes per step. On this machine use configs/examples/pi05_tiny_config.json "
+            "(or --policy.preset=pi05_small)."
+        )
+    return checked
+
+
+def free_port() -> int:
+    """An unused TCP port so parallel runs on one machine do not collide on Accelerate's default 29500."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool) -> dict:
+    """The Accelerate config we hand to `accelerate launch`, with DESIGN.md section 3's CPU recipes applied.
+
+    On CPU, DDP must go through the multi-GPU (torchrun) launcher: `use_cpu: true` / MULTI_CPU would make Accelerate
+    fall back to one process. The worker then creates `Accelerator(cpu=True)`, which runs MULTI_CPU over gloo.
+    """
+    multi = setup.world_size > 1
+    out: dict = {
+        "compute_environment": "LOCAL_MACHINE",
+        "num_processes": setup.num_processes,
+        "num_machines": setup.num_machines,
+        "machine_rank": setup.machine_rank,
+        "mixed_precision": setup.mixed_precision,
+        "use_cpu": False,
+        "same_network": True,
+        "rdzv_backend": "static",
+        "dynamo_config": {"dynamo_backend": "NO"},  # the worker compiles the policy itself when asked
+    }
+    if setup.backend == "deepspeed":
+        out["distributed_type"] = "DEEPSPEED"
+        out["deepspeed_config"] = {
+            "zero_stage": setup.zero_stage,
+            # The config wins over the YAML (rules.py warned about any disagreement).
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "gradient_clipping": cfg.optimizer.grad_clip_norm,
+            "offload_optimizer_device": setup.ds_offload_optimizer_device or "none",
+            "offload_param_device": setup.ds_offload_param_device or "none",
+            "zero3_init_flag": setup.zero_stage == 3,
+            "zero3_save_16bit_model": False,
+        }
+    elif multi:
+        out["distributed_type"] = "MULTI_GPU"
+        if cuda:
+            out["gpu_ids"] = "all"
+    else:
+        out["distributed_type"] = "NO"
+    if multi or setup.backend == "deepspeed":
+        out["main_process_port"] = setup.main_process_port or (free_port() if setup.num_machines == 1 else 29500)
+        if setup.main_process_ip:
+            out["main_process_ip"] = setup.main_process_ip
+    return out
+
+
+def worker_env(setup: AccelerateSetup, cuda: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    if setup.backend == "deepspeed" and not cuda:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator; the worker uses gloo
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, setup.num_processes // setup.num_machines))))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def new_log_dir(output_dir: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = output_dir / "logs" / stamp
+    path, n = base, 1
+    while path.exists():
+        path, n = base.with_name(f"{stamp}-{n}"), n + 1
+    path.mkdir(parents=True)
+    return path
+
+
+def prepare_output_dir(plan: RunPlan) -> None:
+    """Create the run dir; with --overwrite on a fresh run, drop the old run's results so they never mix."""
+    cfg = plan.config
+    if cfg.overwrite and not cfg.resume and cfg.output_dir.is_dir():
+        for name in ("checkpoints", "metrics.jsonl", "tensorboard"):
+            p = cfg.output_dir / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, Path, Path]:
+    cfg_path = log_dir / "train_config.json"
+    cfg_path.write_text(json.dumps(plan.config.to_json_dict(), indent=2) + "\n")
+    accel_path = log_dir / "accelerate_config.yaml"
+    accel_path.write_text(yaml.safe_dump(accelerate_yaml(plan.setup, plan.config, cuda), sort_keys=False))
+    launch_path = log_dir / "launch.json"
+    launch = {
+        "accelerate": plan.setup.to_dict(),
+        "resume_from": str(plan.resume_from) if plan.resume_from else None,
+        "log_dir": str(log_dir),
+        "run_id": log_dir.name,
+    }
+    launch_path.write_text(json.dumps(launch, indent=2) + "\n")
+    return cfg_path, accel_path, launch_path
+
+
+def build_command(accel_path: Path, cfg_path: Path, launch_path: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_path),
+        "-m", WORKER_MODULE, "--config", str(cfg_path), "--launch", str(launch_path),
+    ]
+
+
+def _worker_processes(launcher_pid: int) -> list:
+    import psutil
+
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for child in children:
+        try:
+            if WORKER_MODULE in " ".join(child.cmdline()):
+                out.append(child)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def failed_log(log_dir: Path) -> tuple[Path, str]:
+    """The rank log that holds the failure (the first with a traceback; rank 0 otherwise) and its last line."""
+    logs = sorted(log_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
+    for log in logs:
+        text = log.read_text(errors="replace")
+        if "Traceback" in text or "Error:" in text:
+            lines = [ln for ln in text.splitlines() if ln.strip()]
+            return log, lines[-1].strip() if lines else ""
+    return (logs[0] if logs else log_dir), ""
+
+
+def find_user_error(log_dir: Path) -> str | None:
+    """A rank that stopped on bad input (e.g. found in the data only once loaded) says so with a marked line."""
+    from opentau_cli.train.worker import USER_ERROR_MARK
+
+    for log in sorted(log_dir.glob("rank*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(USER_ERROR_MARK):
+                return line[len(USER_ERROR_MARK):]
+    return None
+
+
+def run(plan: RunPlan, *, echo=print) -> int:
+    """Launch the workers and wait. Returns 0 or 130; raises RunError when a worker failed."""
+    cuda = cuda_is_available()
+    prepare_output_dir(plan)
+    clean_leftovers(plan.config.output_dir)
+    log_dir = new_log_dir(plan.config.output_dir)
+    cfg_path, accel_path, launch_path = write_launch_files(plan, log_dir, cuda)
+    cmd = build_command(accel_path, cfg_path, launch_path)
+    echo(f"Logs: {log_dir}/rank<N>.log")
+
+    proc = subprocess.Popen(cmd, env=worker_env(plan.setup, cuda))
+    interrupted = False
+
+    def preempt(signum, _frame):
+        # Workers (not torchrun, which would kill them) get the signal: they finish the step, save, and exit 0.
+        for worker in _worker_processes(proc.pid):
+            try:
+                worker.send_signal(signum)
+            except Exception:
+                pass
+
+    def interrupt(_signum, _frame):
+        nonlocal interrupted
+        interrupted = True
+        try:
+            proc.send_signal(signal.SIGINT)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, preempt) for s in PREEMPT_SIGNALS}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if interrupted:
+        return 130
+    if rc != 0:
+        user_error = find_user_error(log_dir)
+        if user_error:
+            raise UserError(user_error)
+        log, last = failed_log(log_dir)
+        reason = f": {last}" if last else f" (exit code {rc})"
+        raise RunError(f"Training failed{reason}. Full log: {log}")
+    return 0

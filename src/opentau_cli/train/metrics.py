@@ -1,0 +1,110 @@
+"""Rank 0's training log: metrics.jsonl, TensorBoard (through Accelerate's tracker) and a progress display."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import IO
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop records past the checkpoint's step (logged by a run that died after it), so steps never repeat."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    tmp.replace(path)
+
+
+class Progress:
+    """A rich bar on a terminal; plain `step N/T ...` lines otherwise (logs, CI)."""
+
+    def __init__(self, total: int, start: int, console: IO | None, mode: str):
+        self.total, self.start = total, start
+        self.console = console
+        self._bar = None
+        self._t0 = time.perf_counter()
+        if console is None:
+            return
+        rich = mode == "rich" or (mode == "auto" and console.isatty())
+        if rich:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+
+            self._bar = RichProgress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(), console=Console(file=console, force_terminal=True),
+            )
+            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+            self._bar.start()
+
+    def update(self, step: int, record: dict | None) -> None:
+        if self.console is None:
+            return
+        if self._bar is not None:
+            info = f"loss {record['loss']:.4f}  {record['samples_per_s']:.1f} samples/s" if record else None
+            self._bar.update(self._task, completed=step, **({"info": info} if info else {}))
+        elif record is not None:
+            done = step - self.start
+            eta = (time.perf_counter() - self._t0) / max(done, 1) * (self.total - step)
+            self.console.write(
+                f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.3g}  "
+                f"grad_norm {record['grad_norm']:.3g}  {record['samples_per_s']:.1f} samples/s  ETA {format_eta(eta)}\n"
+            )
+            self.console.flush()
+
+    def message(self, text: str) -> None:
+        if self.console is None:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            self.console.write(text + "\n")
+            self.console.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class MetricsLogger:
+    """Writes each record as one JSON line (rank 0 only) and to TensorBoard via `accelerator.log`."""
+
+    def __init__(self, accelerator, path: Path, *, tensorboard: bool):
+        self.accelerator = accelerator
+        self.enabled = accelerator.is_main_process
+        self.path = path
+        self.tensorboard = tensorboard
+        self._file = open(path, "a") if self.enabled else None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.tensorboard:
+            prefix = "val/" if record.get("kind") == "val" else "train/"
+            values = {prefix + k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step",)}
+            self.accelerator.log(values, step=record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

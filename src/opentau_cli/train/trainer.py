@@ -1,0 +1,332 @@
+"""What every rank builds (Accelerator, data, policy, AdamW, cosine schedule) and one training step.
+
+`build_trainer` is shared by `opentau train` (through the worker's `fit`) and `opentau profile` (which calls
+`run_steps` with a PhaseTimer and no checkpoints), so both time and run exactly the same code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.profiling.phases import PhaseTimer
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up, then cosine from lr down to decay_lr over decay_steps (default: the run's steps)."""
+    sched, base = cfg.scheduler, cfg.optimizer.lr
+    warmup, final = sched.warmup_steps, sched.decay_lr / base
+    decay_steps = sched.decay_steps or cfg.steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if sched.type == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+        return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def make_accelerator(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=None):
+    """An Accelerator for this backend, with the CPU recipes of DESIGN.md section 3 when CUDA is absent."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+    cuda = torch.cuda.is_available()
+    kwargs: dict = dict(
+        mixed_precision=setup.mixed_precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        # One scheduler step per optimizer step (Accelerate would otherwise step it num_processes times).
+        step_scheduler_with_optimizer=False,
+    )
+    if tensorboard_dir is not None:
+        kwargs.update(log_with="tensorboard", project_config=ProjectConfiguration(project_dir=str(cfg.output_dir), logging_dir=str(tensorboard_dir)))
+    if setup.backend == "deepspeed":
+        if not cuda:
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    else:
+        kwargs["cpu"] = not cuda  # under torchrun this is MULTI_CPU over gloo, with the launcher's world size
+    accelerator = Accelerator(**kwargs)
+    if setup.backend == "deepspeed":
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        # We do not hand the DataLoader to prepare(), so DeepSpeed cannot infer the micro-batch.
+        ds["train_micro_batch_size_per_gpu"] = cfg.per_device_batch_size
+        ds["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+        ds["train_batch_size"] = cfg.per_device_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
+        if cfg.optimizer.grad_clip_norm > 0:
+            ds["gradient_clipping"] = cfg.optimizer.grad_clip_norm
+        else:
+            ds.pop("gradient_clipping", None)
+    return accelerator
+
+
+def is_zero3(accelerator) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def init_context(accelerator, cfg: TrainConfig):
+    """ZeRO-3 builds the model inside deepspeed.zero.Init so every parameter is partitioned as it is created."""
+    if not is_zero3(accelerator):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    ds = dict(accelerator.state.deepspeed_plugin.deepspeed_config)
+    zero = dict(ds.get("zero_optimization", {}))
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.per_device_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "zero_optimization": zero,
+        "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+    }
+    return deepspeed.zero.Init(config_dict_or_path=config)
+
+
+def model_dtype(accelerator) -> torch.dtype | None:
+    """DeepSpeed holds bf16 weights under bf16, so float inputs must be cast; DDP uses autocast (fp32 weights)."""
+    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16":
+        return torch.bfloat16
+    return None
+
+
+def to_device(batch: dict, device, dtype: torch.dtype | None) -> dict:
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device, non_blocking=True)
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+        out[k] = v
+    return out
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with, plus the tiny state that survives a resume (step, samples seen)."""
+
+    cfg: TrainConfig
+    setup: AccelerateSetup
+    accelerator: object
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    data: object
+    step: int = 0
+    samples_seen: int = 0
+    _sums: dict = field(default_factory=dict)
+    _logged_steps: int = 0
+    _grad_norm: float = float("nan")
+    _train_time: float = 0.0
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.accelerator.num_processes
+
+    def next_batch(self) -> dict:
+        # The DataLoader draws a seed from the global torch RNG whenever it starts an iterator (first batch, new epoch,
+        # after a resume); forking keeps those draws out of the model's random stream so a resumed run matches.
+        with torch.random.fork_rng(devices=[]):
+            batch = next(self.data.stream)
+        return to_device(batch, self.accelerator.device, model_dtype(self.accelerator))
+
+    def train_step(self, timer: PhaseTimer | None = None) -> None:
+        """One optimizer step: gradient_accumulation_steps micro-batches, clip, AdamW, schedule, zero_grad."""
+        timer = timer or PhaseTimer(False)
+        start = time.perf_counter()
+        acc, accum = self.accelerator, self.cfg.gradient_accumulation_steps
+        self.model.train()
+        for _ in range(accum):
+            with timer.phase("data"):
+                batch = self.next_batch()
+            with acc.accumulate(self.model):
+                with timer.phase("forward"):
+                    out = self.model(batch)
+                with timer.phase("backward"):
+                    acc.backward(out["loss"])  # under DeepSpeed this also clips and steps at the boundary
+                for k, v in out.items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 0:
+                        self._sums[k] = self._sums.get(k, 0.0) + v.detach().float() / accum
+                if acc.sync_gradients:
+                    with timer.phase("optimizer"):
+                        self._grad_norm = self.clip_gradients()
+                        self.optimizer.step()
+                    with timer.phase("zero_grad_sched"):
+                        self.scheduler.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+        timer.end_step()
+        self._train_time += time.perf_counter() - start
+        self.step += 1
+        self._logged_steps += 1
+        self.samples_seen += self.global_batch
+
+    def clip_gradients(self) -> float:
+        clip = self.cfg.optimizer.grad_clip_norm
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = self.accelerator.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if norm is None:
+            return float("nan")
+        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+    def collect_metrics(self) -> dict:
+        """Mean of each loss term over the steps since the last call, averaged over ranks (a collective).
+
+        samples_per_s counts training steps only (not validation or checkpoint time)."""
+        acc = self.accelerator
+        names = sorted(self._sums)
+        local = torch.stack([torch.as_tensor(self._sums[n], dtype=torch.float32) for n in names]).to(acc.device)
+        mean = acc.reduce(local, reduction="mean") / max(1, self._logged_steps)
+        record = {"kind": "train", "step": self.step}
+        record.update({n: float(v) for n, v in zip(names, mean.tolist())})
+        record["lr"] = float(self.scheduler.get_last_lr()[0])
+        record["grad_norm"] = self._grad_norm
+        record["samples_per_s"] = self._logged_steps * self.global_batch / max(self._train_time, 1e-9)
+        record["samples_seen"] = self.samples_seen
+        self._sums, self._logged_steps, self._train_time = {}, 0, 0.0
+        return record
+
+    @torch.no_grad()
+    def validate(self) -> dict | None:
+        """Loss over the held-out episodes on every rank (ZeRO-3 needs every rank in every forward), reduced."""
+        acc, loader = self.accelerator, self.data.val_loader
+        cap = self.cfg.validation.max_batches
+        mine = len(loader) if loader is not None else 0
+        if cap:
+            mine = min(mine, cap)
+        n = int(min_over_ranks(acc, mine))
+        if n == 0:
+            return None
+        self.model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        # A fixed seed per rank: comparable numbers across evaluations, and the training random stream is untouched.
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(self.cfg.seed + 7 * acc.process_index + 1)
+            it = iter(loader)
+            for _ in range(n):
+                batch = to_device(next(it), acc.device, model_dtype(acc))
+                out = self.model(batch)
+                for k, v in out.items():
+                    if isinstance(v, torch.Tensor) and v.dim() == 0:
+                        sums[k] = sums.get(k, 0.0) + v.detach().float()
+        self.model.train()
+        names = sorted(sums)
+        total = acc.reduce(torch.stack([sums[k] for k in names]).to(acc.device), reduction="mean") / n
+        record = {"kind": "val", "step": self.step, "val_batches": n * acc.num_processes}
+        record.update({f"val_{k}": float(v) for k, v in zip(names, total.tolist())})
+        return record
+
+    def state_dict(self) -> dict:
+        from opentau_cli import __version__
+
+        import accelerate
+        import transformers
+
+        versions = {"opentau": __version__, "torch": torch.__version__, "accelerate": accelerate.__version__,
+                    "transformers": transformers.__version__}
+        if self.setup.backend == "deepspeed":
+            import deepspeed
+
+            versions["deepspeed"] = deepspeed.__version__
+        return {
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "sampler": self.data.stream.state_dict(),
+            "world_size": self.accelerator.num_processes,
+            "backend": self.setup.backend,
+            "zero_stage": self.setup.zero_stage if self.setup.backend == "deepspeed" else None,
+            "mixed_precision": self.setup.mixed_precision,
+            "preset": self.cfg.policy.preset,
+            "seed": self.cfg.seed,
+            "accelerate": self.setup.to_dict(),
+            "versions": versions,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state.get("samples_seen", 0))
+        self.data.stream.load_state_dict(state["sampler"])
+
+
+def min_over_ranks(accelerator, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def any_rank(accelerator, flag: bool) -> bool:
+    """True when flag is set on any rank (a collective: every rank must call it at the same point)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+
+
+def build_policy_model(cfg: TrainConfig, stats: dict, accelerator) -> torch.nn.Module:
+    from opentau_cli.policies import build_policy, load_pretrained
+
+    with init_context(accelerator, cfg):
+        model = build_policy(cfg.policy, stats)
+    if cfg.policy.pretrained_path is not None:
+        if is_zero3(accelerator):
+            import deepspeed
+
+            # Partitioned parameters: gather them, let rank 0 load, and DeepSpeed re-partitions on exit.
+            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+                if accelerator.is_main_process:
+                    load_pretrained(model, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict)
+        else:
+            load_pretrained(model, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict)
+    if cfg.policy.use_torch_compile and not is_zero3(accelerator):
+        model.compile()  # in place: state_dict keys stay those of the plain module
+    return model
+
+
+def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=None) -> Trainer:
+    """Build everything a rank trains with. Order is fixed (seed, data, model, optimizer, prepare, per-rank seed) so
+    that a resumed run draws random numbers exactly as the original did."""
+    from accelerate.utils import set_seed
+
+    from opentau_cli.data import build_data
+
+    accelerator = make_accelerator(cfg, setup, tensorboard_dir=tensorboard_dir)
+    set_seed(cfg.seed)  # same initial weights on every rank and every backend
+    data = build_data(cfg, accelerator.process_index, accelerator.num_processes)
+    model = build_policy_model(cfg, data.stats, accelerator)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
+    return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, data=data)
+
+
+def run_steps(cfg: TrainConfig, setup: AccelerateSetup, steps: int, timer: PhaseTimer, *, warmup: int = 0) -> Trainer:
+    """For `opentau profile`: build exactly what train builds and run warmup + steps steps, no checkpoints.
+
+    The timer is reset after the warm-up steps, so `timer.steps` holds only the measured ones.
+    """
+    trainer = build_trainer(cfg, setup)
+    for i in range(warmup + steps):
+        if i == warmup:
+            timer.reset()
+        trainer.train_step(timer)
+    return trainer
+
+
+def setup_from_dict(d: dict) -> AccelerateSetup:
+    d = dict(d)
+    d["path"] = None if d.get("path") is None else os.fspath(d["path"])
+    from pathlib import Path
+
+    if d["path"] is not None:
+        d["path"] = Path(d["path"])
+    return AccelerateSetup(**d)
