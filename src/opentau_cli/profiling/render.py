@@ -102,3 +102,23 @@ def dataloader_table(report: dict) -> Table:
     table.add_row("batch wait p95 ms", _ms(wait["p95_s"]))
     table.add_row("num_workers", str(report["num_workers"]))
     return table
+
+
+def max_batch_table(results: list[dict]) -> Table:
+    table = Table(title="Largest per-device batch that fits")
+    table.add_column("accelerate config")
+    table.add_column("backend")
+    for col in ("procs", "max batch / device", "first OOM", "samples/s", "peak memory / rank"):
+        table.add_column(col, justify="right")
+    for r in results:
+        best = str(r["max_per_device_batch"]) + (" (cap)" if r["capped_by_max_batch"] else "")
+        table.add_row(
+            r["accelerate_config"] or "default",
+            r["backend"],
+            str(r["world_size"]),
+            best,
+            str(r["first_oom_batch"] or "-"),
+            f"{r['samples_per_s']:.2f}" if r["samples_per_s"] else "n/a",
+            fmt_bytes(r["peak_memory_bytes"]),
+        )
+    return table

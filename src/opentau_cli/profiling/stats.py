@@ -43,8 +43,9 @@ PEAK_FLOPS_BF16 = {
 # Where each backend's time lands, said next to the table (the phase names alone would mislead under DeepSpeed).
 ACCOUNTING_NOTES = {
     "deepspeed": (
-        "DeepSpeed: 'optimizer step' is engine.step(), which does unscale, gradient clipping, the optimizer step and "
-        "(ZeRO) the parameter update/all-gather; 'backward' includes the gradient reduce-scatter."
+        "DeepSpeed: Accelerate's backward() runs engine.backward() (incl. the gradient reduce-scatter / all-reduce) "
+        "and then engine.step() (unscale, gradient clipping, the optimizer step, the ZeRO parameter update); "
+        "opentau profile times engine.step() and reports it as 'optimizer step', so 'backward' is engine.backward() alone."
     ),
     "ddp": "DDP: the gradient all-reduce overlaps with backward and is counted in 'backward'.",
     "single": "Single process: no gradient communication.",

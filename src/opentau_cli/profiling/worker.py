@@ -1,0 +1,167 @@
+"""The per-rank profile process: `python -m opentau_cli.profiling.worker --config ... --launch ...` (via the launcher).
+
+It builds exactly what `train` builds (TRAIN's `build_trainer`) and runs TRAIN's `train_step` with a timer, metric
+gathering every log_freq steps like `train` does, and no checkpoints. Then every rank's timings go to rank 0, which
+writes them to <output_dir>/profile_result.json. A rank that runs out of memory writes profile_oom_rank<N>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from opentau_cli.profiling.flops import FlopCountingTimer
+
+
+class ProfileTimer(FlopCountingTimer):
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Re-attribute time measured inside phase `src` to `dst` (both stay inside the same step)."""
+        if self.enabled:
+            self._current[src] = self._current.get(src, 0.0) - seconds
+            self._current[dst] = self._current.get(dst, 0.0) + seconds
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def limit_memory(limit: int | None) -> None:
+    """--memory-limit: cap this process's data segment, so an allocation past it fails like a GPU OOM."""
+    if limit:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def time_deepspeed_step(trainer, timer: ProfileTimer) -> bool:
+    """Accelerate's backward() runs DeepSpeed's engine.step() (clip, optimizer step, ZeRO update) at the boundary;
+    time it and report it as 'optimizer' instead of 'backward'. Only timing is added; the call is unchanged."""
+    wrapped = getattr(trainer.accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None:
+        return False
+    engine = wrapped.engine
+    original = engine.step
+
+    def timed_step(*args, **kwargs):
+        if timer._sync is not None:
+            timer._sync()
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if timer._sync is not None:
+                timer._sync()
+            timer.move("backward", "optimizer", time.perf_counter() - start)
+
+    engine.step = timed_step
+    return True
+
+
+def gather(accelerator, item: dict) -> list[dict]:
+    if accelerator.num_processes == 1:
+        return [item]
+    import torch.distributed as dist
+
+    out: list = [None] * accelerator.num_processes
+    dist.all_gather_object(out, item)
+    return out
+
+
+def profile(cfg, setup, request: dict) -> dict | None:
+    import torch
+
+    from opentau_cli.profiling.stats import rank_result
+    from opentau_cli.train.trainer import build_trainer
+
+    warmup, steps = request["warmup"], request["steps"]
+    cuda = torch.cuda.is_available()
+    count_step = 0 if request.get("count_flops") and warmup > 0 else None
+    timer = ProfileTimer(enabled=True, sync=torch.cuda.synchronize if cuda else None, count_step=count_step)
+    trainer = build_trainer(cfg, setup)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    ds_split = time_deepspeed_step(trainer, timer)
+    try:
+        last = time.perf_counter()
+        for i in range(warmup + steps):
+            if i == warmup:
+                timer.reset()
+            trainer.train_step(timer)
+            if trainer.step % cfg.log_freq == 0:
+                # What `train` does every log_freq steps: gather the loss terms from every rank (a collective).
+                with timer.phase("sync"):
+                    now = time.perf_counter()
+                    trainer.collect_metrics(now - last)
+                    last = now
+    finally:
+        trainer.data.stream.close()
+    acc = trainer.accelerator
+    mine = rank_result(acc.process_index, timer.steps)
+    mine["flops"] = timer.flops
+    ranks = gather(acc, mine)
+    if not acc.is_main_process:
+        return None
+    flops = ranks[0]["flops"]
+    warnings = []
+    if count_step is not None and flops is None:
+        warnings.append("FLOPs were not counted (the forward/backward phases did not run under the counter).")
+    return {
+        "ranks": [{k: v for k, v in r.items() if k != "flops"} for r in ranks],
+        # Every rank runs the same model on the same micro-batch size: rank 0's count per sample stands for all.
+        "flops_per_sample": flops / cfg.batch_size if flops else None,
+        "deepspeed_step_timed_separately": ds_split,
+        "warnings": warnings,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--launch", required=True)
+    args = parser.parse_args(argv)
+    launch = json.loads(Path(args.launch).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+
+    from opentau_cli.train.worker import USER_ERROR_MARK, redirect_output
+
+    redirect_output(Path(launch["log_dir"]), rank)
+    from opentau_cli.config import TrainConfig
+    from opentau_cli.errors import RunError, UserError
+    from opentau_cli.train.trainer import setup_from_dict
+
+    cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
+    run_dir = Path(cfg.output_dir)
+    request = json.loads((run_dir / "profile_request.json").read_text())
+    limit_memory(request.get("memory_limit"))
+    try:
+        result = profile(cfg, setup_from_dict(launch["accelerate"]), request)
+        if result is not None:
+            tmp = run_dir / "profile_result.json.tmp"
+            tmp.write_text(json.dumps(result) + "\n")
+            tmp.replace(run_dir / "profile_result.json")
+        return 0
+    except UserError as e:
+        print(f"{USER_ERROR_MARK}{e}", flush=True)
+        return 2
+    except RunError as e:
+        print(f"Error: {e}", flush=True)
+        return 1
+    except BaseException as e:
+        traceback.print_exc()
+        if is_oom(e):
+            (run_dir / f"profile_oom_rank{rank}.json").write_text(json.dumps({"rank": rank, "error": str(e).splitlines()[0][:300]}))
+        sys.stderr.flush()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
