@@ -200,7 +200,7 @@ class Pi05Policy(nn.Module):
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each transformer layer's activations in backward (VLM, expert and SigLIP layers)."""
         self.gradient_checkpointing = True
-        self.vlm.vision_tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.vlm.vision_tower.activation_checkpointing_enable({"use_reentrant": False})
 
     def _maybe_checkpoint(self, fn, *args):
         if self.gradient_checkpointing and torch.is_grad_enabled():
