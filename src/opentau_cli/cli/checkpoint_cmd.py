@@ -2,41 +2,151 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import handle_errors, make_app, not_available
+from opentau_cli.cli.common import JsonOpt, handle_errors, make_app
 
 app = make_app("Consolidate, inspect, verify and list checkpoints.")
 
 
+def human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
 @app.command("consolidate")
 @handle_errors
-def consolidate_cmd(checkpoint_dir: Path = typer.Argument(..., help="A DeepSpeed checkpoint directory.")) -> None:
-    """Turn DeepSpeed ZeRO shards into one model.safetensors (streaming).
+def consolidate_cmd(
+    checkpoint_dir: Path = typer.Argument(..., help="A DeepSpeed checkpoint directory (or the dir holding its tag dirs)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 (default, like zero_to_fp32.py) or bf16."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help="Above this, write HF shards + model.safetensors.index.json."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output .safetensors file or directory (default: CHECKPOINT_DIR/model.safetensors)."),
+    force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated."),
+) -> None:
+    """Turn DeepSpeed ZeRO-2/3 shards of any number of ranks into model.safetensors, streaming.
 
-    Example: opentau checkpoint consolidate outputs/train/pi05/checkpoints/000040/
+    Reads the shards lazily (never unpickling arbitrary objects), writes tensor by tensor, atomically.
+    The result equals DeepSpeed's zero_to_fp32.py output tensor for tensor.
+
+    Examples:
+
+      opentau checkpoint consolidate outputs/train/pi05/checkpoints/000040/
+
+      opentau checkpoint consolidate outputs/train/pi05/checkpoints/last --dtype bf16 --max-shard-size 2GB
     """
-    not_available("checkpoint consolidate")
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from opentau_cli.checkpoint.consolidate import consolidate
+
+    with Progress(SpinnerColumn(), TextColumn("consolidating: {task.fields[mb]:.1f} MB written"), transient=True,
+                  console=_stderr_console()) as bar:
+        task = bar.add_task("write", total=None, mb=0.0)
+        result = consolidate(checkpoint_dir, dtype=dtype, max_shard_size=max_shard_size, output=output, force=force,
+                             progress=lambda e: bar.update(task, mb=bar.tasks[0].fields["mb"] + e.nbytes / 1e6))
+    if result.already:
+        typer.echo(f"{checkpoint_dir} is already consolidated ({result.files[0]}); nothing to do (use --force to redo it).")
+        return
+    names = ", ".join(str(p) for p in result.files)
+    typer.echo(f"Wrote {names}: {result.num_tensors} tensors, {human(result.total_bytes)} ({dtype}).")
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 @app.command("inspect")
 @handle_errors
-def inspect_cmd(checkpoint_dir: Path = typer.Argument(...)) -> None:
-    """Show step, backend, world size, preset, parameters and files of a checkpoint."""
-    not_available("checkpoint inspect")
+def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint directory."), as_json: JsonOpt = False) -> None:
+    """Show step, backend, world size, preset, parameters, dtypes and files of a checkpoint.
+
+    Example: opentau checkpoint inspect outputs/train/pi05/checkpoints/last --json
+    """
+    from opentau_cli.checkpoint.info import inspect_checkpoint
+
+    info = inspect_checkpoint(checkpoint_dir)
+    if as_json:
+        typer.echo(json.dumps(info.to_dict(), indent=2))
+        return
+    backend = info.backend or "-"
+    if info.zero_stage is not None and info.backend == "deepspeed":
+        backend += f" ZeRO-{info.zero_stage}"
+    consolidated = {None: "n/a (weights in model.safetensors)", True: "yes", False: "no"}[info.consolidated]
+    lines = [
+        ("checkpoint", info.path), ("step", info.step), ("backend", backend), ("world size", info.world_size),
+        ("mixed precision", info.mixed_precision), ("policy", " ".join(x for x in (info.policy_type, info.preset) if x) or None),
+        ("parameters", f"{info.parameters:,}" + (f" ({info.trainable_parameters:,} trainable)" if info.trainable_parameters is not None else "")
+         + (f"  [{info.parameters_source}]" if info.parameters_source else "") if info.parameters is not None else None),
+        ("dtypes", ", ".join(f"{k}: {v:,}" for k, v in info.dtypes.items()) or None),
+        ("consolidated", consolidated), ("complete", "yes (manifest matches sizes)" if info.complete else "no (manifest missing or not matching)"),
+        ("saved", info.time), ("size", human(info.total_bytes)),
+    ]
+    for k, v in lines:
+        typer.echo(f"{k + ':':17}{'-' if v is None else v}")
+    typer.echo("files:")
+    for rel, size in sorted(info.files.items()):
+        typer.echo(f"  {human(size):>10}  {rel}")
 
 
 @app.command("verify")
 @handle_errors
-def verify_cmd(path: Path = typer.Argument(...)) -> None:
-    """Re-hash every file of a checkpoint (or every checkpoint of a run) against its manifest."""
-    not_available("checkpoint verify")
+def verify_cmd(path: Path = typer.Argument(..., help="A checkpoint directory or a run directory."), as_json: JsonOpt = False) -> None:
+    """Re-hash every file of a checkpoint (or of every checkpoint of a run) against its manifest; exit 1 on any problem.
+
+    Example: opentau checkpoint verify outputs/train/pi05
+    """
+    from opentau_cli.checkpoint.info import verify_path
+
+    report = verify_path(path)
+    if as_json:
+        typer.echo(json.dumps({"ok": report.ok, "checkpoints": report.checkpoints, "notes": report.notes,
+                               "problems": report.problems}, indent=2))
+    else:
+        for ckpt, problems in report.checkpoints.items():
+            typer.echo(f"{'OK  ' if not problems else 'FAIL'} {ckpt}")
+            for p in problems:
+                typer.echo(f"     {p}")
+        for note in report.notes:
+            typer.echo(f"note: {note}")
+        for p in report.problems:
+            typer.echo(f"FAIL {p}")
+    if not report.ok:
+        bad = sum(1 for p in report.checkpoints.values() if p) + len(report.problems)
+        typer.echo(f"Error: verification failed ({bad} problem(s) above).", err=True)
+        raise typer.Exit(1)
 
 
 @app.command("list")
 @handle_errors
-def list_cmd(run_dir: Path = typer.Argument(...)) -> None:
-    """List the checkpoints of a run."""
-    not_available("checkpoint list")
+def list_cmd(run_dir: Path = typer.Argument(..., help="A run directory (holding checkpoints/)."), as_json: JsonOpt = False) -> None:
+    """List the checkpoints of a run: step, time, size, complete or not, and which one `last` points at.
+
+    Example: opentau checkpoint list outputs/train/pi05
+    """
+    from dataclasses import asdict
+
+    from opentau_cli.checkpoint.info import list_run
+
+    rows = list_run(run_dir)
+    if as_json:
+        typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
+        return
+    if not rows:
+        typer.echo(f"No checkpoints in {run_dir}.")
+        return
+    typer.echo(f"{'':2}{'checkpoint':<24}{'step':>8}  {'saved':<26}{'size':>11}  {'complete':<9}{'consolidated':<13}")
+    for r in rows:
+        cons = {None: "n/a", True: "yes", False: "no"}[r.consolidated]
+        typer.echo(f"{'->' if r.last else '':2}{r.name:<24}{r.step if r.step is not None else '-':>8}  {str(r.time):<26}"
+                   f"{human(r.bytes):>11}  {'yes' if r.complete else 'NO':<9}{cons:<13}{r.note}")
+    typer.echo("(-> = checkpoints/last)")

@@ -1,0 +1,284 @@
+"""Read-only views of checkpoints: `inspect` one, `verify` one or a whole run, `list` a run's checkpoints.
+
+Nothing here unpickles anything but allow-listed data: JSON files, safetensors headers, and DeepSpeed shards through
+`shard_reader` (metadata only, never tensor data).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from opentau_cli.checkpoint import manifest as mf
+from opentau_cli.checkpoint.shard_reader import LazyTensor
+from opentau_cli.errors import UserError
+
+CHECKPOINTS = "checkpoints"
+LAST = "last"
+TMP_PREFIX = ".tmp-"
+TRAINING_STATE = "training_state.json"
+TRAIN_CONFIG = "train_config.json"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes); reads only the header bytes."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError("too short")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 2**20:
+                raise ValueError("header too large")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable safetensors file ({e}).") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@dataclass
+class CheckpointInfo:
+    path: str
+    step: int | None = None
+    backend: str | None = None
+    zero_stage: int | None = None
+    world_size: int | None = None
+    mixed_precision: str | None = None
+    preset: str | None = None
+    policy_type: str | None = None
+    parameters: int | None = None
+    trainable_parameters: int | None = None
+    parameters_source: str | None = None
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> number of values
+    consolidated: bool | None = None  # None: not a DeepSpeed checkpoint (weights already in model.safetensors)
+    complete: bool = False
+    files: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
+    total_bytes: int = 0
+    time: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _weights_index(ckpt_dir: Path) -> list[Path]:
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        return [ckpt_dir / n for n in names]
+    return []
+
+
+def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
+    """Describe one checkpoint dir (opentau's, or a bare DeepSpeed / Accelerate save_state dir)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise UserError(f"{ckpt_dir} is not a directory.")
+    info = CheckpointInfo(path=str(ckpt_dir))
+    state = _read_json(ckpt_dir / TRAINING_STATE)
+    config = _read_json(ckpt_dir / TRAIN_CONFIG)
+    info.step = state.get("step")
+    info.backend = state.get("backend")
+    info.zero_stage = state.get("zero_stage")
+    info.world_size = state.get("world_size")
+    info.mixed_precision = state.get("mixed_precision")
+    info.time = state.get("time")
+    policy = config.get("policy", {}) if isinstance(config.get("policy"), dict) else {}
+    info.preset = state.get("preset") or policy.get("preset")
+    info.policy_type = policy.get("type")
+    for rel in mf.list_files(ckpt_dir):
+        info.files[rel] = (ckpt_dir / rel).stat().st_size
+    if (ckpt_dir / mf.MANIFEST_NAME).exists():
+        info.files[mf.MANIFEST_NAME] = (ckpt_dir / mf.MANIFEST_NAME).stat().st_size
+    info.total_bytes = sum(info.files.values())
+    info.complete = mf.is_complete(ckpt_dir)
+
+    ds = _deepspeed_summary(ckpt_dir)
+    weights = _weights_index(ckpt_dir)
+    if ds is not None:
+        info.backend = info.backend or "deepspeed"
+        for k in ("zero_stage", "world_size", "step", "mixed_precision"):
+            if getattr(info, k) is None:
+                setattr(info, k, ds[k])
+        info.parameters, info.trainable_parameters = ds["parameters"], ds["trainable"]
+        info.dtypes = ds["dtypes"]
+        info.parameters_source = "deepspeed shards (parameters only)"
+        info.consolidated = bool(weights)
+    if weights and ds is None:
+        counts: Counter = Counter()
+        for w in weights:
+            for meta in safetensors_header(w).values():
+                counts[meta["dtype"]] += math.prod(meta["shape"])
+        info.dtypes = dict(counts)
+        info.parameters = sum(counts.values())
+        info.parameters_source = "model.safetensors (parameters and buffers)"
+    return info
+
+
+def _deepspeed_summary(ckpt_dir: Path) -> dict | None:
+    """Stage, world size, step and parameter counts from DeepSpeed's model-states file (metadata only)."""
+    from opentau_cli.checkpoint.consolidate import _load, _ranked_files, find_tag_dir
+
+    try:
+        tag_dir = find_tag_dir(ckpt_dir)
+    except UserError:
+        return None
+    models = _ranked_files(tag_dir, "model")
+    optims = _ranked_files(tag_dir, "optim")
+    if 0 not in models:
+        return None
+    m0 = _load(models[0])
+    shapes = {k: v for group in (m0.get("param_shapes") or []) for k, v in group.items()}
+    frozen = m0.get("frozen_param_shapes") or {}
+    trainable = sum(math.prod(s) for s in shapes.values())
+    dtypes: Counter = Counter()
+    for name, t in (m0.get("module") or {}).items():
+        if name in shapes or name in frozen:
+            n = math.prod(shapes.get(name) or frozen.get(name))
+            dtypes[str(t.dtype).removeprefix("torch.") if isinstance(t, LazyTensor) else "?"] += n
+    stage = 3 if any("zero_pp_rank" in p.name for p in models.values()) else 2
+    ds_cfg = m0.get("ds_config") if isinstance(m0.get("ds_config"), dict) else {}
+    stage = (ds_cfg.get("zero_optimization") or {}).get("stage", stage)
+    precision = "bf16" if (ds_cfg.get("bf16") or {}).get("enabled") else "fp16" if (ds_cfg.get("fp16") or {}).get("enabled") else "no"
+    return {
+        "mixed_precision": precision,
+        "zero_stage": stage,
+        "world_size": m0.get("dp_world_size") or len(optims),
+        "step": m0.get("global_steps"),
+        "parameters": trainable + sum(math.prod(s) for s in frozen.values()),
+        "trainable": trainable,
+        "dtypes": dict(dtypes),
+    }
+
+
+# ---------------------------------------------------------------- verify / list
+
+
+@dataclass
+class VerifyReport:
+    checkpoints: dict[str, list[str]] = field(default_factory=dict)  # checkpoint path -> problems ([] = sound)
+    notes: list[str] = field(default_factory=list)  # leftovers and the like: reported, not failures
+    problems: list[str] = field(default_factory=list)  # run-level problems (e.g. `last` points nowhere)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(not p for p in self.checkpoints.values())
+
+
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    dirs = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")]
+    return sorted(dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+
+
+def _leftovers(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX))
+
+
+def _run_root(path: Path) -> Path | None:
+    """The `checkpoints/` dir if `path` is a run dir or a checkpoints dir, else None (a single checkpoint)."""
+    if (path / CHECKPOINTS).is_dir():
+        return path / CHECKPOINTS
+    if path.name == CHECKPOINTS and not (path / mf.MANIFEST_NAME).exists():
+        return path
+    return None
+
+
+def read_last(root: Path) -> str | None:
+    """The checkpoint name `checkpoints/last` designates (relative symlink or pointer file), or None."""
+    link = root / LAST
+    if link.is_symlink():
+        return Path(os.readlink(link)).name
+    if link.is_file():
+        return link.read_text().strip() or None
+    return None
+
+
+def verify_path(path: Path) -> VerifyReport:
+    """Re-hash every file of one checkpoint, or of every checkpoint of a run, against its manifest."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory: pass a checkpoint directory or a run directory.")
+    report = VerifyReport()
+    root = _run_root(path)
+    if root is None:
+        report.checkpoints[str(path)] = [str(p) for p in mf.verify_manifest(path)]
+        return report
+    dirs = _checkpoint_dirs(root)
+    if not dirs:
+        raise UserError(f"{root} holds no checkpoints.")
+    for d in dirs:
+        report.checkpoints[str(d)] = [str(p) for p in mf.verify_manifest(d)]
+    for d in _leftovers(root):
+        report.notes.append(f"{d.name}: an interrupted save (not a checkpoint; the next run removes it)")
+    last = read_last(root)
+    if (root / LAST).exists() or (root / LAST).is_symlink():
+        if last is None or not (root / last).is_dir():
+            report.problems.append(f"{root / LAST} points at '{last}', which does not exist")
+        elif report.checkpoints.get(str(root / last)):
+            report.problems.append(f"{root / LAST} points at {last}, which fails verification")
+    return report
+
+
+@dataclass
+class ListedCheckpoint:
+    name: str
+    step: int | None
+    time: str | None
+    bytes: int
+    complete: bool
+    last: bool
+    consolidated: bool | None
+    note: str = ""
+
+
+def list_run(run_dir: Path) -> list[ListedCheckpoint]:
+    """Every checkpoint of a run (and leftovers of interrupted saves), oldest first. Cheap: no re-hash."""
+    run_dir = Path(run_dir)
+    root = _run_root(run_dir)
+    if root is None:
+        if not run_dir.is_dir():
+            raise UserError(f"{run_dir} is not a directory.")
+        raise UserError(f"{run_dir} has no checkpoints/ directory: pass a run directory (e.g. outputs/train/pi05).")
+    last = read_last(root)
+    rows = []
+    for d in _checkpoint_dirs(root) + _leftovers(root):
+        state = _read_json(d / TRAINING_STATE)
+        step = state.get("step", int(d.name) if d.name.isdigit() else None)
+        when = state.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.stat().st_mtime))
+        leftover = d.name.startswith(TMP_PREFIX)
+        ds = (d / "pytorch_model").is_dir() or any(d.glob("*/*_model_states.pt"))
+        consolidated = ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()) if ds else None
+        rows.append(ListedCheckpoint(
+            name=d.name, step=step, time=when, bytes=dir_size(d), complete=(not leftover) and mf.is_complete(d),
+            last=(d.name == last), consolidated=consolidated,
+            note="interrupted save" if leftover else ("" if mf.is_complete(d) else "incomplete: fails its manifest"),
+        ))
+    return rows

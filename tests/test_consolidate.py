@@ -1,0 +1,271 @@
+"""`opentau checkpoint consolidate` on real DeepSpeed checkpoints (made with accelerate launch on CPU) equals
+DeepSpeed's own zero_to_fp32.py tensor for tensor, bit for bit, and refuses damaged or foreign shards cleanly."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ds_ckpt_helper  # noqa: E402
+
+# name -> (zero stage, ranks, mixed precision, steps)
+CASES = {
+    "z2r1": (2, 1, "no", 2),
+    "z2r2": (2, 2, "bf16", 2),
+    "z3r1": (3, 1, "no", 2),
+    "z3r2": (3, 2, "bf16", 2),
+    "z3r2_step3": (3, 2, "bf16", 3),  # same shape as z3r2, one more step: "a shard from another save"
+}
+DS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def ds_ckpts(tmp_path_factory):
+    """Real DeepSpeed checkpoints plus DeepSpeed's own zero_to_fp32.py output for each (run as a subprocess)."""
+    root = tmp_path_factory.mktemp("ds")
+
+    def make(name):
+        stage, ranks, mp, steps = CASES[name]
+        ds_ckpt_helper.launch(root / name, zero_stage=stage, num_processes=ranks, mixed_precision=mp, steps=steps)
+        ref = subprocess.run(
+            [sys.executable, str(root / name / "zero_to_fp32.py"), str(root / name), str(root / f"ref_{name}")],
+            env={**os.environ, **DS_ENV}, capture_output=True, text=True, timeout=600,
+        )
+        assert ref.returncode == 0, ref.stderr[-3000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(make, CASES))
+    return root
+
+
+def _copy(ds_ckpts, name, tmp_path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(ds_ckpts / name, dst)
+    return dst
+
+
+def _reference(ds_ckpts, name) -> dict[str, torch.Tensor]:
+    return torch.load(ds_ckpts / f"ref_{name}" / "pytorch_model.bin", weights_only=True)
+
+
+def _assert_bit_equal(ours: dict, ref: dict) -> None:
+    assert sorted(ours) == sorted(ref)
+    for k, r in ref.items():
+        o = ours[k]
+        assert (o.dtype, tuple(o.shape)) == (r.dtype, tuple(r.shape)), k
+        assert torch.equal(o.contiguous().view(-1).view(torch.uint8), r.contiguous().view(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("name", ["z2r1", "z2r2", "z3r1", "z3r2"])
+def test_consolidate_equals_deepspeed_zero_to_fp32_bit_for_bit(ds_ckpts, tmp_path, name):
+    ckpt = _copy(ds_ckpts, name, tmp_path)
+    res = run_cli(["checkpoint", "consolidate", str(ckpt)])
+    assert res.returncode == 0, res.stderr
+    ours = load_file(ckpt / "model.safetensors")
+    ref = _reference(ds_ckpts, name)
+    _assert_bit_equal(ours, ref)
+    # What the checkpoint must carry: the frozen submodule, both buffers, both names of the tied weight.
+    assert {"frozen.weight", "frozen.bias", "state_mean", "seen", "embed.weight", "head.weight"} <= set(ours)
+    assert ours["seen"].dtype == torch.int64 and ours["frozen.weight"].dtype == torch.float32
+    assert not list(ckpt.glob(".*tmp*")), "no temp file left behind"
+
+
+def test_bf16_output_equals_zero_to_fp32_cast_to_bf16(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    out = tmp_path / "out" / "bf16.safetensors"
+    out.parent.mkdir()
+    res = run_cli(["checkpoint", "consolidate", str(ckpt), "--dtype", "bf16", "--output", str(out)])
+    assert res.returncode == 0, res.stderr
+    ref = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _reference(ds_ckpts, "z3r2").items()}
+    _assert_bit_equal(load_file(out), ref)
+    assert not (ckpt / "model.safetensors").exists()
+
+
+def test_above_max_shard_size_writes_hf_shards_and_index(ds_ckpts, tmp_path):
+    import json
+
+    ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
+    res = run_cli(["checkpoint", "consolidate", str(ckpt), "--max-shard-size", "3KB"])
+    assert res.returncode == 0, res.stderr
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    merged = {}
+    for s in shards:
+        part = load_file(ckpt / s)
+        assert all(index["weight_map"][k] == s for k in part)
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 3000 or len(part) == 1
+        merged.update(part)
+    _assert_bit_equal(merged, _reference(ds_ckpts, "z2r2"))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
+    assert not (ckpt / "model.safetensors").exists()
+
+
+def test_already_consolidated_says_so_exits_0_and_force_redoes_it(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r1", tmp_path)
+    assert run_cli(["checkpoint", "consolidate", str(ckpt)]).returncode == 0
+    out = ckpt / "model.safetensors"
+    out.write_bytes(out.read_bytes())  # same content, new mtime marker below
+    os.utime(out, (1, 1))
+    again = run_cli(["checkpoint", "consolidate", str(ckpt)])
+    assert again.returncode == 0 and "already consolidated" in again.stdout
+    assert out.stat().st_mtime == 1
+    forced = run_cli(["checkpoint", "consolidate", str(ckpt), "--force"])
+    assert forced.returncode == 0 and out.stat().st_mtime > 1
+    _assert_bit_equal(load_file(out), _reference(ds_ckpts, "z3r1"))
+
+
+def test_consolidate_of_a_checkpoint_with_manifest_keeps_it_verifiable(ds_ckpts, tmp_path):
+    from opentau_cli.checkpoint.manifest import verify_manifest, write_manifest
+
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    write_manifest(ckpt)
+    assert run_cli(["checkpoint", "consolidate", str(ckpt)]).returncode == 0
+    assert verify_manifest(ckpt) == []
+    assert run_cli(["checkpoint", "verify", str(ckpt)]).returncode == 0
+
+
+class _Evil:
+    """Unpickling this runs `touch <marker>`: what a poisoned checkpoint would do to a plain torch.load."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("victim", ["optim", "model"])
+def test_malicious_pickle_in_a_shard_is_refused_and_never_executed(ds_ckpts, tmp_path, victim):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    marker = tmp_path / "pwned"
+    shard = next((ckpt / "pytorch_model").glob(f"*rank_1_mp_rank_00_{victim}_states.pt"))
+    torch.save({"optimizer_state_dict": {"zero_stage": _Evil(marker)}, "module": _Evil(marker)}, shard)
+    for cmd in (["checkpoint", "consolidate", str(ckpt)], ["checkpoint", "inspect", str(ckpt)]):
+        res = run_cli(cmd)
+        assert not marker.exists(), f"{cmd[1]} executed the pickle"
+    res = run_cli(["checkpoint", "consolidate", str(ckpt)])
+    assert res.returncode == 2
+    assert "Refusing" in res.stderr and shard.name in res.stderr and "system" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (ckpt / "model.safetensors").exists()
+    # And the plain loader would have run it: the test plants a real threat.
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(shard)!r}, weights_only=False)"],
+                   capture_output=True, timeout=120)
+    assert marker.exists()
+
+
+def _fails_cleanly(res, *needles):
+    assert res.returncode in (1, 2), res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+def test_truncated_shard_is_named_and_nothing_is_written(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
+    shard = next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), shard.name, "truncated")
+    assert not list(ckpt.glob("*.safetensors*")) and not list(ckpt.glob(".*"))
+
+
+def test_missing_rank_shard_is_named(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt")).unlink()
+    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), "rank(s) 1", "missing")
+    assert not (ckpt / "model.safetensors").exists()
+
+
+def test_shard_from_a_run_with_another_world_size_is_refused(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
+    other = next((ds_ckpts / "z2r1" / "pytorch_model").glob("*optim_states.pt"))
+    target = next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt"))
+    shutil.copyfile(other, target)
+    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), target.name, "another run")
+    assert not (ckpt / "model.safetensors").exists()
+
+
+def test_shard_from_another_save_step_is_refused(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    for kind in ("optim", "model"):
+        other = next((ds_ckpts / "z3r2_step3" / "pytorch_model").glob(f"*rank_1_mp_rank_00_{kind}_states.pt"))
+        shutil.copyfile(other, ckpt / "pytorch_model" / other.name)
+    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), "another save", "step")
+    assert not (ckpt / "model.safetensors").exists()
+
+
+def test_not_a_deepspeed_checkpoint_is_one_clear_line(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    res = run_cli(["checkpoint", "consolidate", str(tmp_path)])
+    assert res.returncode == 2 and "already in model.safetensors" in res.stderr
+    res = run_cli(["checkpoint", "consolidate", str(tmp_path / "nope")])
+    assert res.returncode == 2 and "not a directory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_unwritable_output_dir_is_refused_before_writing(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r1", tmp_path)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    mounted = False
+    if os.access(ro, os.W_OK):  # root ignores modes: use a read-only mount instead
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode == 0
+        if not mounted:
+            pytest.skip("cannot make an unwritable directory here")
+    try:
+        _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt), "--output", str(ro)]), "not writable")
+        assert not list(ro.iterdir())
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)])
+
+
+def test_disk_full_during_write_leaves_no_partial_file(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+
+    def small_file_limit():  # writes past 4 KB fail with EFBIG, like a full disk (no root or mount needed)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    from conftest import opentau_bin
+
+    res = subprocess.run([opentau_bin(), "checkpoint", "consolidate", str(ckpt)], capture_output=True, text=True,
+                         preexec_fn=small_file_limit, timeout=600)
+    _fails_cleanly(res, "Disk full", "nothing was left behind")
+    assert res.returncode == 1
+    assert not list(ckpt.glob("*.safetensors")) and not list(ckpt.glob(".model.safetensors*"))
+
+
+def test_not_enough_free_space_is_refused_before_writing(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt), "--output", str(small)]), "Not enough disk space")
+        assert not list(small.iterdir())
+    finally:
+        subprocess.run(["umount", str(small)])
+
+
+def test_convert_checkpoint_sh_calls_consolidate(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z2r1", tmp_path)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    res = subprocess.run(["bash", str(REPO / "convert_checkpoint.sh"), str(ckpt)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr
+    _assert_bit_equal(load_file(ckpt / "model.safetensors"), _reference(ds_ckpts, "z2r1"))
