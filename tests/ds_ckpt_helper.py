@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=13)
     parser.add_argument("--vocab", type=int, default=37)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--then-one-more-step-to", dest="extra_out", default=None,
+                        help="after saving, train one more step and save again here (a later save of the same run)")
     args = parser.parse_args()
 
     from accelerate import Accelerator
@@ -55,19 +57,27 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     gen = torch.Generator().manual_seed(1 + accelerator.process_index)
-    for _ in range(args.steps):
+
+    def step():
         tokens = torch.randint(0, args.vocab, (2, 5), generator=gen)
         logits = model(tokens)
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, args.vocab), tokens.reshape(-1))
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+
+    for _ in range(args.steps):
+        step()
     accelerator.save_state(args.out_dir)
     accelerator.wait_for_everyone()
+    if args.extra_out:
+        step()
+        accelerator.save_state(args.extra_out)
+        accelerator.wait_for_everyone()
 
 
 def launch(out_dir, *, zero_stage: int, num_processes: int, width: int = 13, steps: int = 2, mixed_precision="no",
-           timeout: float = 600) -> subprocess.CompletedProcess:
+           extra_out=None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run this script under `accelerate launch` with DeepSpeed on CPU; returns the finished process."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "false"}
     cmd = [
@@ -77,11 +87,26 @@ def launch(out_dir, *, zero_stage: int, num_processes: int, width: int = 13, ste
         "--main_process_port", str(29500 + (os.getpid() % 2000) + zero_stage * 7 + num_processes),
         "--zero3_init_flag", "false", "--gradient_accumulation_steps", "1",
         __file__, str(out_dir), "--width", str(width), "--steps", str(steps),
-    ]
+    ] + (["--then-one-more-step-to", str(extra_out)] if extra_out else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"DeepSpeed checkpoint helper failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def run_zero_to_fp32(pairs, timeout: float = 600) -> None:
+    """Run DeepSpeed's own zero_to_fp32.py (the copy each checkpoint carries) on (ckpt_dir, out_dir) pairs, in one
+    subprocess so that deepspeed is imported once."""
+    code = (
+        "import runpy, sys\n"
+        f"for ckpt, out in {[(str(a), str(b)) for a, b in pairs]!r}:\n"
+        "    sys.argv = [ckpt + '/zero_to_fp32.py', ckpt, out]\n"
+        "    runpy.run_path(ckpt + '/zero_to_fp32.py', run_name='__main__')\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"zero_to_fp32.py failed:\n{proc.stderr[-5000:]}")
 
 
 if __name__ == "__main__":

@@ -16,39 +16,40 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_cli
+from typer.testing import CliRunner
+
+from conftest import REPO, opentau_bin, run_cli
+from opentau_cli.cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ds_ckpt_helper  # noqa: E402
 
-# name -> (zero stage, ranks, mixed precision, steps)
-CASES = {
-    "z2r1": (2, 1, "no", 2),
-    "z2r2": (2, 2, "bf16", 2),
-    "z3r1": (3, 1, "no", 2),
-    "z3r2": (3, 2, "bf16", 2),
-    "z3r2_step3": (3, 2, "bf16", 3),  # same shape as z3r2, one more step: "a shard from another save"
-}
-DS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+# name -> (zero stage, ranks, mixed precision)
+CASES = {"z2r1": (2, 1, "no"), "z2r2": (2, 2, "bf16"), "z3r1": (3, 1, "no"), "z3r2": (3, 2, "bf16")}
+runner = CliRunner()
 
 
 @pytest.fixture(scope="session")
 def ds_ckpts(tmp_path_factory):
-    """Real DeepSpeed checkpoints plus DeepSpeed's own zero_to_fp32.py output for each (run as a subprocess)."""
+    """Real DeepSpeed checkpoints plus DeepSpeed's own zero_to_fp32.py output for each (run as a subprocess).
+
+    z3r2_step3 is the same run as z3r2 saved one step later: the source of "a shard from another save"."""
     root = tmp_path_factory.mktemp("ds")
 
     def make(name):
-        stage, ranks, mp, steps = CASES[name]
-        ds_ckpt_helper.launch(root / name, zero_stage=stage, num_processes=ranks, mixed_precision=mp, steps=steps)
-        ref = subprocess.run(
-            [sys.executable, str(root / name / "zero_to_fp32.py"), str(root / name), str(root / f"ref_{name}")],
-            env={**os.environ, **DS_ENV}, capture_output=True, text=True, timeout=600,
-        )
-        assert ref.returncode == 0, ref.stderr[-3000:]
+        stage, ranks, mp = CASES[name]
+        extra = root / "z3r2_step3" if name == "z3r2" else None
+        ds_ckpt_helper.launch(root / name, zero_stage=stage, num_processes=ranks, mixed_precision=mp, extra_out=extra)
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(make, CASES))
+    ds_ckpt_helper.run_zero_to_fp32([(root / name, root / f"ref_{name}") for name in CASES])
     return root
+
+
+def cli(args: list[str]):
+    """The opentau app in-process (a subprocess per call would spend most of the test budget importing torch)."""
+    return runner.invoke(app, [str(a) for a in args])
 
 
 def _copy(ds_ckpts, name, tmp_path) -> Path:
@@ -72,8 +73,8 @@ def _assert_bit_equal(ours: dict, ref: dict) -> None:
 @pytest.mark.parametrize("name", ["z2r1", "z2r2", "z3r1", "z3r2"])
 def test_consolidate_equals_deepspeed_zero_to_fp32_bit_for_bit(ds_ckpts, tmp_path, name):
     ckpt = _copy(ds_ckpts, name, tmp_path)
-    res = run_cli(["checkpoint", "consolidate", str(ckpt)])
-    assert res.returncode == 0, res.stderr
+    res = cli(["checkpoint", "consolidate", ckpt])
+    assert res.exit_code == 0, res.stderr
     ours = load_file(ckpt / "model.safetensors")
     ref = _reference(ds_ckpts, name)
     _assert_bit_equal(ours, ref)
@@ -87,8 +88,8 @@ def test_bf16_output_equals_zero_to_fp32_cast_to_bf16(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
     out = tmp_path / "out" / "bf16.safetensors"
     out.parent.mkdir()
-    res = run_cli(["checkpoint", "consolidate", str(ckpt), "--dtype", "bf16", "--output", str(out)])
-    assert res.returncode == 0, res.stderr
+    res = cli(["checkpoint", "consolidate", ckpt, "--dtype", "bf16", "--output", out])
+    assert res.exit_code == 0, res.stderr
     ref = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _reference(ds_ckpts, "z3r2").items()}
     _assert_bit_equal(load_file(out), ref)
     assert not (ckpt / "model.safetensors").exists()
@@ -98,8 +99,8 @@ def test_above_max_shard_size_writes_hf_shards_and_index(ds_ckpts, tmp_path):
     import json
 
     ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
-    res = run_cli(["checkpoint", "consolidate", str(ckpt), "--max-shard-size", "3KB"])
-    assert res.returncode == 0, res.stderr
+    res = cli(["checkpoint", "consolidate", ckpt, "--max-shard-size", "3KB"])
+    assert res.exit_code == 0, res.stderr
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -116,15 +117,15 @@ def test_above_max_shard_size_writes_hf_shards_and_index(ds_ckpts, tmp_path):
 
 def test_already_consolidated_says_so_exits_0_and_force_redoes_it(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z3r1", tmp_path)
-    assert run_cli(["checkpoint", "consolidate", str(ckpt)]).returncode == 0
+    assert cli(["checkpoint", "consolidate", ckpt]).exit_code == 0
     out = ckpt / "model.safetensors"
     out.write_bytes(out.read_bytes())  # same content, new mtime marker below
     os.utime(out, (1, 1))
-    again = run_cli(["checkpoint", "consolidate", str(ckpt)])
-    assert again.returncode == 0 and "already consolidated" in again.stdout
+    again = cli(["checkpoint", "consolidate", ckpt])
+    assert again.exit_code == 0 and "already consolidated" in again.stdout
     assert out.stat().st_mtime == 1
-    forced = run_cli(["checkpoint", "consolidate", str(ckpt), "--force"])
-    assert forced.returncode == 0 and out.stat().st_mtime > 1
+    forced = cli(["checkpoint", "consolidate", ckpt, "--force"])
+    assert forced.exit_code == 0 and out.stat().st_mtime > 1
     _assert_bit_equal(load_file(out), _reference(ds_ckpts, "z3r1"))
 
 
@@ -133,9 +134,9 @@ def test_consolidate_of_a_checkpoint_with_manifest_keeps_it_verifiable(ds_ckpts,
 
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
     write_manifest(ckpt)
-    assert run_cli(["checkpoint", "consolidate", str(ckpt)]).returncode == 0
+    assert cli(["checkpoint", "consolidate", ckpt]).exit_code == 0
     assert verify_manifest(ckpt) == []
-    assert run_cli(["checkpoint", "verify", str(ckpt)]).returncode == 0
+    assert cli(["checkpoint", "verify", ckpt]).exit_code == 0
 
 
 class _Evil:
@@ -154,22 +155,23 @@ def test_malicious_pickle_in_a_shard_is_refused_and_never_executed(ds_ckpts, tmp
     marker = tmp_path / "pwned"
     shard = next((ckpt / "pytorch_model").glob(f"*rank_1_mp_rank_00_{victim}_states.pt"))
     torch.save({"optimizer_state_dict": {"zero_stage": _Evil(marker)}, "module": _Evil(marker)}, shard)
-    for cmd in (["checkpoint", "consolidate", str(ckpt)], ["checkpoint", "inspect", str(ckpt)]):
-        res = run_cli(cmd)
+    for cmd in (["checkpoint", "inspect", ckpt], ["checkpoint", "verify", ckpt], ["checkpoint", "list", tmp_path]):
+        cli(cmd)
         assert not marker.exists(), f"{cmd[1]} executed the pickle"
-    res = run_cli(["checkpoint", "consolidate", str(ckpt)])
+    res = run_cli(["checkpoint", "consolidate", str(ckpt)])  # the real installed command, once
+    assert not marker.exists()
     assert res.returncode == 2
     assert "Refusing" in res.stderr and shard.name in res.stderr and "system" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (ckpt / "model.safetensors").exists()
     # And the plain loader would have run it: the test plants a real threat.
-    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(shard)!r}, weights_only=False)"],
-                   capture_output=True, timeout=120)
+    torch.load(shard, weights_only=False)
     assert marker.exists()
 
 
 def _fails_cleanly(res, *needles):
-    assert res.returncode in (1, 2), res.stdout + res.stderr
+    code = res.returncode if hasattr(res, "returncode") else res.exit_code
+    assert code in (1, 2), res.stdout + res.stderr
     assert "Traceback" not in res.stderr
     for n in needles:
         assert n in res.stderr, res.stderr
@@ -179,14 +181,14 @@ def test_truncated_shard_is_named_and_nothing_is_written(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
     shard = next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), shard.name, "truncated")
+    _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), shard.name, "truncated")
     assert not list(ckpt.glob("*.safetensors*")) and not list(ckpt.glob(".*"))
 
 
 def test_missing_rank_shard_is_named(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
     next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt")).unlink()
-    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), "rank(s) 1", "missing")
+    _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), "rank(s) 1", "missing")
     assert not (ckpt / "model.safetensors").exists()
 
 
@@ -195,7 +197,7 @@ def test_shard_from_a_run_with_another_world_size_is_refused(ds_ckpts, tmp_path)
     other = next((ds_ckpts / "z2r1" / "pytorch_model").glob("*optim_states.pt"))
     target = next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt"))
     shutil.copyfile(other, target)
-    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), target.name, "another run")
+    _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), target.name, "another run")
     assert not (ckpt / "model.safetensors").exists()
 
 
@@ -204,16 +206,16 @@ def test_shard_from_another_save_step_is_refused(ds_ckpts, tmp_path):
     for kind in ("optim", "model"):
         other = next((ds_ckpts / "z3r2_step3" / "pytorch_model").glob(f"*rank_1_mp_rank_00_{kind}_states.pt"))
         shutil.copyfile(other, ckpt / "pytorch_model" / other.name)
-    _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt)]), "another save", "step")
+    _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), "another save", "step")
     assert not (ckpt / "model.safetensors").exists()
 
 
 def test_not_a_deepspeed_checkpoint_is_one_clear_line(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    res = run_cli(["checkpoint", "consolidate", str(tmp_path)])
-    assert res.returncode == 2 and "already in model.safetensors" in res.stderr
-    res = run_cli(["checkpoint", "consolidate", str(tmp_path / "nope")])
-    assert res.returncode == 2 and "not a directory" in res.stderr and "Traceback" not in res.stderr
+    res = cli(["checkpoint", "consolidate", tmp_path])
+    assert res.exit_code == 2 and "already in model.safetensors" in res.stderr
+    res = cli(["checkpoint", "consolidate", tmp_path / "nope"])
+    assert res.exit_code == 2 and res.stderr.strip() == f"Error: {tmp_path / 'nope'} is not a directory."
 
 
 def test_unwritable_output_dir_is_refused_before_writing(ds_ckpts, tmp_path):
@@ -227,7 +229,7 @@ def test_unwritable_output_dir_is_refused_before_writing(ds_ckpts, tmp_path):
         if not mounted:
             pytest.skip("cannot make an unwritable directory here")
     try:
-        _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt), "--output", str(ro)]), "not writable")
+        _fails_cleanly(cli(["checkpoint", "consolidate", ckpt, "--output", ro]), "not writable")
         assert not list(ro.iterdir())
     finally:
         if mounted:
@@ -240,8 +242,6 @@ def test_disk_full_during_write_leaves_no_partial_file(ds_ckpts, tmp_path):
     def small_file_limit():  # writes past 4 KB fail with EFBIG, like a full disk (no root or mount needed)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
-
-    from conftest import opentau_bin
 
     res = subprocess.run([opentau_bin(), "checkpoint", "consolidate", str(ckpt)], capture_output=True, text=True,
                          preexec_fn=small_file_limit, timeout=600)
@@ -257,7 +257,7 @@ def test_not_enough_free_space_is_refused_before_writing(ds_ckpts, tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(small)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        _fails_cleanly(run_cli(["checkpoint", "consolidate", str(ckpt), "--output", str(small)]), "Not enough disk space")
+        _fails_cleanly(cli(["checkpoint", "consolidate", ckpt, "--output", small]), "Not enough disk space")
         assert not list(small.iterdir())
     finally:
         subprocess.run(["umount", str(small)])

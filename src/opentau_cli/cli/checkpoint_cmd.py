@@ -47,8 +47,9 @@ def consolidate_cmd(
 
     from opentau_cli.checkpoint.consolidate import consolidate
 
+    console = _stderr_console()
     with Progress(SpinnerColumn(), TextColumn("consolidating: {task.fields[mb]:.1f} MB written"), transient=True,
-                  console=_stderr_console()) as bar:
+                  console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task("write", total=None, mb=0.0)
         result = consolidate(checkpoint_dir, dtype=dtype, max_shard_size=max_shard_size, output=output, force=force,
                              progress=lambda e: bar.update(task, mb=bar.tasks[0].fields["mb"] + e.nbytes / 1e6))
