@@ -269,3 +269,23 @@ def test_convert_checkpoint_sh_calls_consolidate(ds_ckpts, tmp_path):
     res = subprocess.run(["bash", str(REPO / "convert_checkpoint.sh"), str(ckpt)], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
     _assert_bit_equal(load_file(ckpt / "model.safetensors"), _reference(ds_ckpts, "z2r1"))
+
+
+def test_inspect_reads_stage_world_size_step_and_parameter_counts_from_shards(ds_ckpts, tmp_path):
+    import json
+
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    res = cli(["checkpoint", "inspect", ckpt, "--json"])
+    assert res.exit_code == 0, res.stderr
+    info = json.loads(res.stdout)
+    ref = _reference(ds_ckpts, "z3r2")
+    params = sum(v.numel() for k, v in ref.items() if k not in ("state_mean", "seen", "head.weight"))  # tied counted once
+    frozen = ref["frozen.weight"].numel() + ref["frozen.bias"].numel()
+    assert (info["backend"], info["zero_stage"], info["world_size"], info["step"]) == ("deepspeed", 3, 2, 2)
+    assert (info["parameters"], info["trainable_parameters"]) == (params, params - frozen)
+    assert info["mixed_precision"] == "bf16" and info["dtypes"] == {"bfloat16": params}
+    assert info["consolidated"] is False
+    assert info["files"]["pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt"] > 0
+    cli(["checkpoint", "consolidate", ckpt])
+    text = cli(["checkpoint", "inspect", ckpt]).stdout
+    assert "deepspeed ZeRO-3" in text and "consolidated:    yes" in text and "model.safetensors" in text
