@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
@@ -79,7 +81,7 @@ def compare_table(rows: list[dict]) -> Table:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            r["accelerate_config"],
+            Path(r["accelerate_config"]).name,
             r["backend"],
             str(r["world_size"]),
             f"{r['samples_per_s']:.2f}",
@@ -113,7 +115,7 @@ def max_batch_table(results: list[dict]) -> Table:
     for r in results:
         best = str(r["max_per_device_batch"]) + (" (cap)" if r["capped_by_max_batch"] else "")
         table.add_row(
-            r["accelerate_config"] or "default",
+            Path(r["accelerate_config"]).name if r["accelerate_config"] else "default",
             r["backend"],
             str(r["world_size"]),
             best,

@@ -218,4 +218,6 @@ def find_max_batch(
                 "peak_memory_bytes": max(m["bytes"] for m in best_report["peak_memory"]) if best_report else None,
             }
         )
-    return {"mode": "find_max_batch", "memory_limit_bytes": memory_limit, "results": results}
+    warnings = [f"{r['backend']} ({r['accelerate_config'] or 'default'}): even a per-device batch of 1 runs out of memory."
+                for r in results if r["max_per_device_batch"] == 0]
+    return {"mode": "find_max_batch", "memory_limit_bytes": memory_limit, "results": results, "warnings": warnings}

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         traceback.print_exc()
         if is_oom(e):
-            (run_dir / f"profile_oom_rank{rank}.json").write_text(json.dumps({"rank": rank, "error": str(e).splitlines()[0][:300]}))
+            first_line = (str(e).strip() or type(e).__name__).splitlines()[0][:300]
+            (run_dir / f"profile_oom_rank{rank}.json").write_text(json.dumps({"rank": rank, "error": first_line}))
         sys.stderr.flush()
         return 1
 
