@@ -7,7 +7,7 @@ import importlib
 
 _WHERE = {
     "BatchStream": "sampler", "ResumableSampler": "sampler", "LeRobotDataset": "dataset", "TrainData": "build",
-    "build_data": "build", "resolve_dataset_root": "build", "split_episodes": "build", "check_dataset": "check",
+    "build_data": "build", "resolve_dataset_root": "synth", "split_episodes": "build", "check_dataset": "check",
     "write_synth": "synth", "describe_dataset": "info",
 }
 __all__ = sorted(_WHERE)

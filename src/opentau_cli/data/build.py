@@ -8,19 +8,12 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import DataLoader
 
-from opentau_cli.config.model import DEMO_DATASET, TrainConfig
+from opentau_cli.config.model import TrainConfig
 from opentau_cli.data.dataset import LeRobotDataset
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.sampler import BatchStream, ResumableSampler
-from opentau_cli.data.synth import ensure_demo
+from opentau_cli.data.synth import resolve_dataset_root
 from opentau_cli.errors import UserError
-
-
-def resolve_dataset_root(root: str | Path) -> Path:
-    """'@demo' -> the synthetic demo dataset (generated on first use); anything else is a local path."""
-    if str(root) == DEMO_DATASET:
-        return ensure_demo()
-    return Path(root).expanduser()
 
 
 def split_episodes(root: str | Path, val_split: float, seed: int, episodes: list[int] | None = None) -> tuple[list[int], list[int]]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from opentau_cli.data.images import encode_png
 from opentau_cli.data.stats import feature_stats
+from opentau_cli.config.model import DEMO_DATASET
 from opentau_cli.errors import UserError
 
 DEMO_VERSION = "v1"
@@ -217,3 +218,10 @@ def ensure_demo() -> Path:
 def demo_info() -> dict:
     s = DEMO_SETTINGS
     return synth_info(s["episodes"], s["steps_per_episode"], s["cameras"], s["fmt"])
+
+
+def resolve_dataset_root(root: str | Path) -> Path:
+    """'@demo' -> the synthetic demo dataset (generated on first use); anything else is a local path."""
+    if str(root) == DEMO_DATASET:
+        return ensure_demo()
+    return Path(root).expanduser()
