@@ -19,11 +19,14 @@ from torch import nn
 
 
 class TinyTied(nn.Module):
-    def __init__(self, vocab: int, width: int):
+    def __init__(self, vocab: int, width: int, stack: int = 0):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.frozen = nn.Linear(width, width)  # like a frozen vision encoder
-        self.body = nn.Sequential(nn.Linear(width, 3 * width + 1), nn.GELU(), nn.Linear(3 * width + 1, width))
+        if stack:  # a deep stack of width x width layers: a large model made of many mid-sized tensors (benchmarks)
+            self.body = nn.Sequential(*[nn.Linear(width, width) for _ in range(stack)])
+        else:
+            self.body = nn.Sequential(nn.Linear(width, 3 * width + 1), nn.GELU(), nn.Linear(3 * width + 1, width))
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
         self.frozen.requires_grad_(False)
@@ -42,6 +45,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=13)
     parser.add_argument("--vocab", type=int, default=37)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--stack", type=int, default=0, help="use a stack of N width x width linear layers as the body")
     parser.add_argument("--then-one-more-step-to", dest="extra_out", default=None,
                         help="after saving, train one more step and save again here (a later save of the same run)")
     args = parser.parse_args()
@@ -53,7 +57,7 @@ def main() -> None:
     # No DataLoader is prepared, so DeepSpeed needs the micro batch size spelled out.
     accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
     torch.manual_seed(0)
-    model = TinyTied(args.vocab, args.width)
+    model = TinyTied(args.vocab, args.width, args.stack)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     gen = torch.Generator().manual_seed(1 + accelerator.process_index)
@@ -77,7 +81,7 @@ def main() -> None:
 
 
 def launch(out_dir, *, zero_stage: int, num_processes: int, width: int = 13, steps: int = 2, mixed_precision="no",
-           extra_out=None, timeout: float = 600) -> subprocess.CompletedProcess:
+           extra_out=None, vocab: int = 37, stack: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run this script under `accelerate launch` with DeepSpeed on CPU; returns the finished process."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "false"}
     cmd = [
@@ -87,6 +91,7 @@ def launch(out_dir, *, zero_stage: int, num_processes: int, width: int = 13, ste
         "--main_process_port", str(29500 + (os.getpid() % 2000) + zero_stage * 7 + num_processes),
         "--zero3_init_flag", "false", "--gradient_accumulation_steps", "1",
         __file__, str(out_dir), "--width", str(width), "--steps", str(steps),
+        "--vocab", str(vocab), "--stack", str(stack),
     ] + (["--then-one-more-step-to", str(extra_out)] if extra_out else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

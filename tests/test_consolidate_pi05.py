@@ -1,0 +1,82 @@
+"""A real `opentau train` ZeRO-3 checkpoint of pi05_tiny (2 CPU ranks): consolidate equals zero_to_fp32, the result
+loads into a fresh pi05_tiny, and a new run warm-starts from it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from typer.testing import CliRunner
+
+from conftest import EXAMPLES, run_cli
+from opentau_cli.cli.main import app
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ds_ckpt_helper  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, isolated_env_module):
+    run = tmp_path_factory.mktemp("z3") / "run"
+    res = run_cli([
+        "train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}",
+        f"--accelerate-config={EXAMPLES / 'accelerate_cpu_deepspeed_zero3_config.yaml'}",
+        f"--output_dir={run}", "--steps=2", "--save_freq=2", "--log_freq=1", "--validation.val_freq=1000",
+    ], env=isolated_env_module)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def isolated_env_module(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf_home")
+    return {"HF_HOME": str(home), "OPENTAU_CACHE_DIR": str(Path(__file__).resolve().parents[1] / ".cache" / "opentau")}
+
+
+def test_pi05_zero3_checkpoint_consolidates_like_zero_to_fp32_and_loads_into_fresh_policy(zero3_run, tmp_path):
+    from opentau_cli.config.load import load_config
+    from opentau_cli.policies import build_policy, load_pretrained
+
+    ckpt = zero3_run / "checkpoints" / "000002"
+    res = CliRunner().invoke(app, ["checkpoint", "consolidate", str(zero3_run / "checkpoints" / "last")])
+    assert res.exit_code == 0, res.stderr
+    ours = load_file(ckpt / "model.safetensors")
+    ds_ckpt_helper.run_zero_to_fp32([(ckpt, tmp_path / "ref")])
+    ref = torch.load(tmp_path / "ref" / "pytorch_model.bin", weights_only=True)
+    assert sorted(ours) == sorted(ref)
+    for k in ref:
+        assert ours[k].dtype == ref[k].dtype and ours[k].shape == ref[k].shape and torch.equal(ours[k], ref[k]), k
+
+    cfg = load_config(ckpt / "train_config.json", [])
+    policy = build_policy(cfg.policy)
+    report = load_pretrained(policy, ckpt)
+    assert not report.missing and not report.unexpected
+    state = policy.state_dict()
+    assert all(torch.equal(state[k], ours[k].to(state[k].dtype)) for k in ours)
+    # The consolidated file is vouched for: the checkpoint still verifies (and so still resumes).
+    assert CliRunner().invoke(app, ["checkpoint", "verify", str(ckpt)]).exit_code == 0
+
+
+def test_new_run_warm_starts_from_the_consolidated_weights(zero3_run, isolated_env_module, tmp_path):
+    weights = zero3_run / "checkpoints" / "000002" / "model.safetensors"
+    if not weights.exists():
+        assert CliRunner().invoke(app, ["checkpoint", "consolidate", str(weights.parent)]).exit_code == 0
+    run = tmp_path / "warm"
+    res = run_cli([
+        "train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}", f"--output_dir={run}", "--steps=1",
+        "--save_freq=1", f"--policy.pretrained_path={weights}", "--validation.val_freq=1000",
+        "--optimizer.lr=1e-30", "--scheduler.type=constant", "--scheduler.warmup_steps=0",
+    ], env=isolated_env_module)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # With a vanishing learning rate, the single-process run's step-1 weights are the consolidated ones (a fresh
+    # init would differ by the ZeRO-3 run's updates, ~1e-4): the warm start really loaded them.
+    start, saved = load_file(weights), load_file(run / "checkpoints" / "000001" / "model.safetensors")
+    assert sorted(start) == sorted(saved)
+    worst = max((saved[k].double() - start[k].double()).abs().max().item() for k in start if start[k].is_floating_point())
+    assert worst < 1e-20, worst
