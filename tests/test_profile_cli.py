@@ -11,6 +11,8 @@ from opentau_cli.errors import UserError
 from opentau_cli.profiling.run import parse_size
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
+# One thread per worker: on a busy 2-core CI box, two spinning OpenMP threads per process slow a step down 5-10x.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def test_dataloader_only_measures_samples_per_s_without_importing_the_policy(isolated_env):
@@ -51,3 +53,51 @@ def test_memory_sizes_parse_as_powers_of_1024():
     assert parse_size("1.5g") == int(1.5 * (1 << 30))
     with pytest.raises(UserError):
         parse_size("1MB")
+
+
+SINGLE_YAML = "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nmixed_precision: 'no'\n"
+
+
+def test_compare_on_two_cpu_configs_gives_two_rows_full_reports_and_phases_that_add_up(isolated_env):
+    from opentau_cli.profiling.phases import PHASES
+    from opentau_cli.profiling.stats import REPORT_FIELDS
+
+    single = isolated_env / "single.yaml"
+    single.write_text(SINGLE_YAML)
+    ddp = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
+    out = isolated_env / "compare.json"
+    r = run_cli(
+        ["profile", f"--config_path={TINY}", "--compare", f"{single},{ddp}", "--steps", "4", "--warmup", "1",
+         "--json", str(out), "--log_freq=2"],
+        cwd=isolated_env,
+    )
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "single.yaml" in r.stdout and "accelerate_cpu_ddp_config.yaml" in r.stdout
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [row["world_size"] for row in rows] == [1, 2]
+    assert [row["backend"] for row in rows] == ["single process", "DDP"]
+    assert rows[0]["speedup"] == 1.0
+    assert rows[1]["speedup"] == pytest.approx(rows[1]["samples_per_s"] / rows[0]["samples_per_s"])
+    for rep in report["reports"]:
+        assert set(rep) == set(REPORT_FIELDS) | {"warnings"}
+        assert rep["measured_steps"] == 4
+        assert len(rep["peak_memory"]) == rep["world_size"]
+        assert all(m["kind"] == "process_peak_rss" and m["bytes"] > 50 << 20 for m in rep["peak_memory"])
+        assert rep["flops_per_sample"] > 0  # counted on the warm-up step
+        assert rep["mfu"] is None  # a CPU's peak is unknown
+        phases = rep["phases"]
+        timed = sum(phases[p]["mean_s"] for p in PHASES)
+        assert timed == pytest.approx(phases["total"]["mean_s"], rel=0.10)
+        for p in ("data", "forward", "backward", "optimizer", "zero_grad_sched", "sync"):
+            assert phases[p]["mean_s"] > 0, p  # log_freq=2: the metric gather ran in the measured steps
+        assert rep["samples_per_s"] == pytest.approx(rep["steps_per_s"] * rep["global_batch_size"])
+    assert report["reports"][1]["global_batch_size"] == 16  # 8 per process x 2
+    # Nothing was checkpointed and no scratch run dir is left behind.
+    assert not list(isolated_env.rglob("checkpoints"))
+
+
+def test_profile_refuses_a_config_problem_before_launching(isolated_env):
+    r = run_cli(["profile", f"--config_path={TINY}", "--policy.n_action_steps=20"], cwd=isolated_env)
+    assert r.returncode == 2
+    assert "n_action_steps (20) must be <= policy.chunk_size (10)" in r.stderr

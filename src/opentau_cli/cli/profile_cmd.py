@@ -59,6 +59,8 @@ def profile(
     cfg = load_config(config_path, ctx.args)
     to_stdout = json_path is not None and str(json_path) == "-"
     console = Console(stderr=to_stdout)
+    if not console.is_terminal:
+        console.width = 120  # logs and pipes: do not squeeze the tables into 80 columns
     opts = prof.ProfileOptions(steps=steps, warmup=warmup, peak_tflops=peak_tflops)
 
     if dataloader_only:

@@ -1,7 +1,8 @@
 """The per-rank profile process: `python -m opentau_cli.profiling.worker --config ... --launch ...` (via the launcher).
 
-It builds exactly what `train` builds (TRAIN's `build_trainer`) and runs TRAIN's `train_step` with a timer, metric
-gathering every log_freq steps like `train` does, and no checkpoints. Then every rank's timings go to rank 0, which
+It builds exactly what `train` builds (TRAIN's `build_trainer`) and runs TRAIN's `train_step` with a timer, plus the
+collectives `train`'s loop runs around each step (preemption agreement, metric gathering every log_freq steps), and
+no checkpoints. Then every rank's timings go to rank 0, which
 writes them to <output_dir>/profile_result.json. A rank that runs out of memory writes profile_oom_rank<N>.json.
 """
 
@@ -80,7 +81,7 @@ def profile(cfg, setup, request: dict) -> dict | None:
     import torch
 
     from opentau_cli.profiling.stats import rank_result
-    from opentau_cli.train.trainer import build_trainer
+    from opentau_cli.train.trainer import any_rank, build_trainer
 
     warmup, steps = request["warmup"], request["steps"]
     cuda = torch.cuda.is_available()
@@ -91,17 +92,16 @@ def profile(cfg, setup, request: dict) -> dict | None:
         torch.cuda.reset_peak_memory_stats()
     ds_split = time_deepspeed_step(trainer, timer)
     try:
-        last = time.perf_counter()
         for i in range(warmup + steps):
             if i == warmup:
                 timer.reset()
             trainer.train_step(timer)
-            if trainer.step % cfg.log_freq == 0:
-                # What `train` does every log_freq steps: gather the loss terms from every rank (a collective).
-                with timer.phase("sync"):
-                    now = time.perf_counter()
-                    trainer.collect_metrics(now - last)
-                    last = now
+            # What `train`'s loop does around each step (no checkpoints, no validation): agree across ranks on
+            # preemption, and every log_freq steps gather the loss terms from every rank. Both are collectives.
+            with timer.phase("sync"):
+                any_rank(trainer.accelerator, False)
+                if trainer.step % cfg.log_freq == 0:
+                    trainer.collect_metrics()
     finally:
         trainer.data.stream.close()
     acc = trainer.accelerator
