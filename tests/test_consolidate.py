@@ -289,3 +289,16 @@ def test_inspect_reads_stage_world_size_step_and_parameter_counts_from_shards(ds
     cli(["checkpoint", "consolidate", ckpt])
     text = cli(["checkpoint", "inspect", ckpt]).stdout
     assert "deepspeed ZeRO-3" in text and "consolidated:    yes" in text and "model.safetensors" in text
+
+
+def test_bench_consolidate_smoke_runs_both_paths_and_reports_ratios(ds_ckpts, tmp_path):
+    """The benchmark script end to end (CI): reuses a ZeRO-3 2-rank checkpoint from above instead of building one."""
+    work = tmp_path / "bench"
+    shutil.copytree(ds_ckpts / "z3r2", work / "ckpt")
+    results = tmp_path / "BENCH.md"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_consolidate.py"), "--smoke", "--workdir", str(work),
+                          "--results", str(results)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "RSS ratio" in res.stdout and "wall ratio" in res.stdout and "identical" in res.stdout
+    text = results.read_text()
+    assert "Streaming consolidation vs zero_to_fp32" in text and "| upstream peak RSS |" in text and "command:" in text
