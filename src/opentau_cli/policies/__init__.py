@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from safetensors.torch import load_file
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 
+# Imported here, not inside build_policy: transformers imports lazily, and an import that happens inside DeepSpeed's
+# zero.Init (which patches tensor construction) fails in torch._dynamo.
+from opentau_cli.policies.pi05 import Pi05Policy
+
 __all__ = ["build_policy", "count_parameters", "load_pretrained", "LoadReport"]
 
 
@@ -22,13 +27,43 @@ def build_policy(policy_cfg: PolicyConfig, stats: dict | None = None) -> torch.n
     Sets requires_grad per the config and turns on activation checkpointing when asked. Does not load
     `pretrained_path` (call `load_pretrained` once the weights are materialized) and does not compile.
     """
-    from opentau_cli.policies.pi05 import Pi05Policy
-
-    policy = Pi05Policy(policy_cfg)
+    policy = _build_under_zero3(policy_cfg) if _zero3_init_active() else Pi05Policy(policy_cfg)
     if stats is not None:
         policy.set_stats(stats)
     if policy_cfg.gradient_checkpointing:
         policy.enable_gradient_checkpointing()
+    return policy
+
+
+def _zero3_init_active() -> bool:
+    partition = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    return partition is not None and partition.zero_init_context > 0
+
+
+def _build_under_zero3(policy_cfg: PolicyConfig) -> torch.nn.Module:
+    """Build inside the caller's deepspeed.zero.Init, the way transformers' from_pretrained does it.
+
+    transformers' post-construction weight init cannot run on partitioned (empty) parameters: skip it while
+    building, then run its gathered ZeRO-3 variant. zero.Init also casts floating tensors it sees created (RoPE
+    frequencies, statistics buffers) to its dtype: recompute those in fp32 with its patches paused.
+    """
+    from deepspeed.runtime.zero import partition_parameters
+    from transformers.integrations.deepspeed import initialize_weights_zero3
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel.init_weights
+    PreTrainedModel.init_weights = lambda self: None
+    try:
+        policy = Pi05Policy(policy_cfg)
+    finally:
+        PreTrainedModel.init_weights = original
+    initialize_weights_zero3(policy.vlm)
+    initialize_weights_zero3(policy.expert)
+    partition_parameters.shutdown_init_context()
+    try:
+        policy.reset_fp32_buffers()
+    finally:
+        partition_parameters.restore_init_context()
     return policy
 
 

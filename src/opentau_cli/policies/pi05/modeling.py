@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import transformers.generation.utils  # noqa: F401  (model construction imports it lazily; see policies/__init__.py)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers.models.gemma.modeling_gemma import GemmaModel, GemmaRMSNorm, apply_rotary_pos_emb
+from transformers.models.gemma.modeling_gemma import GemmaModel, GemmaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.paligemma.modeling_paligemma import PaliGemmaModel
 from transformers.models.pi0.modeling_pi0 import PI0ActionTimeEmbedding, PI0TimestepEmbeddings
 
@@ -40,7 +41,7 @@ def discretize(x: torch.Tensor, bins: int) -> torch.Tensor:
     return (scaled * bins).long().clamp(0, bins - 1)
 
 
-class AdaRMSNorm(nn.Module):
+class AdaRMS(nn.Module):  # not named *RMSNorm: transformers would re-init it as a plain norm (gate 0)
     """RMSNorm whose scale and shift (and a residual gate) are a linear function of the time conditioning."""
 
     def __init__(self, dim: int, cond_dim: int, with_gate: bool, eps: float = 1e-6):
@@ -85,7 +86,7 @@ class Pi05TimeEmbedding(nn.Module):
 
 
 def _norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None):
-    if isinstance(norm, AdaRMSNorm):
+    if isinstance(norm, AdaRMS):
         return norm(x, cond)
     return norm(x), None
 
@@ -133,9 +134,9 @@ class Pi05Policy(nn.Module):
             width = arch.dit_config.hidden_size
             self.embed_suffix = Pi05TimeEmbedding(arch)
             for layer in self.expert.layers:
-                layer.input_layernorm = AdaRMSNorm(width, width, with_gate=True)
-                layer.post_attention_layernorm = AdaRMSNorm(width, width, with_gate=True)
-            self.expert.norm = AdaRMSNorm(width, width, with_gate=False)
+                layer.input_layernorm = AdaRMS(width, width, with_gate=True)
+                layer.post_attention_layernorm = AdaRMS(width, width, with_gate=True)
+            self.expert.norm = AdaRMS(width, width, with_gate=False)
         else:
             self.embed_suffix = PI0ActionTimeEmbedding(arch)  # state token + action/time MLP, as in transformers' PI0
         self.action_out_proj = nn.Linear(arch.dit_config.hidden_size, cfg.max_action_dim)
@@ -170,6 +171,18 @@ class Pi05Policy(nn.Module):
             getattr(self, f"{key}_mean").zero_()[: mean.numel()] = mean.to(self.state_mean.device)
             getattr(self, f"{key}_std").fill_(1.0)[: std.numel()] = std.to(self.state_mean.device)
             getattr(self, f"{key}_dim").fill_(mean.numel())
+
+    def reset_fp32_buffers(self) -> None:
+        """Recompute the non-learned buffers in fp32 (after a build inside an init context that cast them)."""
+        for module in self.modules():
+            if isinstance(module, GemmaRotaryEmbedding) and module.rope_type == "default":
+                inv_freq, _ = module.compute_default_rope_parameters(module.config)
+                module.inv_freq = inv_freq.to(module.inv_freq.device)
+                module.original_inv_freq = inv_freq.clone().to(module.inv_freq.device)
+            elif isinstance(module, PI0TimestepEmbeddings):
+                module.sinusoid_freq = module.compute_freqs(module.config).to(module.sinusoid_freq.device)
+        for name in ("state_mean", "state_std", "action_mean", "action_std"):
+            setattr(self, name, getattr(self, name).float())
 
     def unused_parameter_names(self) -> list[str]:
         """Parameters whose outputs nothing reads in the current mode (kept in the state_dict, never trained)."""
