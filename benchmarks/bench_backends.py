@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    config = TINY_CONFIG if args.smoke else SMALL_CONFIG
+    config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     if args.smoke:
         args.steps, args.warmup = 2, 1
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:

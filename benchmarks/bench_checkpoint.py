@@ -99,12 +99,13 @@ def seconds_to_step(cmd: list[str], metrics: Path, after_step: int, timeout: flo
     return first
 
 
-def launch_times(config: Path, workdir: Path) -> tuple[float, float]:
+def launch_times(config: Path, workdir: Path, warm_first: bool = True) -> tuple[float, float]:
     ot = opentau_bin()
     common = ["--log_freq=1", "--save_freq=2", "--validation.val_freq=0", "--logging.tensorboard=false", "--overwrite=true"]
     # A first fresh run warms the demo-data cache, page cache and DeepSpeed/torch imports for both timed runs.
     warm = workdir / "warm"
-    seconds_to_step([ot, "train", f"--config_path={config}", f"--output_dir={warm}", "--steps=1", *common], warm / "metrics.jsonl", 0)
+    if warm_first:
+        seconds_to_step([ot, "train", f"--config_path={config}", f"--output_dir={warm}", "--steps=1", *common], warm / "metrics.jsonl", 0)
     run_dir = workdir / "launch"
     fresh = seconds_to_step([ot, "train", f"--config_path={config}", f"--output_dir={run_dir}", "--steps=2", *common],
                             run_dir / "metrics.jsonl", 0)
@@ -116,11 +117,11 @@ def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    config = TINY_CONFIG if args.smoke else SMALL_CONFIG
+    config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     repeats = 1 if args.smoke else args.repeats
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         saves, plains, nbytes = save_times(config, repeats, Path(tmp))
-        fresh, resume = launch_times(config, Path(tmp))
+        fresh, resume = launch_times(config, Path(tmp), warm_first=not args.smoke)
     save, plain = statistics.median(saves), statistics.median(plains)
     bandwidth_ratio = plain / save  # = save bandwidth / plain bandwidth (same bytes)
     launch_ratio = resume / fresh

@@ -1,7 +1,7 @@
 """Benchmark 1, framework overhead: `opentau train` steps/s vs a minimal hand-written Accelerate loop.
 
-Same model (pi05_small), batch and data, one process. opentau's steps/s comes from its own metrics.jsonl over the
-measured steps (after `warmup` steps, logged every `warmup` steps); the anchor is benchmarks/handwritten_loop.py.
+Same model (pi05_small), batch and data, one process. opentau's steps/s is timed from outside, between its progress
+lines at step `warmup` and `warmup + steps` (it logs every `warmup` steps); the anchor is benchmarks/handwritten_loop.py.
 Target: ratio >= 0.95. Each side runs `--repeats` times alternately; the best of each is compared (noise only slows).
 
     python benchmarks/bench_overhead.py            # pi05_small, 5 warm-up + 20 measured steps
@@ -11,26 +11,37 @@ Target: ratio >= 0.95. Each side runs `--repeats` times alternately; the best of
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run, verdict  # noqa: E402
+from _common import REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, env, opentau_bin, print_rows, run, verdict  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
 def opentau_steps_per_s(config: Path, warmup: int, steps: int, workdir: Path) -> float:
+    """Steps/s of a real `opentau train` run, timed from outside: the arrival times of its progress lines at step
+    `warmup` and `warmup + steps` (so the loop's own logging, collectives and progress are all counted)."""
     out = workdir / "run"
-    run([opentau_bin(), "train", f"--config_path={config}", f"--output_dir={out}", "--overwrite=true",
-         f"--steps={warmup + steps}", f"--log_freq={warmup}", f"--save_freq={10**9}", "--validation.val_freq=0",
-         "--logging.tensorboard=false", "--scheduler.warmup_steps=0"])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    measured = [r for r in records if r.get("kind") == "train" and r["step"] > warmup]
-    batch = records[0]["samples_seen"] / records[0]["step"]  # global samples per step
-    seconds = sum(warmup * batch / r["samples_per_s"] for r in measured)
-    return len(measured) * warmup / seconds
+    cmd = [opentau_bin(), "train", f"--config_path={config}", f"--output_dir={out}", "--overwrite=true",
+           f"--steps={warmup + steps}", f"--log_freq={warmup}", f"--save_freq={10**9}", "--validation.val_freq=0",
+           "--logging.tensorboard=false", "--logging.progress_bar=plain", "--scheduler.warmup_steps=0"]
+    seen: dict[int, float] = {}
+    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.match(r"step (\d+)/\d+", line)
+        if m:
+            seen[int(m.group(1))] = time.perf_counter()
+    if proc.wait() != 0 or warmup not in seen or warmup + steps not in seen:
+        raise SystemExit(f"opentau train failed or logged no progress ({proc.returncode}):\n{''.join(lines[-30:])}")
+    return steps / (seen[warmup + steps] - seen[warmup])
 
 
 def handwritten_steps_per_s(config: Path, warmup: int, steps: int) -> float:
@@ -45,7 +56,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    config = TINY_CONFIG if args.smoke else SMALL_CONFIG
+    config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     if args.smoke:
         args.steps, args.warmup, args.repeats = 4, 2, 1
     if args.steps % args.warmup:

@@ -1,0 +1,66 @@
+"""Each benchmark's --smoke mode runs end to end and appends a dated section to the results file it is given."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # see test_profile_cli.py: busy 2-core CI boxes
+
+
+def run_benchmark(script: str, results, timeout: float = 600) -> str:
+    env = {**os.environ, **ONE_THREAD}
+    env.pop("OPENTAU_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--results", str(results)],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = results.read_text()
+    assert text.startswith("# Benchmarks")
+    assert re.search(r"^## .+ \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)$", text, re.M)
+    assert "- machine: " in text and f"CPUs" in text and "- command: `" in text and "--smoke" in text
+    return proc.stdout
+
+
+def test_overhead_benchmark_smoke_prints_the_ratio_to_a_hand_written_loop(tmp_path):
+    out = run_benchmark("bench_overhead.py", tmp_path / "B.md")
+    ratio = re.search(r"ratio opentau / hand-written\s+(\d+\.\d+)", out)
+    assert ratio and float(ratio.group(1)) > 0
+    assert "target >= 0.95" in (tmp_path / "B.md").read_text()
+
+
+def test_checkpoint_benchmark_smoke_prints_bandwidth_and_launch_ratios(tmp_path):
+    out = run_benchmark("bench_checkpoint.py", tmp_path / "B.md")
+    assert re.search(r"save bandwidth / plain bandwidth\s+\d+\.\d+x", out)
+    assert re.search(r"resume / fresh\s+\d+\.\d+x", out)
+
+
+def test_backends_benchmark_smoke_compares_ddp_zero2_zero3(tmp_path):
+    results = tmp_path / "B.md"
+    run_benchmark("bench_backends.py", results)
+    text = results.read_text()
+    for backend in ("| DDP |", "| DeepSpeed ZeRO-2 |", "| DeepSpeed ZeRO-3 |"):
+        assert backend in text
+    assert "1.00x vs DDP" in text
+
+
+def test_results_are_appended_never_rewritten(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from _common import append_result
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "B.md"
+    append_result("first", [("a", "1")], ["note"], path=path)
+    append_result("second", [("b", "2")], [], path=path)
+    text = path.read_text()
+    assert text.count("# Benchmarks") == 1
+    assert text.index("## first") < text.index("## second")
+    assert "| a | 1 |" in text and "| b | 2 |" in text
