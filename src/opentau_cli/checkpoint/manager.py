@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from opentau_cli.checkpoint.manifest import is_complete, verify_manifest, write_json_atomic, write_manifest
+from opentau_cli.checkpoint.pickle_scan import scan_checkpoint_pickles
 from opentau_cli.errors import RunError, UserError
 
 CHECKPOINTS = "checkpoints"
@@ -103,6 +104,10 @@ def check_resumable(ckpt_dir: Path, cfg, setup) -> dict:
             f"Checkpoint '{ckpt_dir}' fails its manifest ({shown}); nothing was loaded. Resume from an earlier "
             f"checkpoint (see `opentau checkpoint list {run_dir_of(ckpt_dir)}`)."
         )
+    # A forged manifest would vouch for anything: also vet every pickle the loaders will open (constructs nothing).
+    unsafe = scan_checkpoint_pickles(ckpt_dir)
+    if unsafe:
+        raise UserError(f"Refusing to resume from '{ckpt_dir}': {unsafe[0]}; nothing was loaded.")
     state = read_training_state(ckpt_dir)
     saved_backend, saved_stage = state.get("backend"), state.get("zero_stage")
     saved_ds = saved_backend == "deepspeed"
