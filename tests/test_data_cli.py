@@ -6,9 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import run_cli
 from opentau_cli.data import LeRobotDataset
 from opentau_cli.data.meta import read_meta
+
+pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
 
 
 def test_synth_then_info_describe_the_written_v30_dataset(tmp_path):

@@ -14,6 +14,8 @@ from opentau_cli.config.load import load_config
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, check_dataset, write_synth
 from opentau_cli.errors import UserError
 
+pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+
 G1 = SHARED_DATA / "g1_pick_bottle_v21"
 KW = dict(chunk_size=4, image_resolution=(16, 16), num_cameras=1)
 TINY = str(EXAMPLES / "pi05_tiny_config.json")

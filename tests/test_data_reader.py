@@ -14,6 +14,8 @@ from opentau_cli.config.load import load_config
 from opentau_cli.data import LeRobotDataset, build_data, write_synth
 from opentau_cli.data.meta import read_meta
 
+pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+
 G1 = SHARED_DATA / "g1_pick_bottle_v21"
 KW = dict(chunk_size=6, image_resolution=(32, 48), num_cameras=3)
 

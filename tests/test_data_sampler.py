@@ -7,6 +7,8 @@ import torch
 
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, split_episodes, write_synth
 
+pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):

@@ -1,7 +1,8 @@
 """mp4 frames via PyAV: seek to the keyframe before the wanted frame, decode forward, keep what was decoded.
 
 LeRobot encodes with a keyframe every 2 frames, so a seek decodes 1-2 frames; every frame decoded on the way is
-resized right away and kept in a bounded per-process LRU, so neighbours of a sample and the next epoch are free.
+converted and resized in one swscale pass and kept in a bounded per-process LRU (`video_cache_mb`, at the target
+resolution, so ~150 KB per 224x224 frame), so neighbours of a sample and the next epoch come from memory.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class VideoFrames:
             container = av.open(str(path))
         except Exception as e:
             raise UserError(f"cannot open video {path}: {e}.") from None
+        # One decoder thread: parallelism comes from DataLoader workers, and a decoder that owns threads deadlocks
+        # when a forked worker frees an inherited container (seen with dav1d); single-threaded was as fast here.
+        codec = container.streams.video[0].codec_context
+        codec.thread_count = 1
+        codec.thread_type = "NONE"
         self._open[path] = container
         while len(self._open) > self.max_open:
             _, old = self._open.popitem(last=False)
