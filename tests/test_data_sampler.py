@@ -89,3 +89,15 @@ def test_stream_batches_are_collated_in_the_batch_format(dataset):
     b = next(s)
     assert b["images"].shape == (3, 1, 3, 16, 16) and b["image_masks"].dtype == torch.bool
     assert b["actions"].shape == (3, 4, 2) and b["action_is_pad"].shape == (3, 4) and len(b["task"]) == 3
+
+
+def test_pulling_batches_and_starting_epochs_leaves_the_global_torch_rng_alone(dataset):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    s = BatchStream(dataset, ResumableSampler(len(dataset), seed=2), 5, num_workers=0)
+    for _ in range(s.batches_per_epoch + 2):  # crosses an epoch: a new DataLoader iterator
+        next(s)
+    s.load_state_dict({"epoch": 0, "batch": 3})
+    next(s)
+    assert torch.equal(torch.rand(3), expected)

@@ -75,6 +75,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
         val_sampler = ResumableSampler(len(val_ds), seed=cfg.seed, rank=rank, world_size=world_size, shuffle=False)
         if len(val_sampler) > 0:
             # Workers 0: validation is occasional, and idle persistent workers would only hold memory.
-            val_loader = DataLoader(val_ds, batch_size=micro, sampler=val_sampler, num_workers=0, pin_memory=pin)
+            val_loader = DataLoader(val_ds, batch_size=micro, sampler=val_sampler, num_workers=0, pin_memory=pin,
+                                    generator=torch.Generator().manual_seed(cfg.seed))  # keeps the global RNG untouched
     return TrainData(stream=stream, val_loader=val_loader, stats=train.stats, state_dim=train.state_dim,
                      action_dim=train.action_dim, train_dataset=train, val_dataset=val_ds)

@@ -90,6 +90,9 @@ class BatchStream:
             pin_memory=pin_memory,
             persistent_workers=num_workers > 0,
             prefetch_factor=2 if num_workers > 0 else None,
+            # Each new iterator draws a worker base seed; from a generator of our own, not the global torch RNG,
+            # so starting an epoch or resuming does not shift the model's random stream.
+            generator=torch.Generator().manual_seed(sampler.seed),
         )
         self._it = None
         self.load_state_dict({"epoch": start_epoch, "batch": start_batch})
