@@ -59,11 +59,18 @@ def list_files(ckpt_dir: Path) -> list[str]:
     return out
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_json_atomic(path: Path, data: dict) -> Path:
     """Write JSON via a temp file in the same directory, fsync, then rename (readers never see half a file)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the published file gets the usual mode
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
