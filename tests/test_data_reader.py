@@ -117,3 +117,19 @@ def test_g1_batch_through_build_data_with_video_workers(isolated_env):
         assert val["actions"].shape == (4, 10, 26)
     finally:
         data.stream.close()
+
+
+def test_video_layouts_show_the_frame_of_each_sample_including_v30_files_holding_many_episodes(tmp_path):
+    pytest.importorskip("av")
+    args = dict(episodes=3, steps_per_episode=8, cameras=1, seed=4)
+    png = LeRobotDataset(write_synth(tmp_path / "png", **args), **KW)
+    v21 = LeRobotDataset(write_synth(tmp_path / "v21", video=True, **args), **KW)
+    v30 = LeRobotDataset(write_synth(tmp_path / "v30", fmt="v3.0", video=True, **args), **KW)
+    assert read_meta(v30.root).episodes[2].video_files["observation.images.top"] == (0, 0, 1.6)
+    truth = [png[j]["images"] for j in range(len(png))]
+    for i in (0, 7, 8, 13, 23, 16, 5):  # out of order; episode starts and ends; v3.0 frames come from one shared mp4
+        for ds in (v21, v30):
+            got = ds[i]["images"]
+            assert ds[i]["image_masks"].tolist() == [True, False, False]
+            dist = {j: (got - truth[j]).abs().mean().item() for j in range(max(0, i - 1), min(len(png), i + 2))}
+            assert min(dist, key=dist.get) == i, (i, dist)  # lossy, but the nearest picture is the right frame

@@ -21,6 +21,7 @@ def synth_cmd(
     cameras: int = typer.Option(1, "--cameras", help="Cameras (64x64 PNG images stored in the parquet files)."),
     fmt: str = typer.Option("v2.1", "--format", help="LeRobot layout: v2.1 or v3.0."),
     seed: int = typer.Option(0, "--seed", help="Same seed and options give the same data."),
+    video: bool = typer.Option(False, "--video", help="Store cameras as mp4 (H.264, needs PyAV) instead of PNG in parquet."),
 ) -> None:
     """Write a small learnable LeRobot-format dataset (2-D point reaching), offline.
 
@@ -28,8 +29,9 @@ def synth_cmd(
     """
     from opentau_cli.data.synth import write_synth
 
-    out = write_synth(out_dir, episodes=episodes, steps_per_episode=steps_per_episode, cameras=cameras, fmt=fmt, seed=seed)
-    typer.echo(f"Wrote {episodes} episodes x {steps_per_episode} frames ({fmt}, {cameras} camera(s)) to {out}")
+    out = write_synth(out_dir, episodes=episodes, steps_per_episode=steps_per_episode, cameras=cameras, fmt=fmt, seed=seed, video=video)
+    stored = "mp4" if video else "PNG in parquet"
+    typer.echo(f"Wrote {episodes} episodes x {steps_per_episode} frames ({fmt}, {cameras} camera(s), {stored}) to {out}")
 
 
 def _fmt_vec(values: list[float], limit: int = 8) -> str:

@@ -25,6 +25,7 @@ DEMO_SETTINGS = dict(episodes=30, steps_per_episode=50, cameras=1, fmt="v2.1", s
 CAMERA_NAMES = ["top", "front", "side", "wrist"]
 IMAGE_SIZE = 64
 FPS = 10
+VIDEO_CODEC = "libx264"
 SPEED = 0.05  # distance moved per step; reaching a target takes 2-20 steps
 TASK = "Move the blue dot to the red target."
 
@@ -69,13 +70,11 @@ def _episode(rng: np.random.Generator, steps: int):
     return np.array(states, np.float32), np.array(actions, np.float32), scenes
 
 
-def _features(cameras: int) -> dict:
-    feats = {
-        f"observation.images.{camera_name(k)}": {
-            "dtype": "image", "shape": [IMAGE_SIZE, IMAGE_SIZE, 3], "names": ["height", "width", "channel"],
-        }
-        for k in range(cameras)
-    }
+def _features(cameras: int, video: bool = False) -> dict:
+    camera = {"dtype": "video" if video else "image", "shape": [IMAGE_SIZE, IMAGE_SIZE, 3], "names": ["height", "width", "channel"]}
+    if video:
+        camera["info"] = {"video.fps": FPS, "video.codec": VIDEO_CODEC, "video.pix_fmt": "yuv420p", "has_audio": False}
+    feats = {f"observation.images.{camera_name(k)}": dict(camera) for k in range(cameras)}
     feats["observation.state"] = {"dtype": "float32", "shape": [4], "names": [["x", "y", "vx", "vy"]]}
     feats["action"] = {"dtype": "float32", "shape": [2], "names": [["dx", "dy"]]}
     for name, dtype in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"), ("index", "int64"), ("task_index", "int64")):
@@ -83,7 +82,7 @@ def _features(cameras: int) -> dict:
     return feats
 
 
-def synth_info(episodes: int, steps_per_episode: int, cameras: int, fmt: str) -> dict:
+def synth_info(episodes: int, steps_per_episode: int, cameras: int, fmt: str, video: bool = False) -> dict:
     """meta/info.json of a synth dataset (also what `check_dataset` uses for @demo before it exists)."""
     info = {
         "codebase_version": fmt,
@@ -91,30 +90,30 @@ def synth_info(episodes: int, steps_per_episode: int, cameras: int, fmt: str) ->
         "total_episodes": episodes,
         "total_frames": episodes * steps_per_episode,
         "total_tasks": 1,
-        "total_videos": 0,
+        "total_videos": cameras * (episodes if fmt == "v2.1" else 1) if video else 0,
         "total_chunks": 1,
         "chunks_size": 1000,
         "fps": FPS,
         "splits": {"train": f"0:{episodes}"},
-        "features": _features(cameras),
+        "features": _features(cameras, video),
     }
     if fmt == "v3.0":
         info["data_path"] = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
-        info["video_path"] = None
+        info["video_path"] = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4" if video else None
         info["data_files_size_in_mb"] = 100
     else:
         info["data_path"] = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
-        info["video_path"] = None
+        info["video_path"] = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4" if video else None
     return info
 
 
-def _episode_table(ep: int, first_index: int, states, actions, scenes, cameras: int):
+def _episode_table(ep: int, first_index: int, states, actions, scenes, cameras: int, video: bool):
     import pyarrow as pa
 
     n = len(states)
     cols = {}
     image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    for k in range(cameras):
+    for k in range(0 if video else cameras):
         cols[f"observation.images.{camera_name(k)}"] = pa.array(
             [{"bytes": encode_png(_draw(p, t, k)), "path": None} for p, t in scenes], type=image_type
         )
@@ -128,8 +127,15 @@ def _episode_table(ep: int, first_index: int, states, actions, scenes, cameras: 
     return pa.table(cols)
 
 
-def write_synth(out_dir: str | Path, *, episodes: int = 30, steps_per_episode: int = 50, cameras: int = 1, fmt: str = "v2.1", seed: int = 0) -> Path:
-    """Write the dataset into out_dir (which must not exist or be empty). Same arguments -> same bytes of data."""
+def write_synth(
+    out_dir: str | Path, *, episodes: int = 30, steps_per_episode: int = 50, cameras: int = 1, fmt: str = "v2.1", seed: int = 0,
+    video: bool = False,
+) -> Path:
+    """Write the dataset into out_dir (which must not exist or be empty). Same arguments -> same data.
+
+    video=True stores the cameras as mp4 (needs PyAV): one file per episode (v2.1) or one per camera holding every
+    episode (v3.0, located by from_timestamp), with a keyframe every 2 frames as LeRobot encodes them.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -141,12 +147,17 @@ def write_synth(out_dir: str | Path, *, episodes: int = 30, steps_per_episode: i
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} already exists and is not empty; choose a new directory.")
     rng = np.random.default_rng(seed)
-    info = synth_info(episodes, steps_per_episode, cameras, fmt)
+    if video:
+        from opentau_cli.data.video import import_av
+
+        import_av()  # fail before writing anything
+    info = synth_info(episodes, steps_per_episode, cameras, fmt, video)
     (out / "meta").mkdir(parents=True, exist_ok=True)
-    tables, ep_stats, all_states, all_actions = [], [], [], []
+    tables, ep_stats, all_states, all_actions, all_scenes = [], [], [], [], []
     for ep in range(episodes):
         states, actions, scenes = _episode(rng, steps_per_episode)
-        tables.append(_episode_table(ep, ep * steps_per_episode, states, actions, scenes, cameras))
+        tables.append(_episode_table(ep, ep * steps_per_episode, states, actions, scenes, cameras, video))
+        all_scenes.append(scenes)
         all_states.append(states)
         all_actions.append(actions)
         ep_stats.append({"observation.state": feature_stats(states), "action": feature_stats(actions)})
@@ -158,6 +169,10 @@ def write_synth(out_dir: str | Path, *, episodes: int = 30, steps_per_episode: i
             path = out / info["data_path"].format(episode_chunk=0, episode_index=ep)
             path.parent.mkdir(parents=True, exist_ok=True)
             pq.write_table(table, path)
+        for ep, scenes in enumerate(all_scenes if video else []):
+            for k in range(cameras):
+                key = f"observation.images.{camera_name(k)}"
+                _write_mp4(out / info["video_path"].format(episode_chunk=0, video_key=key, episode_index=ep), [_draw(p, t, k) for p, t in scenes])
         _write_jsonl(out / "meta" / "episodes.jsonl", [{"episode_index": ep, "tasks": [TASK], "length": steps_per_episode} for ep in range(episodes)])
         _write_jsonl(out / "meta" / "tasks.jsonl", [{"task_index": 0, "task": TASK}])
         _write_jsonl(out / "meta" / "episodes_stats.jsonl", [{"episode_index": ep, "stats": s} for ep, s in enumerate(ep_stats)])
@@ -173,6 +188,12 @@ def write_synth(out_dir: str | Path, *, episodes: int = 30, steps_per_episode: i
                 "dataset_from_index": ep * steps_per_episode, "dataset_to_index": (ep + 1) * steps_per_episode,
                 "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0,
             }
+            for k in range(cameras if video else 0):
+                key = f"observation.images.{camera_name(k)}"
+                row.update({
+                    f"videos/{key}/chunk_index": 0, f"videos/{key}/file_index": 0,
+                    f"videos/{key}/from_timestamp": ep * steps_per_episode / FPS, f"videos/{key}/to_timestamp": (ep + 1) * steps_per_episode / FPS,
+                })
             for feat, fs in s.items():
                 for name, val in fs.items():
                     row[f"stats/{feat}/{name}"] = [float(v) for v in val]
@@ -181,7 +202,26 @@ def write_synth(out_dir: str | Path, *, episodes: int = 30, steps_per_episode: i
         ep_path.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.Table.from_pylist(rows), ep_path)
         pq.write_table(pa.table({"task_index": pa.array([0], pa.int64()), "task": [TASK]}), out / "meta" / "tasks.parquet")
+        for k in range(cameras if video else 0):
+            key = f"observation.images.{camera_name(k)}"
+            frames = [_draw(p, t, k) for scenes in all_scenes for p, t in scenes]
+            _write_mp4(out / info["video_path"].format(video_key=key, chunk_index=0, file_index=0), frames)
     return out
+
+
+def _write_mp4(path: Path, frames: list[np.ndarray]) -> None:
+    """Frame i at t = i / FPS; near-lossless so tests can tell neighbouring frames apart."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(VIDEO_CODEC, rate=FPS, options={"crf": "10", "g": "2", "bf": "0"})
+        stream.width, stream.height, stream.pix_fmt = IMAGE_SIZE, IMAGE_SIZE, "yuv420p"
+        for i, pixels in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
