@@ -93,55 +93,63 @@ class LeRobotDataset(torch.utils.data.Dataset):
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load_numbers(self) -> None:
         """Concatenate state/action/indices of the chosen episodes; remember where each frame's episode starts/ends."""
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        states, actions, tasks, stamps, rows, ep_of = [], [], [], [], [], []
-        self._ep_start: dict[int, int] = {}
+        states, actions, tasks, stamps = [], [], [], []
         self._ep_file: dict[int, tuple[Path, int]] = {}  # episode -> (data file, first row in it)
-        tables: dict[Path, object] = {}
+        files: dict[Path, dict] = {}
         for ep in self.episodes:
-            em = self.meta.episodes[ep]
-            path = self.meta.data_path(em)
-            if path not in tables:
-                if not path.is_file():
-                    raise UserError(f"data file {path} for episode {ep} is missing.")
-                try:
-                    schema = pq.read_schema(path)
-                    cols = [c for c in (self.state_key, self.action_key, "episode_index", "frame_index", "timestamp", "task_index") if c in schema.names]
-                    tables[path] = pq.read_table(path, columns=cols)
-                except UserError:
-                    raise
-                except Exception as e:
-                    raise UserError(f"{path} is not a readable parquet file: {e}.") from None
-            table = tables[path]
-            if "episode_index" in table.column_names and self.meta.version == "v3.0":
-                mask = pc.equal(table.column("episode_index"), ep)
-                first = int(np.argmax(mask.to_numpy(zero_copy_only=False))) if table.num_rows else 0
-                table = table.filter(mask)
-            else:
-                first = 0
-            if table.num_rows == 0:
+            path = self.meta.data_path(self.meta.episodes[ep])
+            if path not in files:
+                files[path] = self._read_numbers(path)
+            cols = files[path]
+            first, n = cols["spans"].get(ep, (0, 0)) if "spans" in cols else (0, cols["rows"])
+            if n == 0:
                 raise UserError(f"{path} holds no rows of episode {ep}.")
-            n = table.num_rows
+            rows = slice(first, first + n)
             self._ep_file[ep] = (path, first)
-            states.append(column_matrix(table, self.state_key, path))
-            actions.append(column_matrix(table, self.action_key, path))
-            tasks.append(table.column("task_index").to_numpy() if "task_index" in table.column_names else np.zeros(n, np.int64))
-            stamps.append(
-                table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in table.column_names else np.arange(n) / self.fps
-            )
-            rows.append(np.arange(n))
-            ep_of.append(np.full(n, ep))
+            states.append(cols["state"][rows])
+            actions.append(cols["action"][rows])
+            tasks.append(cols["task"][rows])
+            stamps.append(cols["time"][rows] if cols["time"] is not None else np.arange(n) / self.fps)
+        lengths = [len(x) for x in states]
         self._state = np.concatenate(states)
         self._action = np.concatenate(actions)
-        self._task = np.concatenate(tasks).astype(np.int64)
+        self._task = np.concatenate(tasks)
         self._time = np.concatenate(stamps)
-        self._row = np.concatenate(rows)  # position of the frame inside its episode
-        self._frame_ep = np.concatenate(ep_of)
-        starts = np.concatenate([[0], np.cumsum([len(s) for s in states])])
-        self._ep_start = {ep: int(starts[i]) for i, ep in enumerate(self.episodes)}
+        self._frame_ep = np.repeat(np.array(self.episodes), lengths)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self._row = np.arange(len(self._frame_ep)) - np.repeat(starts[:-1], lengths)  # frame position inside its episode
         self._ep_end = {ep: int(starts[i + 1]) for i, ep in enumerate(self.episodes)}
+
+    def _read_numbers(self, path: Path) -> dict:
+        """State, action, task and time columns of one data file; for v3.0 files also where each episode's rows are."""
+        import pyarrow.parquet as pq
+
+        if not path.is_file():
+            raise UserError(f"data file {path} is missing.")
+        try:
+            names = pq.read_schema(path).names
+            wanted = [c for c in (self.state_key, self.action_key, "episode_index", "timestamp", "task_index") if c in names]
+            table = pq.read_table(path, columns=wanted)
+        except Exception as e:
+            raise UserError(f"{path} is not a readable parquet file: {e}.") from None
+        n = table.num_rows
+        cols = {
+            "rows": n,
+            "state": column_matrix(table, self.state_key, path),
+            "action": column_matrix(table, self.action_key, path),
+            "task": table.column("task_index").to_numpy().astype(np.int64) if "task_index" in names else np.zeros(n, np.int64),
+            "time": table.column("timestamp").to_numpy().astype(np.float64) if "timestamp" in names else None,
+        }
+        if self.meta.version == "v3.0":
+            if "episode_index" not in names:
+                raise UserError(f"{path} has no column 'episode_index' (v3.0 data files hold many episodes).")
+            # Episodes are stored as contiguous runs of rows.
+            eps = table.column("episode_index").to_numpy()
+            change = np.flatnonzero(np.diff(eps)) + 1
+            starts = np.concatenate([[0], change]).astype(np.int64)
+            ends = np.concatenate([change, [n]]).astype(np.int64)
+            cols["spans"] = {int(eps[s]): (int(s), int(e - s)) for s, e in zip(starts, ends)} if n else {}
+        return cols
 
     # -- samples ---------------------------------------------------------------------------------------------------
     def __getitem__(self, idx: int) -> dict:
