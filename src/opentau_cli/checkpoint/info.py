@@ -199,7 +199,8 @@ def _checkpoint_dirs(root: Path) -> list[Path]:
 
 
 def _leftovers(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX))
+    """Dirs of interrupted saves (.tmp-*) and deletions (.old-*): never checkpoints; the next run removes them."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith((TMP_PREFIX, ".old-")))
 
 
 def _run_root(path: Path) -> Path | None:
@@ -237,7 +238,8 @@ def verify_path(path: Path) -> VerifyReport:
     for d in dirs:
         report.checkpoints[str(d)] = [str(p) for p in mf.verify_manifest(d)]
     for d in _leftovers(root):
-        report.notes.append(f"{d.name}: an interrupted save (not a checkpoint; the next run removes it)")
+        what = "save" if d.name.startswith(TMP_PREFIX) else "deletion"
+        report.notes.append(f"{d.name}: an interrupted {what} (not a checkpoint; the next run removes it)")
     last = read_last(root)
     if (root / LAST).exists() or (root / LAST).is_symlink():
         if last is None or not (root / last).is_dir():
@@ -273,12 +275,12 @@ def list_run(run_dir: Path) -> list[ListedCheckpoint]:
         state = _read_json(d / TRAINING_STATE)
         step = state.get("step", int(d.name) if d.name.isdigit() else None)
         when = state.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.stat().st_mtime))
-        leftover = d.name.startswith(TMP_PREFIX)
+        leftover = d.name.startswith((TMP_PREFIX, ".old-"))
         ds = (d / "pytorch_model").is_dir() or any(d.glob("*/*_model_states.pt"))
         consolidated = ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()) if ds else None
         rows.append(ListedCheckpoint(
             name=d.name, step=step, time=when, bytes=dir_size(d), complete=(not leftover) and mf.is_complete(d),
             last=(d.name == last), consolidated=consolidated,
-            note="interrupted save" if leftover else ("" if mf.is_complete(d) else "incomplete: fails its manifest"),
+            note=("interrupted save" if d.name.startswith(TMP_PREFIX) else "interrupted deletion") if leftover else ("" if mf.is_complete(d) else "incomplete: fails its manifest"),
         ))
     return rows

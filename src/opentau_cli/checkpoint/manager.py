@@ -296,4 +296,8 @@ class CheckpointManager:
         for path in complete[: max(0, len(complete) - self.keep_last)]:
             if self.protect is not None and path.resolve() == self.protect:
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            # Hide it first (atomic rename): a kill mid-deletion leaves a leftover the next run removes, never a
+            # half-deleted step directory.
+            doomed = self.root / f".old-{path.name}-{self.run_id}"
+            os.replace(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""Drive opentau's real CheckpointManager with a real (single-process, CPU) Accelerator: SIGKILL a run at chosen
+moments of a save, then resume each killed run the way `opentau resume` does (save-path fault tests).
+
+Imports and model setup happen once; each killed run and each resume is a forked child (single-threaded torch, so
+forking is safe), which keeps a many-moment fault test within seconds.
+
+    python tests/ckpt_save_driver.py ROOT --moments before_metadata,mid_file,... [--steps 4]
+
+For each moment M: ROOT/M is a run that saved steps 1 and 2 (keep_last=2) and was SIGKILLed at moment M of the
+save of step 3; it is copied to ROOT/M.killed, then resumed to --steps. ROOT/reference is the uninterrupted run.
+Prints one JSON line per run: {"run", "killed", "resumed_from", "weights"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MOMENTS = {
+    "mid_file": "optimizer.bin half written by accelerate.save_state",
+    "before_metadata": "save_state done, train_config.json / training_state.json not yet written",
+    "before_manifest_rename": "manifest fully written to its temp file, not yet renamed",
+    "before_publish": "manifest in place, .tmp- dir not yet renamed to its step",
+    "before_last": "published, checkpoints/last not yet repointed",
+    "mid_retention": "newer checkpoint published, the oldest half deleted by keep_last",
+}
+KILL_AT_STEP = 3
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(moment: str) -> None:
+    """Patch the save path (in this child only) so that it SIGKILLs itself at `moment`."""
+    import accelerate.checkpointing as ack
+
+    import opentau_cli.checkpoint.manager as mgr
+
+    real_replace, real_save, real_rmtree = os.replace, ack.save, shutil.rmtree
+    if moment == "mid_file":
+        def save(obj, f, *a, **k):
+            real_save(obj, f, *a, **k)
+            if str(f).endswith("optimizer.bin"):
+                with open(f, "r+b") as fh:
+                    fh.truncate(os.path.getsize(f) // 2)
+                _die()
+        ack.save = save
+    elif moment == "before_metadata":
+        mgr.write_json_atomic = lambda *a, **k: _die()
+    elif moment in ("before_manifest_rename", "before_publish"):
+        def replace(src, dst, *a, **k):
+            if (moment == "before_manifest_rename" and str(dst).endswith("manifest.json")) or (
+                    moment == "before_publish" and Path(src).name.startswith(".tmp-")):
+                _die()
+            return real_replace(src, dst, *a, **k)
+        os.replace = replace
+    elif moment == "before_last":
+        mgr.point_last = lambda *a, **k: _die()
+    elif moment == "mid_retention":
+        def rmtree(path, *a, **k):
+            if Path(path).name.isdigit() or Path(path).name.startswith(".old-"):
+                files = sorted(Path(path).iterdir())
+                for f in files[: len(files) // 2]:
+                    f.unlink()
+                _die()
+            return real_rmtree(path, *a, **k)
+        mgr.shutil.rmtree = rmtree
+    else:
+        raise SystemExit(f"unknown moment {moment}")
+
+
+def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None, resume: bool = False) -> dict:
+    from opentau_cli.checkpoint.manager import CheckpointManager, clean_leftovers, latest
+
+    protect, start = None, 0
+    if resume:
+        clean_leftovers(run_dir)
+        protect = latest(run_dir)
+        if protect is None:
+            return {"run": run_dir.name, "error": "no complete checkpoint"}
+    manager = CheckpointManager(acc, run_dir, total_steps=steps, run_id="drv", keep_last=2, protect=protect)
+    if protect is not None:
+        start = manager.load(protect)["step"]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        x = torch.randn(8, 512, generator=gen)  # drawn every step: the data position is a function of the step
+        if step <= start:
+            continue
+        loss = model(x).pow(2).mean()
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if arm and step == KILL_AT_STEP:
+            _arm(arm)
+        manager.save(step, config={"steps": steps}, state={"step": step, "world_size": 1, "backend": "single"})
+    weights = sum(p.detach().double().sum().item() for p in model.parameters())
+    return {"run": run_dir.name, "resumed_from": protect.name if protect else None, "weights": repr(weights)}
+
+
+def _in_child(fn) -> tuple[int, dict | None]:
+    """Run fn() in a forked child; returns (wait status, the JSON dict it wrote, if any)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code = 0
+        try:
+            out = fn()
+            os.write(w, json.dumps(out).encode())
+        except BaseException as e:  # report, never fall back into the parent's loop
+            os.write(w, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    return status, (json.loads(data) if data else None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--moments", default=",".join(MOMENTS))
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # no intra-op thread pool: forking below is safe
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(20)])  # ~21 MB of weights, ~42 MB of Adam state
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+
+    _, ref = _in_child(lambda: _train(acc, model, opt, args.root / "reference", args.steps))
+    print(json.dumps(ref), flush=True)
+    for moment in args.moments.split(","):
+        run = args.root / moment
+        status, _ = _in_child(lambda: _train(acc, model, opt, run, args.steps, arm=moment))
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        shutil.copytree(run, args.root / f"{moment}.killed", symlinks=True)
+        _, res = _in_child(lambda: _train(acc, model, opt, run, args.steps, resume=True))
+        print(json.dumps({**(res or {}), "run": moment, "killed": killed}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
