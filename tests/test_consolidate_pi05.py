@@ -3,6 +3,8 @@ loads into a fresh pi05_tiny, and a new run warm-starts from it."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -80,3 +82,30 @@ def test_new_run_warm_starts_from_the_consolidated_weights(zero3_run, isolated_e
     assert sorted(start) == sorted(saved)
     worst = max((saved[k].double() - start[k].double()).abs().max().item() for k in start if start[k].is_floating_point())
     assert worst < 1e-20, worst
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("forge_manifest", [False, True], ids=["tampered", "tampered_with_forged_manifest"])
+def test_resume_refuses_a_planted_malicious_pickle_and_never_runs_it(zero3_run, isolated_env_module, tmp_path, forge_manifest):
+    from opentau_cli.checkpoint.manifest import write_manifest
+
+    run = tmp_path / "run"
+    shutil.copytree(zero3_run, run, symlinks=True)
+    ckpt = run / "checkpoints" / "000002"
+    marker = tmp_path / "pwned"
+    rng = ckpt / "random_states_1.pkl"  # Accelerate unpickles these with plain pickle in load_state
+    torch.save({"step": _Evil(marker)}, rng)
+    if forge_manifest:  # an attacker who can also rewrite manifest.json: the pickle scan still refuses
+        write_manifest(ckpt)
+    res = run_cli(["resume", str(ckpt), "--steps=3"], env=isolated_env_module)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert not marker.exists()
+    assert "Traceback" not in res.stderr and rng.name in res.stderr
+    assert ("system" in res.stderr) if forge_manifest else ("manifest" in res.stderr)
