@@ -77,17 +77,41 @@ def init_context(accelerator, cfg: TrainConfig):
     """ZeRO-3 builds the model inside deepspeed.zero.Init so every parameter is partitioned as it is created."""
     if not is_zero3(accelerator):
         return contextlib.nullcontext()
-    import deepspeed
-
-    ds = dict(accelerator.state.deepspeed_plugin.deepspeed_config)
-    zero = dict(ds.get("zero_optimization", {}))
+    zero = dict(accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}))
     config = {
         "train_micro_batch_size_per_gpu": cfg.per_device_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "zero_optimization": zero,
         "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
     }
-    return deepspeed.zero.Init(config_dict_or_path=config)
+    return _zero3_build(config)
+
+
+@contextlib.contextmanager
+def _zero3_build(config: dict):
+    """zero.Init, plus: transformers' post_init weight init runs on gathered (full) parameters.
+
+    Sub-modules are partitioned as soon as their own __init__ returns, so a model's post_init would otherwise
+    initialize empty shards. Gathering with modifier_rank=0 gives every rank rank 0's values, the same weights a
+    DDP run with the same seed starts from.
+    """
+    import deepspeed
+    from transformers import PreTrainedModel
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    original = PreTrainedModel.init_weights
+
+    def init_weights(self):
+        with deepspeed.zero.GatheredParameters(list(self.parameters()), modifier_rank=0):
+            original(self)
+
+    PreTrainedModel.init_weights = init_weights
+    try:
+        # zero.Init would also recast torch.arange to float, changing RoPE buffers; transformers' guard keeps them.
+        with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=config):
+            yield
+    finally:
+        PreTrainedModel.init_weights = original
 
 
 def model_dtype(accelerator) -> torch.dtype | None:
@@ -270,9 +294,19 @@ def any_rank(accelerator, flag: bool) -> bool:
 
 
 def build_policy_model(cfg: TrainConfig, stats: dict, accelerator) -> torch.nn.Module:
+    import importlib
+
     from opentau_cli.policies import build_policy, load_pretrained
 
+    # zero.Init patches torch.Tensor.__new__; modules imported lazily inside it (torch._dynamo via transformers)
+    # fail to import, so load the policy's modules first.
+    import torch._dynamo  # noqa: F401
+
+    importlib.import_module(f"opentau_cli.policies.{cfg.policy.type}" if cfg.policy.type == "pi05" else "opentau_cli.policies")
+    from accelerate.utils import set_seed
+
     with init_context(accelerator, cfg):
+        set_seed(cfg.seed)  # seeded here, inside the context: entering zero.Init draws from the RNG
         model = build_policy(cfg.policy, stats)
     if cfg.policy.pretrained_path is not None:
         if is_zero3(accelerator):
