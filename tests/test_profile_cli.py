@@ -101,3 +101,15 @@ def test_profile_refuses_a_config_problem_before_launching(isolated_env):
     r = run_cli(["profile", f"--config_path={TINY}", "--policy.n_action_steps=20"], cwd=isolated_env)
     assert r.returncode == 2
     assert "n_action_steps (20) must be <= policy.chunk_size (10)" in r.stderr
+
+
+def test_find_max_batch_reports_an_oom_under_the_memory_limit_as_batch_0(isolated_env):
+    out = isolated_env / "fmb.json"
+    # 350 MB is below what a worker with torch and the tiny policy needs, so batch 1 already fails to allocate.
+    r = run_cli(["profile", f"--config_path={TINY}", "--find-max-batch", "--memory-limit", "350MB", "--max-batch", "1",
+                 "--json", str(out)], cwd=isolated_env, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "per-device batch 1: out of memory" in r.stdout
+    assert "even a per-device batch of 1 runs out of memory" in r.stderr
+    result = json.loads(out.read_text())["results"][0]
+    assert result["max_per_device_batch"] == 0 and result["first_oom_batch"] == 1

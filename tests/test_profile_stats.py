@@ -118,3 +118,19 @@ def test_peak_memory_on_cpu_is_the_process_peak_rss():
 def test_fmt_bytes():
     assert fmt_bytes(512) == "512 B"
     assert fmt_bytes(3 << 30) == "3.00 GiB"
+
+
+@pytest.mark.parametrize("fits_up_to, limit, expected", [(37, 256, (37, 38)), (1, 256, (1, 2)), (0, 256, (0, 1)),
+                                                         (300, 256, (256, None)), (100, 100, (100, None)), (99, 100, (99, 100))])
+def test_max_batch_search_finds_the_largest_batch_that_fits(fits_up_to, limit, expected):
+    from opentau_cli.profiling.run import search_max_batch
+
+    tried = []
+
+    def fits(batch):
+        tried.append(batch)
+        return batch <= fits_up_to
+
+    assert search_max_batch(fits, limit) == expected
+    assert len(tried) == len(set(tried))  # never runs the same trial twice
+    assert len(tried) <= 2 * limit.bit_length() + 1

@@ -25,7 +25,7 @@ def profile(
     find_max_batch: bool = typer.Option(False, "--find-max-batch", help="Binary-search the largest per-device batch that fits, per Accelerate config."),
     max_batch: int = typer.Option(256, "--max-batch", min=1, help="Upper bound for --find-max-batch."),
     memory_limit: Optional[str] = typer.Option(
-        None, "--memory-limit", help="Per-process memory cap, e.g. 8GB: allocations past it fail like a GPU OOM (needed on CPU for --find-max-batch)."
+        None, "--memory-limit", help="Per-process resident memory cap, e.g. 8GB: a worker passing it counts as out of memory (needed on CPU for --find-max-batch)."
     ),
     dataloader_only: bool = typer.Option(False, "--dataloader-only", help="Measure only the input pipeline (no model) in samples/s."),
     peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", min=0, help="Peak TFLOP/s of one device, for MFU on devices opentau does not know."),

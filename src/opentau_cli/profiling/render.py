@@ -113,7 +113,7 @@ def max_batch_table(results: list[dict]) -> Table:
     for col in ("procs", "max batch / device", "first OOM", "samples/s", "peak memory / rank"):
         table.add_column(col, justify="right")
     for r in results:
-        best = str(r["max_per_device_batch"]) + (" (cap)" if r["capped_by_max_batch"] else "")
+        best = str(r["max_per_device_batch"]) + (" (limit)" if r["reached_limit"] else "")
         table.add_row(
             Path(r["accelerate_config"]).name if r["accelerate_config"] else "default",
             r["backend"],

@@ -29,7 +29,7 @@ class ProfileOptions:
     warmup: int = 5
     peak_tflops: float | None = None
     count_flops: bool = True
-    memory_limit: int | None = None  # bytes per worker process (RLIMIT_DATA), None = no cap
+    memory_limit: int | None = None  # resident bytes per worker process (see worker.watch_memory), None = no cap
     keep_run_dir: bool = False
 
 
@@ -143,6 +143,19 @@ def profile_dataloader_only(cfg: TrainConfig, accel: AccelerateSetup, opts: Prof
     return profile_dataloader(cfg, steps=opts.steps, warmup=opts.warmup, rank=0, world_size=accel.world_size)
 
 
+def samples_per_rank(cfg: TrainConfig, world_size: int) -> int:
+    """How many training samples one rank's shard holds: no batch larger than this can be tried."""
+    from opentau_cli.data import build_data
+
+    probe = cfg.model_copy(deep=True)
+    probe.per_device_batch_size, probe.batch_size = 1, probe.gradient_accumulation_steps
+    data = build_data(probe, 0, world_size)
+    try:
+        return len(data.stream.sampler)
+    finally:
+        data.stream.close()
+
+
 def _fits(cfg: TrainConfig, accel: AccelerateSetup, batch: int, opts: ProfileOptions, echo: Callable) -> tuple[bool, dict | None]:
     trial = cfg.model_copy(deep=True)
     trial.per_device_batch_size = batch
@@ -156,6 +169,31 @@ def _fits(cfg: TrainConfig, accel: AccelerateSetup, batch: int, opts: ProfileOpt
     return True, report
 
 
+def search_max_batch(fits: Callable[[int], bool], limit: int) -> tuple[int, int | None]:
+    """Largest batch in 1..limit for which fits(batch) holds, assuming fitting is monotone; (best, first failure).
+
+    Doubling from 1 until a batch fails (or passes the limit, then the limit itself is tried), then bisecting
+    between the last batch that fit and the first that did not.
+    """
+    best, failed, batch = 0, None, 1
+    while batch <= limit:
+        if not fits(batch):
+            failed = batch
+            break
+        best, batch = batch, batch * 2
+    if failed is None and 0 < best < limit:
+        if fits(limit):
+            return limit, None
+        failed = limit
+    while failed is not None and failed - best > 1:
+        mid = (best + failed) // 2
+        if fits(mid):
+            best = mid
+        else:
+            failed = mid
+    return best, failed
+
+
 def find_max_batch(
     cfg: TrainConfig,
     accelerate_configs: list[Path | None],
@@ -165,10 +203,9 @@ def find_max_batch(
     memory_limit: int | None = None,
     echo: Callable = print,
 ) -> dict:
-    """Per Accelerate config: the largest per-device batch (<= max_batch) whose steps run without OOM.
+    """Per Accelerate config: the largest per-device batch (<= max_batch and <= one rank's samples) that runs without OOM.
 
-    Doubling from 1 until a batch fails, then bisecting between the last that fit and the first that did not.
-    A trial runs 2 steps: the optimizer state is allocated on the first, so the second shows the steady peak.
+    See search_max_batch. A trial runs 2 steps: the optimizer state is allocated on the first, so the second shows the steady peak.
     """
     from opentau_cli.config.rules import cuda_is_available
 
@@ -181,38 +218,26 @@ def find_max_batch(
     results = []
     for path in accelerate_configs:
         accel = resolve_accelerate_config(path)
-        echo(f"Searching the largest per-device batch under {accel.label} ({path or 'default'}) ...")
-        best, best_report, failed = 0, None, None
-        batch = 1
-        while batch <= max_batch:
+        limit = min(max_batch, samples_per_rank(cfg, accel.world_size) // cfg.gradient_accumulation_steps)
+        echo(f"Searching the largest per-device batch <= {limit} under {accel.label} ({path or 'default'}) ...")
+        reports: dict[int, dict] = {}
+
+        def fits(batch: int) -> bool:
             ok, report = _fits(cfg, accel, batch, trial_opts, echo)
-            if not ok:
-                failed = batch
-                break
-            best, best_report = batch, report
-            batch *= 2
-        if failed is None and best < max_batch:
-            # Doubling jumped past max_batch: max_batch itself is the last candidate.
-            ok, report = _fits(cfg, accel, max_batch, trial_opts, echo)
             if ok:
-                best, best_report = max_batch, report
-            else:
-                failed = max_batch
-        lo, hi = best, failed
-        while hi is not None and hi - lo > 1:
-            mid = (lo + hi) // 2
-            ok, report = _fits(cfg, accel, mid, trial_opts, echo)
-            if ok:
-                lo, best, best_report = mid, mid, report
-            else:
-                hi = mid
+                reports[batch] = report
+            return ok
+
+        best, failed = search_max_batch(fits, limit)
+        best_report = reports.get(best)
         results.append(
             {
                 "accelerate_config": str(path) if path else None,
                 "backend": accel.label,
                 "world_size": accel.world_size,
                 "max_per_device_batch": best,
-                "capped_by_max_batch": failed is None,
+                "reached_limit": failed is None,  # no OOM up to the limit (--max-batch or one rank's samples)
+                "limit": limit,
                 "first_oom_batch": failed,
                 "samples_per_s": best_report["samples_per_s"] if best_report else None,
                 "peak_memory_bytes": max(m["bytes"] for m in best_report["peak_memory"]) if best_report else None,

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import resource
+import threading
 import sys
 import time
 import traceback
@@ -37,10 +38,32 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
-def limit_memory(limit: int | None) -> None:
-    """--memory-limit: cap this process's data segment, so an allocation past it fails like a GPU OOM."""
-    if limit:
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+def watch_memory(limit: int | None, run_dir: Path, rank: int) -> None:
+    """--memory-limit on CPU: a process whose resident memory passes the limit has run out of memory.
+
+    A watchdog thread checks RSS every 20 ms and ends the process on sight (after writing the OOM record); the peak
+    RSS is checked again after the steps, for a spike shorter than the polling interval. (A hard RLIMIT makes
+    allocations fail anywhere, including inside locks of native libraries, where it can hang a worker instead.)
+    """
+    if not limit:
+        return
+    import psutil
+
+    me = psutil.Process()
+
+    def watch():
+        while True:
+            rss = me.memory_info().rss
+            if rss > limit:
+                record_oom(run_dir, rank, f"resident memory {rss >> 20} MiB passed --memory-limit {limit >> 20} MiB")
+                os._exit(1)
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, name="opentau-memory-limit", daemon=True).start()
+
+
+def record_oom(run_dir: Path, rank: int, message: str) -> None:
+    (run_dir / f"profile_oom_rank{rank}.json").write_text(json.dumps({"rank": rank, "error": message}))
 
 
 def time_deepspeed_step(trainer, timer: ProfileTimer) -> bool:
@@ -141,9 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
     run_dir = Path(cfg.output_dir)
     request = json.loads((run_dir / "profile_request.json").read_text())
-    limit_memory(request.get("memory_limit"))
+    limit = request.get("memory_limit")
+    watch_memory(limit, run_dir, rank)
     try:
         result = profile(cfg, setup_from_dict(launch["accelerate"]), request)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if limit and peak > limit:
+            record_oom(run_dir, rank, f"peak resident memory {peak >> 20} MiB passed --memory-limit {limit >> 20} MiB")
+            return 1
         if result is not None:
             tmp = run_dir / "profile_result.json.tmp"
             tmp.write_text(json.dumps(result) + "\n")
@@ -158,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         traceback.print_exc()
         if is_oom(e):
-            first_line = (str(e).strip() or type(e).__name__).splitlines()[0][:300]
-            (run_dir / f"profile_oom_rank{rank}.json").write_text(json.dumps({"rank": rank, "error": first_line}))
+            record_oom(run_dir, rank, (str(e).strip() or type(e).__name__).splitlines()[0][:300])
         sys.stderr.flush()
         return 1
 
