@@ -38,7 +38,9 @@ def machine() -> str:
     cpus = os.cpu_count()
     load = ", load avg %.1f/%.1f/%.1f" % os.getloadavg() if hasattr(os, "getloadavg") else ""
     gpu = f", GPU {torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if torch.cuda.is_available() else ", no GPU"
-    return f"{platform.platform()}, {platform.processor() or platform.machine()}, {cpus} CPUs{gpu}{load}; python {platform.python_version()}, torch {torch.__version__}"
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return (f"{platform.platform()}, {platform.processor() or platform.machine()}, {cpus} CPUs{gpu}{load}; "
+            f"OMP_NUM_THREADS={threads}; python {platform.python_version()}, torch {torch.__version__}")
 
 
 def command_line() -> str:
