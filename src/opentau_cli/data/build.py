@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from opentau_cli.config.model import TrainConfig
 from opentau_cli.data.dataset import LeRobotDataset
 from opentau_cli.data.meta import read_meta
-from opentau_cli.data.sampler import BatchStream, ResumableSampler
+from opentau_cli.data.sampler import BatchStream, ResumableSampler, collate
 from opentau_cli.data.synth import resolve_dataset_root
 from opentau_cli.errors import UserError
 
@@ -75,7 +75,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
         val_sampler = ResumableSampler(len(val_ds), seed=cfg.seed, rank=rank, world_size=world_size, shuffle=False)
         if len(val_sampler) > 0:
             # Workers 0: validation is occasional, and idle persistent workers would only hold memory.
-            val_loader = DataLoader(val_ds, batch_size=micro, sampler=val_sampler, num_workers=0, pin_memory=pin,
+            val_loader = DataLoader(val_ds, batch_size=micro, sampler=val_sampler, num_workers=0, pin_memory=pin, collate_fn=collate,
                                     generator=torch.Generator().manual_seed(cfg.seed))  # keeps the global RNG untouched
     return TrainData(stream=stream, val_loader=val_loader, stats=train.stats, state_dim=train.state_dim,
                      action_dim=train.action_dim, train_dataset=train, val_dataset=val_ds)
