@@ -226,14 +226,23 @@ def _worker_processes(launcher_pid: int) -> list:
     return out
 
 
+# Errors a rank reports when another rank died first: never the root cause.
+_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "NCCL communicator was aborted")
+
+
 def failed_log(log_dir: Path) -> tuple[Path, str]:
-    """The rank log that holds the failure (the first with a traceback; rank 0 otherwise) and its last line."""
+    """The rank log that holds the root failure and its last line (a rank that only lost its peer comes last)."""
     logs = sorted(log_dir.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
+    found = []
     for log in logs:
         text = log.read_text(errors="replace")
         if "Traceback" in text or "Error:" in text:
             lines = [ln for ln in text.splitlines() if ln.strip()]
-            return log, lines[-1].strip() if lines else ""
+            last = lines[-1].strip() if lines else ""
+            found.append((any(k in last for k in _KNOCK_ON), log, last))
+    if found:
+        _, log, last = sorted(found, key=lambda f: f[0])[0]
+        return log, last
     return (logs[0] if logs else log_dir), ""
 
 

@@ -1,0 +1,96 @@
+"""The launcher: CPU recipes in the Accelerate YAML it writes, environment, failure reports, refusals before launch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import EXAMPLES, REPO, opentau_bin, run_cli
+from opentau_cli.config import load_config, read_accelerate_config
+from opentau_cli.launch import accelerate_yaml, build_command, failed_log, worker_env
+
+TINY = EXAMPLES / "pi05_tiny_config.json"
+
+
+def test_cpu_ddp_yaml_becomes_the_multi_process_launcher_without_use_cpu():
+    setup = read_accelerate_config(EXAMPLES / "accelerate_cpu_ddp_config.yaml")
+    out = accelerate_yaml(setup, load_config(TINY), cuda=False)
+    # use_cpu / MULTI_CPU would make Accelerate fall back to one process; the worker asks for cpu=True itself.
+    assert out["distributed_type"] == "MULTI_GPU" and out["use_cpu"] is False and out["num_processes"] == 2
+    assert 1024 <= out["main_process_port"] <= 65535
+
+
+def test_two_launches_get_different_ports():
+    setup = read_accelerate_config(EXAMPLES / "accelerate_cpu_ddp_config.yaml")
+    ports = {accelerate_yaml(setup, load_config(TINY), cuda=False)["main_process_port"] for _ in range(5)}
+    assert len(ports) > 1
+
+
+def test_deepspeed_yaml_takes_accumulation_and_clipping_from_the_config():
+    setup = read_accelerate_config(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")
+    cfg = load_config(TINY, {"gradient_accumulation_steps": "2", "batch_size": "8", "optimizer.grad_clip_norm": "0.5"})
+    ds = accelerate_yaml(setup, cfg, cuda=False)["deepspeed_config"]
+    assert ds["zero_stage"] == 3 and ds["zero3_init_flag"] is True
+    assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 0.5
+
+
+def test_multi_node_settings_come_from_the_yaml(tmp_path):
+    y = tmp_path / "multi.yaml"
+    y.write_text("distributed_type: MULTI_GPU\nnum_processes: 16\nnum_machines: 2\nmachine_rank: 1\n"
+                 "main_process_ip: 10.0.0.1\nmain_process_port: 29555\n")
+    out = accelerate_yaml(read_accelerate_config(y), load_config(TINY), cuda=True)
+    assert (out["num_machines"], out["machine_rank"], out["main_process_ip"], out["main_process_port"]) == (2, 1, "10.0.0.1", 29555)
+
+
+def test_worker_env_sets_the_allocator_hint_and_deepspeed_cpu_accelerator(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    setup = read_accelerate_config(EXAMPLES / "accelerate_cpu_deepspeed_config.yaml")
+    env = worker_env(setup, cuda=False)
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True" and env["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
+    assert worker_env(setup, cuda=False)["PYTORCH_ALLOC_CONF"] == "backend:native"
+
+
+def test_command_runs_the_worker_module_through_accelerate_launch(tmp_path):
+    cmd = build_command(tmp_path / "a.yaml", tmp_path / "c.json", tmp_path / "l.json")
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("-m", 3) + 1] == "opentau_cli.train.worker" and "--config" in cmd
+
+
+def test_failed_log_names_the_rank_that_failed_first_not_the_one_that_lost_its_peer(tmp_path):
+    (tmp_path / "rank0.log").write_text("Traceback (most recent call last):\nRuntimeError: [gloo] Connection closed by peer\n")
+    (tmp_path / "rank1.log").write_text("Traceback (most recent call last):\nValueError: bad shape\n")
+    log, last = failed_log(tmp_path)
+    assert log.name == "rank1.log" and last == "ValueError: bad shape"
+
+
+def test_full_pi05_preset_on_a_machine_without_gpu_exits_2_and_suggests_the_tiny_config(tmp_path):
+    """The seed line `opentau-train --config_path=configs/examples/pi05_config.json` on CPU: refused, nothing written."""
+    r = run_cli(["--config_path=configs/examples/pi05_config.json", f"--output_dir={tmp_path / 'out'}"],
+                cwd=REPO, env={"HF_HOME": str(tmp_path / "hf")}, script="opentau-train")
+    assert r.returncode == 2, r.stderr
+    assert "pi05_tiny_config.json" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_the_run_with_exit_130(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"),
+           "OPENTAU_CACHE_DIR": os.environ.get("OPENTAU_CACHE_DIR", str(REPO / ".cache" / "opentau"))}
+    env.pop("OPENTAU_DEBUG", None)
+    proc = subprocess.Popen(
+        [opentau_bin(), "train", f"--config_path={TINY}", f"--output_dir={out}", "--steps", "500", "--log_freq", "1",
+         f"--accelerate-config={EXAMPLES / 'accelerate_cpu_ddp_config.yaml'}", "--batch_size", "4"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, log[-3000:]
+    assert not (out / "checkpoints").exists() or not [p for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
