@@ -42,6 +42,8 @@ def test_info_prints_features_episodes_frames_fps_and_stats(tmp_path):
     for line in ("Episodes  2", "Frames    10", "FPS       10", "observation.images.top", "Layout    LeRobot v2.1", "action mean ["):
         assert line in r.stdout, line
     assert read_meta(out).info["total_frames"] == 10
+    r = run_cli(["dataset", "info", str(out), "--verify"], cwd=tmp_path)
+    assert r.returncode == 0 and "Verified: all 10 frames of 2 episodes" in r.stderr
 
 
 def test_racing_processes_generate_the_demo_once_and_both_read_it(tmp_path):

@@ -85,6 +85,8 @@ def test_column_named_by_the_mapping_but_missing_in_the_data_names_file_and_key(
     pq.write_table(pq.read_table(path).drop_columns(["action"]), path)
     with pytest.raises(UserError, match=r"episode_000001.parquet has no column 'action'"):
         LeRobotDataset(copy, **KW)
+    r = run_cli(["dataset", "info", str(copy), "--verify"], cwd=copy.parent)
+    assert r.returncode == 2 and "episode_000001.parquet has no column 'action'" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_corrupt_image_bytes_raise_a_user_error_naming_file_episode_and_frame(copy):
@@ -104,6 +106,9 @@ def test_corrupt_image_bytes_raise_a_user_error_naming_file_episode_and_frame(co
         next(stream)
     stream.close()
     assert str(err.value).startswith("corrupt image in ") and "Traceback" not in str(err.value)
+    r = run_cli(["dataset", "info", str(copy), "--verify"], cwd=copy.parent)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "corrupt image in " in r.stderr and "episode_000001.parquet column 'observation.images.top', episode 1 frame 2" in r.stderr
 
 
 def test_missing_video_file_names_the_file(tmp_path):

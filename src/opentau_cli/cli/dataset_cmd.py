@@ -44,15 +44,23 @@ def _fmt_vec(values: list[float], limit: int = 8) -> str:
 def info_cmd(
     dataset_dir: str = typer.Argument(..., help="Dataset directory, or @demo."),
     as_json: JsonOpt = False,
+    verify: bool = typer.Option(False, "--verify", help="Also read every frame (decode every image / video frame) and fail on the first problem."),
+    state_key: str = typer.Option("observation.state", "--state-key", help="State feature read by --verify."),
+    action_key: str = typer.Option("action", "--action-key", help="Action feature read by --verify."),
 ) -> None:
     """Print features, episodes, frames, fps and stats of a dataset.
 
-    Example: `opentau dataset info /work/data/my_lerobot_dataset --json`
+    Examples: `opentau dataset info /work/data/my_lerobot_dataset --json`;
+    `opentau dataset info /work/data/my_lerobot_dataset --verify` (reads every frame, exit 2 naming the bad file).
     """
     from opentau_cli.data import resolve_dataset_root
-    from opentau_cli.data.info import describe_dataset
+    from opentau_cli.data.info import describe_dataset, verify_dataset
 
-    info = describe_dataset(resolve_dataset_root(dataset_dir))
+    root = resolve_dataset_root(dataset_dir)
+    info = describe_dataset(root)
+    if verify:
+        frames = verify_dataset(root, state_key=state_key, action_key=action_key)
+        typer.echo(f"Verified: all {frames} frames of {info['episodes']} episodes read and decoded.", err=True)
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return

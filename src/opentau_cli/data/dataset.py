@@ -90,6 +90,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._frame_ep)
 
+    def episode_of(self, idx: int) -> int:
+        return int(self._frame_ep[idx])
+
     # -- loading ---------------------------------------------------------------------------------------------------
     def _load_numbers(self) -> None:
         """Concatenate state/action/indices of the chosen episodes; remember where each frame's episode starts/ends."""

@@ -44,3 +44,23 @@ def describe_dataset(root: str | Path) -> dict:
         "features": features,
         "stats": {k: _feature_stats(meta, k) for k in vectors},
     }
+
+
+def verify_dataset(root: str | Path, *, state_key: str = "observation.state", action_key: str = "action", on_episode=None) -> int:
+    """Read every frame the way training does (numbers, every camera decoded); returns frames read.
+
+    Raises UserError naming the file / key / episode at the first problem (missing file or column, corrupt image,
+    missing or short video), so a dataset can be checked before a long run instead of failing mid-way.
+    """
+    from opentau_cli.data.dataset import LeRobotDataset
+
+    meta = read_meta(root)
+    ds = LeRobotDataset(
+        root, chunk_size=1, image_resolution=(8, 8), num_cameras=max(1, len(meta.camera_features)),
+        state_key=state_key, action_key=action_key,
+    )
+    for idx in range(len(ds)):  # frames are in episode order
+        ds[idx]
+        if on_episode and (idx + 1 == len(ds) or ds.episode_of(idx + 1) != ds.episode_of(idx)):
+            on_episode(ds.episode_of(idx))
+    return len(ds)
