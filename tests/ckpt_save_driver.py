@@ -32,6 +32,9 @@ MOMENTS = {
     "before_last": "published, checkpoints/last not yet repointed",
     "mid_retention": "newer checkpoint published, the oldest half deleted by keep_last",
 }
+# Not kills: from the save of step 3 on, no file may grow past N MB (EFBIG, as a full disk gives ENOSPC), so the
+# write of model.safetensors (21 MB, safetensors) or of optimizer.bin (42 MB, torch.save) fails.
+DISK_FULL = {"disk_full_model": 10, "disk_full_optimizer": 30}
 KILL_AT_STEP = 3
 
 
@@ -74,6 +77,12 @@ def _arm(moment: str) -> None:
                 _die()
             return real_rmtree(path, *a, **k)
         mgr.shutil.rmtree = rmtree
+    elif moment in DISK_FULL:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of dying
+        limit = DISK_FULL[moment] * 2**20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     else:
         raise SystemExit(f"unknown moment {moment}")
 
@@ -153,6 +162,9 @@ def main() -> int:
         shutil.copytree(run, args.root / f"{moment}.killed", symlinks=True)
         _, res = _in_child(lambda: _train(acc, model, opt, run, args.steps, resume=True))
         print(json.dumps({**(res or {}), "run": moment, "killed": killed}), flush=True)
+    for variant in DISK_FULL:
+        _, res = _in_child(lambda: _train(acc, model, opt, args.root / variant, args.steps, arm=variant))
+        print(json.dumps({**(res or {}), "run": variant}), flush=True)
     return 0
 
 

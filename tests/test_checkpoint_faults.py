@@ -56,3 +56,14 @@ def test_sigkill_during_save_leaves_previous_checkpoint_intact_and_resume_matche
     # keep_last=2, except that the checkpoint resumed from is never deleted by the run that resumed from it.
     kept = {p.name for p in after.iterdir() if p.name.isdigit()}
     assert kept == {"000003", "000004", newest.name}
+
+
+@pytest.mark.parametrize("variant", ["disk_full_model", "disk_full_optimizer"])
+def test_disk_full_during_save_stops_with_clear_message_and_keeps_previous_checkpoint(killed_runs, variant):
+    root, results = killed_runs
+    error = results[variant].get("error", "")
+    assert "RunError" in error and "step 3" in error and "disk is full" in error, error
+    assert "previous checkpoint" in error and "000002" in error and "intact" in error
+    ckpts = root / variant / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["000001", "000002", "last"]  # no temp dir left behind
+    assert verify_manifest(ckpts / "000002") == [] and read_last(ckpts) == "000002"

@@ -199,6 +199,13 @@ def describe_os_error(e: OSError) -> str:
     return e.strerror or str(e)
 
 
+def describe_write_error(e: Exception) -> str:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "unexpected pos" in text or "No space" in text or "File too large" in text:  # torch's short-write check
+        return "the disk is full (or a file size limit was hit): a write came up short"
+    return f"writing failed ({type(e).__name__}: {text[:200]})"
+
+
 class CheckpointManager:
     """Saves checkpoints for one run. Every rank calls `save`; rank 0 publishes; retention runs after publishing.
 
@@ -249,12 +256,15 @@ class CheckpointManager:
     def _all_ranks(self, fn) -> str | None:
         """Run fn on this rank; every rank learns whether any rank failed (no rank is left waiting in a barrier)."""
         import torch
+        from safetensors import SafetensorError
 
         message = None
         try:
             fn()
         except OSError as e:
             message = describe_os_error(e)
+        except (RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap a failed write in their own types
+            message = describe_write_error(e)
         failed = torch.tensor([1.0 if message else 0.0], device=self.accelerator.device)
         failed = self.accelerator.reduce(failed, reduction="sum")
         if failed.item() and message is None:
