@@ -216,6 +216,13 @@ def test_not_a_deepspeed_checkpoint_is_one_clear_line(tmp_path):
     assert res.exit_code == 2 and "already in model.safetensors" in res.stderr
     res = cli(["checkpoint", "consolidate", tmp_path / "nope"])
     assert res.exit_code == 2 and res.stderr.strip() == f"Error: {tmp_path / 'nope'} is not a directory."
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    res = cli(["checkpoint", "consolidate", run])
+    assert res.exit_code == 2 and "is a run directory" in res.stderr and "checkpoints/last" in res.stderr
+    for bad in (["--dtype", "int8"], ["--max-shard-size", "lots"]):
+        res = cli(["checkpoint", "consolidate", tmp_path, *bad])
+        assert res.exit_code == 2 and bad[1] in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_unwritable_output_dir_is_refused_before_writing(ds_ckpts, tmp_path):

@@ -92,6 +92,8 @@ def find_tag_dir(ckpt_dir: Path) -> Path:
                         "'latest' file; pass the tag directory itself.")
     if (ckpt_dir / "model.safetensors").exists():
         raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint: its weights are already in model.safetensors.")
+    if (ckpt_dir / "checkpoints").is_dir():
+        raise UserError(f"{ckpt_dir} is a run directory: pass one of its checkpoints, e.g. {ckpt_dir / 'checkpoints' / 'last'}.")
     raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint (no *_model_states.pt under it).")
 
 
