@@ -16,7 +16,8 @@ def _feature_stats(meta, key: str) -> dict | None:
         if not s or "mean" not in s or "std" not in s:
             parts = []
             break
-        parts.append((int(s.get("count", [ep.length]).reshape(-1)[0]) if "count" in s else ep.length, s["mean"].reshape(-1), s["std"].reshape(-1)))
+        count = int(s["count"].reshape(-1)[0]) if "count" in s else ep.length
+        parts.append((count, s["mean"].reshape(-1), s["std"].reshape(-1)))
     if parts:
         mean, std = aggregate(parts)
         return {"mean": mean.tolist(), "std": std.tolist(), "source": "per-episode stats"}

@@ -71,7 +71,9 @@ class DatasetMeta:
         if not tmpl:
             raise UserError(f"{self.root / 'meta/info.json'} has video feature '{key}' but no 'video_path'.")
         if self.version == "v3.0":
-            chunk, file, start = ep.video_files.get(key, (0, 0, 0.0))
+            if key not in ep.video_files:
+                raise UserError(f"{self.root / 'meta/episodes'} does not say which file holds episode {ep.index} of video '{key}'.")
+            chunk, file, start = ep.video_files[key]
             return self.root / tmpl.format(video_key=key, chunk_index=chunk, file_index=file), start
         chunk = ep.index // int(self.info.get("chunks_size", 1000))
         return self.root / tmpl.format(episode_chunk=chunk, video_key=key, episode_index=ep.index), 0.0
