@@ -22,6 +22,18 @@ from opentau_cli.profiling.flops import FlopCountingTimer
 
 
 class ProfileTimer(FlopCountingTimer):
+    """TRAIN's train_step closes its step itself; the profile loop still has the per-step collectives of `train`'s
+    loop to run, so train_step's end_step is ignored and the loop closes the step with close_step()."""
+
+    def end_step(self) -> None:
+        pass
+
+    def close_step(self) -> None:
+        super().end_step()
+
+    def sync_device(self) -> None:
+        self._do_sync()
+
     def move(self, src: str, dst: str, seconds: float) -> None:
         """Re-attribute time measured inside phase `src` to `dst` (both stay inside the same step)."""
         if self.enabled:
@@ -76,14 +88,12 @@ def time_deepspeed_step(trainer, timer: ProfileTimer) -> bool:
     original = engine.step
 
     def timed_step(*args, **kwargs):
-        if timer._sync is not None:
-            timer._sync()
+        timer.sync_device()
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            if timer._sync is not None:
-                timer._sync()
+            timer.sync_device()
             timer.move("backward", "optimizer", time.perf_counter() - start)
 
     engine.step = timed_step
@@ -125,6 +135,7 @@ def profile(cfg, setup, request: dict) -> dict | None:
                 any_rank(trainer.accelerator, False)
                 if trainer.step % cfg.log_freq == 0:
                     trainer.collect_metrics()
+            timer.close_step()
     finally:
         trainer.data.stream.close()
     acc = trainer.accelerator
