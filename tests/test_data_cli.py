@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import run_cli
-from opentau_cli.data import LeRobotDataset
+from opentau_cli.data import LeRobotDataset, write_synth
 from opentau_cli.data.meta import read_meta
 
 pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
@@ -35,8 +35,7 @@ def test_synth_then_info_describe_the_written_v30_dataset(tmp_path):
 
 
 def test_info_prints_features_episodes_frames_fps_and_stats(tmp_path):
-    out = tmp_path / "reach"
-    assert run_cli(["dataset", "synth", str(out), "--episodes", "2", "--steps-per-episode", "5"], cwd=tmp_path).returncode == 0
+    out = write_synth(tmp_path / "reach", episodes=2, steps_per_episode=5)
     r = run_cli(["dataset", "info", str(out)], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for line in ("Episodes  2", "Frames    10", "FPS       10", "observation.images.top", "Layout    LeRobot v2.1", "action mean ["):

@@ -241,8 +241,11 @@ def ensure_demo() -> Path:
     final = demo_root()
     if (final / "meta" / "info.json").is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as e:
+        raise UserError(f"cannot write the demo dataset under {final.parent} ({e.strerror}); set OPENTAU_CACHE_DIR to a writable folder.") from None
     try:
         write_synth(tmp, **DEMO_SETTINGS)
         try:
