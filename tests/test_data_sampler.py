@@ -101,3 +101,21 @@ def test_pulling_batches_and_starting_epochs_leaves_the_global_torch_rng_alone(d
     s.load_state_dict({"epoch": 0, "batch": 3})
     next(s)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_build_data_gives_every_rank_the_same_held_out_episodes_and_disjoint_shards(dataset, isolated_env):
+    from opentau_cli.config.load import load_config
+    from opentau_cli.data import build_data
+
+    cfg = load_config(None, [f"--dataset.root={dataset.root}", "--dataset.num_workers=0", "--batch_size=2", "--validation.val_split=0.4",
+                             "--policy.chunk_size=4", "--policy.n_action_steps=4", "--policy.image_resolution=[16,16]"])
+    ranks = [build_data(cfg, rank, 2) for rank in range(2)]
+    assert ranks[0].val_dataset.episodes == ranks[1].val_dataset.episodes and len(ranks[0].val_dataset.episodes) == 2
+    assert not set(ranks[0].train_dataset.episodes) & set(ranks[0].val_dataset.episodes)
+    assert ranks[0].stats == ranks[1].stats and ranks[0].stream.batches_per_epoch == ranks[1].stream.batches_per_epoch
+    val = [[f for b in r.val_loader for f in frames(b)] for r in ranks]
+    assert len(val[0]) == len(val[1]) == 9 and not set(val[0]) & set(val[1])
+    train = [[f for _ in range(r.stream.batches_per_epoch) for f in frames(next(r.stream))] for r in ranks]
+    # 27 train frames: 13 per rank (1 dropped), 6 full batches of 2 each.
+    assert ranks[0].stream.batches_per_epoch == 6
+    assert not set(train[0]) & set(train[1]) and len(set(train[0]) | set(train[1])) == 24
