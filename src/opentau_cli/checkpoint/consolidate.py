@@ -280,6 +280,8 @@ def _reader_concat(parts: list[LazyTensor], starts: list[int], offset: int, n: i
                 need -= take
         if need:
             raise UserError("the optimizer shards are shorter than the parameters they should hold.")
+        if not out:  # a zero-element parameter
+            return torch.empty(shape, dtype=parts[0].dtype)
         return (out[0] if len(out) == 1 else torch.cat(out)).view(shape)
 
     return read
@@ -311,6 +313,7 @@ class _GroupSlice:
 
     def __init__(self, groups: list[LazyTensor], offset: int, count: int):
         self.groups, self.offset, self.count = groups, offset, count
+        self.dtype = groups[0].dtype
 
     def numel(self) -> int:
         return self.count
@@ -342,6 +345,8 @@ def _reader_zero3(frags, _unused, part: int, shape):
             take = min(part, n - have)
             pieces.append(f.read_flat(0, take))
             have += take
+        if not pieces:  # a zero-element parameter
+            return torch.empty(shape, dtype=frags[0].dtype)
         flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if flat.numel() != n:
             raise UserError("the ZeRO-3 fragments are shorter than the parameters they should hold.")
