@@ -138,7 +138,11 @@ def main() -> None:
     ]
     print_rows("Benchmark 2: checkpoint save and resume", rows)
     if not args.no_append:
-        notes = ["the publish includes save_state, both JSON records, the manifest (xxhash of every file, read back) and the atomic rename"]
+        notes = [
+            "the publish includes save_state, both JSON records, the manifest (xxhash of every file, read back) and the atomic rename",
+            "the publish fsyncs the JSON records and the directories but not the data files that save_state writes, so it can "
+            "beat the write+fsync anchor; a file torn by a power loss is caught by the manifest check before any resume",
+        ]
         if args.smoke:
             notes.insert(0, "smoke run: numbers only show the script works")
         append_result("Checkpoint save bandwidth and launch-to-first-step on resume", rows, notes, path=args.results)
