@@ -14,6 +14,9 @@ from opentau_cli.data.stats import dataset_stats
 from opentau_cli.data.video import VideoFrames
 from opentau_cli.errors import UserError
 
+IMAGE_CACHE_BYTES = 512 * 1024 * 1024  # encoded image columns kept per process (whole datasets of PNGs usually fit)
+
+
 def column_matrix(table, key: str, path: Path) -> np.ndarray:
     """A vector (fixed-size list / list) or scalar column as float32 (rows, width)."""
     if key not in table.column_names:
@@ -71,7 +74,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.episodes = sorted(episodes)
         self._load_numbers()
         self.stats = dataset_stats(self.meta, self.episodes, self.state_key, self.action_key, self._state, self._action)
-        self._images: OrderedDict[Path, object] = OrderedDict()  # data file -> table of image columns (small LRU)
+        self._images: OrderedDict[tuple, object] = OrderedDict()  # (data file, column) -> encoded images, LRU by bytes
         self._video = VideoFrames(cache_mb=video_cache_mb)
 
     # -- facts -----------------------------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             raise UserError(f"corrupt image in {where}: {e}.") from None
 
     def _image_table(self, path: Path, feature: str):
-        """Image columns of one data file, kept for the next samples (a few files per worker)."""
+        """One image column of one data file, kept for the next samples (LRU bounded by IMAGE_CACHE_BYTES per process)."""
         import pyarrow.parquet as pq
 
         key = (path, feature)
@@ -224,7 +227,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             except Exception as e:
                 raise UserError(f"{path}: cannot read image column '{feature}': {e}.") from None
             self._images[key] = table
-            while len(self._images) > 8:
+            while len(self._images) > 1 and sum(t.nbytes for t in self._images.values()) > IMAGE_CACHE_BYTES:
                 self._images.popitem(last=False)
         self._images.move_to_end(key)
         return self._images[key]
