@@ -48,12 +48,27 @@ def main() -> None:
     parser.add_argument("--stack", type=int, default=0, help="use a stack of N width x width linear layers as the body")
     parser.add_argument("--then-one-more-step-to", dest="extra_out", default=None,
                         help="after saving, train one more step and save again here (a later save of the same run)")
+    parser.add_argument("--also-zero3-to", dest="zero3_out", default=None,
+                        help="then, in the same processes, train and save a ZeRO-3 run here (saves a launch in tests)")
     args = parser.parse_args()
+    # The later save (--then-one-more-step-to) belongs to the last run of this process.
+    _train_and_save(args, args.out_dir, None if args.zero3_out else args.extra_out, zero_stage=None)
+    if args.zero3_out:
+        from accelerate.state import AcceleratorState, GradientState
 
+        AcceleratorState._reset_state()  # keep the process group; build a fresh Accelerator for ZeRO-3
+        GradientState._reset_state()
+        _train_and_save(args, args.zero3_out, args.extra_out, zero_stage=3)
+
+
+def _train_and_save(args, out_dir, extra_out, zero_stage) -> None:
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    kwargs = {}
+    if zero_stage is not None:
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(zero_stage=zero_stage, gradient_accumulation_steps=1, zero3_init_flag=False)
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **kwargs)
     # No DataLoader is prepared, so DeepSpeed needs the micro batch size spelled out.
     accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
     torch.manual_seed(0)
@@ -72,16 +87,16 @@ def main() -> None:
 
     for _ in range(args.steps):
         step()
-    accelerator.save_state(args.out_dir)
+    accelerator.save_state(out_dir)
     accelerator.wait_for_everyone()
-    if args.extra_out:
+    if extra_out:
         step()
-        accelerator.save_state(args.extra_out)
+        accelerator.save_state(extra_out)
         accelerator.wait_for_everyone()
 
 
 def launch(out_dir, *, zero_stage: int, num_processes: int, width: int = 13, steps: int = 2, mixed_precision="no",
-           extra_out=None, vocab: int = 37, stack: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
+           extra_out=None, zero3_out=None, vocab: int = 37, stack: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run this script under `accelerate launch` with DeepSpeed on CPU; returns the finished process."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "false"}
     cmd = [
@@ -92,7 +107,8 @@ def launch(out_dir, *, zero_stage: int, num_processes: int, width: int = 13, ste
         "--zero3_init_flag", "false", "--gradient_accumulation_steps", "1",
         __file__, str(out_dir), "--width", str(width), "--steps", str(steps),
         "--vocab", str(vocab), "--stack", str(stack),
-    ] + (["--then-one-more-step-to", str(extra_out)] if extra_out else [])
+    ] + (["--then-one-more-step-to", str(extra_out)] if extra_out else []) + (
+        ["--also-zero3-to", str(zero3_out)] if zero3_out else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"DeepSpeed checkpoint helper failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -33,16 +33,18 @@ runner = CliRunner()
 def ds_ckpts(tmp_path_factory):
     """Real DeepSpeed checkpoints plus DeepSpeed's own zero_to_fp32.py output for each (run as a subprocess).
 
-    z3r2_step3 is the same run as z3r2 saved one step later: the source of "a shard from another save"."""
+    Two launches (1 and 2 ranks) each save a ZeRO-2 run, then a ZeRO-3 run in the same processes. z3r2_step3 is the
+    z3r2 run saved one step later: the source of "a shard from another save"."""
     root = tmp_path_factory.mktemp("ds")
 
-    def make(name):
-        stage, ranks, mp = CASES[name]
-        extra = root / "z3r2_step3" if name == "z3r2" else None
-        ds_ckpt_helper.launch(root / name, zero_stage=stage, num_processes=ranks, mixed_precision=mp, extra_out=extra)
+    def make(ranks):
+        mp = "bf16" if ranks == 2 else "no"
+        extra = root / "z3r2_step3" if ranks == 2 else None
+        ds_ckpt_helper.launch(root / f"z2r{ranks}", zero_stage=2, num_processes=ranks, mixed_precision=mp,
+                              zero3_out=root / f"z3r{ranks}", extra_out=extra)
 
     with ThreadPoolExecutor(2) as pool:
-        list(pool.map(make, CASES))
+        list(pool.map(make, (1, 2)))
     ds_ckpt_helper.run_zero_to_fp32([(root / name, root / f"ref_{name}") for name in CASES])
     return root
 
@@ -72,7 +74,12 @@ def _assert_bit_equal(ours: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("name", ["z2r1", "z2r2", "z3r1", "z3r2"])
 def test_consolidate_equals_deepspeed_zero_to_fp32_bit_for_bit(ds_ckpts, tmp_path, name):
+    from opentau_cli.checkpoint.info import inspect_checkpoint
+
     ckpt = _copy(ds_ckpts, name, tmp_path)
+    info = inspect_checkpoint(ckpt)
+    stage, ranks, mp = CASES[name]
+    assert (info.zero_stage, info.world_size, info.mixed_precision) == (stage, ranks, "bf16" if mp == "bf16" else "no")
     res = cli(["checkpoint", "consolidate", ckpt])
     assert res.exit_code == 0, res.stderr
     ours = load_file(ckpt / "model.safetensors")
