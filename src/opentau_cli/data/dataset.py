@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import UnidentifiedImageError
 
 from opentau_cli.data.images import decode_image, resize_with_pad
 from opentau_cli.data.meta import EpisodeMeta, camera_slots, read_meta
@@ -211,6 +212,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
             raise UserError(f"empty image in {where}.")
         try:
             return resize_with_pad(decode_image(data), *self.resolution)
+        except UnidentifiedImageError:
+            raise UserError(f"corrupt image in {where}: its {len(data)} bytes are not a readable PNG/JPEG.") from None
         except Exception as e:
             raise UserError(f"corrupt image in {where}: {e}.") from None
 
