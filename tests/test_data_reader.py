@@ -77,6 +77,35 @@ def test_stats_are_computed_from_the_data_when_meta_has_none(synth_pair, tmp_pat
     assert np.allclose(ds.stats["action"]["std"], ref.stats["action"]["std"], atol=1e-6)
 
 
+def test_stats_come_from_stats_json_when_there_are_no_episode_stats(synth_pair, tmp_path):
+    root = shutil.copytree(synth_pair[0], tmp_path / "statsjson")
+    (root / "meta" / "episodes_stats.jsonl").unlink()
+    stats = json.loads((root / "meta" / "stats.json").read_text())
+    stats["action"]["mean"] = [5.0, -5.0]  # marked, so the test sees where the numbers came from
+    (root / "meta" / "stats.json").write_text(json.dumps(stats))
+    assert LeRobotDataset(root, **KW).stats["action"]["mean"] == [5.0, -5.0]
+
+
+def test_jpeg_bytes_in_parquet_are_decoded(synth_pair, tmp_path):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    root = shutil.copytree(synth_pair[0], tmp_path / "jpeg")
+    path, key = root / "data/chunk-000/episode_000000.parquet", "observation.images.top"
+    table = pq.read_table(path)
+    cells = table.column(key).to_pylist()
+    for cell in cells:
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(cell["bytes"])).save(buf, format="JPEG", quality=95)
+        cell["bytes"] = buf.getvalue()
+    pq.write_table(table.set_column(table.schema.get_field_index(key), key, pa.array(cells, table.schema.field(key).type)), path)
+    jpeg, png = LeRobotDataset(root, [0], **KW)[4]["images"][0], LeRobotDataset(synth_pair[0], [0], **KW)[4]["images"][0]
+    assert (jpeg - png).abs().mean() < 0.02 and not torch.equal(jpeg, png)
+
+
 def test_camera_keys_map_features_to_slots(synth_pair):
     ds = LeRobotDataset(synth_pair[0], [0], **{**KW, "camera_keys": {"observation.images.front": "camera0"}})
     ref = LeRobotDataset(synth_pair[0], [0], **KW)
