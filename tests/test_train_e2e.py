@@ -73,7 +73,7 @@ class Run:
         self.full = losses(self.dir)
         self.full_records = records(self.dir)
         self.ckpt_mid = self.dir / "checkpoints" / "000003"
-                self.resume = run_cli(["resume", str(self.ckpt_mid)], env=self.env)
+        self.resume = run_cli(["resume", str(self.ckpt_mid)], env=self.env)
         ok(self.resume)
         self.resumed = losses(self.dir)
 
