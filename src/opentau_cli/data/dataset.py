@@ -72,6 +72,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
         missing = sorted(set(episodes) - set(known))
         if missing:
             raise UserError(f"episodes {missing} are not in {self.root / 'meta'} (it has {len(known)} episodes).")
+        if not episodes:
+            raise UserError(f"no episodes of {self.root} selected (check dataset.episodes).")
         self.episodes = sorted(episodes)
         self._load_numbers()
         self.stats = dataset_stats(self.meta, self.episodes, self.state_key, self.action_key, self._state, self._action)
