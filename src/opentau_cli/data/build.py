@@ -1,4 +1,4 @@
-"""From a TrainConfig to this rank's data: root resolution, episode split, loaders, and the cheap pre-launch checks."""
+"""From a TrainConfig to this rank's data: the episode split, the training stream and the validation loader."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def split_episodes(root: str | Path, val_split: float, seed: int, episodes: list
         )
     order = np.random.default_rng([seed, 7919]).permutation(len(all_eps))  # a stream of its own, apart from the sampler's
     val = sorted(all_eps[i] for i in order[:n_val])
-    return [e for e in all_eps if e not in set(val)], val
+    held_out = set(val)
+    return [e for e in all_eps if e not in held_out], val
 
 
 @dataclass
