@@ -222,7 +222,7 @@ def _plan(stage, world, models, optim, optim_files) -> list[TensorEntry]:
             entries[name] = TensorEntry(name, tuple(frag.shape), frag.dtype, _reader_whole(frag))
         else:
             frags = [models[r]["frozen_param_fragments"][name] for r in range(world)]
-            entries[name] = TensorEntry(name, shape, frags[0].dtype, _reader_zero3(frags, [0] * world, frags[0].numel(), shape))
+            entries[name] = TensorEntry(name, shape, frags[0].dtype, _reader_zero3(frags, frags[0].numel(), shape))
 
     key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
     groups = [optim[r]["optimizer_state_dict"][key] for r in range(world)]
@@ -301,7 +301,7 @@ def _plan_zero3(entries, param_shapes, groups, world, optim_files):
             n = math.prod(shape)
             part = math.ceil(n / world)
             slices = [_GroupSlice(groups[r], offset, part) for r in range(world)]
-            entries[name] = TensorEntry(name, shape, groups[0][0].dtype, _reader_zero3(slices, [0] * world, part, shape))
+            entries[name] = TensorEntry(name, shape, groups[0][0].dtype, _reader_zero3(slices, part, shape))
             offset += part
     if offset != per_rank_total[0]:
         raise UserError(f"{optim_files[0]} does not fit this checkpoint's parameters ({per_rank_total[0]} values per "
@@ -334,7 +334,8 @@ class _GroupSlice:
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _reader_zero3(frags, _unused, part: int, shape):
+def _reader_zero3(frags, part: int, shape):
+    """A parameter split over ranks: `part` values from each rank's fragment, in rank order, cut to its size."""
     n = math.prod(shape)
 
     def read():
