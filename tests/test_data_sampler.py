@@ -65,6 +65,9 @@ def test_restored_position_reproduces_the_remaining_batches_exactly(dataset, num
     assert rest == reference[7:]
     started = stream(start_epoch=1, start_batch=2)
     assert frames(next(started)) == reference[7]
+    # Rewinding a stream whose workers already prefetched ahead drops what they prefetched.
+    started.load_state_dict({"epoch": 0, "batch": 1})
+    assert [frames(next(started)) for _ in range(2)] == reference[1:3]
     started.close()
 
 
