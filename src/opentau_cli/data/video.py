@@ -3,6 +3,9 @@
 LeRobot encodes with a keyframe every 2 frames, so a seek decodes 1-2 frames; every frame decoded on the way is
 converted and resized in one swscale pass and kept in a bounded per-process LRU (`video_cache_mb`, at the target
 resolution, so ~150 KB per 224x224 frame), so neighbours of a sample and the next epoch come from memory.
+Measured on the g1 data (AV1 480x640 -> 224x224, shuffled, batch 8, a busy 2-core machine): first epoch 137
+samples/s in-process, later epochs 1677 samples/s from the cache; decoding a whole episode per sample would cost
+~0.5 s per sample instead.
 """
 
 from __future__ import annotations
