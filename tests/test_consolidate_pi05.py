@@ -1,20 +1,26 @@
-"""A real `opentau train` ZeRO-3 checkpoint of pi05_tiny (2 CPU ranks): consolidate equals zero_to_fp32, the result
-loads into a fresh pi05_tiny, and a new run warm-starts from it."""
+"""A real `opentau train` ZeRO-3 run of pi05_tiny (2 CPU ranks), SIGKILLed in the middle of a save: the previous
+checkpoints verify and the run resumes; consolidate equals zero_to_fp32, the result loads into a fresh pi05_tiny and
+a new run warm-starts from it; resume refuses a planted malicious pickle."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from typer.testing import CliRunner
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, opentau_bin, run_cli
 from opentau_cli.cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,13 +31,26 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, isolated_env_module):
+    """Train with a save every step and SIGKILL every process of the run as soon as the save of step 3 begins."""
     run = tmp_path_factory.mktemp("z3") / "run"
-    res = run_cli([
-        "train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}",
-        f"--accelerate-config={EXAMPLES / 'accelerate_cpu_deepspeed_zero3_config.yaml'}",
-        f"--output_dir={run}", "--steps=2", "--save_freq=2", "--log_freq=1", "--validation.val_freq=1000",
-    ], env=isolated_env_module)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    cmd = [opentau_bin(), "train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}",
+           f"--accelerate-config={EXAMPLES / 'accelerate_cpu_deepspeed_zero3_config.yaml'}",
+           f"--output_dir={run}", "--steps=4", "--save_freq=1", "--log_freq=1", "--validation.val_freq=1000"]
+    env = {k: v for k, v in os.environ.items() if k != "OPENTAU_DEBUG"}
+    proc = subprocess.Popen(cmd, env={**env, **isolated_env_module}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not list((run / "checkpoints").glob(".tmp-000003-*/*")):
+        assert proc.poll() is None, f"the run ended before the save of step 3: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "the save of step 3 never started"
+        time.sleep(0.005)
+    launcher = psutil.Process(proc.pid)
+    victims = [launcher, *launcher.children(recursive=True)]
+    for p in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(victims, timeout=60)
+    proc.wait()
     return run
 
 
@@ -109,3 +128,29 @@ def test_resume_refuses_a_planted_malicious_pickle_and_never_runs_it(zero3_run, 
     assert not marker.exists()
     assert "Traceback" not in res.stderr and rng.name in res.stderr
     assert ("system" in res.stderr) if forge_manifest else ("manifest" in res.stderr)
+
+
+def test_sigkill_mid_save_leaves_checkpoints_verifiable_and_resume_continues_exactly(zero3_run, isolated_env_module, tmp_path):
+    from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
+
+    run = tmp_path / "run"
+    shutil.copytree(zero3_run, run, symlinks=True)
+    ckpts = run / "checkpoints"
+    assert list(ckpts.glob(".tmp-000003-*")), "the kill did not land inside the save"
+    steps = sorted(d.name for d in ckpts.iterdir() if d.name.isdigit())
+    assert steps == ["000001", "000002"] and all(is_complete(ckpts / s) and not verify_manifest(ckpts / s) for s in steps)
+    assert os.readlink(ckpts / "last") == "000002"
+    assert CliRunner().invoke(app, ["checkpoint", "verify", str(run)]).exit_code == 0
+
+    def step3_losses():
+        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if r.get("kind") == "train" and r.get("step") == 3]
+
+    before = step3_losses()  # logged by the killed run just before its save of step 3 began
+    res = run_cli(["resume", str(run), "--steps=3"], env=isolated_env_module)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "000002" in res.stdout + res.stderr  # resumed from the newest complete checkpoint
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".")], "the interrupted save was not cleaned up"
+    assert not verify_manifest(ckpts / "000003") and os.readlink(ckpts / "last") == "000003"
+    # The resumed run computes step 3 again from the restored model, optimizer, RNG and data position: same loss.
+    assert len(before) == 1 and step3_losses() == before, (before, step3_losses())
