@@ -330,3 +330,9 @@ def test_config_summary_shows_the_presets_parameter_counts(isolated_env):
     row = next(line for line in text.splitlines() if line.strip().startswith("parameters"))
     assert f"({counts['total']:,} / {counts['trainable']:,})" in row
     assert re.search(r"\d\.\d\dM total, \d\.\d\dM trainable", row), row
+
+
+def test_too_many_discrete_action_bins_for_the_vocabulary_is_a_user_error():
+    with pytest.raises(UserError, match="discrete_action_bins=600 does not fit the 1024-token vocabulary"):
+        build_policy(tiny_cfg(discrete_action_loss=True, discrete_action_bins=600))
+    build_policy(tiny_cfg(discrete_action_loss=False, discrete_action_bins=600))  # unused bins: no complaint

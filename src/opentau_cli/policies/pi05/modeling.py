@@ -119,8 +119,9 @@ class Pi05Policy(nn.Module):
         self.arch = arch
         self.vocab_size = arch.vlm_config.text_config.vocab_size
         self.head_dim = arch.vlm_config.text_config.head_dim
-        self.tokenizer = load_tokenizer(cfg.tokenizer_path, self.vocab_size, cfg.discrete_action_bins)
-        if cfg.discrete_action_loss and not self.tokenizer.action_room:
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path, self.vocab_size)
+        # Action tokens take the last ids of the vocabulary: they must not overlap the tokenizer's own ids.
+        if cfg.discrete_action_loss and self.tokenizer.reserved + cfg.discrete_action_bins > self.vocab_size:
             raise UserError(
                 f"policy.discrete_action_bins={cfg.discrete_action_bins} does not fit the {self.vocab_size}-token vocabulary "
                 f"next to the tokenizer's {self.tokenizer.reserved} ids; lower it."

@@ -10,7 +10,6 @@ Two tokenizers behind one small interface (`encode_prompt`, `action_token_ids`, 
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 from opentau_cli.errors import UserError
@@ -71,8 +70,8 @@ class HFTokenizer:
         return ids
 
 
-def load_tokenizer(tokenizer_path: Path | None, vocab_size: int, action_bins: int):
-    """The byte-level tokenizer, or the local HF one; checks that action tokens do not overlap the tokenizer's ids."""
+def load_tokenizer(tokenizer_path: Path | None, vocab_size: int):
+    """The byte-level tokenizer, or the local HF one; checks that its ids fit the model vocabulary."""
     if tokenizer_path is None:
         tokenizer = ByteTokenizer(vocab_size)
     else:
@@ -81,11 +80,6 @@ def load_tokenizer(tokenizer_path: Path | None, vocab_size: int, action_bins: in
         tokenizer = HFTokenizer(Path(tokenizer_path), vocab_size)
     if tokenizer.reserved > vocab_size:
         raise UserError(f"The tokenizer has {tokenizer.reserved} ids but the model vocabulary has only {vocab_size}.")
-    if tokenizer.reserved + action_bins > vocab_size:
-        # Only an error when the discrete action loss is used; the policy checks that.
-        tokenizer.action_room = False
-    else:
-        tokenizer.action_room = True
     return tokenizer
 
 
@@ -94,16 +88,11 @@ def action_token_id(vocab_size: int, bin_index):
     return vocab_size - 1 - bin_index
 
 
-@lru_cache(maxsize=4096)
-def _cached(tokenizer, task: str, state_bins: tuple[int, ...], max_length: int) -> tuple[int, ...]:
-    return tuple(tokenizer.encode_prompt(task, state_bins, max_length))
-
-
 def encode_prompts(tokenizer, tasks: list[str], state_bins: list[tuple[int, ...]], max_length: int) -> tuple[list[list[int]], list[int]]:
     """Token ids padded to max_length, and the real lengths."""
     rows, lengths = [], []
     for task, bins in zip(tasks, state_bins):
-        ids = list(_cached(tokenizer, task, bins, max_length))
+        ids = tokenizer.encode_prompt(task, bins, max_length)
         lengths.append(len(ids))
         rows.append(ids + [tokenizer.pad_id] * (max_length - len(ids)))
     return rows, lengths
