@@ -133,8 +133,8 @@ def _optimizer_step(optim_sd: dict) -> float | None:
 def _load(path: Path):
     try:
         return ShardFile(path).load()
-    except UnsafeCheckpointError as e:
-        raise UserError(f"Refusing {path}: {e}") from None
+    except UnsafeCheckpointError as e:  # the message names the file and the global it wanted
+        raise UserError(str(e)) from None
     except ShardFormatError as e:
         raise UserError(str(e)) from None
     except OSError as e:
