@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, opentau_bin, run_cli
+from conftest import EXAMPLES, opentau_bin, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +33,20 @@ STEPS, SAVE = 6, 3
 COMMON = ["--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "2"]
 
 
+_CACHE: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_demo_cache(tmp_path_factory):
+    """This module's own demo dataset: runs compared with each other must read the same data, whatever else
+    happens to the shared cache meanwhile."""
+    _CACHE[:] = [tmp_path_factory.mktemp("opentau_cache")]
+    yield
+    _CACHE.clear()
+
+
 def env_for(tmp: Path) -> dict:
-    return {
-        "HF_HOME": str(tmp / "hf_home"),  # no user Accelerate default config
-        "OPENTAU_CACHE_DIR": os.environ.get("OPENTAU_CACHE_DIR", str(REPO / ".cache" / "opentau")),
-    }
+    return {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(_CACHE[0])}  # HF_HOME: no user Accelerate default
 
 
 def train_args(backend: str, out: Path, *extra: str) -> list[str]:
@@ -260,3 +269,11 @@ def test_train_config_path_with_resume_true_resumes_that_checkpoint_with_more_st
     assert plan.resume_from == ckpt.resolve()
     assert plan.config.steps == 9 and plan.config.output_dir == run_dir.resolve()
     assert plan.setup.backend == "ddp" and plan.setup.world_size == 2  # the checkpoint's launch, no flag needed
+
+
+def test_resuming_a_finished_run_exits_0_and_launches_nothing(runs, tmp_path):
+    run = runs("ddp")
+    logs_before = sorted((run.dir / "logs").iterdir())
+    r = run_cli(["resume", str(run.dir)], env=env_for(tmp_path))
+    assert r.returncode == 0 and "Nothing to do" in r.stderr and "--steps" in r.stderr, r.stderr
+    assert sorted((run.dir / "logs").iterdir()) == logs_before

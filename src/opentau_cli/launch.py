@@ -38,6 +38,7 @@ class RunPlan:
     checked: Validated
     resume_from: Path | None = None
     notes: list[str] = field(default_factory=list)
+    finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
 
     @property
     def config(self) -> TrainConfig:
@@ -87,8 +88,12 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         setup = setup_from_dict(saved)
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
     checked = check_machine(validate(cfg, setup))
-    check_resumable(ckpt, checked.config, setup)
-    return RunPlan(checked=checked, resume_from=ckpt, notes=notes)
+    state = check_resumable(ckpt, checked.config, setup)
+    done = int(state.get("step", 0)) >= checked.config.steps
+    if done:
+        notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
+                     "(pass a larger --steps to train further).")
+    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done)
 
 
 def check_machine(checked: Validated) -> Validated:
@@ -268,11 +273,16 @@ def run(plan: RunPlan, *, echo=print) -> int:
     echo(f"Logs: {log_dir}/rank<N>.log")
 
     proc = subprocess.Popen(cmd, env=worker_env(plan.setup, cuda))
-    interrupted = False
+    interrupted = stopped_early = False
 
     def preempt(signum, _frame):
         # Workers (not torchrun, which would kill them) get the signal: they finish the step, save, and exit 0.
-        for worker in _worker_processes(proc.pid):
+        workers = _worker_processes(proc.pid)
+        if not workers:  # still starting up: nothing to save yet, stop the launch
+            nonlocal stopped_early
+            stopped_early = True
+            proc.send_signal(signal.SIGTERM)
+        for worker in workers:
             try:
                 worker.send_signal(signum)
             except Exception:
@@ -295,6 +305,9 @@ def run(plan: RunPlan, *, echo=print) -> int:
             signal.signal(s, h)
     if interrupted:
         return 130
+    if stopped_early:
+        echo("Stopped by a signal before training started; nothing to save.")
+        return 0
     if rc != 0:
         user_error = find_user_error(log_dir)
         if user_error:

@@ -146,11 +146,6 @@ def check_resumable(ckpt_dir: Path, cfg, setup) -> dict:
             f"Checkpoint '{ckpt_dir}' does not fit this config ({'; '.join(diffs)}); resume with the checkpoint's own "
             f"{TRAIN_CONFIG}, or start a new run with --policy.pretrained_path."
         )
-    if state.get("step", 0) >= cfg.steps:
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' is at step {state.get('step')} and the run has steps={cfg.steps}: "
-            f"pass a larger --steps to train further."
-        )
     return state
 
 

@@ -17,6 +17,8 @@ def _launch(plan) -> None:
         warn(note)
     for note in plan.notes:
         typer.echo(note, err=True)
+    if plan.finished:  # e.g. a scheduler re-queues a run that already completed
+        return
     typer.echo(summarize(plan.checked).replace("Config OK", "Training"), err=True)
     if plan.resume_from:
         typer.echo(f"Resuming from {plan.resume_from}", err=True)
