@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli
 from opentau_cli.data import LeRobotDataset, write_synth
 from opentau_cli.data.meta import read_meta
+from opentau_cli.data.synth import DEMO_SETTINGS, DEMO_VERSION
 
 pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
 
@@ -54,7 +55,8 @@ def test_racing_processes_generate_the_demo_once_and_both_read_it(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", env_code, str(tmp_path)], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     roots = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    assert roots[0] == roots[1] == str(tmp_path / "demo-v1")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-v1"]  # no temp dir left behind
+    assert roots[0] == roots[1] == str(tmp_path / f"demo-{DEMO_VERSION}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"demo-{DEMO_VERSION}"]  # no temp dir left behind
     meta = read_meta(roots[0])
-    assert meta.info["total_episodes"] == 30 and len(meta.episodes) == 30 and meta.version == "v2.1"
+    n = DEMO_SETTINGS["episodes"]
+    assert meta.info["total_episodes"] == n and len(meta.episodes) == n and meta.version == "v2.1"

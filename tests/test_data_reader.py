@@ -162,3 +162,13 @@ def test_video_layouts_show_the_frame_of_each_sample_including_v30_files_holding
             assert ds[i]["image_masks"].tolist() == [True, False, False]
             dist = {j: (got - truth[j]).abs().mean().item() for j in range(max(0, i - 1), min(len(png), i + 2))}
             assert min(dist, key=dist.get) == i, (i, dist)  # lossy, but the nearest picture is the right frame
+
+
+def test_synth_actions_move_the_dot_and_the_velocity_in_the_next_state_is_the_action(synth_pair):
+    ds = LeRobotDataset(synth_pair[0], [0], chunk_size=1, image_resolution=(64, 64), num_cameras=2)
+    for t in range(len(ds) - 1):
+        now, nxt = ds[t], ds[t + 1]
+        step = now["actions"][0]
+        assert torch.allclose(nxt["state"][:2] - now["state"][:2], step, atol=1e-6)
+        assert torch.allclose(nxt["state"][2:], step)
+    assert torch.linalg.norm(ds[0]["actions"][0]) > 0.01  # it moves, visibly in a 64 px image

@@ -1,8 +1,12 @@
 """A small, learnable LeRobot-format dataset written offline: 2-D point reaching with the target drawn in the image.
 
-Each episode: a blue dot (the robot) moves at constant speed toward a red target dot; when it gets there a new target
-appears. state = (x, y, vx, vy); action = the next displacement (dx, dy). The target is only visible in the images,
-so a policy has to read the image (and the state) to predict the actions.
+Each episode: a blue dot (the robot) starts near the centre and moves in a straight line at constant speed toward a
+red target dot at one of 4 compass points, covering 80% of the way by the last frame. state = (x, y, vx, vy);
+action = the next displacement (dx, dy), the same for the whole episode. The first frame's action is only knowable
+from the image (where the target is); after that the velocity in the state agrees with it. Deliberately easy: on the
+demo, pi05_tiny (lr 1e-3, batch 8, 250 CPU steps) lowered the flow-matching loss by ~90% and its sampled actions on
+held-out episodes had ~5x lower error than the mean action. (Targets anywhere, or 8 directions, or fewer frames per
+target, left a tiny policy no better than the mean on held-out episodes in that budget.)
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from opentau_cli.data.stats import feature_stats
 from opentau_cli.config.model import DEMO_DATASET
 from opentau_cli.errors import UserError
 
-DEMO_VERSION = "v1"
-DEMO_SETTINGS = dict(episodes=30, steps_per_episode=50, cameras=1, fmt="v2.1", seed=0)
+DEMO_VERSION = "v2"  # bump whenever the generated data changes, so old caches are not reused
+DEMO_SETTINGS = dict(episodes=40, steps_per_episode=50, cameras=1, fmt="v2.1", seed=0)
 CAMERA_NAMES = ["top", "front", "side", "wrist"]
 IMAGE_SIZE = 64
 FPS = 10
 VIDEO_CODEC = "libx264"
-SPEED = 0.05  # distance moved per step; reaching a target takes 2-20 steps
+COVERED = 0.8  # share of the way to the target travelled by the end of the episode
+TARGET_DIRECTIONS, TARGET_RADIUS = 4, 0.4  # targets sit at one of 4 compass points around the centre
 TASK = "Move the blue dot to the red target."
 
 
@@ -39,7 +44,7 @@ def _draw(pos: np.ndarray, target: np.ndarray, camera: int) -> np.ndarray:
     n = IMAGE_SIZE
     img = np.full((n, n, 3), 235, dtype=np.uint8)
     yy, xx = np.mgrid[0:n, 0:n]
-    for (x, y), color, radius in ((target, (220, 30, 30), 5), (pos, (30, 60, 220), 4)):
+    for (x, y), color, radius in ((target, (220, 30, 30), 7), (pos, (30, 60, 220), 5)):
         if camera % 2 == 1:
             x = 1.0 - x
         if camera >= 2:
@@ -51,22 +56,18 @@ def _draw(pos: np.ndarray, target: np.ndarray, camera: int) -> np.ndarray:
 
 def _episode(rng: np.random.Generator, steps: int):
     """One episode of states, actions, and the (position, target) drawn at each frame."""
-    target = rng.uniform(0.15, 0.85, size=2)
-    pos = rng.uniform(0.05, 0.95, size=2)
+    pos = 0.5 + rng.uniform(-0.08, 0.08, size=2)
+    angle = 2 * np.pi * rng.integers(TARGET_DIRECTIONS) / TARGET_DIRECTIONS
+    target = 0.5 + TARGET_RADIUS * np.array([np.cos(angle), np.sin(angle)])
+    step = COVERED * (target - pos) / steps  # straight at constant speed toward the target
     vel = np.zeros(2)
     states, actions, scenes = [], [], []
     for _ in range(steps):
-        delta = target - pos
-        dist = np.linalg.norm(delta)
-        if dist > SPEED:
-            delta *= SPEED / dist
         states.append(np.concatenate([pos, vel]))
-        actions.append(delta.copy())
+        actions.append(step.copy())
         scenes.append((pos.copy(), target.copy()))
-        vel = delta
-        pos = pos + delta
-        if dist <= SPEED:  # reached: the next target appears (drawn from the next frame on)
-            target = rng.uniform(0.15, 0.85, size=2)
+        vel = step
+        pos = pos + step
     return np.array(states, np.float32), np.array(actions, np.float32), scenes
 
 
