@@ -151,3 +151,11 @@ def test_synth_refuses_a_non_empty_directory_and_keeps_its_files(good, tmp_path)
     r = run_cli(["dataset", "synth", str(good)], cwd=tmp_path)
     assert r.returncode == 2 and "not empty" in r.stderr
     assert json.loads((good / "meta" / "info.json").read_text())["total_episodes"] == 2
+
+
+def test_checking_the_demo_before_it_exists_writes_nothing_and_still_checks_widths(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path / "cache"))
+    assert check_dataset(load_config(TINY, [])) == []
+    errors = check_dataset(load_config(TINY, ["--policy.max_action_dim=1"]))
+    assert len(errors) == 1 and "'action' is 2 wide but policy.max_action_dim is 1" in errors[0]
+    assert not (tmp_path / "cache").exists()
