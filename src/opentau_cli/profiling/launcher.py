@@ -17,6 +17,14 @@ from opentau_cli.errors import RunError, UserError
 from opentau_cli.train.worker import USER_ERROR_MARK
 
 PROFILE_WORKER = "opentau_cli.profiling.worker"
+# The files a profile run exchanges with its workers, inside the scratch run (output) directory.
+REQUEST_FILE = "profile_request.json"
+RESULT_FILE = "profile_result.json"
+OOM_FILE = "profile_oom_rank{rank}.json"
+
+
+class OutOfMemory(RunError):
+    """A profiled run ran out of device memory (or past --memory-limit)."""
 
 
 def write_request(run_dir: Path, opts) -> None:
@@ -26,13 +34,11 @@ def write_request(run_dir: Path, opts) -> None:
         "count_flops": opts.count_flops,
         "memory_limit": opts.memory_limit,
     }
-    (run_dir / "profile_request.json").write_text(json.dumps(request) + "\n")
+    (run_dir / REQUEST_FILE).write_text(json.dumps(request) + "\n")
 
 
 def launch_profile(checked: Validated, opts, run_dir: Path) -> dict:
     """Launch the workers on `checked` (whose output_dir is run_dir); returns the gathered result."""
-    from opentau_cli.profiling.run import OOM_GLOB, RESULT_FILE, OutOfMemory
-
     plan = launch.RunPlan(checked)
     cuda = cuda_is_available()
     launch.prepare_output_dir(plan)
@@ -44,7 +50,7 @@ def launch_profile(checked: Validated, opts, run_dir: Path) -> dict:
     # Worker output goes to the rank logs; the launcher's own chatter to launcher.log (the report is what the user reads).
     with (log_dir / "launcher.log").open("w") as out:
         rc = subprocess.run(cmd, env=launch.worker_env(plan.setup, cuda), stdout=out, stderr=subprocess.STDOUT).returncode
-    ooms = sorted(run_dir.glob(OOM_GLOB))
+    ooms = sorted(run_dir.glob(OOM_FILE.format(rank="*")))
     if ooms:
         detail = json.loads(ooms[0].read_text())
         raise OutOfMemory(f"Out of memory on rank {detail['rank']}: {detail['error']}")

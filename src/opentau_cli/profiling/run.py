@@ -15,12 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from opentau_cli.config import AccelerateSetup, TrainConfig, resolve_accelerate_config, validate
-from opentau_cli.errors import RunError, UserError
+from opentau_cli.errors import UserError
+from opentau_cli.profiling.launcher import OutOfMemory, launch_profile
 from opentau_cli.profiling.stats import compare_row, summarize
-
-REQUEST_FILE = "profile_request.json"
-RESULT_FILE = "profile_result.json"
-OOM_GLOB = "profile_oom_rank*.json"
 
 
 @dataclass
@@ -31,10 +28,6 @@ class ProfileOptions:
     count_flops: bool = True
     memory_limit: int | None = None  # resident bytes per worker process (see worker.watch_memory), None = no cap
     keep_run_dir: bool = False
-
-
-class OutOfMemory(RunError):
-    """A profiled run ran out of device memory (or past --memory-limit)."""
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -84,8 +77,6 @@ def _check(cfg: TrainConfig, accel: AccelerateSetup):
 
 def profile_training(cfg: TrainConfig, accel: AccelerateSetup, opts: ProfileOptions, *, echo: Callable = print) -> dict:
     """Launch warmup + steps real training steps, checkpoints off; the report of stats.summarize (REPORT_FIELDS)."""
-    from opentau_cli.profiling.launcher import launch_profile
-
     run_dir = Path(tempfile.mkdtemp(prefix="opentau-profile-"))
     ok = False
     try:

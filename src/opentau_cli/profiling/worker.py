@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 from opentau_cli.profiling.flops import FlopCountingTimer
+from opentau_cli.profiling.launcher import OOM_FILE, REQUEST_FILE, RESULT_FILE
 
 
 class ProfileTimer(FlopCountingTimer):
@@ -75,7 +76,7 @@ def watch_memory(limit: int | None, run_dir: Path, rank: int) -> None:
 
 
 def record_oom(run_dir: Path, rank: int, message: str) -> None:
-    (run_dir / f"profile_oom_rank{rank}.json").write_text(json.dumps({"rank": rank, "error": message}))
+    (run_dir / OOM_FILE.format(rank=rank)).write_text(json.dumps({"rank": rank, "error": message}))
 
 
 def time_deepspeed_step(trainer, timer: ProfileTimer) -> bool:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
     run_dir = Path(cfg.output_dir)
-    request = json.loads((run_dir / "profile_request.json").read_text())
+    request = json.loads((run_dir / REQUEST_FILE).read_text())
     limit = request.get("memory_limit")
     watch_memory(limit, run_dir, rank)
     try:
@@ -184,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             record_oom(run_dir, rank, f"peak resident memory {peak >> 20} MiB passed --memory-limit {limit >> 20} MiB")
             return 1
         if result is not None:
-            tmp = run_dir / "profile_result.json.tmp"
+            tmp = run_dir / (RESULT_FILE + ".tmp")
             tmp.write_text(json.dumps(result) + "\n")
-            tmp.replace(run_dir / "profile_result.json")
+            tmp.replace(run_dir / RESULT_FILE)
         return 0
     except UserError as e:
         print(f"{USER_ERROR_MARK}{e}", flush=True)
