@@ -24,7 +24,7 @@ from opentau_cli.data.stats import feature_stats
 from opentau_cli.config.model import DEMO_DATASET
 from opentau_cli.errors import UserError
 
-DEMO_VERSION = "v2"  # bump whenever the generated data changes, so old caches are not reused
+DEMO_VERSION = "v3"  # bump whenever the generated data changes, so old caches are not reused
 DEMO_SETTINGS = dict(episodes=40, steps_per_episode=50, cameras=1, fmt="v2.1", seed=0)
 CAMERA_NAMES = ["top", "front", "side", "wrist"]
 IMAGE_SIZE = 64
