@@ -96,22 +96,27 @@ def _zero3_build(config: dict):
     DDP run with the same seed starts from.
     """
     import deepspeed
+    import transformers.modeling_utils as hf_modeling
     from transformers import PreTrainedModel
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    original = PreTrainedModel.init_weights
+    original_init, original_flag = PreTrainedModel.init_weights, hf_modeling.is_deepspeed_zero3_enabled
 
     def init_weights(self):
         with deepspeed.zero.GatheredParameters(list(self.parameters()), modifier_rank=0):
-            original(self)
+            original_init(self)
 
     PreTrainedModel.init_weights = init_weights
+    # Seeing ZeRO-3 on, transformers' from_config would open its own zero.Init with weight init switched off
+    # (it expects from_pretrained to load weights next); ours is already open and training starts from these weights.
+    hf_modeling.is_deepspeed_zero3_enabled = lambda: False
     try:
         # zero.Init would also recast torch.arange to float, changing RoPE buffers; transformers' guard keeps them.
         with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=config):
             yield
     finally:
-        PreTrainedModel.init_weights = original
+        PreTrainedModel.init_weights = original_init
+        hf_modeling.is_deepspeed_zero3_enabled = original_flag
 
 
 def model_dtype(accelerator) -> torch.dtype | None:
