@@ -1,0 +1,75 @@
+"""The policy builds inside DeepSpeed's zero.Init (how TRAIN builds it for ZeRO-3) with correct initial values."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=0, world_size=1)
+import deepspeed
+from opentau_cli.config.model import PolicyConfig
+from opentau_cli.policies import build_policy
+
+cfg = PolicyConfig(preset="pi05_tiny", chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8,
+                   image_resolution=(32, 32), tokenizer_max_length=48, freeze_vision_encoder=False)
+stats = {"state": {"mean": [0.5] * 4, "std": [2.0] * 4}, "action": {"mean": [0.1] * 2, "std": [3.0] * 2}}
+ds_config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}}
+with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    policy = build_policy(cfg, stats)
+params = dict(policy.named_parameters())
+gate = params["expert.layers.0.input_layernorm.bias"]
+embed = params["vlm.language_model.embed_tokens.weight"]
+with deepspeed.zero.GatheredParameters([gate, embed]):
+    out = {
+        "partitioned": all(hasattr(p, "ds_id") for p in params.values()),
+        "numel": sum(p.ds_numel for p in params.values()),
+        "gate_tail": gate[-64:].float().mean().item(),   # adaRMS gate starts at 1
+        "embed_std": embed.float().std().item(),           # transformers' gathered init (0.02), not garbage
+    }
+out["rope_dtype"] = str(policy.vlm.language_model.rotary_emb.inv_freq.dtype)
+out["stats_dtype"] = str(policy.action_std.dtype)
+out["action_std"] = policy.action_std[:2].tolist()
+engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
+                                  config={**ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+batch = dict(images=torch.rand(4, 1, 3, 32, 32), image_masks=torch.ones(4, 1, dtype=torch.bool), state=torch.randn(4, 4),
+             actions=torch.randn(4, 10, 2), action_is_pad=torch.zeros(4, 10, dtype=torch.bool), task=["reach"] * 4)
+loss = engine(batch)["loss"]
+engine.backward(loss)
+engine.step()
+out["loss"] = loss.item()
+out["sample_shape"] = list(engine.module.sample_actions(batch).shape)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_pi05_builds_inside_zero_init_with_its_initial_values_and_trains_a_step(tmp_path):
+    from opentau_cli.policies import count_parameters
+    from opentau_cli.config.model import PolicyConfig
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+    expected = count_parameters(PolicyConfig(preset="pi05_tiny", chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8,
+                                             image_resolution=(32, 32), tokenizer_max_length=48))["total"]
+    assert out["partitioned"] and out["numel"] == expected
+    assert out["gate_tail"] == 1.0
+    assert 0.015 < out["embed_std"] < 0.025
+    assert out["rope_dtype"] == "torch.float32" and out["stats_dtype"] == "torch.float32"
+    assert out["action_std"] == [3.0, 3.0]
+    assert out["loss"] == out["loss"] and out["sample_shape"] == [4, 10, 2]  # finite loss (not NaN), real action dims
