@@ -90,21 +90,24 @@ def test_tiny_forward_returns_losses_and_sample_actions_returns_real_dims(policy
     assert torch.isfinite(actions).all()
 
 
-MODES = list(itertools.product(["pi05", "pi0"], [False, True], [True, False], [False, True]))
+MODES = list(itertools.product(["pi05", "pi0"], [False, True], [True, False], [False, True], [False, True]))
 
 
-@pytest.mark.parametrize("policy_type,ce,freeze_vision,expert_only", MODES)
-def test_every_trainable_parameter_gets_a_gradient_from_one_backward(policy_type, ce, freeze_vision, expert_only):
-    policy = build_policy(tiny_cfg(type=policy_type, discrete_action_loss=ce, freeze_vision_encoder=freeze_vision, train_expert_only=expert_only))
+@pytest.mark.parametrize("policy_type,ce,freeze_vision,expert_only,insulated", MODES)
+def test_every_trainable_parameter_gets_a_gradient_from_one_backward(policy_type, ce, freeze_vision, expert_only, insulated):
+    policy = build_policy(tiny_cfg(type=policy_type, discrete_action_loss=ce, freeze_vision_encoder=freeze_vision,
+                                   train_expert_only=expert_only, knowledge_insulation=insulated))
     policy(make_batch())["loss"].backward()
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     without_grad = sorted(n for n, p in policy.named_parameters() if p.requires_grad and p.grad is None)
     assert without_grad == []
     assert any(n.startswith("expert.layers.") for n in trainable)
-    assert any(n.startswith("vlm.vision_tower.") for n in trainable) == (not freeze_vision and not expert_only)
-    assert any(n.startswith("vlm.language_model.") for n in trainable) == (not expert_only)
+    # Knowledge insulation without the CE loss: no gradient reaches the VLM, so it is frozen.
+    vlm_trains = not expert_only and (ce or not insulated)
+    assert any(n.startswith("vlm.vision_tower.") for n in trainable) == (vlm_trains and not freeze_vision)
+    assert any(n.startswith("vlm.language_model.") for n in trainable) == vlm_trains
     # The last VLM layer's q/o/MLP and final norm are trained only when the CE loss reads the prefix outputs.
-    assert ("vlm.language_model.norm.weight" in trainable) == (ce and not expert_only)
+    assert ("vlm.language_model.norm.weight" in trainable) == (ce and vlm_trains)
 
 
 def test_knowledge_insulation_keeps_the_flow_loss_out_of_the_vlm():
