@@ -17,6 +17,9 @@ from opentau_cli.errors import UserError
 # Imported here, not inside build_policy: transformers imports lazily, and an import that happens inside DeepSpeed's
 # zero.Init (which patches tensor construction) fails in torch._dynamo.
 from opentau_cli.policies.pi05 import Pi05Policy
+from transformers.modeling_utils import PreTrainedModel
+
+_HF_INIT_WEIGHTS = PreTrainedModel.init_weights  # to tell whether a caller already wrapped it for ZeRO-3
 
 __all__ = ["build_policy", "count_parameters", "load_pretrained", "LoadReport"]
 
@@ -41,24 +44,32 @@ def _zero3_init_active() -> bool:
 
 
 def _build_under_zero3(policy_cfg: PolicyConfig) -> torch.nn.Module:
-    """Build inside the caller's deepspeed.zero.Init, the way transformers' from_pretrained does it.
+    """Build inside the caller's deepspeed.zero.Init with the same initial weights as an ordinary build.
 
-    transformers' post-construction weight init cannot run on partitioned (empty) parameters: skip it while
-    building, then run its gathered ZeRO-3 variant. zero.Init also casts floating tensors it sees created (RoPE
-    frequencies, statistics buffers) to its dtype: recompute those in fp32 with its patches paused.
+    Sub-modules are partitioned as soon as their own __init__ returns, so transformers' post_init would initialize
+    empty shards: run it on gathered parameters, in the same order (and so with the same random draws) as without
+    ZeRO-3. A caller that already wraps init_weights that way (TRAIN's build context) is left alone. zero.Init also
+    casts floating tensors created inside it (RoPE frequencies, statistics buffers): recompute those in fp32.
     """
+    import deepspeed
+    import transformers.modeling_utils as hf_modeling
     from deepspeed.runtime.zero import partition_parameters
-    from transformers.integrations.deepspeed import initialize_weights_zero3
     from transformers.modeling_utils import PreTrainedModel
 
-    original = PreTrainedModel.init_weights
-    PreTrainedModel.init_weights = lambda self: None
+    original_init, original_flag = PreTrainedModel.init_weights, hf_modeling.is_deepspeed_zero3_enabled
+    if original_init is _HF_INIT_WEIGHTS:
+
+        def init_weights(self):
+            with deepspeed.zero.GatheredParameters(list(self.parameters()), modifier_rank=0):
+                original_init(self)
+
+        PreTrainedModel.init_weights = init_weights
+    # Seeing ZeRO-3 on, transformers would open its own zero.Init with weight init off (it expects a checkpoint load).
+    hf_modeling.is_deepspeed_zero3_enabled = lambda: False
     try:
         policy = Pi05Policy(policy_cfg)
     finally:
-        PreTrainedModel.init_weights = original
-    initialize_weights_zero3(policy.vlm)
-    initialize_weights_zero3(policy.expert)
+        PreTrainedModel.init_weights, hf_modeling.is_deepspeed_zero3_enabled = original_init, original_flag
     partition_parameters.shutdown_init_context()
     try:
         policy.reset_fp32_buffers()
