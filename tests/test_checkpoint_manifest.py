@@ -88,3 +88,18 @@ def test_added_file_becomes_vouched_for(tmp_path):
     assert [p.kind for p in verify_manifest(d)] == ["extra"]
     add_to_manifest(d, ["consolidated.safetensors"])
     assert verify_manifest(d) == []
+
+
+def test_durable_manifest_fsyncs_every_file_it_vouches_for(tmp_path, monkeypatch):
+    import os
+
+    from opentau_cli.checkpoint import manifest as manifest_mod
+
+    (tmp_path / "a.bin").write_bytes(b"a" * 10)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.bin").write_bytes(b"b" * 20)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(manifest_mod.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    manifest_mod.write_manifest(tmp_path, fsync=True)
+    assert str(tmp_path / "a.bin") in synced and str(tmp_path / "sub" / "b.bin") in synced

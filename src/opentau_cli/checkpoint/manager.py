@@ -281,8 +281,9 @@ class CheckpointManager:
         acc.wait_for_everyone()
 
     def _publish(self, tmp: Path, final: Path, name: str) -> None:
-        write_manifest(tmp)  # last: its presence says every other file is complete
-        _fsync_dir(tmp)
+        write_manifest(tmp, fsync=True)  # last: its presence says every other file is complete and on disk
+        for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+            _fsync_dir(sub)
         old = None
         if final.exists():  # e.g. resumed from an earlier step: the new save replaces a stale one of the same step
             old = self.root / f".old-{name}-{self.run_id}"

@@ -32,11 +32,14 @@ class Problem:
         return f"{self.kind}: {self.path}" + (f" ({self.detail})" if self.detail else "")
 
 
-def hash_file(path: Path) -> str:
+def hash_file(path: Path, *, fsync: bool = False) -> str:
+    """xxh3-128 of the file; fsync=True also forces its data to disk (it is being read anyway)."""
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
     return h.hexdigest()
 
 
@@ -83,13 +86,17 @@ def write_json_atomic(path: Path, data: dict) -> Path:
     return path
 
 
-def write_manifest(ckpt_dir: Path) -> Path:
-    """Hash every file of ckpt_dir and write ckpt_dir/manifest.json atomically; call it after everything else is written."""
+def write_manifest(ckpt_dir: Path, *, fsync: bool = False) -> Path:
+    """Hash every file of ckpt_dir and write ckpt_dir/manifest.json atomically; call it after everything else is written.
+
+    fsync=True makes every listed file durable before the manifest vouches for it, so a power loss after publishing
+    cannot leave a checkpoint whose manifest is complete but whose data never reached the disk.
+    """
     ckpt_dir = Path(ckpt_dir)
     files = {}
     for rel in list_files(ckpt_dir):
         p = ckpt_dir / rel
-        files[rel] = {"size": p.stat().st_size, "hash": hash_file(p)}
+        files[rel] = {"size": p.stat().st_size, "hash": hash_file(p, fsync=fsync)}
     return write_json_atomic(ckpt_dir / MANIFEST_NAME, {"version": 1, "hash": HASH_NAME, "files": files})
 
 
