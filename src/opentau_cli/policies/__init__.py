@@ -17,9 +17,6 @@ from opentau_cli.errors import UserError
 # Imported here, not inside build_policy: transformers imports lazily, and an import that happens inside DeepSpeed's
 # zero.Init (which patches tensor construction) fails in torch._dynamo.
 from opentau_cli.policies.pi05 import Pi05Policy
-from transformers.modeling_utils import PreTrainedModel
-
-_HF_INIT_WEIGHTS = PreTrainedModel.init_weights  # to tell whether a caller already wrapped it for ZeRO-3
 
 __all__ = ["build_policy", "count_parameters", "load_pretrained", "LoadReport"]
 
@@ -48,8 +45,8 @@ def _build_under_zero3(policy_cfg: PolicyConfig) -> torch.nn.Module:
 
     Sub-modules are partitioned as soon as their own __init__ returns, so transformers' post_init would initialize
     empty shards: run it on gathered parameters, in the same order (and so with the same random draws) as without
-    ZeRO-3. A caller that already wraps init_weights that way (TRAIN's build context) is left alone. zero.Init also
-    casts floating tensors created inside it (RoPE frequencies, statistics buffers): recompute those in fp32.
+    ZeRO-3. zero.Init also casts floating tensors created inside it (RoPE frequencies, statistics buffers): recompute
+    those in fp32.
     """
     import deepspeed
     import transformers.modeling_utils as hf_modeling
@@ -57,13 +54,12 @@ def _build_under_zero3(policy_cfg: PolicyConfig) -> torch.nn.Module:
     from transformers.modeling_utils import PreTrainedModel
 
     original_init, original_flag = PreTrainedModel.init_weights, hf_modeling.is_deepspeed_zero3_enabled
-    if original_init is _HF_INIT_WEIGHTS:
 
-        def init_weights(self):
-            with deepspeed.zero.GatheredParameters(list(self.parameters()), modifier_rank=0):
-                original_init(self)
+    def init_weights(self):
+        with deepspeed.zero.GatheredParameters(list(self.parameters()), modifier_rank=0):
+            original_init(self)
 
-        PreTrainedModel.init_weights = init_weights
+    PreTrainedModel.init_weights = init_weights
     # Seeing ZeRO-3 on, transformers would open its own zero.Init with weight init off (it expects a checkpoint load).
     hf_modeling.is_deepspeed_zero3_enabled = lambda: False
     try:

@@ -89,34 +89,15 @@ def init_context(accelerator, cfg: TrainConfig):
 
 @contextlib.contextmanager
 def _zero3_build(config: dict):
-    """zero.Init, plus: transformers' post_init weight init runs on gathered (full) parameters.
+    """zero.Init so the model is built partitioned; build_policy runs transformers' init on gathered parameters.
 
-    Sub-modules are partitioned as soon as their own __init__ returns, so a model's post_init would otherwise
-    initialize empty shards. Gathering with modifier_rank=0 gives every rank rank 0's values, the same weights a
-    DDP run with the same seed starts from.
+    zero.Init would also recast torch.arange to float, changing RoPE buffers; transformers' guard keeps them.
     """
     import deepspeed
-    import transformers.modeling_utils as hf_modeling
-    from transformers import PreTrainedModel
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    original_init, original_flag = PreTrainedModel.init_weights, hf_modeling.is_deepspeed_zero3_enabled
-
-    def init_weights(self):
-        with deepspeed.zero.GatheredParameters(list(self.parameters()), modifier_rank=0):
-            original_init(self)
-
-    PreTrainedModel.init_weights = init_weights
-    # Seeing ZeRO-3 on, transformers' from_config would open its own zero.Init with weight init switched off
-    # (it expects from_pretrained to load weights next); ours is already open and training starts from these weights.
-    hf_modeling.is_deepspeed_zero3_enabled = lambda: False
-    try:
-        # zero.Init would also recast torch.arange to float, changing RoPE buffers; transformers' guard keeps them.
-        with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=config):
-            yield
-    finally:
-        PreTrainedModel.init_weights = original_init
-        hf_modeling.is_deepspeed_zero3_enabled = original_flag
+    with prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=config):
+        yield
 
 
 def model_dtype(accelerator) -> torch.dtype | None:
