@@ -140,8 +140,8 @@ def main() -> None:
     if not args.no_append:
         notes = [
             "the publish includes save_state, both JSON records, the manifest (xxhash of every file, read back) and the atomic rename",
-            "the publish fsyncs the JSON records and the directories but not the data files that save_state writes, so it can "
-            "beat the write+fsync anchor; a file torn by a power loss is caught by the manifest check before any resume",
+            "the publish fsyncs every file (while hashing it) and every directory before the manifest is written; the kernel "
+            "has usually started writing save_state's files back by then, which is why it can beat the write+fsync anchor",
         ]
         if args.smoke:
             notes.insert(0, "smoke run: numbers only show the script works")
