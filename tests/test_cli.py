@@ -15,6 +15,8 @@ runner = CliRunner()
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 FULL = str(EXAMPLES / "pi05_config.json")
 ACCELERATE_CONFIGS = sorted(EXAMPLES.glob("accelerate_*_config.yaml"))
+# Every shipped training config, so examples never rot.
+TRAIN_CONFIGS = sorted(EXAMPLES.glob("*.json")) + sorted((EXAMPLES.parents[1] / "benchmarks").glob("*.json"))
 
 
 def invoke(*args: str):
@@ -35,9 +37,9 @@ def test_help_lists_every_command_group():
 
 
 @pytest.mark.parametrize("accel", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
-@pytest.mark.parametrize("config", [TINY, FULL], ids=["tiny", "full"])
+@pytest.mark.parametrize("config", TRAIN_CONFIGS, ids=lambda p: p.stem)
 def test_every_example_config_validates_with_every_accelerate_config(isolated_env, accel, config):
-    result = invoke("config", "validate", config, "--accelerate-config", str(accel), f"--output_dir={isolated_env / 'run'}")
+    result = invoke("config", "validate", str(config), "--accelerate-config", str(accel), f"--output_dir={isolated_env / 'run'}")
     assert result.exit_code == 0, result.output
     assert "Config OK" in result.output
 
