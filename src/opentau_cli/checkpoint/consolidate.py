@@ -251,16 +251,14 @@ def _reader_whole(t: LazyTensor):
 
 def _plan_zero2_group(entries, shapes, parts, paddings, world, optim_files):
     """ZeRO-1/2: the group's full fp32 vector is the ranks' partitions concatenated; params lie in it in order."""
-    sizes = [p.numel() for p in parts]
-    starts = [sum(sizes[:r]) for r in range(world)]
-    avail = sum(sizes)
+    avail = sum(p.numel() for p in parts)
     offset = 0
     if paddings is not None and len(paddings) != len(shapes):
         raise UserError("the optimizer shards' alignment paddings do not match the model's parameters.")
     for i, (name, shape) in enumerate(shapes.items()):
         shape = tuple(shape)
         n = math.prod(shape)
-        entries[name] = TensorEntry(name, shape, parts[0].dtype, _reader_concat(parts, starts, offset, n, shape))
+        entries[name] = TensorEntry(name, shape, parts[0].dtype, _reader_concat(parts, offset, n, shape))
         offset += n + (paddings[i] if paddings is not None else 0)
     align = 2 * world  # ZeRO-2 pads groups to a multiple of 2 * world size (as zero_to_fp32 checks)
     if align * math.ceil(offset / align) != align * math.ceil(avail / align):
@@ -268,18 +266,25 @@ def _plan_zero2_group(entries, shapes, parts, paddings, world, optim_files):
                         f"({avail} values for {offset}): a shard from another run or model.")
 
 
-def _reader_concat(parts: list[LazyTensor], starts: list[int], offset: int, n: int, shape):
+def _read_span(parts, pos: int, count: int) -> list[torch.Tensor]:
+    """`count` values from position `pos` of `parts` taken end to end (a span may cross parts)."""
+    out, start = [], 0
+    for part in parts:
+        end = start + part.numel()
+        if count and start <= pos < end:
+            take = min(count, end - pos)
+            out.append(part.read_flat(pos - start, take))
+            pos += take
+            count -= take
+        start = end
+    if count:
+        raise UserError("the optimizer shards are shorter than the parameters they should hold.")
+    return out
+
+
+def _reader_concat(parts: list[LazyTensor], offset: int, n: int, shape):
     def read():
-        out, need, pos = [], n, offset
-        for part, start in zip(parts, starts):
-            end = start + part.numel()
-            if need and start <= pos < end:
-                take = min(need, end - pos)
-                out.append(part.read_flat(pos - start, take))
-                pos += take
-                need -= take
-        if need:
-            raise UserError("the optimizer shards are shorter than the parameters they should hold.")
+        out = _read_span(parts, offset, n)
         if not out:  # a zero-element parameter
             return torch.empty(shape, dtype=parts[0].dtype)
         return (out[0] if len(out) == 1 else torch.cat(out)).view(shape)
@@ -320,17 +325,7 @@ class _GroupSlice:
 
     def read_flat(self, start: int = 0, count: int | None = None) -> torch.Tensor:
         count = self.count - start if count is None else count
-        pos, out, g_start = self.offset + start, [], 0
-        for g in self.groups:
-            g_end = g_start + g.numel()
-            if count and g_start <= pos < g_end:
-                take = min(count, g_end - pos)
-                out.append(g.read_flat(pos - g_start, take))
-                pos += take
-                count -= take
-            g_start = g_end
-        if count:
-            raise UserError("the optimizer shards are shorter than the parameters they should hold.")
+        out = _read_span(self.groups, self.offset + start, count)
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
@@ -405,7 +400,7 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     max_bytes = parse_size(max_shard_size)
     ckpt_dir = Path(ckpt_dir)
     single = output_paths(ckpt_dir, output)
-    tag_dir = find_tag_dir(ckpt_dir)
+    find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
     if is_consolidated(single) and not force:
         existing = single if single.is_file() else _index_path(single)
         return ConsolidateResult([existing], 0, existing.stat().st_size, already=True)

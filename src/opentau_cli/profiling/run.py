@@ -6,7 +6,6 @@ training code with checkpoints off; the request and the results travel as JSON f
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile

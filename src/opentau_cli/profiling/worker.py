@@ -15,7 +15,6 @@ import resource
 import threading
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from opentau_cli.profiling.flops import FlopCountingTimer
@@ -166,11 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     launch = json.loads(Path(args.launch).read_text())
     rank = int(os.environ.get("RANK", "0"))
 
-    from opentau_cli.train.worker import USER_ERROR_MARK, redirect_output
+    from opentau_cli.train.worker import redirect_output, report_failure
 
     redirect_output(Path(launch["log_dir"]), rank)
     from opentau_cli.config import TrainConfig
-    from opentau_cli.errors import RunError, UserError
     from opentau_cli.train.trainer import setup_from_dict
 
     cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
@@ -189,18 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(json.dumps(result) + "\n")
             tmp.replace(run_dir / RESULT_FILE)
         return 0
-    except UserError as e:
-        print(f"{USER_ERROR_MARK}{e}", flush=True)
-        return 2
-    except RunError as e:
-        print(f"Error: {e}", flush=True)
-        return 1
     except BaseException as e:
-        traceback.print_exc()
+        code = report_failure(e)
         if is_oom(e):
             record_oom(run_dir, rank, (str(e).strip() or type(e).__name__).splitlines()[0][:300])
-        sys.stderr.flush()
-        return 1
+        return code
 
 
 if __name__ == "__main__":

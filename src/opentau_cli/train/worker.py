@@ -30,6 +30,21 @@ def redirect_output(log_dir: Path, rank: int):
     return console
 
 
+def report_failure(e: BaseException) -> int:
+    """Print a worker failure the way the launcher reads it (call inside `except`); returns the exit code."""
+    from opentau_cli.errors import RunError, UserError
+
+    if isinstance(e, UserError):
+        print(f"{USER_ERROR_MARK}{e}", flush=True)
+        return 2
+    if isinstance(e, RunError):
+        print(f"Error: {e}", flush=True)
+        return 1
+    traceback.print_exc()
+    sys.stderr.flush()
+    return 1
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag; the loop finishes its step, all ranks agree, save, and exit 0."""
 
@@ -112,24 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     console = redirect_output(Path(launch["log_dir"]), rank)
 
     from opentau_cli.config import TrainConfig
-    from opentau_cli.errors import RunError, UserError
     from opentau_cli.train.trainer import setup_from_dict
 
     try:
         cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
         return fit(cfg, setup_from_dict(launch["accelerate"]), launch, console)
-    except UserError as e:
-        print(f"{USER_ERROR_MARK}{e}", flush=True)
-        return 2
-    except RunError as e:
-        print(f"Error: {e}", flush=True)
-        return 1
     except KeyboardInterrupt:
         return 130
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        return 1
+    except BaseException as e:
+        return report_failure(e)
 
 
 if __name__ == "__main__":
