@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = json.loads(Path(args.launch).read_text())
     rank = int(os.environ.get("RANK", "0"))
 
-    from opentau_cli.train.worker import redirect_output, report_failure
+    from opentau_cli.train.worker import close_process_group, redirect_output, report_failure
 
     redirect_output(Path(launch["log_dir"]), rank)
     from opentau_cli.config import TrainConfig
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_memory(limit, run_dir, rank)
     try:
         result = profile(cfg, setup_from_dict(launch["accelerate"]), request)
+        close_process_group()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if limit and peak > limit:
             record_oom(run_dir, rank, f"peak resident memory {peak >> 20} MiB passed --memory-limit {limit >> 20} MiB")
@@ -195,4 +196,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip native teardown: with the work done and logs flushed, gloo/DeepSpeed threads torn down at interpreter
+    # exit sometimes abort a rank ("terminate called without an active exception"), failing a finished run.
+    os._exit(code)
