@@ -59,6 +59,14 @@ def main() -> None:
         AcceleratorState._reset_state()  # keep the process group; build a fresh Accelerator for ZeRO-3
         GradientState._reset_state()
         _train_and_save(args, args.zero3_out, args.extra_out, zero_stage=3)
+    # Leave the way opentau's workers do: a rank that exits with gloo's and the store's native threads still up
+    # sometimes aborts in teardown ("terminate called without an active exception") after its work is done.
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train_and_save(args, out_dir, extra_out, zero_stage) -> None:
