@@ -202,6 +202,70 @@ def test_sigterm_saves_exits_0_and_resume_matches_uninterrupted(runs, tmp_path):
     assert left == sorted({saved[0], "000006"}), left
 
 
+# One ZeRO-2 run (2 ranks, a save every step, keep_last=2) SIGKILLed whole at a different moment of five saves,
+# resumed after each kill: (moment, the rank that meets it, the step whose save is killed, newest complete after).
+KILL_CHAIN = [
+    ("mid_file", 1, 2, "000001"),
+    ("before_manifest_rename", 0, 3, "000002"),
+    ("before_publish", 0, 3, "000002"),
+    ("before_last", 0, 4, "000004"),
+    ("mid_retention", 0, 5, "000005"),
+]
+KILL_HOOK = Path(__file__).parent / "kill_hook"
+
+
+def test_sigkill_at_five_moments_of_real_2_rank_saves_keeps_checkpoints_sound_and_resume_exact(runs, tmp_path):
+    from opentau_cli.checkpoint.info import read_last
+    from opentau_cli.checkpoint.manager import latest
+    from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
+
+    reference = runs("zero2").full
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    base_env = {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(KILL_HOOK)}
+    base_env.pop("OPENTAU_DEBUG", None)
+    command = train_args("zero2", run, "--save_freq", "1", "--checkpoint.keep_last", "2")
+    for moment, rank, step, newest in KILL_CHAIN:
+        env = {**base_env, "TEST_KILL_AT": f"{moment}@{step}", "TEST_KILL_RANK": str(rank)}
+        proc = subprocess.run([opentau_bin(), *command], env=env, capture_output=True, text=True, timeout=600,
+                              start_new_session=True)
+        assert proc.returncode == -signal.SIGKILL, f"{moment}: not killed\n{proc.stderr[-3000:]}"
+        _assert_killed_at(moment, ckpts)
+        # Every step directory is complete and verifies; half-written or half-deleted ones are hidden leftovers.
+        steps = sorted(d.name for d in ckpts.iterdir() if d.name.isdigit())
+        assert all(is_complete(ckpts / d) and verify_manifest(ckpts / d) == [] for d in steps), (moment, steps)
+        assert latest(run) == ckpts / newest, (moment, steps)
+        assert is_complete(ckpts / read_last(ckpts))
+        assert run_cli(["checkpoint", "verify", str(run)], env=env_for(tmp_path)).returncode == 0, moment
+        command = ["resume", str(run)]
+    ok(run_cli(command, env=env_for(tmp_path)))
+
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert resumed[s] == pytest.approx(reference[s], rel=1e-5), f"step {s}"
+    # Leftovers cleaned; keep_last=2 kept the newest two (the one resumed from, 000005, is one of them).
+    assert sorted(p.name for p in ckpts.iterdir()) == ["000005", "000006", "last"]
+
+
+def _assert_killed_at(moment: str, ckpts: Path) -> None:
+    """What the disk shows right after the kill proves which moment it struck."""
+    from opentau_cli.checkpoint.info import read_last
+
+    hidden = {p.name.split("-")[0] + "-" + p.name.split("-")[1]: p for p in ckpts.iterdir() if p.name.startswith(".")}
+    if moment == "mid_file":
+        assert list(hidden) == [".tmp-000002"]
+        assert list(hidden[".tmp-000002"].rglob("*rank_1*optim_states.pt"))
+        assert not (hidden[".tmp-000002"] / "manifest.json").exists()
+    elif moment in ("before_manifest_rename", "before_publish"):
+        assert list(hidden) == [".tmp-000003"]
+        assert (hidden[".tmp-000003"] / "manifest.json").exists() == (moment == "before_publish")
+    elif moment == "before_last":
+        assert not hidden and read_last(ckpts) == "000003" and (ckpts / "000004").is_dir()
+    elif moment == "mid_retention":
+        assert list(hidden) == [".old-000002"] and read_last(ckpts) == "000005"
+
+
 # Bad input: exit 2, one clear line, nothing written.
 
 
