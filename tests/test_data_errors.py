@@ -9,14 +9,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import EXAMPLES, SHARED_DATA, run_cli
+from conftest import EXAMPLES, run_cli
 from opentau_cli.config.load import load_config
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, check_dataset, write_synth
 from opentau_cli.errors import UserError
 
 pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
 
-G1 = SHARED_DATA / "g1_pick_bottle_v21"
 KW = dict(chunk_size=4, image_resolution=(16, 16), num_cameras=1)
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 
@@ -31,11 +30,11 @@ def copy(good, tmp_path):
     return shutil.copytree(good, tmp_path / "ds")
 
 
-def g1_without_videos(tmp_path):
+def g1_without_videos(tmp_path, g1):
     """The g1 dataset's meta and data, videos left out (the real files are read-only)."""
     root = tmp_path / "g1"
-    shutil.copytree(G1 / "meta", root / "meta")
-    shutil.copytree(G1 / "data", root / "data")
+    shutil.copytree(g1 / "meta", root / "meta")
+    shutil.copytree(g1 / "data", root / "data")
     return root
 
 
@@ -64,8 +63,8 @@ def test_missing_info_json_is_named_by_reader_check_and_cli(copy, tmp_path):
     assert r.returncode == 2 and "meta/info.json is missing" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_action_wider_than_max_action_dim_fails_validation_naming_the_key(tmp_path):
-    r = validate_cli(G1, "--policy.max_state_dim=32", cwd=tmp_path)
+def test_action_wider_than_max_action_dim_fails_validation_naming_the_key(tmp_path, g1):
+    r = validate_cli(g1, "--policy.max_state_dim=32", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "'action' is 26 wide but policy.max_action_dim is 8" in r.stderr
     assert "observation.state" not in r.stderr  # max_state_dim=32 is wide enough
@@ -111,16 +110,16 @@ def test_corrupt_image_bytes_raise_a_user_error_naming_file_episode_and_frame(co
     assert "corrupt image in " in r.stderr and "episode_000001.parquet column 'observation.images.top', episode 1 frame 2" in r.stderr
 
 
-def test_missing_video_file_names_the_file(tmp_path):
+def test_missing_video_file_names_the_file(tmp_path, g1):
     pytest.importorskip("av")
-    root = g1_without_videos(tmp_path)
+    root = g1_without_videos(tmp_path, g1)
     ds = LeRobotDataset(root, [1], chunk_size=4, image_resolution=(16, 16), num_cameras=1)
     with pytest.raises(UserError, match=r"video file .*observation.images.cam_high/episode_000001.mp4 is missing"):
         ds[0]
 
 
-def test_video_dataset_without_pyav_fails_validation_and_reading(tmp_path, monkeypatch):
-    r = run_cli(["config", "validate", TINY, f"--dataset.root={G1}", "--policy.max_state_dim=26", "--policy.max_action_dim=26",
+def test_video_dataset_without_pyav_fails_validation_and_reading(tmp_path, monkeypatch, g1):
+    r = run_cli(["config", "validate", TINY, f"--dataset.root={g1}", "--policy.max_state_dim=26", "--policy.max_action_dim=26",
                  f"--output_dir={tmp_path / 'out'}"], cwd=tmp_path, env=no_pyav_env(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "observation.images.cam_high are mp4 video, which needs PyAV" in r.stderr and "opentau-cli[video]" in r.stderr
@@ -134,7 +133,7 @@ def test_video_dataset_without_pyav_fails_validation_and_reading(tmp_path, monke
         return real_import(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_av)
-    ds = LeRobotDataset(G1, [0], chunk_size=4, image_resolution=(16, 16), num_cameras=1)
+    ds = LeRobotDataset(g1, [0], chunk_size=4, image_resolution=(16, 16), num_cameras=1)
     with pytest.raises(UserError, match=r"needs PyAV"):
         ds[0]
 

@@ -9,14 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SHARED_DATA
 from opentau_cli.config.load import load_config
 from opentau_cli.data import LeRobotDataset, build_data, write_synth
 from opentau_cli.data.meta import read_meta
 
 pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
 
-G1 = SHARED_DATA / "g1_pick_bottle_v21"
 KW = dict(chunk_size=6, image_resolution=(32, 48), num_cameras=3)
 
 
@@ -114,11 +112,11 @@ def test_camera_keys_map_features_to_slots(synth_pair):
     assert torch.equal(s["images"][0], r["images"][1]) and not torch.equal(s["images"][0], r["images"][0])
 
 
-def test_g1_video_frames_match_a_sequential_decode():
+def test_g1_video_frames_match_a_sequential_decode(g1):
     av = pytest.importorskip("av")
-    ds = LeRobotDataset(G1, [0], chunk_size=50, image_resolution=(48, 64), num_cameras=1)
+    ds = LeRobotDataset(g1, [0], chunk_size=50, image_resolution=(48, 64), num_cameras=1)
     assert (len(ds), ds.state_dim, ds.action_dim, ds.fps) == (393, 26, 26, 30.0)
-    with av.open(str(G1 / "videos/chunk-000/observation.images.cam_high/episode_000000.mp4")) as c:
+    with av.open(str(g1 / "videos/chunk-000/observation.images.cam_high/episode_000000.mp4")) as c:
         frames = [f.reformat(width=64, height=48, format="rgb24", interpolation="BILINEAR", threads=1).to_ndarray() for f in c.decode(video=0)]
     for i in (0, 1, 157, 64, 392, 3):  # out of order: every lookup seeks
         got = (ds[i]["images"][0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
@@ -127,10 +125,10 @@ def test_g1_video_frames_match_a_sequential_decode():
     assert last["action_is_pad"].sum() == 49 and last["task"] == "Pick up the yellow bottle on the table."
 
 
-def test_g1_batch_through_build_data_with_video_workers(isolated_env):
+def test_g1_batch_through_build_data_with_video_workers(isolated_env, g1):
     pytest.importorskip("av")
     cfg = load_config(None, [
-        f"--dataset.root={G1}", "--policy.max_state_dim=32", "--policy.max_action_dim=32", "--policy.chunk_size=10",
+        f"--dataset.root={g1}", "--policy.max_state_dim=32", "--policy.max_action_dim=32", "--policy.chunk_size=10",
         "--policy.n_action_steps=10", "--policy.image_resolution=[64,64]", "--batch_size=4", "--dataset.num_workers=2",
         "--validation.val_split=0.34",
     ])
