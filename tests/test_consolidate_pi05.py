@@ -5,16 +5,14 @@ pickle."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -32,26 +30,16 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, isolated_env_module):
-    """Train with a save every step and SIGKILL every process of the run as soon as the save of step 3 begins."""
+    """Train with a save every step; SIGKILL every process of the run while rank 0 writes its optimizer shard in the
+    save of step 3 (tests/kill_hook makes the moment exact)."""
     run = tmp_path_factory.mktemp("z3") / "run"
     cmd = [opentau_bin(), "train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}",
            f"--accelerate-config={EXAMPLES / 'accelerate_cpu_deepspeed_zero3_config.yaml'}",
            f"--output_dir={run}", "--steps=4", "--save_freq=1", "--log_freq=1", "--validation.val_freq=1000"]
     env = {k: v for k, v in os.environ.items() if k != "OPENTAU_DEBUG"}
-    proc = subprocess.Popen(cmd, env={**env, **isolated_env_module}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.monotonic() + 600
-    while not list((run / "checkpoints").glob(".tmp-000003-*/*")):
-        assert proc.poll() is None, f"the run ended before the save of step 3: {proc.stderr.read()[-3000:]}"
-        assert time.monotonic() < deadline, "the save of step 3 never started"
-        time.sleep(0.005)
-    launcher = psutil.Process(proc.pid)
-    victims = [launcher, *launcher.children(recursive=True)]
-    for p in victims:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(victims, timeout=60)
-    proc.wait()
+    env.update(isolated_env_module, PYTHONPATH=str(Path(__file__).parent / "kill_hook"), TEST_KILL_AT="mid_file@3")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode == -signal.SIGKILL, f"the run was not killed in the save of step 3:\n{proc.stderr[-3000:]}"
     return run
 
 
