@@ -91,6 +91,18 @@ def test_zero3_downgrades_torch_compile_to_eager_with_a_warning(tmp_path):
     assert any("eager" in w for w in checked.warnings)
 
 
+@pytest.mark.parametrize("yaml_name", ["accelerate_ddp_config.yaml", "accelerate_deepspeed_zero3_config.yaml"])
+def test_more_processes_than_visible_gpus_is_refused_naming_the_count(tmp_path, yaml_name):
+    setup = read_accelerate_config(EXAMPLES / yaml_name)  # 8 processes on one machine
+    with pytest.raises(UserError, match=r"starts 8 processes per machine but this machine has 2 visible GPU\(s\); set num_processes to 2"):
+        validate(cfg(tmp=tmp_path), setup, cuda_available=True, gpu_count=2)
+    assert validate(cfg(tmp=tmp_path), setup, cuda_available=True, gpu_count=8).accelerate.world_size == 8
+    # Two machines of 4 processes each fit 4 GPUs per machine.
+    two = read_accelerate_config(write_yaml(tmp_path / "m.yaml", "distributed_type: MULTI_GPU\nnum_processes: 8\n"
+                                            "num_machines: 2\nmain_process_ip: 10.0.0.1\n"))
+    assert validate(cfg(tmp=tmp_path), two, cuda_available=True, gpu_count=4).accelerate.world_size == 8
+
+
 def test_fsdp_without_cuda_is_refused_instead_of_silently_running_one_process(tmp_path):
     fsdp = read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n"))
     with pytest.raises(UserError, match="FSDP needs CUDA"):

@@ -29,12 +29,21 @@ def cuda_is_available() -> bool:
     return torch.cuda.is_available()
 
 
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def output_dir_in_use(path: Path) -> bool:
     return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
 
-def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool | None = None) -> Validated:
-    """Check cfg against itself and the launch; returns a possibly adjusted copy. All problems are reported at once."""
+def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool | None = None,
+             gpu_count: int | None = None) -> Validated:
+    """Check cfg against itself and the launch; returns a possibly adjusted copy. All problems are reported at once.
+
+    cuda_available / gpu_count stand in for this machine's GPUs (tests); by default they are looked up."""
     cfg = cfg.model_copy(deep=True)
     cuda = cuda_is_available() if cuda_available is None else cuda_available
     errors: list[str] = []
@@ -86,6 +95,14 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool |
         errors.append(
             "FSDP needs CUDA GPUs and none are visible; Accelerate would silently run a single process. "
             "Use an accelerate config with DDP or DeepSpeed on this machine."
+        )
+    gpus = (visible_gpus() if gpu_count is None else gpu_count) if cuda else 0
+    per_machine = accel.num_processes // max(1, accel.num_machines)
+    if accel.backend != "single" and 0 < gpus < per_machine:
+        # Accelerate would start them all and every rank past the last GPU would fail on an invalid device.
+        errors.append(
+            f"{accel.path or 'the accelerate config'} starts {per_machine} processes per machine but this machine has "
+            f"{gpus} visible GPU(s); set num_processes to {gpus * max(1, accel.num_machines)} in a copy of that file."
         )
     if accel.mixed_precision == "fp16" and not cuda:
         errors.append("mixed_precision 'fp16' needs CUDA; use 'bf16' or 'no' on CPU.")
