@@ -24,14 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-MOMENTS = {
-    "mid_file": "optimizer.bin half written by accelerate.save_state",
-    "before_metadata": "save_state done, train_config.json / training_state.json not yet written",
-    "before_manifest_rename": "manifest fully written to its temp file, not yet renamed",
-    "before_publish": "manifest in place, .tmp- dir not yet renamed to its step",
-    "before_last": "published, checkpoints/last not yet repointed",
-    "mid_retention": "newer checkpoint published, the oldest half deleted by keep_last",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from save_faults import MOMENTS, arm as arm_moment  # noqa: E402
+
 # Not kills: from the save of step 3 on, no file may grow past N MB (EFBIG, as a full disk gives ENOSPC), so the
 # write of model.safetensors (21 MB, safetensors) or of optimizer.bin (42 MB, torch.save) fails.
 DISK_FULL = {"disk_full_model": 10, "disk_full_optimizer": 30}
@@ -43,40 +38,11 @@ def _die() -> None:
 
 
 def _arm(moment: str) -> None:
-    """Patch the save path (in this child only) so that it SIGKILLs itself at `moment`."""
-    import accelerate.checkpointing as ack
-
+    """Patch the save path (in this child only): SIGKILL itself at `moment`, or cap file sizes (DISK_FULL)."""
     import opentau_cli.checkpoint.manager as mgr
 
-    real_replace, real_save, real_rmtree = os.replace, ack.save, shutil.rmtree
-    if moment == "mid_file":
-        def save(obj, f, *a, **k):
-            real_save(obj, f, *a, **k)
-            if str(f).endswith("optimizer.bin"):
-                with open(f, "r+b") as fh:
-                    fh.truncate(os.path.getsize(f) // 2)
-                _die()
-        ack.save = save
-    elif moment == "before_metadata":
-        mgr.write_json_atomic = lambda *a, **k: _die()
-    elif moment in ("before_manifest_rename", "before_publish"):
-        def replace(src, dst, *a, **k):
-            if (moment == "before_manifest_rename" and str(dst).endswith("manifest.json")) or (
-                    moment == "before_publish" and Path(src).name.startswith(".tmp-")):
-                _die()
-            return real_replace(src, dst, *a, **k)
-        os.replace = replace
-    elif moment == "before_last":
-        mgr.point_last = lambda *a, **k: _die()
-    elif moment == "mid_retention":
-        def rmtree(path, *a, **k):
-            if Path(path).name.isdigit() or Path(path).name.startswith(".old-"):
-                files = sorted(Path(path).iterdir())
-                for f in files[: len(files) // 2]:
-                    f.unlink()
-                _die()
-            return real_rmtree(path, *a, **k)
-        mgr.shutil.rmtree = rmtree
+    if moment in MOMENTS:
+        arm_moment(mgr, moment, KILL_AT_STEP, _die)
     elif moment in DISK_FULL:
         import resource
 
