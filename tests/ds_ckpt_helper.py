@@ -61,9 +61,9 @@ def main() -> None:
         _train_and_save(args, args.zero3_out, args.extra_out, zero_stage=3)
     # Leave the way opentau's workers do: a rank that exits with gloo's and the store's native threads still up
     # sometimes aborts in teardown ("terminate called without an active exception") after its work is done.
-    import torch.distributed as dist
+    from opentau_cli.train.worker import close_process_group
 
-    dist.destroy_process_group()
+    close_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

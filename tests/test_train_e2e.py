@@ -252,7 +252,7 @@ def _assert_killed_at(moment: str, ckpts: Path) -> None:
     """What the disk shows right after the kill proves which moment it struck."""
     from opentau_cli.checkpoint.info import read_last
 
-    hidden = {p.name.split("-")[0] + "-" + p.name.split("-")[1]: p for p in ckpts.iterdir() if p.name.startswith(".")}
+    hidden = {"-".join(p.name.split("-")[:2]): p for p in ckpts.iterdir() if p.name.startswith(".")}  # drop the run id
     if moment == "mid_file":
         assert list(hidden) == [".tmp-000002"]
         assert list(hidden[".tmp-000002"].rglob("*rank_1*optim_states.pt"))

@@ -96,9 +96,9 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool |
             "FSDP needs CUDA GPUs and none are visible; Accelerate would silently run a single process. "
             "Use an accelerate config with DDP or DeepSpeed on this machine."
         )
-    gpus = (visible_gpus() if gpu_count is None else gpu_count) if cuda else 0
+    gpus = visible_gpus() if gpu_count is None else gpu_count
     per_machine = accel.num_processes // max(1, accel.num_machines)
-    if accel.backend != "single" and 0 < gpus < per_machine:
+    if cuda and accel.backend != "single" and 0 < gpus < per_machine:
         # Accelerate would start them all and every rank past the last GPU would fail on an invalid device.
         errors.append(
             f"{accel.path or 'the accelerate config'} starts {per_machine} processes per machine but this machine has "
