@@ -2,7 +2,7 @@
 
 The launcher is the only process the user talks to. It validates (the same rules as `config validate`), checks a
 resume target before anything is spawned, writes the resolved config and an Accelerate YAML with the CPU recipes of
-DESIGN.md section 3 applied into `<output_dir>/logs/<timestamp>/`, then runs the workers and maps their outcome to
+docs/ARCHITECTURE.md "CPU recipes" applied into `<output_dir>/logs/<timestamp>/`, then runs the workers and maps their outcome to
 exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log path), 130 Ctrl-C.
 """
 
@@ -116,7 +116,7 @@ def free_port() -> int:
 
 
 def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool) -> dict:
-    """The Accelerate config we hand to `accelerate launch`, with DESIGN.md section 3's CPU recipes applied.
+    """The Accelerate config we hand to `accelerate launch`, with the CPU recipes of docs/ARCHITECTURE.md ("CPU recipes") applied.
 
     On CPU, DDP must go through the multi-GPU (torchrun) launcher: `use_cpu: true` / MULTI_CPU would make Accelerate
     fall back to one process. The worker then creates `Accelerator(cpu=True)`, which runs MULTI_CPU over gloo.

@@ -1,6 +1,6 @@
 """Save and find checkpoints: atomic publish, `last` link, retention, and the checks made before a resume.
 
-Layout (DESIGN.md section 4): `<run>/checkpoints/<step, zero-padded>/` holding what `accelerator.save_state` writes,
+Layout (docs/ARCHITECTURE.md, "Checkpoint contract"): `<run>/checkpoints/<step, zero-padded>/` holding what `accelerator.save_state` writes,
 `train_config.json`, `training_state.json` and, written last, `manifest.json`. A save goes to a hidden temp sibling
 `.tmp-<step>-<run id>/`, every rank finishes, rank 0 writes the manifest and renames it into place, then repoints
 `checkpoints/last`. A kill at any instant leaves either the old set of checkpoints or the new one.

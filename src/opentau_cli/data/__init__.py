@@ -1,4 +1,4 @@
-"""LeRobot datasets (v2.1 / v3.0), the synthetic demo, and the resumable rank-aware data stream (DESIGN interface 4).
+"""LeRobot datasets (v2.1 / v3.0), the synthetic demo, and the resumable rank-aware data stream (docs/ARCHITECTURE.md, "Data order").
 
 Names are imported on first use so that `config validate` (which only needs `check_dataset`) does not load torch.
 """

@@ -1,4 +1,4 @@
-"""`LeRobotDataset`: one sample per frame, in the batch format of DESIGN interface 1 (without the batch dim)."""
+"""`LeRobotDataset`: one sample per frame, in the batch format of docs/ARCHITECTURE.md ("Batch format") (without the batch dim)."""
 
 from __future__ import annotations
 

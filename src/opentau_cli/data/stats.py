@@ -1,4 +1,4 @@
-"""Mean/std of state and action (DESIGN interface 2): from the dataset's meta files when it has them, else computed."""
+"""Mean/std of state and action (docs/ARCHITECTURE.md, "Normalization statistics"): from the dataset's meta files when it has them, else computed."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def make_accelerator(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=None):
-    """An Accelerator for this backend, with the CPU recipes of DESIGN.md section 3 when CUDA is absent."""
+    """An Accelerator for this backend, with the CPU recipes of docs/ARCHITECTURE.md ("CPU recipes") when CUDA is absent."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
