@@ -42,29 +42,30 @@ def discretize(x: torch.Tensor, bins: int) -> torch.Tensor:
 
 
 class AdaRMS(nn.Module):  # not named *RMSNorm: transformers would re-init it as a plain norm (gate 0)
-    """RMSNorm whose scale and shift (and a residual gate) are a linear function of the time conditioning."""
+    """RMSNorm whose scale, shift and residual gate are a linear function of the time conditioning.
 
-    def __init__(self, dim: int, cond_dim: int, with_gate: bool, eps: float = 1e-6):
+    Always 3*dim rows (scale, shift, gate), as in the published pi05, also for the expert's final norm, whose gate
+    is computed and unused: the module holds the published weights as they are.
+    """
+
+    def __init__(self, dim: int, cond_dim: int, eps: float = 1e-6):
         super().__init__()
-        self.eps, self.dim, self.with_gate = eps, dim, with_gate
-        chunks = 3 if with_gate else 2
+        self.eps, self.dim = eps, dim
         # Raw parameters created with their final values (no in-place init after construction): safe under ZeRO-3's
         # zero.Init, which partitions parameters as soon as a module's __init__ returns.
-        self.weight = nn.Parameter(torch.zeros(chunks * dim, cond_dim))
+        self.weight = nn.Parameter(torch.zeros(3 * dim, cond_dim))
         # scale 0, shift 0, gate 1 at init: starts as a plain norm + residual. openpi zero-inits the gate too, which
         # only suits loading pretrained weights; a gate of 0 would silence every expert layer when training from scratch.
-        bias = torch.zeros(chunks * dim)
-        if with_gate:
-            bias[2 * dim :] = 1.0
+        bias = torch.zeros(3 * dim)
+        bias[2 * dim :] = 1.0
         self.bias = nn.Parameter(bias)
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         modulation = F.linear(cond, self.weight, self.bias).float()[:, None, :]
-        scale, shift = modulation[..., : self.dim], modulation[..., self.dim : 2 * self.dim]
-        gate = modulation[..., 2 * self.dim :].to(x.dtype) if self.with_gate else None
-        return (normed * (1 + scale) + shift).to(x.dtype), gate
+        scale, shift, gate = modulation.split(self.dim, dim=-1)
+        return (normed * (1 + scale) + shift).to(x.dtype), gate.to(x.dtype)
 
 
 class Pi05TimeEmbedding(nn.Module):
@@ -135,9 +136,9 @@ class Pi05Policy(nn.Module):
             width = arch.dit_config.hidden_size
             self.embed_suffix = Pi05TimeEmbedding(arch)
             for layer in self.expert.layers:
-                layer.input_layernorm = AdaRMS(width, width, with_gate=True)
-                layer.post_attention_layernorm = AdaRMS(width, width, with_gate=True)
-            self.expert.norm = AdaRMS(width, width, with_gate=False)
+                layer.input_layernorm = AdaRMS(width, width)
+                layer.post_attention_layernorm = AdaRMS(width, width)
+            self.expert.norm = AdaRMS(width, width)
         else:
             self.embed_suffix = PI0ActionTimeEmbedding(arch)  # state token + action/time MLP, as in transformers' PI0
         self.action_out_proj = nn.Linear(arch.dit_config.hidden_size, cfg.max_action_dim)
