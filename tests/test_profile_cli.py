@@ -7,8 +7,6 @@ import json
 import pytest
 
 from conftest import EXAMPLES, run_cli
-from opentau_cli.errors import UserError
-from opentau_cli.profiling.run import parse_size
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 # One thread per worker: on a busy 2-core CI box, two spinning OpenMP threads per process slow a step down 5-10x.
@@ -45,14 +43,6 @@ def test_bad_usage_is_one_line_and_exit_2(isolated_env, args, message):
     assert message in r.stderr
     assert "Traceback" not in r.stderr
     assert list(isolated_env.glob("outputs*")) == []
-
-
-def test_memory_sizes_parse_as_powers_of_1024():
-    assert parse_size("8GB") == 8 << 30
-    assert parse_size("512MiB") == 512 << 20
-    assert parse_size("1.5g") == int(1.5 * (1 << 30))
-    with pytest.raises(UserError):
-        parse_size("1MB")
 
 
 SINGLE_YAML = "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nmixed_precision: 'no'\n"

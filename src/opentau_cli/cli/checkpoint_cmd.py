@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from opentau_cli.cli.common import JsonOpt, handle_errors, make_app
+from opentau_cli.units import SIZE_HELP
 
 app = make_app("Consolidate, inspect, verify and list checkpoints.")
 
@@ -28,7 +29,7 @@ def human(n: int | None) -> str:
 def consolidate_cmd(
     checkpoint_dir: Path = typer.Argument(..., help="A DeepSpeed checkpoint directory (or the dir holding its tag dirs)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (default, like zero_to_fp32.py) or bf16."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help="Above this, write HF shards + model.safetensors.index.json."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help=f"Above this, write HF shards + model.safetensors.index.json ({SIZE_HELP})."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output .safetensors file or directory (default: CHECKPOINT_DIR/model.safetensors)."),
     force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated."),
 ) -> None:

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, ConfigPathOpt, handle_errors, warn
 from opentau_cli.errors import UserError
+from opentau_cli.units import SIZE_HELP
 
 
 @handle_errors
@@ -25,7 +26,7 @@ def profile(
     find_max_batch: bool = typer.Option(False, "--find-max-batch", help="Binary-search the largest per-device batch that fits, per Accelerate config."),
     max_batch: int = typer.Option(256, "--max-batch", min=1, help="Upper bound for --find-max-batch."),
     memory_limit: Optional[str] = typer.Option(
-        None, "--memory-limit", help="Per-process resident memory cap, e.g. 8GB: a worker passing it counts as out of memory (needed on CPU for --find-max-batch)."
+        None, "--memory-limit", help=f"Per-process resident memory cap, e.g. 8GB ({SIZE_HELP}): a worker passing it counts as out of memory (needed on CPU for --find-max-batch)."
     ),
     dataloader_only: bool = typer.Option(False, "--dataloader-only", help="Measure only the input pipeline (no model) in samples/s."),
     peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", min=0, help="Peak TFLOP/s of one device, for MFU on devices opentau does not know."),
@@ -69,7 +70,7 @@ def profile(
             console.print(render.dataloader_table(report))
     elif find_max_batch:
         configs = prof.parse_compare(compare) if compare else [accelerate_config]
-        report = prof.find_max_batch(cfg, configs, opts, max_batch=max_batch, memory_limit=prof.parse_size(memory_limit) if memory_limit else None, echo=console.print)
+        report = prof.find_max_batch(cfg, configs, opts, max_batch=max_batch, memory_limit=prof.parse_memory_limit(memory_limit) if memory_limit else None, echo=console.print)
         if not to_stdout:
             console.print(render.max_batch_table(report["results"]))
     elif compare:

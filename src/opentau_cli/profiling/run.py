@@ -6,7 +6,6 @@ training code with checkpoints off; the request and the results travel as JSON f
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from opentau_cli.config import AccelerateSetup, TrainConfig, resolve_accelerate_
 from opentau_cli.errors import UserError
 from opentau_cli.profiling.launcher import OutOfMemory, launch_profile
 from opentau_cli.profiling.stats import compare_row, summarize
+from opentau_cli.units import parse_size
 
 
 @dataclass
@@ -29,19 +29,11 @@ class ProfileOptions:
     keep_run_dir: bool = False
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'8GB', '512MiB', '2g', '1000000' -> bytes (K/M/G/T are powers of 1024)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise UserError(f"--memory-limit '{text}' is not a size; use e.g. 8GB or 512MB.")
-    unit = (m.group(2) or "b").lower()[0]
-    factor = {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
-    value = int(float(m.group(1)) * factor)
-    if value < 64 << 20:
-        raise UserError(f"--memory-limit {text} is below 64 MB; a Python process with torch cannot start in that.")
+def parse_memory_limit(text: str) -> int:
+    """--memory-limit in bytes (the one size convention of opentau_cli.units); refuses a cap no worker can start under."""
+    value = parse_size(text, "--memory-limit")
+    if value < 64 * 2**20:
+        raise UserError(f"--memory-limit {text} is below 64 MiB; a Python process with torch cannot start in that.")
     return value
 
 
