@@ -4,7 +4,11 @@ Same model (POLICY's build_policy), same batches (DATA's build_data), same optim
 and nothing else: no metrics, no checkpoints, no progress display. Prints one JSON line with its steps/s over the
 measured steps (the first --warmup steps are not timed).
 
-    python benchmarks/handwritten_loop.py --config benchmarks/pi05_small_bench.json --steps 20 --warmup 3
+With --phases, each phase of a step (data, forward, backward, optimizer, zero-grad + scheduler, the loss read) is
+timed the way `opentau profile` times opentau's step (perf_counter, a device sync at both ends of every phase), and
+the JSON line also holds their statistics (opentau's phase_stats), comparable phase for phase with `profile --json`.
+
+    python benchmarks/handwritten_loop.py --config benchmarks/pi05_small_bench.json --steps 20 --warmup 3 [--phases]
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
@@ -20,10 +25,39 @@ from accelerate.utils import set_seed
 from opentau_cli.config import load_config
 from opentau_cli.data import build_data
 from opentau_cli.policies import build_policy
+from opentau_cli.profiling.stats import phase_stats
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class Phases:
+    """Seconds per named phase of each step, a device sync at both ends of each (as opentau's profiler does);
+    disabled, a phase is just its body."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.steps, self._current = enabled, [], {}
+        self._sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+        self._step_start = None
+
+    @contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        self._step_start = self._step_start or start
+        yield
+        self._sync()
+        self._current[name] = time.perf_counter() - start
+
+    def end_step(self) -> None:
+        if self.enabled:
+            now = time.perf_counter()
+            self.steps.append({**self._current, "total": now - self._step_start})
+            self._current, self._step_start = {}, now
 
 
 def main() -> None:
@@ -31,6 +65,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--phases", action="store_true", help="Time each phase of a step, as `opentau profile` does.")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
 
@@ -46,22 +81,34 @@ def main() -> None:
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     policy.train()
 
+    timer = Phases(False)
     start = None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
+            timer = Phases(args.phases)  # warm-up steps are not recorded
             start = time.perf_counter()
-        batch = to_device(next(data.stream), accelerator.device)
-        loss = policy(batch)["loss"]
-        accelerator.backward(loss)
-        if o.grad_clip_norm > 0:
-            accelerator.clip_grad_norm_(policy.parameters(), o.grad_clip_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()  # what a real loop reads for logging; also waits for the device
+        with timer.phase("data"):
+            batch = to_device(next(data.stream), accelerator.device)
+        with timer.phase("forward"):
+            loss = policy(batch)["loss"]
+        with timer.phase("backward"):
+            accelerator.backward(loss)
+        with timer.phase("optimizer"):
+            if o.grad_clip_norm > 0:
+                accelerator.clip_grad_norm_(policy.parameters(), o.grad_clip_norm)
+            optimizer.step()
+        with timer.phase("zero_grad_sched"):
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        with timer.phase("sync"):
+            loss.item()  # what a real loop reads for logging; also waits for the device
+        timer.end_step()
     elapsed = time.perf_counter() - start
     if accelerator.is_main_process:
-        print(json.dumps({"steps": args.steps, "seconds": elapsed, "steps_per_s": args.steps / elapsed, "loss": loss.item()}))
+        result = {"steps": args.steps, "seconds": elapsed, "steps_per_s": args.steps / elapsed, "loss": loss.item()}
+        if args.phases:
+            result["phases"] = phase_stats(timer.steps)
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":
