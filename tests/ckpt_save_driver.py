@@ -1,5 +1,5 @@
 """Drive opentau's real CheckpointManager with a real (single-process, CPU) Accelerator: SIGKILL a run at chosen
-moments of a save, then resume each killed run the way `opentau resume` does (save-path fault tests).
+moments of a save, then resume each killed run through the functions `opentau resume` runs (save-path fault tests).
 
 Imports and model setup happen once; each killed run and each resume is a forked child (single-threaded torch, so
 forking is safe), which keeps a many-moment fault test within seconds.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from save_faults import MOMENTS, arm as arm_moment  # noqa: E402
 
 # Not kills: from the save of step 3 on, no file may grow past N MB (EFBIG, as a full disk gives ENOSPC), so the
-# write of model.safetensors (21 MB, safetensors) or of optimizer.bin (42 MB, torch.save) fails.
+# write of the weights (21 MB, safetensors) or of the optimizer state (42 MB, torch.save) fails.
 DISK_FULL = {"disk_full_model": 10, "disk_full_optimizer": 30}
 KILL_AT_STEP = 3
 
@@ -38,11 +38,9 @@ def _die() -> None:
 
 
 def _arm(moment: str) -> None:
-    """Patch the save path (in this child only): SIGKILL itself at `moment`, or cap file sizes (DISK_FULL)."""
-    import opentau_cli.checkpoint.manager as mgr
-
+    """In this child only: SIGKILL itself at `moment` of the save of KILL_AT_STEP, or cap file sizes (DISK_FULL)."""
     if moment in MOMENTS:
-        arm_moment(mgr, moment, KILL_AT_STEP, _die)
+        arm_moment(moment, KILL_AT_STEP, _die)
     elif moment in DISK_FULL:
         import resource
 
@@ -54,14 +52,16 @@ def _arm(moment: str) -> None:
 
 
 def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None, resume: bool = False) -> dict:
-    from opentau_cli.checkpoint.manager import CheckpointManager, clean_leftovers, latest
+    from opentau_cli.checkpoint.manager import CheckpointManager, check_resumable, clean_leftovers, find_checkpoint
+    from opentau_cli.config import AccelerateSetup, TrainConfig
 
+    # A default config and launch stand for the run's own: check_resumable compares the checkpoint with them.
+    cfg, setup = TrainConfig(), AccelerateSetup()
     protect, start = None, 0
-    if resume:
+    if resume:  # what `opentau resume RUN` does: the launcher's checks and clean-up, then the worker's load
+        protect = find_checkpoint(run_dir)
+        check_resumable(protect, cfg, setup)
         clean_leftovers(run_dir)
-        protect = latest(run_dir)
-        if protect is None:
-            return {"run": run_dir.name, "error": "no complete checkpoint"}
     manager = CheckpointManager(acc, run_dir, total_steps=steps, run_id="drv", keep_last=2, protect=protect)
     if protect is not None:
         start = manager.load(protect)["step"]
@@ -76,7 +76,8 @@ def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None
         opt.zero_grad()
         if arm and step == KILL_AT_STEP:
             _arm(arm)
-        manager.save(step, config={"steps": steps}, state={"step": step, "world_size": 1, "backend": "single"})
+        manager.save(step, config=cfg.to_json_dict(),
+                     state={"step": step, "world_size": setup.world_size, "backend": setup.backend})
     weights = sum(p.detach().double().sum().item() for p in model.parameters())
     return {"run": run_dir.name, "resumed_from": protect.name if protect else None, "weights": repr(weights)}
 

@@ -1,5 +1,6 @@
-"""SIGKILL at six moments of a save (real CheckpointManager, real Accelerator): the previous checkpoint stays
-complete and verifiable, nothing incomplete passes as a checkpoint, and resuming gives the uninterrupted weights."""
+"""SIGKILL at six moments of a save (real CheckpointManager, real Accelerator; the moments strike at the save's named
+fault points, tests/save_faults.py): the previous checkpoint stays complete and verifiable, nothing incomplete passes
+as a checkpoint, and resuming gives the uninterrupted weights."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from opentau_cli.checkpoint.info import read_last
+from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, read_last, step_of
 from opentau_cli.checkpoint.manager import latest
 from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
 from opentau_cli.cli.main import app
@@ -34,10 +35,10 @@ def killed_runs(tmp_path_factory):
 def test_sigkill_during_save_leaves_previous_checkpoint_intact_and_resume_matches(killed_runs, moment):
     root, results = killed_runs
     assert results[moment]["killed"], "the run was not killed at that moment"
-    ckpts = root / f"{moment}.killed" / "checkpoints"
+    ckpts = root / f"{moment}.killed" / CHECKPOINTS
 
     # Nothing looks complete that is not: every step dir either verifies fully or is not complete.
-    steps = [d for d in ckpts.iterdir() if d.name.isdigit()]
+    steps = [d for d in ckpts.iterdir() if step_of(d.name) is not None]
     for d in steps:
         assert not is_complete(d) or verify_manifest(d) == [], d
     assert all(is_complete(d) for d in steps), "a kill must never leave a half-written or half-deleted step dir"
@@ -51,10 +52,10 @@ def test_sigkill_during_save_leaves_previous_checkpoint_intact_and_resume_matche
     # Resuming (leftovers cleaned, newest complete checkpoint) ends with the uninterrupted run's exact weights.
     assert results[moment]["resumed_from"] == newest.name
     assert results[moment]["weights"] == results["reference"]["weights"]
-    after = root / moment / "checkpoints"
+    after = root / moment / CHECKPOINTS
     assert not [p for p in after.iterdir() if p.name.startswith(".")], "leftovers were not cleaned up"
     # keep_last=2, except that the checkpoint resumed from is never deleted by the run that resumed from it.
-    kept = {p.name for p in after.iterdir() if p.name.isdigit()}
+    kept = {p.name for p in after.iterdir() if step_of(p.name) is not None}
     assert kept == {"000003", "000004", newest.name}
 
 
@@ -64,6 +65,6 @@ def test_disk_full_during_save_stops_with_clear_message_and_keeps_previous_check
     error = results[variant].get("error", "")
     assert "RunError" in error and "step 3" in error and "disk is full" in error, error
     assert "previous checkpoint" in error and "000002" in error and "intact" in error
-    ckpts = root / variant / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["000001", "000002", "last"]  # no temp dir left behind
+    ckpts = root / variant / CHECKPOINTS
+    assert sorted(p.name for p in ckpts.iterdir()) == ["000001", "000002", LAST]  # no temp dir left behind
     assert verify_manifest(ckpts / "000002") == [] and read_last(ckpts) == "000002"

@@ -9,6 +9,9 @@ from safetensors.torch import save_file
 import torch
 from typer.testing import CliRunner
 
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, tmp_dir,
+)
 from opentau_cli.checkpoint.manifest import write_manifest
 from opentau_cli.cli.main import app
 
@@ -21,10 +24,10 @@ def cli(args):
 
 def _ddp_checkpoint(d, step: int):
     d.mkdir(parents=True)
-    save_file({"w": torch.ones(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16), "n": torch.arange(2)}, d / "model.safetensors")
-    (d / "optimizer.bin").write_bytes(b"\0" * 64)
-    (d / "train_config.json").write_text(json.dumps({"policy": {"type": "pi05", "preset": "pi05_tiny"}}))
-    (d / "training_state.json").write_text(json.dumps({
+    save_file({"w": torch.ones(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16), "n": torch.arange(2)}, d / MODEL_WEIGHTS)
+    (d / OPTIMIZER).write_bytes(b"\0" * 64)
+    (d / TRAIN_CONFIG).write_text(json.dumps({"policy": {"type": "pi05", "preset": "pi05_tiny"}}))
+    (d / TRAINING_STATE).write_text(json.dumps({
         "step": step, "backend": "ddp", "world_size": 2, "zero_stage": None, "mixed_precision": "bf16",
         "preset": "pi05_tiny", "time": f"2026-11-30T12:00:{step:02d}",
     }))
@@ -34,25 +37,26 @@ def _ddp_checkpoint(d, step: int):
 
 def _run(tmp_path):
     run = tmp_path / "run"
-    root = run / "checkpoints"
+    root = run / CHECKPOINTS
     for step in (10, 20, 30):
         _ddp_checkpoint(root / f"{step:06d}", step)
-    os.symlink("000030", root / "last")
-    (root / ".tmp-000040-abc").mkdir()  # an interrupted save
-    (root / ".tmp-000040-abc" / "model.safetensors").write_bytes(b"partial")
-    return run, root
+    os.symlink("000030", root / LAST)
+    interrupted = tmp_dir(root, "000040", "abc")  # an interrupted save
+    interrupted.mkdir()
+    (interrupted / MODEL_WEIGHTS).write_bytes(b"partial")
+    return run, root, interrupted
 
 
 def test_list_shows_every_checkpoint_with_step_size_completeness_and_last(tmp_path):
-    run, root = _run(tmp_path)
-    (root / "000020" / "optimizer.bin").write_bytes(b"\0" * 10)  # truncated after the save
+    run, root, interrupted = _run(tmp_path)
+    (root / "000020" / OPTIMIZER).write_bytes(b"\0" * 10)  # truncated after the save
     res = cli(["checkpoint", "list", run, "--json"])
     assert res.exit_code == 0, res.stderr
     rows = {r["name"]: r for r in json.loads(res.stdout)}
-    assert list(rows) == ["000010", "000020", "000030", ".tmp-000040-abc"]
+    assert list(rows) == ["000010", "000020", "000030", interrupted.name]
     assert [rows[n]["step"] for n in ("000010", "000020", "000030")] == [10, 20, 30]
     assert rows["000010"]["complete"] and rows["000030"]["complete"]
-    assert not rows["000020"]["complete"] and not rows[".tmp-000040-abc"]["complete"]
+    assert not rows["000020"]["complete"] and not rows[interrupted.name]["complete"]
     assert [n for n, r in rows.items() if r["last"]] == ["000030"]
     assert rows["000030"]["bytes"] > 100 and rows["000030"]["time"] == "2026-11-30T12:00:30"
     text = cli(["checkpoint", "list", run]).stdout
@@ -60,28 +64,28 @@ def test_list_shows_every_checkpoint_with_step_size_completeness_and_last(tmp_pa
 
 
 def test_verify_run_passes_when_sound_and_names_each_bad_file_with_exit_1(tmp_path):
-    run, root = _run(tmp_path)
+    run, root, _ = _run(tmp_path)
     ok = cli(["checkpoint", "verify", run])
     assert ok.exit_code == 0, ok.stdout + ok.stderr
     assert "interrupted save" in ok.stdout  # reported, not a failure
 
-    opt = root / "000020" / "optimizer.bin"
+    opt = root / "000020" / OPTIMIZER
     opt.write_bytes(b"\1" * 64)  # same size, other content
-    (root / "000010" / "train_config.json").unlink()
+    (root / "000010" / TRAIN_CONFIG).unlink()
     (root / "000030" / "stray.pt").write_bytes(b"x")
     bad = cli(["checkpoint", "verify", run])
     assert bad.exit_code == 1
-    assert "altered: optimizer.bin" in bad.stdout
-    assert "missing: train_config.json" in bad.stdout
+    assert f"altered: {OPTIMIZER}" in bad.stdout
+    assert f"missing: {TRAIN_CONFIG}" in bad.stdout
     assert "extra: stray.pt" in bad.stdout
     assert "points at 000030, which fails verification" in bad.stdout
 
 
 def test_verify_single_checkpoint_without_manifest_fails(tmp_path):
     d = _ddp_checkpoint(tmp_path / "000010", 10)
-    (d / "manifest.json").unlink()
+    (d / MANIFEST).unlink()
     res = cli(["checkpoint", "verify", d])
-    assert res.exit_code == 1 and "missing: manifest.json" in res.stdout
+    assert res.exit_code == 1 and f"missing: {MANIFEST}" in res.stdout
 
 
 def test_inspect_ddp_checkpoint_reports_state_and_safetensors_dtypes(tmp_path):
@@ -90,7 +94,7 @@ def test_inspect_ddp_checkpoint_reports_state_and_safetensors_dtypes(tmp_path):
     assert (info["step"], info["backend"], info["world_size"], info["preset"]) == (10, "ddp", 2, "pi05_tiny")
     assert info["dtypes"] == {"F32": 12, "BF16": 4, "I64": 2} and info["parameters"] == 18
     assert info["consolidated"] is None and info["complete"] is True
-    assert set(info["files"]) == {"model.safetensors", "optimizer.bin", "train_config.json", "training_state.json", "manifest.json"}
+    assert set(info["files"]) == {MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, MANIFEST}
     text = cli(["checkpoint", "inspect", d]).stdout
     assert "step:            10" in text and "pi05 pi05_tiny" in text
 

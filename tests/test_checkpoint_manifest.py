@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import json
 
-from opentau_cli.checkpoint.manifest import (
-    MANIFEST_NAME,
-    add_to_manifest,
-    is_complete,
-    verify_manifest,
-    write_manifest,
-)
+from opentau_cli.checkpoint.layout import DS_MODEL_STATES, DS_TAG, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, tmp_dir
+from opentau_cli.checkpoint.manifest import add_to_manifest, is_complete, verify_manifest, write_manifest
+
+SHARD = f"{DS_TAG}/global_step2/{DS_MODEL_STATES}"
 
 
 def _make_ckpt(d):
-    (d / "pytorch_model" / "global_step2").mkdir(parents=True)
-    (d / "model.safetensors").write_bytes(b"\x01" * 1000)
-    (d / "train_config.json").write_text('{"steps": 4}')
-    (d / "pytorch_model" / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(bytes(range(256)) * 10)
+    (d / SHARD).parent.mkdir(parents=True)
+    (d / MODEL_WEIGHTS).write_bytes(b"\x01" * 1000)
+    (d / TRAIN_CONFIG).write_text('{"steps": 4}')
+    (d / SHARD).write_bytes(bytes(range(256)) * 10)
     return d
 
 
@@ -25,60 +22,56 @@ def test_manifest_lists_every_file_with_size_and_relative_path(tmp_path):
     d = _make_ckpt(tmp_path / "000002")
     path = write_manifest(d)
     data = json.loads(path.read_text())
-    assert path.name == MANIFEST_NAME
-    assert sorted(data["files"]) == [
-        "model.safetensors",
-        "pytorch_model/global_step2/mp_rank_00_model_states.pt",
-        "train_config.json",
-    ]
-    assert data["files"]["model.safetensors"]["size"] == 1000
-    assert data["files"]["pytorch_model/global_step2/mp_rank_00_model_states.pt"]["size"] == 2560
-    assert len(data["files"]["train_config.json"]["hash"]) == 32
-    assert not list(d.glob(".manifest.json.*"))  # no temp file left behind
+    assert path.name == MANIFEST
+    assert sorted(data["files"]) == sorted([MODEL_WEIGHTS, SHARD, TRAIN_CONFIG])
+    assert data["files"][MODEL_WEIGHTS]["size"] == 1000
+    assert data["files"][SHARD]["size"] == 2560
+    assert len(data["files"][TRAIN_CONFIG]["hash"]) == 32
+    assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST, MODEL_WEIGHTS, DS_TAG, TRAIN_CONFIG])  # no temp file
     assert verify_manifest(d) == [] and is_complete(d)
 
 
 def test_verify_reports_missing_extra_truncated_and_altered_files(tmp_path):
     d = _make_ckpt(tmp_path / "000002")
     write_manifest(d)
-    (d / "train_config.json").unlink()
+    (d / TRAIN_CONFIG).unlink()
     (d / "stray.bin").write_bytes(b"x")
-    (d / "model.safetensors").write_bytes(b"\x01" * 500)
-    shard = d / "pytorch_model" / "global_step2" / "mp_rank_00_model_states.pt"
+    (d / MODEL_WEIGHTS).write_bytes(b"\x01" * 500)
+    shard = d / SHARD
     data = bytearray(shard.read_bytes())
     data[7] ^= 0xFF  # same size, one flipped byte
     shard.write_bytes(bytes(data))
 
     problems = {(p.kind, p.path) for p in verify_manifest(d)}
     assert problems == {
-        ("missing", "train_config.json"),
+        ("missing", TRAIN_CONFIG),
         ("extra", "stray.bin"),
-        ("truncated", "model.safetensors"),
-        ("altered", "pytorch_model/global_step2/mp_rank_00_model_states.pt"),
+        ("truncated", MODEL_WEIGHTS),
+        ("altered", SHARD),
     }
     assert not is_complete(d)
 
 
 def test_directory_without_manifest_is_not_complete(tmp_path):
-    d = _make_ckpt(tmp_path / ".tmp-000002-abc")
+    d = _make_ckpt(tmp_dir(tmp_path, "000002", "abc"))
     problems = verify_manifest(d)
-    assert [(p.kind, p.path) for p in problems] == [("missing", MANIFEST_NAME)]
+    assert [(p.kind, p.path) for p in problems] == [("missing", MANIFEST)]
     assert not is_complete(d)
 
 
 def test_corrupt_manifest_is_reported_not_trusted(tmp_path):
     d = _make_ckpt(tmp_path / "000002")
     write_manifest(d)
-    (d / MANIFEST_NAME).write_text('{"files": ')
-    assert [(p.kind, p.path) for p in verify_manifest(d)] == [("altered", MANIFEST_NAME)]
+    (d / MANIFEST).write_text('{"files": ')
+    assert [(p.kind, p.path) for p in verify_manifest(d)] == [("altered", MANIFEST)]
 
 
 def test_is_complete_skips_rehash_but_verify_catches_same_size_change(tmp_path):
     d = _make_ckpt(tmp_path / "000002")
     write_manifest(d)
-    (d / "model.safetensors").write_bytes(b"\x02" * 1000)
+    (d / MODEL_WEIGHTS).write_bytes(b"\x02" * 1000)
     assert is_complete(d)  # cheap check: sizes only
-    assert [(p.kind, p.path) for p in verify_manifest(d)] == [("altered", "model.safetensors")]
+    assert [(p.kind, p.path) for p in verify_manifest(d)] == [("altered", MODEL_WEIGHTS)]
 
 
 def test_added_file_becomes_vouched_for(tmp_path):

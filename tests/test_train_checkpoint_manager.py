@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from opentau_cli.checkpoint.manager import (
-    CheckpointManager, clean_leftovers, find_checkpoint, latest, step_dir_name,
+from opentau_cli.checkpoint import faults
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir,
+    read_last, step_dir_name, tmp_dir,
 )
+from opentau_cli.checkpoint.manager import CheckpointManager, clean_leftovers, find_checkpoint, latest
 from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
 from opentau_cli.errors import RunError, UserError
 
@@ -31,10 +34,10 @@ class FakeAccelerator:
     def save_state(self, output_dir, safe_serialization=True):
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "model.safetensors").write_bytes(b"w" * 100)
+        (out / MODEL_WEIGHTS).write_bytes(b"w" * 100)
         if self.fail_with is not None:
             raise OSError(self.fail_with, os.strerror(self.fail_with))
-        (out / "optimizer.bin").write_bytes(b"o" * 50)
+        (out / OPTIMIZER).write_bytes(b"o" * 50)
         self.saved.append(out)
 
     def wait_for_everyone(self):
@@ -53,7 +56,7 @@ def save(m: CheckpointManager, step: int) -> Path:
 
 
 def names(tmp_path) -> list[str]:
-    return sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    return sorted(p.name for p in (tmp_path / "run" / CHECKPOINTS).iterdir())
 
 
 def test_step_dir_name_is_zero_padded_to_at_least_six_digits():
@@ -64,38 +67,38 @@ def test_step_dir_name_is_zero_padded_to_at_least_six_digits():
 def test_save_publishes_a_complete_checkpoint_and_points_last_at_it(tmp_path):
     m = manager(tmp_path)
     path = save(m, 40)
-    assert path == tmp_path / "run" / "checkpoints" / "000040"
+    assert path == tmp_path / "run" / CHECKPOINTS / "000040"
     assert verify_manifest(path) == []
-    assert json.loads((path / "train_config.json").read_text())["config_path"] == str(path / "train_config.json")
-    assert json.loads((path / "training_state.json").read_text())["step"] == 40
-    assert os.readlink(tmp_path / "run" / "checkpoints" / "last") == "000040"
-    assert names(tmp_path) == ["000040", "last"]  # no temp dir left behind
+    assert json.loads((path / TRAIN_CONFIG).read_text())["config_path"] == str(path / TRAIN_CONFIG)
+    assert json.loads((path / TRAINING_STATE).read_text())["step"] == 40
+    assert os.readlink(tmp_path / "run" / CHECKPOINTS / LAST) == "000040" == read_last(path.parent)
+    assert names(tmp_path) == ["000040", LAST]  # no temp dir left behind
 
 
 def test_saving_a_step_that_exists_replaces_it(tmp_path):
     m = manager(tmp_path)
     save(m, 40)
-    (tmp_path / "run" / "checkpoints" / "000040" / "stale.txt").write_text("old")
+    (tmp_path / "run" / CHECKPOINTS / "000040" / "stale.txt").write_text("old")
     save(m, 40)
-    assert not (tmp_path / "run" / "checkpoints" / "000040" / "stale.txt").exists()
-    assert is_complete(tmp_path / "run" / "checkpoints" / "000040")
-    assert names(tmp_path) == ["000040", "last"]
+    assert not (tmp_path / "run" / CHECKPOINTS / "000040" / "stale.txt").exists()
+    assert is_complete(tmp_path / "run" / CHECKPOINTS / "000040")
+    assert names(tmp_path) == ["000040", LAST]
 
 
 def test_keep_last_deletes_older_checkpoints_but_never_the_one_resumed_from(tmp_path):
     save(manager(tmp_path), 10)
-    protect = tmp_path / "run" / "checkpoints" / "000010"
+    protect = tmp_path / "run" / CHECKPOINTS / "000010"
     m = manager(tmp_path, keep_last=2, protect=protect)
     for step in (20, 30, 40):
         save(m, step)
-    assert names(tmp_path) == ["000010", "000030", "000040", "last"]
+    assert names(tmp_path) == ["000010", "000030", "000040", LAST]
 
 
 def test_keep_last_one_keeps_only_the_newest(tmp_path):
     m = manager(tmp_path, keep_last=1)
     for step in (1, 2, 3):
         save(m, step)
-    assert names(tmp_path) == ["000003", "last"]
+    assert names(tmp_path) == ["000003", LAST]
 
 
 @pytest.mark.parametrize("err, words", [(errno.ENOSPC, "disk is full"), (errno.EACCES, "not writable")])
@@ -105,22 +108,22 @@ def test_a_failed_save_says_why_and_leaves_the_previous_checkpoint_intact(tmp_pa
     with pytest.raises(RunError) as e:
         save(m, 20)
     assert words in str(e.value) and "000010 is intact" in str(e.value)
-    assert names(tmp_path) == ["000010", "last"]  # the half-written temp dir is gone
-    assert verify_manifest(tmp_path / "run" / "checkpoints" / "000010") == []
-    assert os.readlink(tmp_path / "run" / "checkpoints" / "last") == "000010"
+    assert names(tmp_path) == ["000010", LAST]  # the half-written temp dir is gone
+    assert verify_manifest(tmp_path / "run" / CHECKPOINTS / "000010") == []
+    assert os.readlink(tmp_path / "run" / CHECKPOINTS / LAST) == "000010"
 
 
 def test_latest_skips_a_checkpoint_without_manifest(tmp_path):
     m = manager(tmp_path)
     save(m, 10)
     save(m, 20)
-    (tmp_path / "run" / "checkpoints" / "000020" / "manifest.json").unlink()
-    assert latest(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "000010"
-    assert find_checkpoint(tmp_path / "run") == (tmp_path / "run" / "checkpoints" / "000010").resolve()
+    (tmp_path / "run" / CHECKPOINTS / "000020" / MANIFEST).unlink()
+    assert latest(tmp_path / "run") == tmp_path / "run" / CHECKPOINTS / "000010"
+    assert find_checkpoint(tmp_path / "run") == (tmp_path / "run" / CHECKPOINTS / "000010").resolve()
 
 
 def test_find_checkpoint_refuses_a_run_without_complete_checkpoints(tmp_path):
-    (tmp_path / "run" / "checkpoints" / "000010").mkdir(parents=True)
+    (tmp_path / "run" / CHECKPOINTS / "000010").mkdir(parents=True)
     with pytest.raises(UserError, match="No complete checkpoint"):
         find_checkpoint(tmp_path / "run")
     with pytest.raises(UserError, match="does not exist"):
@@ -130,8 +133,29 @@ def test_find_checkpoint_refuses_a_run_without_complete_checkpoints(tmp_path):
 def test_clean_leftovers_removes_interrupted_saves_only(tmp_path):
     m = manager(tmp_path)
     save(m, 10)
-    (tmp_path / "run" / "checkpoints" / ".tmp-000020-x").mkdir()
-    (tmp_path / "run" / "checkpoints" / ".tmp-000020-x" / "model.safetensors").write_bytes(b"x")
+    interrupted = tmp_dir(tmp_path / "run" / CHECKPOINTS, "000020", "x")
+    interrupted.mkdir()
+    (interrupted / MODEL_WEIGHTS).write_bytes(b"x")
+    assert leftover_of(interrupted.name) == ("save", "000020")
     removed = clean_leftovers(tmp_path / "run")
-    assert [p.name for p in removed] == [".tmp-000020-x"]
-    assert names(tmp_path) == ["000010", "last"]
+    assert removed == [interrupted]
+    assert names(tmp_path) == ["000010", LAST]
+
+
+def test_a_save_reaches_every_named_fault_point_in_order(tmp_path, monkeypatch):
+    """The points fault tests strike at (tests/save_faults.py) exist where a save passes: renaming or moving one
+    fails here, not silently in a fault test."""
+    m = manager(tmp_path, keep_last=1)
+    save(m, 10)
+    reached = []
+    monkeypatch.setattr(faults, "hooks", [lambda name, path: reached.append((name, path.name))])
+    save(m, 10)  # over an existing step: the stale one is hidden, then deleted
+    save(m, 20)  # keep_last=1: step 10 is hidden, then deleted
+    tmp10, tmp20 = (tmp_dir(m.root, n, "r1").name for n in ("000010", "000020"))
+    old10 = old_dir(m.root, "000010", "r1").name
+    first, second = reached[:7], reached[7:]
+    assert [name for name, _ in first] == [name for name, _ in second] == [
+        "state_saved", "json_synced", "json_synced", "json_synced", "publishing", "published", "retiring"]
+    assert list(dict.fromkeys(name for name, _ in reached)) == list(faults.POINTS)
+    assert [p for _, p in first] == [tmp10, TRAIN_CONFIG, TRAINING_STATE, MANIFEST, tmp10, "000010", old10]
+    assert [p for _, p in second] == [tmp20, TRAIN_CONFIG, TRAINING_STATE, MANIFEST, tmp20, "000020", old10]

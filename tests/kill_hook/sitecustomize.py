@@ -4,7 +4,7 @@ Put this directory on PYTHONPATH and set TEST_KILL_AT=MOMENT@STEP (a moment of t
 picks the rank that acts, default 0). When that rank reaches MOMENT during the save of STEP, it SIGKILLs the launcher,
 Accelerate's agent, every other rank and itself, as a node failure would. The launcher must lead its own session (the
 test starts it with start_new_session=True): that is how the hook finds the top of the run. Python processes without
-the variable are untouched; with it, nothing happens until `opentau_cli.checkpoint.manager` is imported.
+the variable are untouched; with it, the strike is registered as a hook on the save's named fault points.
 """
 
 from __future__ import annotations
@@ -30,36 +30,17 @@ def kill_the_run() -> None:
 
 
 def _install(spec_text: str) -> None:
-    import importlib.abc
-    import importlib.util
     import sys
     from pathlib import Path
 
     moment, _, step = spec_text.partition("@")
-    if os.environ.get("RANK", "0") != os.environ.get("TEST_KILL_RANK", "0"):
+    rank = os.environ.get("TEST_KILL_RANK", "0")
+    if os.environ.get("RANK", "0") != rank:
         return
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for save_faults
-    from save_faults import MOMENTS, arm
+    from save_faults import arm
 
-    if moment not in MOMENTS:
-        raise SystemExit(f"TEST_KILL_AT: unknown moment {moment!r}; one of {', '.join(MOMENTS)}")
-
-    class ArmOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "opentau_cli.checkpoint.manager":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            real_exec = spec.loader.exec_module
-
-            def exec_module(module):
-                real_exec(module)
-                arm(module, moment, int(step), kill_the_run)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, ArmOnImport())
+    arm(moment, int(step), kill_the_run, rank=int(rank))
 
 
 if os.environ.get("TEST_KILL_AT"):

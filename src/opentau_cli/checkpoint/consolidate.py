@@ -23,12 +23,15 @@ from pathlib import Path
 import torch
 
 from opentau_cli.checkpoint import manifest as mf
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, DS_LATEST, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, ds_shard_glob,
+    weights_index_path, weights_shard_path,
+)
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
-from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFile, ShardFormatError, UnsafeCheckpointError
+from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
 from opentau_cli.errors import RunError, UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_RANK_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
 
 
 @dataclass
@@ -40,7 +43,6 @@ class ZeroCheckpoint:
     world_size: int
     step: int | None
     entries: list[TensorEntry] = field(default_factory=list)  # source dtype (before output casting)
-    ds_version: str | None = None
 
 
 @dataclass
@@ -72,35 +74,38 @@ def find_tag_dir(ckpt_dir: Path) -> Path:
     if not ckpt_dir.is_dir():
         raise UserError(f"{ckpt_dir} is not a directory.")
 
-    def has_states(d: Path) -> bool:
-        return any(d.glob("*_model_states.pt"))
+    states = ds_shard_glob("model")
 
-    for root in (ckpt_dir, ckpt_dir / "pytorch_model"):
-        latest = root / "latest"
+    def has_states(d: Path) -> bool:
+        return any(d.glob(states))
+
+    for root in (ckpt_dir, ckpt_dir / DS_TAG):
+        latest = root / DS_LATEST
         if latest.is_file():
             tag = latest.read_text().strip()
             if tag and "/" not in tag and has_states(root / tag):
                 return root / tag
-            raise UserError(f"{latest} names DeepSpeed tag '{tag}', but {root / tag} holds no *_model_states.pt file.")
+            raise UserError(f"{latest} names DeepSpeed tag '{tag}', but {root / tag} holds no {states} file.")
     if has_states(ckpt_dir):
         return ckpt_dir
-    candidates = sorted({p.parent for p in ckpt_dir.glob("*/*_model_states.pt")} | {p.parent for p in ckpt_dir.glob("*/*/*_model_states.pt")})
+    candidates = sorted({p.parent for p in ckpt_dir.glob(f"*/{states}")} | {p.parent for p in ckpt_dir.glob(f"*/*/{states}")})
     if len(candidates) == 1:
         return candidates[0]
     if candidates:
         raise UserError(f"{ckpt_dir} holds several DeepSpeed tags ({', '.join(c.name for c in candidates)}) and no "
-                        "'latest' file; pass the tag directory itself.")
-    if (ckpt_dir / "model.safetensors").exists():
-        raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint: its weights are already in model.safetensors.")
-    if (ckpt_dir / "checkpoints").is_dir():
-        raise UserError(f"{ckpt_dir} is a run directory: pass one of its checkpoints, e.g. {ckpt_dir / 'checkpoints' / 'last'}.")
-    raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint (no *_model_states.pt under it).")
+                        f"'{DS_LATEST}' file; pass the tag directory itself.")
+    if (ckpt_dir / MODEL_WEIGHTS).exists():
+        raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint: its weights are already in {MODEL_WEIGHTS}.")
+    if (ckpt_dir / CHECKPOINTS).is_dir():
+        raise UserError(f"{ckpt_dir} is a run directory: pass one of its checkpoints, e.g. {ckpt_dir / CHECKPOINTS / LAST}.")
+    raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint (no {states} under it).")
 
 
-def _ranked_files(tag_dir: Path, kind: str) -> dict[int, Path]:
+def rank_shard_files(tag_dir: Path, kind: str) -> dict[int, Path]:
+    """rank -> DeepSpeed's `kind` ("optim" or "model") states file in a tag directory (ZeRO-1/2's one model file: 0)."""
     files = {}
-    for p in tag_dir.glob(f"*_{kind}_states.pt"):
-        m = _RANK_RE.search(p.name)
+    for p in tag_dir.glob(ds_shard_glob(kind)):
+        m = DS_SHARD_RE.search(p.name)
         if m and int(m.group(2)) != 0:
             raise UserError(f"{p}: tensor/pipeline-parallel (mp_rank > 0) checkpoints are not supported.")
         files[int(m.group(1)) if m else 0] = p
@@ -130,25 +135,14 @@ def _optimizer_step(optim_sd: dict) -> float | None:
     return None
 
 
-def _load(path: Path):
-    try:
-        return ShardFile(path).load()
-    except UnsafeCheckpointError as e:  # the message names the file and the global it wanted
-        raise UserError(str(e)) from None
-    except ShardFormatError as e:
-        raise UserError(str(e)) from None
-    except OSError as e:
-        raise UserError(f"Cannot read {path}: {e.strerror or e}") from None
-
-
 def read_zero_checkpoint(ckpt_dir: Path) -> ZeroCheckpoint:
     """Open a DeepSpeed ZeRO checkpoint, check that its shards belong together, and plan every output tensor."""
     tag_dir = find_tag_dir(ckpt_dir)
-    model_files = _ranked_files(tag_dir, "model")
-    optim_files = _ranked_files(tag_dir, "optim")
+    model_files = rank_shard_files(tag_dir, "model")
+    optim_files = rank_shard_files(tag_dir, "optim")
     if not optim_files:
-        raise UserError(f"{tag_dir} holds no *_optim_states.pt files: not a ZeRO checkpoint (or the save did not finish).")
-    optim = {r: _load(p) for r, p in sorted(optim_files.items())}
+        raise UserError(f"{tag_dir} holds no {ds_shard_glob('optim')} files: not a ZeRO checkpoint (or the save did not finish).")
+    optim = {r: load_shard(p) for r, p in sorted(optim_files.items())}
     first = optim[min(optim)]["optimizer_state_dict"]
     if "zero_stage" not in first:
         raise UserError(f"{optim_files[min(optim)]} is not a ZeRO optimizer-states file.")
@@ -175,14 +169,14 @@ def read_zero_checkpoint(ckpt_dir: Path) -> ZeroCheckpoint:
 
     if stage <= 2:
         if 0 not in model_files:
-            raise UserError(f"{tag_dir}: the model-states file (mp_rank_00_model_states.pt) is missing.")
-        models = {0: _load(model_files[0])}
+            raise UserError(f"{tag_dir}: the model-states file ({DS_MODEL_STATES}) is missing.")
+        models = {0: load_shard(model_files[0])}
     else:
         missing = sorted(set(range(world)) - set(model_files))
         if missing:
             raise UserError(f"{tag_dir}: the model-states shard of rank(s) {', '.join(map(str, missing))} is missing "
                             f"(the checkpoint was written by {world} ranks).")
-        models = {r: _load(model_files[r]) for r in range(world)}
+        models = {r: load_shard(model_files[r]) for r in range(world)}
     for r, sd in models.items():
         if not isinstance(sd, dict) or "buffer_names" not in sd or "module" not in sd:
             raise UserError(f"{model_files[r]} is not a DeepSpeed model-states file.")
@@ -198,7 +192,7 @@ def read_zero_checkpoint(ckpt_dir: Path) -> ZeroCheckpoint:
         raise UserError(f"{optim_files[r]} is from another save: its optimizer is at step {steps[r]:g}, "
                         f"rank 0's at {steps[0]:g}.")
 
-    ckpt = ZeroCheckpoint(tag_dir, stage, world, global_steps.get(0), ds_version=models[0].get("ds_version"))
+    ckpt = ZeroCheckpoint(tag_dir, stage, world, global_steps.get(0))
     ckpt.entries = _plan(stage, world, models, optim, optim_files)
     return ckpt
 
@@ -375,21 +369,13 @@ def _split_shards(entries: list[TensorEntry], max_bytes: int) -> list[list[Tenso
 def output_paths(ckpt_dir: Path, output: Path | None) -> Path:
     """The single-file output path: CKPT_DIR/model.safetensors, --output FILE.safetensors, or --output DIR/model.safetensors."""
     if output is None:
-        return Path(ckpt_dir) / "model.safetensors"
+        return Path(ckpt_dir) / MODEL_WEIGHTS
     output = Path(output)
-    return output if output.suffix == ".safetensors" else output / "model.safetensors"
-
-
-def _index_path(single: Path) -> Path:
-    return single.with_name(single.name + ".index.json")
-
-
-def _shard_name(single: Path, i: int, n: int) -> Path:
-    return single.with_name(f"{single.stem}-{i:05d}-of-{n:05d}{single.suffix}")
+    return output if output.suffix == ".safetensors" else output / MODEL_WEIGHTS
 
 
 def is_consolidated(single: Path) -> bool:
-    return single.is_file() or _index_path(single).is_file()
+    return single.is_file() or weights_index_path(single).is_file()
 
 
 def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5GB", output: Path | None = None,
@@ -402,11 +388,11 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     single = output_paths(ckpt_dir, output)
     find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
     if is_consolidated(single) and not force:
-        existing = single if single.is_file() else _index_path(single)
+        existing = single if single.is_file() else weights_index_path(single)
         return ConsolidateResult([existing], 0, existing.stat().st_size, already=True)
 
     # A checkpoint with a manifest must still match it (cheap size check: catches truncated or missing shards).
-    if (ckpt_dir / mf.MANIFEST_NAME).exists():
+    if (ckpt_dir / MANIFEST).exists():
         problems = [p for p in mf.verify_manifest(ckpt_dir, rehash=False) if p.kind != "extra"]
         if problems:
             raise UserError(f"{ckpt_dir} does not match its manifest: " + "; ".join(map(str, problems[:5])))
@@ -428,11 +414,11 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
             # Shards first, the index last: the index is what makes the sharded output exist.
             weight_map = {}
             for i, shard in enumerate(shards, 1):
-                path = _shard_name(single, i, len(shards))
+                path = weights_shard_path(single, i, len(shards))
                 written.append(write_safetensors(path, shard, metadata, progress))
                 weight_map.update({e.name: path.name for e in shard})
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            written.append(mf.write_json_atomic(_index_path(single), index))
+            written.append(mf.write_json_atomic(weights_index_path(single), index))
     except OSError as e:
         for p in written:
             p.unlink(missing_ok=True)
@@ -462,7 +448,7 @@ def _check_writable(out_dir: Path, total: int) -> None:
 
 def _remove_stale_layout(single: Path, written: list[Path]) -> list[Path]:
     """After --force, drop the previous output's files that the new layout does not use (single <-> sharded)."""
-    index, removed = _index_path(single), []
+    index, removed = weights_index_path(single), []
     if single not in written and single.is_file():
         single.unlink()
         removed.append(single)

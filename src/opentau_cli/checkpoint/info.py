@@ -16,14 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opentau_cli.checkpoint import manifest as mf
-from opentau_cli.checkpoint.shard_reader import LazyTensor
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
+    leftover_of, read_last, step_of,
+)
+from opentau_cli.checkpoint.shard_reader import LazyTensor, load_shard
 from opentau_cli.errors import UserError
-
-CHECKPOINTS = "checkpoints"
-LAST = "last"
-TMP_PREFIX = ".tmp-"
-TRAINING_STATE = "training_state.json"
-TRAIN_CONFIG = "train_config.json"
 
 
 def _read_json(path: Path) -> dict:
@@ -87,10 +85,10 @@ class CheckpointInfo:
 
 
 def _weights_index(ckpt_dir: Path) -> list[Path]:
-    single = ckpt_dir / "model.safetensors"
+    single = ckpt_dir / MODEL_WEIGHTS
     if single.is_file():
         return [single]
-    index = ckpt_dir / "model.safetensors.index.json"
+    index = ckpt_dir / WEIGHTS_INDEX
     if index.is_file():
         names = sorted(set(_read_json(index).get("weight_map", {}).values()))
         return [ckpt_dir / n for n in names]
@@ -116,8 +114,8 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
     info.policy_type = policy.get("type")
     for rel in mf.list_files(ckpt_dir):
         info.files[rel] = (ckpt_dir / rel).stat().st_size
-    if (ckpt_dir / mf.MANIFEST_NAME).exists():
-        info.files[mf.MANIFEST_NAME] = (ckpt_dir / mf.MANIFEST_NAME).stat().st_size
+    if (ckpt_dir / MANIFEST).exists():
+        info.files[MANIFEST] = (ckpt_dir / MANIFEST).stat().st_size
     info.total_bytes = sum(info.files.values())
     info.complete = mf.is_complete(ckpt_dir)
 
@@ -139,23 +137,23 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
                 counts[meta["dtype"]] += math.prod(meta["shape"])
         info.dtypes = dict(counts)
         info.parameters = sum(counts.values())
-        info.parameters_source = "model.safetensors (parameters and buffers)"
+        info.parameters_source = f"{MODEL_WEIGHTS} (parameters and buffers)"
     return info
 
 
 def _deepspeed_summary(ckpt_dir: Path) -> dict | None:
     """Stage, world size, step and parameter counts from DeepSpeed's model-states file (metadata only)."""
-    from opentau_cli.checkpoint.consolidate import _load, _ranked_files, find_tag_dir
+    from opentau_cli.checkpoint.consolidate import find_tag_dir, rank_shard_files
 
     try:
         tag_dir = find_tag_dir(ckpt_dir)
     except UserError:
         return None
-    models = _ranked_files(tag_dir, "model")
-    optims = _ranked_files(tag_dir, "optim")
+    models = rank_shard_files(tag_dir, "model")
+    optims = rank_shard_files(tag_dir, "optim")
     if 0 not in models:
         return None
-    m0 = _load(models[0])
+    m0 = load_shard(models[0])
     shapes = {k: v for group in (m0.get("param_shapes") or []) for k, v in group.items()}
     frozen = m0.get("frozen_param_shapes") or {}
     trainable = sum(math.prod(s) for s in shapes.values())
@@ -164,7 +162,7 @@ def _deepspeed_summary(ckpt_dir: Path) -> dict | None:
         if name in shapes or name in frozen:
             n = math.prod(shapes.get(name) or frozen.get(name))
             dtypes[str(t.dtype).removeprefix("torch.") if isinstance(t, LazyTensor) else "?"] += n
-    stage = 3 if any("zero_pp_rank" in p.name for p in models.values()) else 2
+    stage = 3 if any(DS_SHARD_RE.search(p.name) for p in models.values()) else 2  # per-rank model states: ZeRO-3
     ds_cfg = m0.get("ds_config") if isinstance(m0.get("ds_config"), dict) else {}
     stage = (ds_cfg.get("zero_optimization") or {}).get("stage", stage)
     precision = "bf16" if (ds_cfg.get("bf16") or {}).get("enabled") else "fp16" if (ds_cfg.get("fp16") or {}).get("enabled") else "no"
@@ -195,30 +193,20 @@ class VerifyReport:
 
 def _checkpoint_dirs(root: Path) -> list[Path]:
     dirs = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")]
-    return sorted(dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+    return sorted(dirs, key=lambda p: (step_of(p.name) is None, step_of(p.name) or 0, p.name))
 
 
 def _leftovers(root: Path) -> list[Path]:
-    """Dirs of interrupted saves (.tmp-*) and deletions (.old-*): never checkpoints; the next run removes them."""
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith((TMP_PREFIX, ".old-")))
+    """Dirs of interrupted saves and deletions: never checkpoints; the next run removes them."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and leftover_of(p.name))
 
 
 def _run_root(path: Path) -> Path | None:
     """The `checkpoints/` dir if `path` is a run dir or a checkpoints dir, else None (a single checkpoint)."""
     if (path / CHECKPOINTS).is_dir():
         return path / CHECKPOINTS
-    if path.name == CHECKPOINTS and not (path / mf.MANIFEST_NAME).exists():
+    if path.name == CHECKPOINTS and not (path / MANIFEST).exists():
         return path
-    return None
-
-
-def read_last(root: Path) -> str | None:
-    """The checkpoint name `checkpoints/last` designates (relative symlink or pointer file), or None."""
-    link = root / LAST
-    if link.is_symlink():
-        return Path(os.readlink(link)).name
-    if link.is_file():
-        return link.read_text().strip() or None
     return None
 
 
@@ -238,7 +226,7 @@ def verify_path(path: Path) -> VerifyReport:
     for d in dirs:
         report.checkpoints[str(d)] = [str(p) for p in mf.verify_manifest(d)]
     for d in _leftovers(root):
-        what = "save" if d.name.startswith(TMP_PREFIX) else "deletion"
+        what, _ = leftover_of(d.name)
         report.notes.append(f"{d.name}: an interrupted {what} (not a checkpoint; the next run removes it)")
     last = read_last(root)
     if (root / LAST).exists() or (root / LAST).is_symlink():
@@ -268,19 +256,19 @@ def list_run(run_dir: Path) -> list[ListedCheckpoint]:
     if root is None:
         if not run_dir.is_dir():
             raise UserError(f"{run_dir} is not a directory.")
-        raise UserError(f"{run_dir} has no checkpoints/ directory: pass a run directory (e.g. outputs/train/pi05).")
+        raise UserError(f"{run_dir} has no {CHECKPOINTS}/ directory: pass a run directory (e.g. outputs/train/pi05).")
     last = read_last(root)
     rows = []
     for d in _checkpoint_dirs(root) + _leftovers(root):
         state = _read_json(d / TRAINING_STATE)
-        step = state.get("step", int(d.name) if d.name.isdigit() else None)
+        step = state.get("step", step_of(d.name))
         when = state.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.stat().st_mtime))
-        leftover = d.name.startswith((TMP_PREFIX, ".old-"))
-        ds = (d / "pytorch_model").is_dir() or any(d.glob("*/*_model_states.pt"))
-        consolidated = ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()) if ds else None
+        leftover = leftover_of(d.name)
+        ds = (d / DS_TAG).is_dir() or any(d.glob(f"*/{ds_shard_glob('model')}"))
+        consolidated = ((d / MODEL_WEIGHTS).is_file() or (d / WEIGHTS_INDEX).is_file()) if ds else None
         rows.append(ListedCheckpoint(
             name=d.name, step=step, time=when, bytes=dir_size(d), complete=(not leftover) and mf.is_complete(d),
             last=(d.name == last), consolidated=consolidated,
-            note=("interrupted save" if d.name.startswith(TMP_PREFIX) else "interrupted deletion") if leftover else ("" if mf.is_complete(d) else "incomplete: fails its manifest"),
+            note=f"interrupted {leftover[0]}" if leftover else ("" if mf.is_complete(d) else "incomplete: fails its manifest"),
         ))
     return rows

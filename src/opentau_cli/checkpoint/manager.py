@@ -1,8 +1,7 @@
 """Save and find checkpoints: atomic publish, `last` link, retention, and the checks made before a resume.
 
-Layout (docs/ARCHITECTURE.md, "Checkpoint contract"): `<run>/checkpoints/<step, zero-padded>/` holding what `accelerator.save_state` writes,
-`train_config.json`, `training_state.json` and, written last, `manifest.json`. A save goes to a hidden temp sibling
-`.tmp-<step>-<run id>/`, every rank finishes, rank 0 writes the manifest and renames it into place, then repoints
+docs/ARCHITECTURE.md, "Checkpoint contract" (names: `layout`). A save goes to a hidden temp sibling of its step
+directory, every rank finishes, rank 0 writes the manifest and renames the temp dir into place, then repoints
 `checkpoints/last`. A kill at any instant leaves either the old set of checkpoints or the new one.
 """
 
@@ -15,15 +14,15 @@ import shutil
 import time
 from pathlib import Path
 
+from opentau_cli.checkpoint.faults import fault_point
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, step_dir_name,
+    step_of, tmp_dir,
+)
 from opentau_cli.checkpoint.manifest import is_complete, verify_manifest, write_json_atomic, write_manifest
 from opentau_cli.checkpoint.pickle_scan import scan_checkpoint_pickles
 from opentau_cli.errors import RunError, UserError
 
-CHECKPOINTS = "checkpoints"
-LAST = "last"
-TMP_PREFIX = ".tmp-"
-TRAINING_STATE = "training_state.json"
-TRAIN_CONFIG = "train_config.json"
 # Policy fields that change the shape of the weights: a checkpoint only resumes into the same values.
 ARCHITECTURE_FIELDS = (
     "type", "preset", "chunk_size", "max_state_dim", "max_action_dim", "image_resolution",
@@ -31,15 +30,12 @@ ARCHITECTURE_FIELDS = (
 )
 
 
-def step_dir_name(step: int, total_steps: int) -> str:
-    return str(step).zfill(max(6, len(str(total_steps))))
-
-
 def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
     """(step, dir) of every published (numeric, non-hidden) checkpoint dir, oldest first; completeness not checked."""
     if not ckpt_root.is_dir():
         return []
-    found = [(int(p.name), p) for p in ckpt_root.iterdir() if p.name.isdigit() and p.is_dir() and not p.is_symlink()]
+    found = [(step_of(p.name), p) for p in ckpt_root.iterdir()
+             if step_of(p.name) is not None and p.is_dir() and not p.is_symlink()]
     return sorted(found)
 
 
@@ -52,7 +48,7 @@ def latest(run_dir: Path) -> Path | None:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    return (path / TRAINING_STATE).is_file() or (path / "manifest.json").is_file()
+    return (path / TRAINING_STATE).is_file() or (path / MANIFEST).is_file()
 
 
 def find_checkpoint(target: Path) -> Path:
@@ -115,12 +111,12 @@ def check_resumable(ckpt_dir: Path, cfg, setup) -> dict:
         raise UserError(
             f"Checkpoint '{ckpt_dir}' holds DeepSpeed ZeRO-{saved_stage} shards and this launch is {setup.label}: resume "
             "with the same DeepSpeed accelerate config, or run `opentau checkpoint consolidate` on it and start a new run "
-            "with --policy.pretrained_path=<ckpt>/model.safetensors."
+            f"with --policy.pretrained_path=<ckpt>/{MODEL_WEIGHTS}."
         )
     if not saved_ds and setup.backend == "deepspeed":
         raise UserError(
             f"Checkpoint '{ckpt_dir}' was saved by {saved_backend} training and this launch is {setup.label}: resume with "
-            f"the same backend, or start a new run with --policy.pretrained_path={ckpt_dir / 'model.safetensors'}."
+            f"the same backend, or start a new run with --policy.pretrained_path={ckpt_dir / MODEL_WEIGHTS}."
         )
     if saved_ds and saved_stage != setup.zero_stage:
         raise UserError(
@@ -150,12 +146,12 @@ def check_resumable(ckpt_dir: Path, cfg, setup) -> dict:
 
 
 def clean_leftovers(run_dir: Path) -> list[Path]:
-    """Remove `.tmp-*` dirs of saves that were interrupted (they never passed as checkpoints)."""
+    """Remove the temp dirs of interrupted saves and deletions (they never passed as checkpoints)."""
     root = Path(run_dir) / CHECKPOINTS
     removed = []
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith(TMP_PREFIX) or p.name.startswith(".old-"):
+            if leftover_of(p.name):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
     return removed
@@ -172,18 +168,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def point_last(ckpt_root: Path, name: str) -> None:
-    """Atomically repoint `checkpoints/last` (relative symlink; a pointer file where links are not possible)."""
-    link = ckpt_root / LAST
-    tmp = ckpt_root / f".last-{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    try:
-        os.symlink(name, tmp)
-    except OSError:
-        tmp.write_text(name + "\n")
-    os.replace(tmp, link)
 
 
 def describe_os_error(e: OSError) -> str:
@@ -208,7 +192,7 @@ class CheckpointManager:
     """
 
     def __init__(self, accelerator, run_dir: Path, *, total_steps: int, run_id: str, keep_last: int | None = None,
-                 protect: Path | None = None, enabled: bool = True):
+                 protect: Path | None = None):
         self.accelerator = accelerator
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS
@@ -216,16 +200,12 @@ class CheckpointManager:
         self.run_id = run_id
         self.keep_last = keep_last
         self.protect = Path(protect).resolve() if protect else None
-        self.enabled = enabled
-        self.last_saved: Path | None = None
 
-    def save(self, step: int, *, config: dict, state: dict) -> Path | None:
+    def save(self, step: int, *, config: dict, state: dict) -> Path:
         """Write checkpoint `step` atomically. Raises RunError (on every rank) when it cannot be written."""
-        if not self.enabled:
-            return None
         acc = self.accelerator
         name = step_dir_name(step, self.total_steps)
-        tmp = self.root / f"{TMP_PREFIX}{name}-{self.run_id}"
+        tmp = tmp_dir(self.root, name, self.run_id)
         final = self.root / name
         error = self._all_ranks(lambda: self._write(tmp, config, state, final))
         if not error:
@@ -236,13 +216,12 @@ class CheckpointManager:
             previous = latest(self.run_dir)
             kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
             raise RunError(f"Could not save the checkpoint of step {step} under {self.root}: {error}; {kept}.")
-        self.last_saved = final
         if acc.is_main_process:
             self._retain()
         return final
 
     def load(self, ckpt_dir: Path) -> dict:
-        """Restore model, optimizer, scheduler and RNG (every rank); returns training_state.json's contents."""
+        """Restore model, optimizer, scheduler and RNG (every rank); returns the checkpoint's training state."""
         self.accelerator.load_state(str(ckpt_dir))
         return json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
 
@@ -273,6 +252,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True)
+        fault_point("state_saved", tmp)
         if acc.is_main_process:
             cfg = dict(config)
             cfg["config_path"] = str(final / TRAIN_CONFIG)  # the config points at itself once published
@@ -286,13 +266,15 @@ class CheckpointManager:
             _fsync_dir(sub)
         old = None
         if final.exists():  # e.g. resumed from an earlier step: the new save replaces a stale one of the same step
-            old = self.root / f".old-{name}-{self.run_id}"
+            old = old_dir(self.root, name, self.run_id)
             os.replace(final, old)
+        fault_point("publishing", tmp)
         os.replace(tmp, final)
         _fsync_dir(self.root)
+        fault_point("published", final)
         point_last(self.root, name)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _delete_hidden(old)
 
     def _retain(self) -> None:
         """Keep the newest `keep_last` complete checkpoints; never the one this run resumed from."""
@@ -304,6 +286,12 @@ class CheckpointManager:
                 continue
             # Hide it first (atomic rename): a kill mid-deletion leaves a leftover the next run removes, never a
             # half-deleted step directory.
-            doomed = self.root / f".old-{path.name}-{self.run_id}"
+            doomed = old_dir(self.root, path.name, self.run_id)
             os.replace(path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            _delete_hidden(doomed)
+
+
+def _delete_hidden(doomed: Path) -> None:
+    """Delete a checkpoint already renamed to its deletion temp name."""
+    fault_point("retiring", doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

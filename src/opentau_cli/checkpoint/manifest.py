@@ -15,9 +15,12 @@ from pathlib import Path
 
 import xxhash
 
-MANIFEST_NAME = "manifest.json"
+from opentau_cli.checkpoint.faults import fault_point
+from opentau_cli.checkpoint.layout import MANIFEST
+
 HASH_NAME = "xxh3_128"
 _CHUNK = 8 * 1024 * 1024
+_TEMP_SUFFIX = ".tmp"  # of write_json_atomic's temp files
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,13 @@ def hash_file(path: Path, *, fsync: bool = False) -> str:
     return h.hexdigest()
 
 
+def _temp_prefix(name: str) -> str:
+    return f".{name}."
+
+
 def _is_manifest_name(name: str) -> bool:
     # Temp files of an interrupted manifest write are ours too, not checkpoint content.
-    return name == MANIFEST_NAME or (name.startswith(f".{MANIFEST_NAME}.") and name.endswith(".tmp"))
+    return name == MANIFEST or (name.startswith(_temp_prefix(MANIFEST)) and name.endswith(_TEMP_SUFFIX))
 
 
 def list_files(ckpt_dir: Path) -> list[str]:
@@ -71,7 +78,7 @@ def _umask() -> int:
 def write_json_atomic(path: Path, data: dict) -> Path:
     """Write JSON via a temp file in the same directory, fsync, then rename (readers never see half a file)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path.name), suffix=_TEMP_SUFFIX)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the published file gets the usual mode
         with os.fdopen(fd, "w") as f:
@@ -79,6 +86,7 @@ def write_json_atomic(path: Path, data: dict) -> Path:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        fault_point("json_synced", path)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -97,13 +105,13 @@ def write_manifest(ckpt_dir: Path, *, fsync: bool = False) -> Path:
     for rel in list_files(ckpt_dir):
         p = ckpt_dir / rel
         files[rel] = {"size": p.stat().st_size, "hash": hash_file(p, fsync=fsync)}
-    return write_json_atomic(ckpt_dir / MANIFEST_NAME, {"version": 1, "hash": HASH_NAME, "files": files})
+    return write_json_atomic(ckpt_dir / MANIFEST, {"version": 1, "hash": HASH_NAME, "files": files})
 
 
 def read_manifest(ckpt_dir: Path) -> dict | None:
     """The parsed manifest, or None when it is absent or unreadable."""
     try:
-        data = json.loads((Path(ckpt_dir) / MANIFEST_NAME).read_text())
+        data = json.loads((Path(ckpt_dir) / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or data.get("hash") != HASH_NAME:
@@ -119,11 +127,11 @@ def verify_manifest(ckpt_dir: Path, *, rehash: bool = True) -> list[Problem]:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return [Problem("missing", str(ckpt_dir), "not a directory")]
-    manifest_path = ckpt_dir / MANIFEST_NAME
+    manifest_path = ckpt_dir / MANIFEST
     manifest = read_manifest(ckpt_dir)
     if manifest is None:
         why = "unreadable or not an opentau manifest" if manifest_path.exists() else "no manifest: the save never finished"
-        return [Problem("missing" if not manifest_path.exists() else "altered", MANIFEST_NAME, why)]
+        return [Problem("missing" if not manifest_path.exists() else "altered", MANIFEST, why)]
     expected: dict = manifest["files"]
     present = set(list_files(ckpt_dir))
     problems = []
@@ -155,11 +163,11 @@ def add_to_manifest(ckpt_dir: Path, rel_paths: list[str]) -> Path:
     ckpt_dir = Path(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
     if manifest is None:
-        raise FileNotFoundError(f"{ckpt_dir / MANIFEST_NAME} is missing or unreadable")
+        raise FileNotFoundError(f"{ckpt_dir / MANIFEST} is missing or unreadable")
     for rel in rel_paths:
         p = ckpt_dir / rel
         manifest["files"][Path(rel).as_posix()] = {"size": p.stat().st_size, "hash": hash_file(p)}
-    return write_json_atomic(ckpt_dir / MANIFEST_NAME, manifest)
+    return write_json_atomic(ckpt_dir / MANIFEST, manifest)
 
 
 def remove_from_manifest(ckpt_dir: Path, rel_paths: list[str]) -> None:
@@ -170,4 +178,4 @@ def remove_from_manifest(ckpt_dir: Path, rel_paths: list[str]) -> None:
         return
     for rel in rel_paths:
         manifest["files"].pop(Path(rel).as_posix(), None)
-    write_json_atomic(ckpt_dir / MANIFEST_NAME, manifest)
+    write_json_atomic(ckpt_dir / MANIFEST, manifest)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from opentau_cli.errors import UserError
+
 
 class UnsafeCheckpointError(Exception):
     """The file references a Python global outside the allow-list: it is refused, never executed."""
@@ -274,5 +276,11 @@ class ShardFile:
 
 
 def load_shard(path: Path):
-    """The object tree of a torch.save file with tensors as LazyTensor; refuses any non-allow-listed global."""
-    return ShardFile(path).load()
+    """The object tree of a torch.save file with tensors as LazyTensor. A non-allow-listed global, an unreadable or
+    a truncated file is a UserError whose message names the file (and the global)."""
+    try:
+        return ShardFile(path).load()
+    except (UnsafeCheckpointError, ShardFormatError) as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"Cannot read {path}: {e.strerror or e}") from None

@@ -1,0 +1,118 @@
+"""Where a run keeps its files: the one place that spells a run's or a checkpoint's file and directory names.
+
+docs/ARCHITECTURE.md, "Checkpoint contract". A run directory holds:
+
+    metrics.jsonl, tensorboard/, logs/<time>/
+    checkpoints/<step>/                 published checkpoints, the step zero-padded (step_dir_name)
+    checkpoints/last                    the newest published one (point_last writes it, read_last reads it)
+    checkpoints/.tmp-<step>-<run id>/   a save in progress, or left by an interrupted one
+    checkpoints/.old-<step>-<run id>/   a checkpoint being deleted, or left by an interrupted deletion
+
+A checkpoint directory holds what `accelerator.save_state` writes (Accelerate's and DeepSpeed's own names, below),
+train_config.json, training_state.json and, written last, manifest.json. Imports nothing heavy: the launcher uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+# The run directory.
+CHECKPOINTS = "checkpoints"
+LAST = "last"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+LOGS = "logs"
+
+# What opentau adds to a checkpoint.
+TRAIN_CONFIG = "train_config.json"
+TRAINING_STATE = "training_state.json"
+MANIFEST = "manifest.json"
+
+# What Accelerate's save_state writes (accelerate.utils.constants; tests check them against it).
+MODEL_WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # Hugging Face shards: model-00001-of-00003.safetensors + this index
+OPTIMIZER = "optimizer.bin"
+SCHEDULER = "scheduler.bin"
+
+# What DeepSpeed's save_checkpoint writes under Accelerate: a tag directory named after Accelerate's MODEL_NAME,
+# a `latest` file naming it, and per-rank shards (`[bf16_]zero_pp_rank_<r>_mp_rank_00_{optim,model}_states.pt`; the
+# model states of ZeRO-1/2 are the single `mp_rank_00_model_states.pt`).
+DS_TAG = "pytorch_model"
+DS_LATEST = "latest"
+DS_MODEL_STATES = "mp_rank_00_model_states.pt"
+DS_SHARD_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
+ZERO_TO_FP32 = "zero_to_fp32.py"  # DeepSpeed copies its consolidation script into each save
+
+_SAVING = ".tmp-"
+_DELETING = ".old-"
+
+
+def rank_state_file(rank: int) -> str:
+    """Accelerate's per-rank RNG state file (RNG_STATE_NAME)."""
+    return f"random_states_{rank}.pkl"
+
+
+def ds_shard_glob(kind: str, rank: int | None = None) -> str:
+    """Glob for DeepSpeed's `kind` ("optim" or "model") states files, of every rank or of one."""
+    return f"*_{kind}_states.pt" if rank is None else f"*zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+
+
+def weights_index_path(weights: Path) -> Path:
+    """The index of a sharded output: model.safetensors -> model.safetensors.index.json."""
+    return weights.with_name(weights.name + ".index.json")
+
+
+def weights_shard_path(weights: Path, i: int, n: int) -> Path:
+    """Shard i of n (from 1) of a sharded output, Hugging Face's naming: model-00001-of-00003.safetensors."""
+    return weights.with_name(f"{weights.stem}-{i:05d}-of-{n:05d}{weights.suffix}")
+
+
+def step_dir_name(step: int, total_steps: int) -> str:
+    return str(step).zfill(max(6, len(str(total_steps))))
+
+
+def step_of(name: str) -> int | None:
+    """The step a published checkpoint directory is named for (the inverse of step_dir_name); None for other names."""
+    return int(name) if name.isdigit() else None
+
+
+def tmp_dir(root: Path, step_name: str, run_id: str) -> Path:
+    """Where a save of `step_name` by run `run_id` is written before it is published."""
+    return root / f"{_SAVING}{step_name}-{run_id}"
+
+
+def old_dir(root: Path, step_name: str, run_id: str) -> Path:
+    """Where a checkpoint is hidden (renamed) before it is deleted."""
+    return root / f"{_DELETING}{step_name}-{run_id}"
+
+
+def leftover_of(name: str) -> tuple[str, str] | None:
+    """("save" or "deletion", step dir name) if `name` is a temp dir of a save or a deletion, else None."""
+    for prefix, kind in ((_SAVING, "save"), (_DELETING, "deletion")):
+        if name.startswith(prefix):
+            return kind, name[len(prefix):].split("-", 1)[0]
+    return None
+
+
+def point_last(root: Path, name: str) -> None:
+    """Atomically repoint `checkpoints/last` (relative symlink; a pointer file where links are not possible)."""
+    link = root / LAST
+    tmp = root / f".{LAST}-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(name, tmp)
+    except OSError:
+        tmp.write_text(name + "\n")
+    os.replace(tmp, link)
+
+
+def read_last(root: Path) -> str | None:
+    """The checkpoint name `checkpoints/last` designates (relative symlink or pointer file), or None."""
+    link = root / LAST
+    if link.is_symlink():
+        return Path(os.readlink(link)).name
+    if link.is_file():
+        return link.read_text().strip() or None
+    return None
