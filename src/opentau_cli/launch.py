@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
 from opentau_cli.checkpoint.manager import check_resumable, clean_leftovers, find_checkpoint, read_training_state, run_dir_of
 from opentau_cli.config import AccelerateSetup, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, validate
 from opentau_cli.config.rules import cuda_is_available
@@ -170,7 +171,7 @@ def worker_env(setup: AccelerateSetup, cuda: bool) -> dict[str, str]:
 
 def new_log_dir(output_dir: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = output_dir / "logs" / stamp
+    base = output_dir / LOGS / stamp
     path, n = base, 1
     while path.exists():
         path, n = base.with_name(f"{stamp}-{n}"), n + 1
@@ -182,7 +183,7 @@ def prepare_output_dir(plan: RunPlan) -> None:
     """Create the run dir; with --overwrite on a fresh run, drop the old run's results so they never mix."""
     cfg = plan.config
     if cfg.overwrite and not cfg.resume and cfg.output_dir.is_dir():
-        for name in ("checkpoints", "metrics.jsonl", "tensorboard"):
+        for name in (CHECKPOINTS, METRICS, TENSORBOARD):
             p = cfg.output_dir / name
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
@@ -192,7 +193,7 @@ def prepare_output_dir(plan: RunPlan) -> None:
 
 
 def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, Path, Path]:
-    cfg_path = log_dir / "train_config.json"
+    cfg_path = log_dir / TRAIN_CONFIG
     cfg_path.write_text(json.dumps(plan.config.to_json_dict(), indent=2) + "\n")
     accel_path = log_dir / "accelerate_config.yaml"
     accel_path.write_text(yaml.safe_dump(accelerate_yaml(plan.setup, plan.config, cuda), sort_keys=False))

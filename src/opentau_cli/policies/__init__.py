@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, WEIGHTS_INDEX
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 
@@ -105,16 +106,16 @@ def _weight_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        if (path / "model.safetensors").is_file():
-            return [path / "model.safetensors"]
-        index = path / "model.safetensors.index.json"
+        if (path / MODEL_WEIGHTS).is_file():
+            return [path / MODEL_WEIGHTS]
+        index = path / WEIGHTS_INDEX
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError) as exc:
                 raise UserError(f"{index}: not a safetensors index ({exc}).") from exc
             return [path / name for name in sorted(set(weight_map.values()))]
-        raise UserError(f"{path}: holds neither model.safetensors nor model.safetensors.index.json.")
+        raise UserError(f"{path}: holds neither {MODEL_WEIGHTS} nor {WEIGHTS_INDEX}.")
     raise UserError(f"{path}: no such file or directory.")
 
 

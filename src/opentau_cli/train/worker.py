@@ -70,6 +70,7 @@ class Preemption:
 
 def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
+    from opentau_cli.checkpoint.layout import METRICS, TENSORBOARD
     from opentau_cli.checkpoint.manager import CheckpointManager
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
     from opentau_cli.train.trainer import any_rank, build_trainer
@@ -77,7 +78,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     run_dir = Path(cfg.output_dir)
     resume_from = Path(launch["resume_from"]) if launch.get("resume_from") else None
     preemption = Preemption(cfg.checkpoint.save_on_preemption)
-    tb_dir = run_dir / "tensorboard" if cfg.logging.tensorboard else None
+    tb_dir = run_dir / TENSORBOARD if cfg.logging.tensorboard else None
     trainer = build_trainer(cfg, setup, tensorboard_dir=tb_dir)
     acc = trainer.accelerator
     if tb_dir is not None:
@@ -87,8 +88,8 @@ def fit(cfg, setup, launch: dict, console) -> int:
     if resume_from is not None:
         trainer.load_state_dict(ckpt.load(resume_from))
         if acc.is_main_process:
-            truncate_metrics(run_dir / "metrics.jsonl", trainer.step)
-    metrics = MetricsLogger(acc, run_dir / "metrics.jsonl", tensorboard=tb_dir is not None)
+            truncate_metrics(run_dir / METRICS, trainer.step)
+    metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None)
     progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar)
     if resume_from is not None:
         progress.message(f"Resumed from {resume_from} at step {trainer.step}.")
