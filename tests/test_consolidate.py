@@ -305,14 +305,18 @@ def test_inspect_reads_stage_world_size_step_and_parameter_counts_from_shards(ds
     assert "deepspeed ZeRO-3" in text and "consolidated:    yes" in text and "model.safetensors" in text
 
 
-def test_bench_consolidate_smoke_runs_both_paths_and_reports_ratios(ds_ckpts, tmp_path):
-    """The benchmark script end to end (CI): reuses a ZeRO-3 2-rank checkpoint from above instead of building one."""
+def test_bench_consolidate_smoke_compares_three_paths_on_zero3_and_zero2(ds_ckpts, tmp_path):
+    """The benchmark script end to end (CI): reuses the ZeRO-3 and ZeRO-2 2-rank checkpoints from above instead of
+    building them."""
     work = tmp_path / "bench"
-    shutil.copytree(ds_ckpts / "z3r2", work / "ckpt")
+    for stage in (3, 2):
+        shutil.copytree(ds_ckpts / f"z{stage}r2", work / f"zero{stage}")
     results = tmp_path / "BENCH.md"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_consolidate.py"), "--smoke", "--workdir", str(work),
                           "--results", str(results)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "RSS ratio" in res.stdout and "wall ratio" in res.stdout and "identical" in res.stdout
+    assert "RSS ratio vs upstream" in res.stdout and res.stdout.count("wall ratio vs direct") == 2
+    assert res.stdout.count("identical") == 2
     text = results.read_text()
     assert "Streaming consolidation vs zero_to_fp32" in text and "| upstream peak RSS |" in text and "command:" in text
+    assert "ZeRO-3" in text and "ZeRO-2" in text and "| direct peak RSS |" in text
