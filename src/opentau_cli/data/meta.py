@@ -126,7 +126,7 @@ def layout_version(info: dict, root: Path) -> str:
 
 def _stats_arrays(stats: dict) -> dict[str, dict[str, np.ndarray]]:
     return {
-        feat: {name: np.asarray(val, dtype=np.float64) for name, val in s.items() if name in ("mean", "std", "min", "max", "count")}
+        feat: {name: np.asarray(val, dtype=np.float64) for name, val in s.items() if name in ("mean", "std", "min", "max", "q01", "q99", "count")}
         for feat, s in stats.items()
         if isinstance(s, dict)
     }
