@@ -9,9 +9,13 @@ from PIL import Image
 
 
 def fit_size(src_h: int, src_w: int, height: int, width: int) -> tuple[int, int]:
-    """Largest (h, w) with the source's aspect ratio that fits inside (height, width)."""
-    scale = min(height / src_h, width / src_w)
-    return max(1, round(src_h * scale)), max(1, round(src_w * scale))
+    """Largest (h, w) with the source's aspect ratio that fits inside (height, width).
+
+    Rounded down, as openpi's resize_with_pad does (480x848 into 224x224 gives 126x224, not 127): the published pi05 saw
+    images laid out exactly so.
+    """
+    ratio = max(src_w / width, src_h / height)
+    return max(1, int(src_h / ratio)), max(1, int(src_w / ratio))
 
 
 def pad_center(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
