@@ -17,6 +17,10 @@ import sys
 import torch
 from torch import nn
 
+from opentau_cli.checkpoint.layout import ZERO_TO_FP32
+
+ZERO_TO_FP32_OUTPUT = "pytorch_model.bin"  # what DeepSpeed's zero_to_fp32.py writes into its output directory
+
 
 class TinyTied(nn.Module):
     def __init__(self, vocab: int, width: int, stack: int = 0):
@@ -129,13 +133,18 @@ def run_zero_to_fp32(pairs, timeout: float = 600) -> None:
     code = (
         "import runpy, sys\n"
         f"for ckpt, out in {[(str(a), str(b)) for a, b in pairs]!r}:\n"
-        "    sys.argv = [ckpt + '/zero_to_fp32.py', ckpt, out]\n"
-        "    runpy.run_path(ckpt + '/zero_to_fp32.py', run_name='__main__')\n"
+        f"    sys.argv = [ckpt + '/{ZERO_TO_FP32}', ckpt, out]\n"
+        f"    runpy.run_path(ckpt + '/{ZERO_TO_FP32}', run_name='__main__')\n"
     )
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"zero_to_fp32.py failed:\n{proc.stderr[-5000:]}")
+        raise RuntimeError(f"{ZERO_TO_FP32} failed:\n{proc.stderr[-5000:]}")
+
+
+def zero_to_fp32_output(out_dir) -> dict[str, torch.Tensor]:
+    """The state dict run_zero_to_fp32 wrote into out_dir."""
+    return torch.load(os.path.join(out_dir, ZERO_TO_FP32_OUTPUT), weights_only=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import REPO, opentau_bin, run_cli
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, DS_TAG, LAST, MODEL_WEIGHTS, WEIGHTS_INDEX, ds_shard_glob, weights_shard_path,
+)
 from opentau_cli.cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,7 +64,7 @@ def _copy(ds_ckpts, name, tmp_path) -> Path:
 
 
 def _reference(ds_ckpts, name) -> dict[str, torch.Tensor]:
-    return torch.load(ds_ckpts / f"ref_{name}" / "pytorch_model.bin", weights_only=True)
+    return ds_ckpt_helper.zero_to_fp32_output(ds_ckpts / f"ref_{name}")
 
 
 def _assert_bit_equal(ours: dict, ref: dict) -> None:
@@ -82,7 +85,7 @@ def test_consolidate_equals_deepspeed_zero_to_fp32_bit_for_bit(ds_ckpts, tmp_pat
     assert (info.zero_stage, info.world_size, info.mixed_precision) == (stage, ranks, "bf16" if mp == "bf16" else "no")
     res = cli(["checkpoint", "consolidate", ckpt])
     assert res.exit_code == 0, res.stderr
-    ours = load_file(ckpt / "model.safetensors")
+    ours = load_file(ckpt / MODEL_WEIGHTS)
     ref = _reference(ds_ckpts, name)
     _assert_bit_equal(ours, ref)
     # What the checkpoint must carry: the frozen submodule, both buffers, both names of the tied weight.
@@ -99,7 +102,7 @@ def test_bf16_output_equals_zero_to_fp32_cast_to_bf16(ds_ckpts, tmp_path):
     assert res.exit_code == 0, res.stderr
     ref = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _reference(ds_ckpts, "z3r2").items()}
     _assert_bit_equal(load_file(out), ref)
-    assert not (ckpt / "model.safetensors").exists()
+    assert not (ckpt / MODEL_WEIGHTS).exists()
 
 
 def test_above_max_shard_size_writes_hf_shards_and_index(ds_ckpts, tmp_path):
@@ -108,9 +111,9 @@ def test_above_max_shard_size_writes_hf_shards_and_index(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
     res = cli(["checkpoint", "consolidate", ckpt, "--max-shard-size", "3KB"])
     assert res.exit_code == 0, res.stderr
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index = json.loads((ckpt / WEIGHTS_INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert len(shards) > 1 and shards[0] == weights_shard_path(ckpt / MODEL_WEIGHTS, 1, len(shards)).name
     merged = {}
     for s in shards:
         part = load_file(ckpt / s)
@@ -119,13 +122,13 @@ def test_above_max_shard_size_writes_hf_shards_and_index(ds_ckpts, tmp_path):
         merged.update(part)
     _assert_bit_equal(merged, _reference(ds_ckpts, "z2r2"))
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
-    assert not (ckpt / "model.safetensors").exists()
+    assert not (ckpt / MODEL_WEIGHTS).exists()
 
 
 def test_already_consolidated_says_so_exits_0_and_force_redoes_it(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z3r1", tmp_path)
     assert cli(["checkpoint", "consolidate", ckpt]).exit_code == 0
-    out = ckpt / "model.safetensors"
+    out = ckpt / MODEL_WEIGHTS
     out.write_bytes(out.read_bytes())  # same content, new mtime marker below
     os.utime(out, (1, 1))
     again = cli(["checkpoint", "consolidate", ckpt])
@@ -160,7 +163,7 @@ class _Evil:
 def test_malicious_pickle_in_a_shard_is_refused_and_never_executed(ds_ckpts, tmp_path, victim):
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
     marker = tmp_path / "pwned"
-    shard = next((ckpt / "pytorch_model").glob(f"*rank_1_mp_rank_00_{victim}_states.pt"))
+    shard = next((ckpt / DS_TAG).glob(ds_shard_glob(victim, rank=1)))
     torch.save({"optimizer_state_dict": {"zero_stage": _Evil(marker)}, "module": _Evil(marker)}, shard)
     for cmd in (["checkpoint", "inspect", ckpt], ["checkpoint", "verify", ckpt], ["checkpoint", "list", tmp_path]):
         cli(cmd)
@@ -170,7 +173,7 @@ def test_malicious_pickle_in_a_shard_is_refused_and_never_executed(ds_ckpts, tmp
     assert res.returncode == 2
     assert "refusing to load it" in res.stderr and shard.name in res.stderr and "system" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    assert not (ckpt / "model.safetensors").exists()
+    assert not (ckpt / MODEL_WEIGHTS).exists()
     # And the plain loader would have run it: the test plants a real threat.
     torch.load(shard, weights_only=False)
     assert marker.exists()
@@ -186,7 +189,7 @@ def _fails_cleanly(res, *needles):
 
 def test_truncated_shard_is_named_and_nothing_is_written(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
-    shard = next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt"))
+    shard = next((ckpt / DS_TAG).glob(ds_shard_glob("optim", rank=1)))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), shard.name, "truncated")
     assert not list(ckpt.glob("*.safetensors*")) and not list(ckpt.glob(".*"))
@@ -194,39 +197,39 @@ def test_truncated_shard_is_named_and_nothing_is_written(ds_ckpts, tmp_path):
 
 def test_missing_rank_shard_is_named(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
-    next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt")).unlink()
+    next((ckpt / DS_TAG).glob(ds_shard_glob("optim", rank=1))).unlink()
     _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), "rank(s) 1", "missing")
-    assert not (ckpt / "model.safetensors").exists()
+    assert not (ckpt / MODEL_WEIGHTS).exists()
 
 
 def test_shard_from_a_run_with_another_world_size_is_refused(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
-    other = next((ds_ckpts / "z2r1" / "pytorch_model").glob("*optim_states.pt"))
-    target = next((ckpt / "pytorch_model").glob("*rank_1_mp_rank_00_optim_states.pt"))
+    other = next((ds_ckpts / "z2r1" / DS_TAG).glob(ds_shard_glob("optim")))
+    target = next((ckpt / DS_TAG).glob(ds_shard_glob("optim", rank=1)))
     shutil.copyfile(other, target)
     _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), target.name, "another run")
-    assert not (ckpt / "model.safetensors").exists()
+    assert not (ckpt / MODEL_WEIGHTS).exists()
 
 
 def test_shard_from_another_save_step_is_refused(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
     for kind in ("optim", "model"):
-        other = next((ds_ckpts / "z3r2_step3" / "pytorch_model").glob(f"*rank_1_mp_rank_00_{kind}_states.pt"))
-        shutil.copyfile(other, ckpt / "pytorch_model" / other.name)
+        other = next((ds_ckpts / "z3r2_step3" / DS_TAG).glob(ds_shard_glob(kind, rank=1)))
+        shutil.copyfile(other, ckpt / DS_TAG / other.name)
     _fails_cleanly(cli(["checkpoint", "consolidate", ckpt]), "another save", "step")
-    assert not (ckpt / "model.safetensors").exists()
+    assert not (ckpt / MODEL_WEIGHTS).exists()
 
 
 def test_not_a_deepspeed_checkpoint_is_one_clear_line(tmp_path):
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / MODEL_WEIGHTS).write_bytes(b"")
     res = cli(["checkpoint", "consolidate", tmp_path])
-    assert res.exit_code == 2 and "already in model.safetensors" in res.stderr
+    assert res.exit_code == 2 and f"already in {MODEL_WEIGHTS}" in res.stderr
     res = cli(["checkpoint", "consolidate", tmp_path / "nope"])
     assert res.exit_code == 2 and res.stderr.strip() == f"Error: {tmp_path / 'nope'} is not a directory."
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
+    (run / CHECKPOINTS).mkdir(parents=True)
     res = cli(["checkpoint", "consolidate", run])
-    assert res.exit_code == 2 and "is a run directory" in res.stderr and "checkpoints/last" in res.stderr
+    assert res.exit_code == 2 and "is a run directory" in res.stderr and f"{CHECKPOINTS}/{LAST}" in res.stderr
     for bad in (["--dtype", "int8"], ["--max-shard-size", "lots"]):
         res = cli(["checkpoint", "consolidate", tmp_path, *bad])
         assert res.exit_code == 2 and bad[1] in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -261,7 +264,7 @@ def test_disk_full_during_write_leaves_no_partial_file(ds_ckpts, tmp_path):
                          preexec_fn=small_file_limit, timeout=600)
     _fails_cleanly(res, "Disk full", "nothing was left behind")
     assert res.returncode == 1
-    assert not list(ckpt.glob("*.safetensors")) and not list(ckpt.glob(".model.safetensors*"))
+    assert not list(ckpt.glob("*.safetensors")) and not list(ckpt.glob(f".{MODEL_WEIGHTS}*"))
 
 
 def test_not_enough_free_space_is_refused_before_writing(ds_ckpts, tmp_path):
@@ -282,7 +285,7 @@ def test_convert_checkpoint_sh_calls_consolidate(ds_ckpts, tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     res = subprocess.run(["bash", str(REPO / "convert_checkpoint.sh"), str(ckpt)], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr
-    _assert_bit_equal(load_file(ckpt / "model.safetensors"), _reference(ds_ckpts, "z2r1"))
+    _assert_bit_equal(load_file(ckpt / MODEL_WEIGHTS), _reference(ds_ckpts, "z2r1"))
 
 
 def test_inspect_reads_stage_world_size_step_and_parameter_counts_from_shards(ds_ckpts, tmp_path):
@@ -299,10 +302,11 @@ def test_inspect_reads_stage_world_size_step_and_parameter_counts_from_shards(ds
     assert (info["parameters"], info["trainable_parameters"]) == (params, params - frozen)
     assert info["mixed_precision"] == "bf16" and info["dtypes"] == {"bfloat16": params}
     assert info["consolidated"] is False
-    assert info["files"]["pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt"] > 0
+    rank1_model_states = next((ckpt / DS_TAG).glob(ds_shard_glob("model", rank=1))).relative_to(ckpt).as_posix()
+    assert info["files"][rank1_model_states] > 0
     cli(["checkpoint", "consolidate", ckpt])
     text = cli(["checkpoint", "inspect", ckpt]).stdout
-    assert "deepspeed ZeRO-3" in text and "consolidated:    yes" in text and "model.safetensors" in text
+    assert "deepspeed ZeRO-3" in text and "consolidated:    yes" in text and MODEL_WEIGHTS in text
 
 
 def test_bench_consolidate_smoke_compares_three_paths_on_zero3_and_zero2(ds_ckpts, tmp_path):

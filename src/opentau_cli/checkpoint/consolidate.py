@@ -15,7 +15,6 @@ import errno
 import json
 import math
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from opentau_cli.checkpoint.layout import (
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.units import parse_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,21 +51,6 @@ class ConsolidateResult:
     num_tensors: int
     total_bytes: int
     already: bool = False
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5 * 10**9 bytes (the Hugging Face convention: GB = 10**9, GiB = 2**30)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
-    if not m:
-        raise UserError(f"--max-shard-size '{text}' is not a size like 5GB, 500MB or 2GiB.")
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-    if m.group(2) not in units:
-        raise UserError(f"--max-shard-size '{text}' is not a size like 5GB, 500MB or 2GiB.")
-    size = int(float(m.group(1)) * units[m.group(2)])
-    if size <= 0:
-        raise UserError("--max-shard-size must be positive.")
-    return size
 
 
 def find_tag_dir(ckpt_dir: Path) -> Path:
@@ -383,7 +368,7 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     """Write the consolidated weights of a DeepSpeed checkpoint as safetensors. Raises UserError / RunError."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size, "--max-shard-size")
     ckpt_dir = Path(ckpt_dir)
     single = output_paths(ckpt_dir, output)
     find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
