@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
 
 from opentau_cli.cli.main import app
+from opentau_cli.config import Machine, load_config
 from conftest import EXAMPLES, run_cli
 
 runner = CliRunner()
@@ -38,10 +40,36 @@ def test_help_lists_every_command_group():
 
 @pytest.mark.parametrize("accel", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("config", TRAIN_CONFIGS, ids=lambda p: p.stem)
-def test_every_example_config_validates_with_every_accelerate_config(isolated_env, accel, config):
-    result = invoke("config", "validate", str(config), "--accelerate-config", str(accel), f"--output_dir={isolated_env / 'run'}")
+def test_every_example_config_validates_with_every_accelerate_config_for_an_8_gpu_machine(isolated_env, accel, config):
+    result = invoke("config", "validate", str(config), "--accelerate-config", str(accel), "--gpus", "8", f"--output_dir={isolated_env / 'run'}")
     assert result.exit_code == 0, result.output
-    assert "Config OK" in result.output
+    assert "Config OK" in result.output and "checked for        a machine with 8 CUDA GPUs (--gpus 8)" in result.output
+
+
+def test_validate_checks_for_this_machine_by_default_and_says_so(isolated_env, monkeypatch):
+    monkeypatch.setattr(Machine, "this", classmethod(lambda cls: Machine(cuda=False, gpus=0)))
+    result = invoke("config", "validate", TINY, f"--output_dir={isolated_env / 'run'}")
+    assert result.exit_code == 0, result.output
+    assert "checked for        this machine (no CUDA GPU)" in result.stdout
+    full = invoke("config", "validate", FULL, f"--output_dir={isolated_env / 'run'}")
+    assert full.exit_code == 2 and "The pi05 preset (~3.3B parameters) needs CUDA GPUs" in full.stderr
+
+
+@pytest.mark.parametrize("gpus", ["-1", "eight"])
+def test_validate_refuses_a_gpu_count_that_is_not_a_count_with_exit_2(isolated_env, gpus):
+    result = invoke("config", "validate", TINY, "--gpus", gpus, f"--output_dir={isolated_env / 'run'}")
+    assert result.exit_code == 2, result.output
+    assert "--gpus" in result.output and "Traceback" not in result.output
+
+
+def test_validate_shows_the_policys_parameter_counts(isolated_env):
+    from opentau_cli.policies import count_parameters
+
+    result = invoke("config", "validate", TINY, f"--output_dir={isolated_env / 'run'}")
+    counts = count_parameters(load_config(TINY, [], environ={}).policy)
+    row = next(line for line in result.stdout.splitlines() if line.strip().startswith("parameters"))
+    assert f"({counts['total']:,} / {counts['trainable']:,})" in row
+    assert re.search(r"\d\.\d\dM total, \d\.\d\dM trainable", row), row
 
 
 def test_validate_prints_backend_world_size_global_batch_steps_and_output_dir(isolated_env):

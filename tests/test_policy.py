@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 
 import pytest
 import torch
@@ -319,20 +318,6 @@ def test_bf16_weights_accept_fp32_inputs():
     out["loss"].backward()
     assert torch.isfinite(out["loss"]) and policy.action_out_proj.weight.grad.dtype == torch.bfloat16
     assert policy.sample_actions(make_batch()).dtype == torch.float32
-
-
-def test_config_summary_shows_the_presets_parameter_counts(isolated_env):
-    from opentau_cli.config.accelerate import resolve_accelerate_config
-    from opentau_cli.config.model import TrainConfig
-    from opentau_cli.config.rules import Validated
-    from opentau_cli.config.summary import summarize
-
-    cfg = TrainConfig(policy=tiny_cfg(), output_dir=isolated_env / "run")
-    counts = count_parameters(cfg.policy)
-    text = summarize(Validated(config=cfg, accelerate=resolve_accelerate_config(None)))
-    row = next(line for line in text.splitlines() if line.strip().startswith("parameters"))
-    assert f"({counts['total']:,} / {counts['trainable']:,})" in row
-    assert re.search(r"\d\.\d\dM total, \d\.\d\dM trainable", row), row
 
 
 def test_too_many_discrete_action_bins_for_the_vocabulary_is_a_user_error():

@@ -6,16 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from opentau_cli.config import AccelerateSetup, load_config, read_accelerate_config, resolve_accelerate_config, validate
+from opentau_cli.config import (
+    AccelerateSetup, Machine, load_config, read_accelerate_config, resolve_accelerate_config, setup_from_dict, validate,
+)
 from opentau_cli.errors import UserError
 from conftest import EXAMPLES
 
 ZERO3 = EXAMPLES / "accelerate_deepspeed_zero3_config.yaml"
 ZERO2 = EXAMPLES / "accelerate_deepspeed_config.yaml"
+CPU = Machine(cuda=False, gpus=0)
+GPU_BOX = Machine(cuda=True, gpus=8)
 
 
 def cfg(*overrides: str, tmp: Path | None = None):
-    base = [f"--output_dir={tmp / 'run'}"] if tmp else []
+    """The default config on the tiny preset (the full one is refused without CUDA), in a fresh output dir."""
+    base = ["--policy.preset=pi05_tiny", *([f"--output_dir={tmp / 'run'}"] if tmp else [])]
     return load_config(None, [*base, *overrides], environ={})
 
 
@@ -77,16 +82,16 @@ def test_bad_accelerate_yaml_is_one_clear_user_error(tmp_path, text, message):
 
 def test_zero3_rejects_gradient_checkpointing_and_names_alternatives(tmp_path):
     with pytest.raises(UserError, match=r"ZeRO-3.*use DDP, FSDP or ZeRO-1/2"):
-        validate(cfg("--policy.gradient_checkpointing=true", tmp=tmp_path), read_accelerate_config(ZERO3), cuda_available=True)
+        validate(cfg("--policy.gradient_checkpointing=true", tmp=tmp_path), read_accelerate_config(ZERO3), GPU_BOX)
 
 
 def test_zero2_allows_gradient_checkpointing(tmp_path):
-    checked = validate(cfg("--policy.gradient_checkpointing=true", tmp=tmp_path), read_accelerate_config(ZERO2), cuda_available=True)
+    checked = validate(cfg("--policy.gradient_checkpointing=true", tmp=tmp_path), read_accelerate_config(ZERO2), GPU_BOX)
     assert checked.config.policy.gradient_checkpointing
 
 
 def test_zero3_downgrades_torch_compile_to_eager_with_a_warning(tmp_path):
-    checked = validate(cfg("--policy.use_torch_compile=true", tmp=tmp_path), read_accelerate_config(ZERO3), cuda_available=True)
+    checked = validate(cfg("--policy.use_torch_compile=true", tmp=tmp_path), read_accelerate_config(ZERO3), GPU_BOX)
     assert checked.config.policy.use_torch_compile is False
     assert any("eager" in w for w in checked.warnings)
 
@@ -95,27 +100,27 @@ def test_zero3_downgrades_torch_compile_to_eager_with_a_warning(tmp_path):
 def test_more_processes_than_visible_gpus_is_refused_naming_the_count(tmp_path, yaml_name):
     setup = read_accelerate_config(EXAMPLES / yaml_name)  # 8 processes on one machine
     with pytest.raises(UserError, match=r"starts 8 processes per machine but this machine has 2 visible GPU\(s\); set num_processes to 2"):
-        validate(cfg(tmp=tmp_path), setup, cuda_available=True, gpu_count=2)
-    assert validate(cfg(tmp=tmp_path), setup, cuda_available=True, gpu_count=8).accelerate.world_size == 8
+        validate(cfg(tmp=tmp_path), setup, Machine(cuda=True, gpus=2))
+    assert validate(cfg(tmp=tmp_path), setup, Machine(cuda=True, gpus=8)).accelerate.world_size == 8
     # Two machines of 4 processes each fit 4 GPUs per machine.
     two = read_accelerate_config(write_yaml(tmp_path / "m.yaml", "distributed_type: MULTI_GPU\nnum_processes: 8\n"
                                             "num_machines: 2\nmain_process_ip: 10.0.0.1\n"))
-    assert validate(cfg(tmp=tmp_path), two, cuda_available=True, gpu_count=4).accelerate.world_size == 8
+    assert validate(cfg(tmp=tmp_path), two, Machine(cuda=True, gpus=4)).accelerate.world_size == 8
 
 
 def test_fsdp_without_cuda_is_refused_instead_of_silently_running_one_process(tmp_path):
     fsdp = read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n"))
     with pytest.raises(UserError, match="FSDP needs CUDA"):
-        validate(cfg(tmp=tmp_path), fsdp, cuda_available=False)
-    assert validate(cfg(tmp=tmp_path), fsdp, cuda_available=True).accelerate.backend == "fsdp"
+        validate(cfg(tmp=tmp_path), fsdp, CPU)
+    assert validate(cfg(tmp=tmp_path), fsdp, GPU_BOX).accelerate.backend == "fsdp"
 
 
 def test_batch_size_must_equal_micro_batch_times_accumulation(tmp_path):
     with pytest.raises(UserError, match=r"batch_size \(8\) must equal per_device_batch_size \(3\) x gradient_accumulation_steps \(2\)"):
-        validate(cfg("--per_device_batch_size=3", "--gradient_accumulation_steps=2", tmp=tmp_path), AccelerateSetup())
+        validate(cfg("--per_device_batch_size=3", "--gradient_accumulation_steps=2", tmp=tmp_path), AccelerateSetup(), CPU)
     with pytest.raises(UserError, match="per_device_batch_size \\(unset\\)"):
-        validate(cfg("--gradient_accumulation_steps=3", tmp=tmp_path), AccelerateSetup())
-    checked = validate(cfg("--gradient_accumulation_steps=4", tmp=tmp_path), AccelerateSetup())
+        validate(cfg("--gradient_accumulation_steps=3", tmp=tmp_path), AccelerateSetup(), CPU)
+    checked = validate(cfg("--gradient_accumulation_steps=4", tmp=tmp_path), AccelerateSetup(), CPU)
     assert checked.config.per_device_batch_size == 2
 
 
@@ -127,7 +132,7 @@ def test_deepspeed_yaml_disagreeing_with_config_warns_and_config_wins(tmp_path):
             "  gradient_accumulation_steps: 8\n  gradient_clipping: 5.0\n",
         )
     )
-    checked = validate(cfg("--gradient_accumulation_steps=2", tmp=tmp_path), ds, cuda_available=False)
+    checked = validate(cfg("--gradient_accumulation_steps=2", tmp=tmp_path), ds, CPU)
     assert checked.config.gradient_accumulation_steps == 2
     assert checked.config.optimizer.grad_clip_norm == 1.0
     assert any("gradient_accumulation_steps=8" in w and "using 2" in w for w in checked.warnings)
@@ -138,14 +143,14 @@ def test_existing_output_dir_is_refused_unless_resuming_or_overwriting(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(UserError, match="already exists.*opentau resume"):
-        validate(cfg(tmp=tmp_path), AccelerateSetup())
-    validate(cfg("--overwrite=true", tmp=tmp_path), AccelerateSetup())
-    validate(cfg("--resume=true", tmp=tmp_path), AccelerateSetup())
+        validate(cfg(tmp=tmp_path), AccelerateSetup(), CPU)
+    validate(cfg("--overwrite=true", tmp=tmp_path), AccelerateSetup(), CPU)
+    validate(cfg("--resume=true", tmp=tmp_path), AccelerateSetup(), CPU)
 
 
 def test_n_action_steps_cannot_exceed_chunk_size(tmp_path):
     with pytest.raises(UserError, match=r"n_action_steps \(20\) must be <= policy.chunk_size \(10\)"):
-        validate(cfg("--policy.chunk_size=10", "--policy.n_action_steps=20", tmp=tmp_path), AccelerateSetup())
+        validate(cfg("--policy.chunk_size=10", "--policy.n_action_steps=20", tmp=tmp_path), AccelerateSetup(), CPU)
 
 
 @pytest.mark.parametrize("key", ["steps", "log_freq", "save_freq"])
@@ -159,7 +164,7 @@ def test_all_problems_are_reported_together(tmp_path):
         validate(
             cfg("--policy.n_action_steps=99", "--per_device_batch_size=3", tmp=tmp_path),
             read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n")),
-            cuda_available=False,
+            CPU,
         )
     text = str(err.value)
     assert "n_action_steps" in text and "batch_size" in text and "FSDP" in text
@@ -168,9 +173,68 @@ def test_all_problems_are_reported_together(tmp_path):
 def test_fp16_on_cpu_is_refused(tmp_path):
     setup = read_accelerate_config(write_yaml(tmp_path / "a.yaml", "distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: fp16\n"))
     with pytest.raises(UserError, match="fp16.*needs CUDA"):
-        validate(cfg(tmp=tmp_path), setup, cuda_available=False)
+        validate(cfg(tmp=tmp_path), setup, CPU)
 
 
 def test_validation_frequency_without_held_out_episodes_is_refused(tmp_path):
     with pytest.raises(UserError, match="val_split"):
-        validate(cfg("--validation.val_freq=10", tmp=tmp_path), AccelerateSetup())
+        validate(cfg("--validation.val_freq=10", tmp=tmp_path), AccelerateSetup(), CPU)
+
+
+def test_the_full_pi05_preset_is_refused_on_a_machine_without_cuda_and_allowed_with_it(tmp_path):
+    full = cfg("--policy.preset=pi05", tmp=tmp_path)
+    with pytest.raises(UserError, match=r"pi05 preset .* needs CUDA GPUs: none is visible on this machine"):
+        validate(full, AccelerateSetup(), CPU)
+    with pytest.raises(UserError, match="none is visible on the target machine"):
+        validate(full, AccelerateSetup(), Machine.with_gpus(0))
+    assert validate(full, AccelerateSetup(), GPU_BOX).machine == GPU_BOX
+
+
+def test_a_target_machine_is_described_by_its_gpu_count_and_a_negative_count_is_refused():
+    assert Machine.with_gpus(8) == Machine(cuda=True, gpus=8, target=True)
+    assert Machine.with_gpus(8).describe() == "a machine with 8 CUDA GPUs (--gpus 8)"
+    assert Machine.with_gpus(1).describe() == "a machine with 1 CUDA GPU (--gpus 1)"
+    assert Machine.with_gpus(0) == Machine(cuda=False, gpus=0, target=True)
+    assert CPU.describe() == "this machine (no CUDA GPU)"
+    with pytest.raises(UserError, match="--gpus must be 0 or more"):
+        Machine.with_gpus(-1)
+
+
+def test_the_checks_handed_to_validate_are_reported_with_the_config_rules(tmp_path):
+    seen = []
+
+    def data_check(c):
+        seen.append(c.policy.use_torch_compile)
+        return ["the data says no."]
+
+    with pytest.raises(UserError) as err:
+        validate(cfg("--policy.n_action_steps=99", "--policy.use_torch_compile=true", tmp=tmp_path),
+                 read_accelerate_config(ZERO3), GPU_BOX, [data_check])
+    assert "n_action_steps" in str(err.value) and "the data says no." in str(err.value)
+    assert seen == [False]  # the checks see the config as adjusted (compile downgraded under ZeRO-3)
+
+
+def test_a_loss_weighting_that_names_some_terms_weighs_the_others_one_and_an_unknown_term_is_refused(tmp_path):
+    assert cfg('--policy.loss_weighting={"ce": 0.5}').policy.loss_weighting == {"mse": 1.0, "ce": 0.5}
+    with pytest.raises(UserError, match="unknown term 'l1' \\(known: mse, ce\\)"):
+        validate(cfg('--policy.loss_weighting={"l1": 1.0}', tmp=tmp_path), AccelerateSetup(), CPU)
+
+
+def test_setup_from_dict_reads_back_what_to_dict_wrote():
+    for setup in (AccelerateSetup(), read_accelerate_config(ZERO3)):
+        assert setup_from_dict(setup.to_dict()) == setup
+
+
+def test_the_config_package_imports_no_other_opentau_package_but_errors():
+    """The rules get the data and policy checks from the layer above (opentau_cli.plan), never by importing them."""
+    import ast
+
+    import opentau_cli.config
+
+    allowed = ("opentau_cli.config", "opentau_cli.errors")
+    found = []
+    for path in Path(opentau_cli.config.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith("opentau_cli") and not n.startswith(allowed)]
+    assert found == []

@@ -18,6 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import EXAMPLES, opentau_bin, run_cli
+from opentau_cli.checkpoint.manager import CHECKPOINTS, TRAIN_CONFIG, TRAINING_STATE
 
 pytestmark = pytest.mark.e2e
 
@@ -320,10 +321,65 @@ def test_resume_with_another_world_size_exits_2(runs, tmp_path):
     assert r.returncode == 2 and "2 processes" in r.stderr, r.stderr
 
 
+def _no_accelerate_record(ckpt: Path) -> None:
+    state = json.loads((ckpt / TRAINING_STATE).read_text())
+    del state["accelerate"]
+    (ckpt / TRAINING_STATE).write_text(json.dumps(state))
+
+
+RESUME_REFUSALS = {
+    "another world size": (["--accelerate-config={single}"], None),
+    "another backend": ([f"--accelerate-config={YAML['zero2']}"], None),
+    "another preset": (["--policy.preset=pi05_small"], None),
+    "a damaged checkpoint": ([], lambda ckpt: (ckpt / "optimizer.bin").unlink()),
+    "a checkpoint without its launch": ([], _no_accelerate_record),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_REFUSALS))
+def test_config_validate_refuses_a_resume_exactly_as_train_does(runs, tmp_path, monkeypatch, case):
+    """`train --resume=true` and `config validate --resume=true` of a checkpoint's train_config.json: same exit code,
+    same words, nothing launched or written (in-process, on a pinned machine without CUDA)."""
+    from typer.testing import CliRunner
+
+    from opentau_cli import launch
+    from opentau_cli.cli.main import app
+    from opentau_cli.config import Machine
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr(Machine, "this", classmethod(lambda cls: Machine(cuda=False, gpus=0)))
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("train got past its checks"))
+    (tmp_path / "single.yaml").write_text("distributed_type: 'NO'\nnum_processes: 1\n")
+    ckpt = _copy_ckpt(runs("ddp").ckpt_mid, tmp_path / "run")
+    args, damage = RESUME_REFUSALS[case]
+    if damage:
+        damage(ckpt)
+    args = ["--resume=true", *(a.replace("{single}", str(tmp_path / "single.yaml")) for a in args)]
+    before = _tree(tmp_path / "run")
+    train = CliRunner().invoke(app, ["train", f"--config_path={ckpt / TRAIN_CONFIG}", *args])
+    validate = CliRunner().invoke(app, ["config", "validate", str(ckpt / TRAIN_CONFIG), *args])
+    assert train.exit_code == 2 and train.stderr.startswith("Error: "), train.output
+    assert (validate.exit_code, validate.stderr) == (train.exit_code, train.stderr)
+    assert _tree(tmp_path / "run") == before
+
+
+def test_config_validate_of_a_finished_runs_checkpoint_says_there_is_nothing_to_do(runs, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    from typer.testing import CliRunner
+
+    from opentau_cli.cli.main import app
+
+    final = runs("ddp").dir / CHECKPOINTS / "000006"
+    r = CliRunner().invoke(app, ["config", "validate", str(final / TRAIN_CONFIG), "--resume=true"])
+    assert r.exit_code == 0, r.output
+    assert "Nothing to do" in r.stderr
+    assert ["resume", "from", str(final.resolve())] in [line.split() for line in r.stdout.splitlines()]
+
+
 def test_train_config_path_with_resume_true_resumes_that_checkpoint_with_more_steps(runs, tmp_path, monkeypatch):
     """The upstream line `opentau-train --config_path=<ckpt>/train_config.json --resume=true --steps=N`, planned
     in-process (the launch itself is the one the other tests run)."""
-    from opentau_cli.launch import plan_train
+    from opentau_cli.plan import plan_train
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     run_dir = tmp_path / "moved_run"

@@ -1,7 +1,7 @@
 """Build and run `accelerate launch` on the training worker: CPU recipes, logs, exit codes and signals.
 
-The launcher is the only process the user talks to. It validates (the same rules as `config validate`), checks a
-resume target before anything is spawned, writes the resolved config and an Accelerate YAML with the CPU recipes of
+The launcher is the only process the user talks to. It runs a `RunPlan` that `opentau_cli.plan` decided (every
+rule and resume check, the same as `config validate`) before anything is spawned, writes the resolved config and an Accelerate YAML with the CPU recipes of
 docs/ARCHITECTURE.md "CPU recipes" applied into `<output_dir>/logs/<timestamp>/`, then runs the workers and maps their outcome to
 exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log path), 130 Ctrl-C.
 """
@@ -16,97 +16,20 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
-from opentau_cli.checkpoint.manager import check_resumable, clean_leftovers, find_checkpoint, read_training_state, run_dir_of
-from opentau_cli.config import AccelerateSetup, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, validate
+from opentau_cli.checkpoint.manager import clean_leftovers
+from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.plan import RunPlan
 
 WORKER_MODULE = "opentau_cli.train.worker"
 # Signals that mean "finish the current step, save, exit 0" (cluster preemption).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-@dataclass
-class RunPlan:
-    """Everything a launch needs, decided before any process starts."""
-
-    checked: Validated
-    resume_from: Path | None = None
-    notes: list[str] = field(default_factory=list)
-    finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
-
-    @property
-    def config(self) -> TrainConfig:
-        return self.checked.config
-
-    @property
-    def setup(self) -> AccelerateSetup:
-        return self.checked.accelerate
-
-
-def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str]) -> RunPlan:
-    """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest)."""
-    overrides = parse_overrides(args)
-    cfg = load_config(config_path, overrides)
-    if not cfg.resume:
-        setup = resolve_accelerate_config(accelerate_config)
-        return RunPlan(checked=check_machine(validate(cfg, setup)))
-    source = Path(cfg.config_path).parent if cfg.config_path else None
-    if source is not None and (source / "training_state.json").is_file():
-        ckpt = find_checkpoint(source)
-    else:
-        ckpt = find_checkpoint(cfg.output_dir)
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides)
-
-
-def plan_resume(target: Path, accelerate_config: Path | None, args: list[str]) -> RunPlan:
-    """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
-    ckpt = find_checkpoint(target)
-    overrides = parse_overrides(args)
-    cfg = load_config(ckpt / "train_config.json", {**overrides, "resume": "true"})
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides)
-
-
-def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict) -> RunPlan:
-    notes = []
-    if "output_dir" not in overrides:
-        cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
-    if accelerate_config is not None:
-        setup = resolve_accelerate_config(accelerate_config)
-    else:
-        # The launch the checkpoint was saved under, so `opentau resume RUN` needs no flags.
-        saved = read_training_state(ckpt).get("accelerate")
-        if not saved:
-            raise UserError(f"Checkpoint '{ckpt}' does not record its launch; pass --accelerate-config.")
-        from opentau_cli.train.trainer import setup_from_dict
-
-        setup = setup_from_dict(saved)
-        notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
-    checked = check_machine(validate(cfg, setup))
-    state = check_resumable(ckpt, checked.config, setup)
-    done = int(state.get("step", 0)) >= checked.config.steps
-    if done:
-        notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
-                     "(pass a larger --steps to train further).")
-    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done)
-
-
-def check_machine(checked: Validated) -> Validated:
-    """Refuse what cannot sensibly run here: the full 3.3B preset without a GPU."""
-    cfg = checked.config
-    if cfg.policy.preset == "pi05" and not cuda_is_available():
-        raise UserError(
-            "The pi05 preset (~3.3B parameters) needs CUDA GPUs: no GPU is visible, and on CPU it would need about "
-            "55 GB of memory and minutes per step. On this machine use configs/examples/pi05_tiny_config.json "
-            "(or --policy.preset=pi05_small)."
-        )
-    return checked
 
 
 def free_port() -> int:

@@ -4,31 +4,48 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, handle_errors, make_app, warn
-from opentau_cli.config import TrainConfig, load_config, resolve_accelerate_config, validate
-from opentau_cli.config.summary import summarize
+from opentau_cli.config import Machine, TrainConfig, load_config
 
 app = make_app("Validate, show and describe the training config.")
 
 
 @app.command("validate", context_settings=OVERRIDES_CONTEXT)
 @handle_errors
-def validate_cmd(ctx: typer.Context, config: Path = typer.Argument(..., help="Training config JSON."), accelerate_config: AccelerateConfigOpt = None) -> None:
-    """Run every check `train` runs, without launching anything.
+def validate_cmd(
+    ctx: typer.Context,
+    config: Path = typer.Argument(..., help="Training config JSON (a checkpoint's train_config.json with --resume=true checks that resume)."),
+    accelerate_config: AccelerateConfigOpt = None,
+    gpus: Optional[int] = typer.Option(
+        None, "--gpus", help="Check for a target machine with this many visible CUDA GPUs (0: none) instead of this machine."
+    ),
+) -> None:
+    """Run every check `train` runs before launching (with --resume=true, also the checkpoint's), without launching.
+
+    Machine-dependent rules are checked for this machine unless --gpus describes the target machine.
 
     Examples:
 
         opentau config validate configs/examples/pi05_tiny_config.json
 
-        opentau config validate configs/examples/pi05_config.json --accelerate-config configs/examples/accelerate_deepspeed_zero3_config.yaml --policy.gradient_checkpointing=false
+        opentau config validate configs/examples/pi05_config.json --accelerate-config configs/examples/accelerate_deepspeed_zero3_config.yaml --gpus 8
+
+        opentau config validate outputs/train/pi05/checkpoints/000040/train_config.json --resume=true --steps=100
     """
-    checked = validate(load_config(config, ctx.args), resolve_accelerate_config(accelerate_config))
-    for w in checked.warnings:
+    from opentau_cli.cli.summary import summarize
+    from opentau_cli.plan import plan_train
+
+    machine = Machine.with_gpus(gpus) if gpus is not None else None
+    plan = plan_train(config, accelerate_config, list(ctx.args), machine)
+    for w in plan.checked.warnings:
         warn(w)
-    typer.echo(summarize(checked))
+    for note in plan.notes:
+        typer.echo(note, err=True)
+    typer.echo(summarize(plan))
 
 
 @app.command("show", context_settings=OVERRIDES_CONTEXT)

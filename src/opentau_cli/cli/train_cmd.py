@@ -11,7 +11,7 @@ from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, Confi
 
 def _launch(plan) -> None:
     from opentau_cli import launch
-    from opentau_cli.config.summary import summarize
+    from opentau_cli.cli.summary import summarize
 
     for note in plan.checked.warnings:
         warn(note)
@@ -19,9 +19,7 @@ def _launch(plan) -> None:
         typer.echo(note, err=True)
     if plan.finished:  # e.g. a scheduler re-queues a run that already completed
         return
-    typer.echo(summarize(plan.checked).replace("Config OK", "Training"), err=True)
-    if plan.resume_from:
-        typer.echo(f"Resuming from {plan.resume_from}", err=True)
+    typer.echo(summarize(plan, heading="Resuming" if plan.resume_from else "Training"), err=True)
     code = launch.run(plan, echo=lambda m: typer.echo(m, err=True))
     if code:
         raise typer.Exit(code)
@@ -37,7 +35,7 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
 
         opentau-train --config_path=outputs/train/pi05/checkpoints/000040/train_config.json --resume=true --steps=100
     """
-    from opentau_cli.launch import plan_train
+    from opentau_cli.plan import plan_train
 
     _launch(plan_train(config_path, accelerate_config, list(ctx.args)))
 
@@ -56,7 +54,7 @@ def resume(
 
         opentau resume outputs/train/pi05/checkpoints/000040
     """
-    from opentau_cli.launch import plan_resume
+    from opentau_cli.plan import plan_resume
 
     _launch(plan_resume(run_dir, accelerate_config, list(ctx.args)))
 

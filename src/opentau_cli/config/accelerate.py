@@ -77,6 +77,11 @@ class AccelerateSetup:
         return d
 
 
+def setup_from_dict(d: dict) -> AccelerateSetup:
+    """The inverse of `AccelerateSetup.to_dict` (launch.json, a checkpoint's training_state.json)."""
+    return AccelerateSetup(**{**d, "path": Path(d["path"]) if d.get("path") else None})
+
+
 def _int(raw: dict, key: str, default: int | None, path: Path) -> int | None:
     value = raw.get(key, default)
     if value is None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_DATASET = "@demo"
+# The policy's loss terms: the flow-matching MSE and the cross-entropy on discrete action tokens.
+LOSS_TERMS = ("mse", "ce")
 
 
 class Section(BaseModel):
@@ -43,9 +45,16 @@ class PolicyConfig(Section):
     discrete_action_loss: bool = Field(False, description="Add cross-entropy on uniformly binned action tokens.")
     discrete_action_bins: int = Field(256, ge=2, description="Bins for the discrete action tokens.")
     loss_weighting: dict[str, float] = Field(
-        default_factory=lambda: {"mse": 1.0, "ce": 1.0}, description="Weight of each loss term in the total."
+        default_factory=lambda: dict.fromkeys(LOSS_TERMS, 1.0),
+        description=f"Weight of each loss term ({', '.join(LOSS_TERMS)}) in the total; a term left out weighs 1.0.",
     )
     num_inference_steps: int = Field(10, ge=1, description="Euler steps in sample_actions.")
+
+    @field_validator("loss_weighting")
+    @classmethod
+    def _weigh_every_term(cls, weights: dict[str, float]) -> dict[str, float]:
+        # The one place a term's default weight is stated; unknown terms are reported by rules.py.
+        return {**dict.fromkeys(LOSS_TERMS, 1.0), **weights}
 
 
 class DatasetConfig(Section):

@@ -1,13 +1,52 @@
-"""Every rule that `train` checks before spawning a process; `config validate` runs exactly this."""
+"""Every rule that decides, before any process starts, whether a launch may run (docs/ARCHITECTURE.md, "Rules").
+
+`validate` checks the config against itself, the Accelerate setup and a `Machine`, and runs the data and policy
+checks it is handed (`opentau_cli.plan` composes them: this package imports neither `data` nor `policies`).
+`config validate`, `train`, `resume` and `profile` all reach it through `opentau_cli.plan.check_launch`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 from opentau_cli.config.accelerate import AccelerateSetup
-from opentau_cli.config.model import DEMO_DATASET, TrainConfig
+from opentau_cli.config.model import DEMO_DATASET, LOSS_TERMS, TrainConfig
 from opentau_cli.errors import UserError
+
+# A check of another package (the dataset's meta files, the policy's build): the problems it finds, [] when none.
+Check = Callable[[TrainConfig], list[str]]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The machine a launch is checked for: this one (`Machine.this()`), or a target described by its GPU count."""
+
+    cuda: bool
+    gpus: int  # visible CUDA devices
+    target: bool = False  # described with `config validate --gpus N` rather than looked up
+
+    @classmethod
+    def this(cls) -> "Machine":
+        import torch
+
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0)
+
+    @classmethod
+    def with_gpus(cls, gpus: int) -> "Machine":
+        if gpus < 0:
+            raise UserError(f"--gpus must be 0 or more (the number of visible CUDA GPUs of the target machine), got {gpus}.")
+        return cls(cuda=gpus > 0, gpus=gpus, target=True)
+
+    @property
+    def where(self) -> str:
+        return "the target machine" if self.target else "this machine"
+
+    def describe(self) -> str:
+        gpus = f"{self.gpus} CUDA GPU{'s' if self.gpus > 1 else ''}" if self.gpus else "no CUDA GPU"
+        return f"a machine with {gpus} (--gpus {self.gpus})" if self.target else f"this machine ({gpus})"
 
 
 @dataclass
@@ -16,6 +55,7 @@ class Validated:
 
     config: TrainConfig
     accelerate: AccelerateSetup
+    machine: Machine
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -29,23 +69,16 @@ def cuda_is_available() -> bool:
     return torch.cuda.is_available()
 
 
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def output_dir_in_use(path: Path) -> bool:
     return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
 
-def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool | None = None,
-             gpu_count: int | None = None) -> Validated:
-    """Check cfg against itself and the launch; returns a possibly adjusted copy. All problems are reported at once.
+def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks: Sequence[Check] = ()) -> Validated:
+    """Check cfg against itself, the launch and the machine, then run `checks`; returns a possibly adjusted copy.
 
-    cuda_available / gpu_count stand in for this machine's GPUs (tests); by default they are looked up."""
+    All problems are reported at once, in one UserError."""
     cfg = cfg.model_copy(deep=True)
-    cuda = cuda_is_available() if cuda_available is None else cuda_available
+    cuda = machine.cuda
     errors: list[str] = []
     warnings: list[str] = []
     zero3 = accel.backend == "deepspeed" and accel.zero_stage == 3
@@ -74,15 +107,12 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool |
         if p is not None and not Path(p).exists():
             errors.append(f"policy.{name} '{p}' does not exist.")
     for term in cfg.policy.loss_weighting:
-        if term not in ("mse", "ce"):
-            errors.append(f"policy.loss_weighting has unknown term '{term}' (known: mse, ce).")
+        if term not in LOSS_TERMS:
+            errors.append(f"policy.loss_weighting has unknown term '{term}' (known: {', '.join(LOSS_TERMS)}).")
 
     # Data and validation.
     if cfg.dataset.root != DEMO_DATASET and not Path(cfg.dataset.root).is_dir():
         errors.append(f"dataset.root '{cfg.dataset.root}' is not a directory (use '{DEMO_DATASET}' for the bundled demo data).")
-    from opentau_cli.data.check import check_dataset  # late: data imports torch/pyarrow, config stays light
-
-    errors.extend(check_dataset(cfg))
     if cfg.validation.val_freq > 0 and cfg.validation.val_split == 0:
         errors.append("validation.val_freq > 0 needs held-out episodes: set validation.val_split (e.g. 0.1).")
 
@@ -90,19 +120,24 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool |
     if cfg.scheduler.type == "cosine_with_warmup" and cfg.scheduler.warmup_steps >= cfg.steps:
         warnings.append(f"scheduler.warmup_steps ({cfg.scheduler.warmup_steps}) >= steps ({cfg.steps}): the run never leaves warm-up.")
 
-    # Launch.
+    # Launch and machine.
+    if cfg.policy.preset == "pi05" and not cuda:
+        errors.append(
+            f"The pi05 preset (~3.3B parameters) needs CUDA GPUs: none is visible on {machine.where}, and on CPU it would "
+            f"need about 55 GB of memory and minutes per step. On {machine.where} use configs/examples/pi05_tiny_config.json "
+            "(or --policy.preset=pi05_small)."
+        )
     if accel.backend == "fsdp" and not cuda:
         errors.append(
-            "FSDP needs CUDA GPUs and none are visible; Accelerate would silently run a single process. "
-            "Use an accelerate config with DDP or DeepSpeed on this machine."
+            f"FSDP needs CUDA GPUs and none are visible on {machine.where}; Accelerate would silently run a single process. "
+            f"Use an accelerate config with DDP or DeepSpeed on {machine.where}."
         )
-    gpus = visible_gpus() if gpu_count is None else gpu_count
     per_machine = accel.num_processes // max(1, accel.num_machines)
-    if cuda and accel.backend != "single" and 0 < gpus < per_machine:
+    if cuda and accel.backend != "single" and machine.gpus < per_machine:
         # Accelerate would start them all and every rank past the last GPU would fail on an invalid device.
         errors.append(
-            f"{accel.path or 'the accelerate config'} starts {per_machine} processes per machine but this machine has "
-            f"{gpus} visible GPU(s); set num_processes to {gpus * max(1, accel.num_machines)} in a copy of that file."
+            f"{accel.path or 'the accelerate config'} starts {per_machine} processes per machine but {machine.where} has "
+            f"{machine.gpus} visible GPU(s); set num_processes to {machine.gpus * max(1, accel.num_machines)} in a copy of that file."
         )
     if accel.mixed_precision == "fp16" and not cuda:
         errors.append("mixed_precision 'fp16' needs CUDA; use 'bf16' or 'no' on CPU.")
@@ -130,8 +165,11 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, *, cuda_available: bool |
             "pick another --output_dir, or pass --overwrite=true."
         )
 
+    for check in checks:
+        errors.extend(check(cfg))
+
     if errors:
         if len(errors) == 1:
             raise UserError(errors[0])
         raise UserError("The config has problems:\n  " + "\n  ".join(errors))
-    return Validated(config=cfg, accelerate=accel, warnings=warnings)
+    return Validated(config=cfg, accelerate=accel, machine=machine, warnings=warnings)

@@ -61,11 +61,11 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
     root = resolve_dataset_root(cfg.dataset.root)
     train_eps, val_eps = split_episodes(root, cfg.validation.val_split, cfg.seed, cfg.dataset.episodes)
     train = make_dataset(cfg, root, train_eps)
-    if train.state_dim > cfg.policy.max_state_dim or train.action_dim > cfg.policy.max_action_dim:
-        raise UserError(
-            f"{root}: state/action width {train.state_dim}/{train.action_dim} exceeds policy.max_state_dim/max_action_dim "
-            f"{cfg.policy.max_state_dim}/{cfg.policy.max_action_dim}."
-        )
+    # The widths against policy.max_*_dim were checked before launch from meta/info.json (data/check.py): hold the
+    # data to what its meta declares, so that check stands for the rows themselves.
+    for key, width in ((cfg.dataset.state_key, train.state_dim), (cfg.dataset.action_key, train.action_dim)):
+        if width != train.meta.width(key):
+            raise UserError(f"{root}: '{key}' rows are {width} wide but meta/info.json declares {train.meta.width(key)}.")
     micro = cfg.per_device_batch_size or cfg.batch_size
     pin = torch.cuda.is_available()
     sampler = ResumableSampler(len(train), seed=cfg.seed, rank=rank, world_size=world_size, shuffle=True)

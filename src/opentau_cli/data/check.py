@@ -26,7 +26,7 @@ def check_dataset(cfg: TrainConfig) -> list[str]:
         root = demo_root()
         info = demo_info()
         meta = DatasetMeta(root=root, info=info, version=layout_version(info, root), episodes={}, tasks={}, stats=None)
-        known_eps = None
+        known_eps = set(range(info["total_episodes"]))
     else:
         root = demo_root() if d.root == DEMO_DATASET else Path(d.root)
         if not root.is_dir():
@@ -57,7 +57,7 @@ def check_dataset(cfg: TrainConfig) -> list[str]:
     videos = [f for f in slots if f and meta.features[f].get("dtype") == "video"]
     if videos and not pyav_available():
         errors.append(f"{root / 'meta/info.json'}: cameras {', '.join(videos)} are mp4 video, which needs PyAV: {INSTALL_HINT}.")
-    if known_eps is not None and d.episodes is not None:
+    if d.episodes is not None:
         missing = sorted(set(d.episodes) - known_eps)
         if missing:
             errors.append(f"dataset.episodes {missing} are not in {root / 'meta'} (it has {len(known_eps)} episodes).")

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.config import AccelerateSetup, TrainConfig, resolve_accelerate_config, validate
+from opentau_cli.config import AccelerateSetup, Machine, TrainConfig, resolve_accelerate_config
 from opentau_cli.errors import UserError
+from opentau_cli.plan import check_launch
 from opentau_cli.profiling.launcher import OutOfMemory, launch_profile
 from opentau_cli.profiling.stats import compare_row, summarize
 from opentau_cli.units import parse_size
@@ -60,7 +61,7 @@ def for_profile(cfg: TrainConfig, opts: ProfileOptions, run_dir: Path) -> TrainC
 
 
 def _check(cfg: TrainConfig, accel: AccelerateSetup):
-    checked = validate(cfg, accel)
+    checked = check_launch(cfg, accel, Machine.this())  # exactly what `train` refuses on this machine
     # Short profiles always end inside the LR warm-up; saying so would only be noise.
     checked.warnings = [w for w in checked.warnings if not w.startswith("scheduler.warmup_steps")]
     return checked

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -340,13 +339,3 @@ def run_steps(cfg: TrainConfig, setup: AccelerateSetup, steps: int, timer: Phase
             timer.reset()
         trainer.train_step(timer)
     return trainer
-
-
-def setup_from_dict(d: dict) -> AccelerateSetup:
-    d = dict(d)
-    d["path"] = None if d.get("path") is None else os.fspath(d["path"])
-    from pathlib import Path
-
-    if d["path"] is not None:
-        d["path"] = Path(d["path"])
-    return AccelerateSetup(**d)

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     console = redirect_output(Path(launch["log_dir"]), rank)
 
     from opentau_cli.config import TrainConfig
-    from opentau_cli.train.trainer import setup_from_dict
+    from opentau_cli.config import setup_from_dict
 
     try:
         cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))

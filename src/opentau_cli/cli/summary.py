@@ -1,8 +1,8 @@
-"""The short resolved summary printed by `config validate` and before training."""
+"""The short resolved summary that `config validate` prints, and `train` / `resume` before launching."""
 
 from __future__ import annotations
 
-from opentau_cli.config.rules import Validated
+from opentau_cli.plan import RunPlan
 
 
 def _human(count: int) -> str:
@@ -12,18 +12,19 @@ def _human(count: int) -> str:
     return str(count)
 
 
-def parameter_row(cfg) -> str:
+def parameter_row(policy_cfg) -> str:
     """Total and trainable parameters of the configured policy (built on the meta device: no memory, no weights)."""
     from opentau_cli.policies import count_parameters
 
-    counts = count_parameters(cfg.policy)
+    counts = count_parameters(policy_cfg)
     return f"{_human(counts['total'])} total, {_human(counts['trainable'])} trainable ({counts['total']:,} / {counts['trainable']:,})"
 
 
-def summary_rows(checked: Validated) -> list[tuple[str, str]]:
+def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
+    checked = plan.checked
     cfg, accel = checked.config, checked.accelerate
     source = str(accel.path) if accel.path else "none (single process)"
-    return [
+    rows = [
         ("backend", accel.label),
         ("accelerate config", source),
         ("world size", f"{accel.world_size} ({accel.num_machines} machine{'s' if accel.num_machines > 1 else ''})"),
@@ -36,12 +37,16 @@ def summary_rows(checked: Validated) -> list[tuple[str, str]]:
         ("steps", str(cfg.steps)),
         ("output dir", str(cfg.output_dir)),
         ("policy", f"{cfg.policy.type} (preset {cfg.policy.preset})"),
-        ("parameters", parameter_row(cfg)),
+        ("parameters", parameter_row(cfg.policy)),
         ("dataset", cfg.dataset.root),
     ]
+    if plan.resume_from:
+        rows.append(("resume from", str(plan.resume_from)))
+    rows.append(("checked for", checked.machine.describe()))
+    return rows
 
 
-def summarize(checked: Validated) -> str:
-    rows = summary_rows(checked)
+def summarize(plan: RunPlan, heading: str = "Config OK") -> str:
+    rows = summary_rows(plan)
     width = max(len(k) for k, _ in rows)
-    return "Config OK\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+    return heading + "\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

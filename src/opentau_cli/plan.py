@@ -1,0 +1,108 @@
+"""Decide a launch before any process starts: the config, its Accelerate setup, every rule, and for a resume the
+checkpoint it continues.
+
+`config validate`, `train`, `resume` and `profile` all come through `check_launch`, so they refuse exactly the
+same things (docs/ARCHITECTURE.md, "Rules"). This is the layer above `config`: it hands the config rules the data
+and policy checks, and adds the checkpoint's resume checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opentau_cli.checkpoint.manager import (
+    TRAIN_CONFIG, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
+)
+from opentau_cli.config import (
+    AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
+    validate,
+)
+from opentau_cli.data.check import check_dataset
+from opentau_cli.errors import UserError
+
+
+def check_policy(cfg: TrainConfig) -> list[str]:
+    """What the policy refuses to be built from (an image size its vision tower cannot patch, more action bins than
+    its vocabulary), found by building it on the meta device: no memory, no weights, well under a second."""
+    from opentau_cli.policies import count_parameters  # torch and transformers: only once the config itself loaded
+
+    try:
+        count_parameters(cfg.policy)
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
+# The checks of other packages that the config rules run with their own.
+LAUNCH_CHECKS = (check_dataset, check_policy)
+
+
+def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:
+    """Every rule a launch must pass on `machine` (resume checks aside): raises one UserError naming every problem."""
+    return validate(cfg, setup, machine, LAUNCH_CHECKS)
+
+
+@dataclass
+class RunPlan:
+    """Everything a launch needs, decided before any process starts."""
+
+    checked: Validated
+    resume_from: Path | None = None
+    notes: list[str] = field(default_factory=list)
+    finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.checked.config
+
+    @property
+    def setup(self) -> AccelerateSetup:
+        return self.checked.accelerate
+
+
+def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None) -> RunPlan:
+    """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest).
+
+    `machine` is the one the rules check for; by default this one."""
+    machine = machine or Machine.this()
+    overrides = parse_overrides(args)
+    cfg = load_config(config_path, overrides)
+    if not cfg.resume:
+        return RunPlan(checked=check_launch(cfg, resolve_accelerate_config(accelerate_config), machine))
+    source = Path(cfg.config_path).parent if cfg.config_path else None
+    if source is not None and is_checkpoint_dir(source):
+        ckpt = find_checkpoint(source)
+    else:
+        ckpt = find_checkpoint(cfg.output_dir)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine)
+
+
+def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None) -> RunPlan:
+    """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
+    ckpt = find_checkpoint(target)
+    overrides = parse_overrides(args)
+    cfg = load_config(ckpt / TRAIN_CONFIG, {**overrides, "resume": "true"})
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this())
+
+
+def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine) -> RunPlan:
+    notes = []
+    if "output_dir" not in overrides:
+        cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
+    if accelerate_config is not None:
+        setup = resolve_accelerate_config(accelerate_config)
+    else:
+        # The launch the checkpoint was saved under, so `opentau resume RUN` needs no flags.
+        saved = read_training_state(ckpt).get("accelerate")
+        if not saved:
+            raise UserError(f"Checkpoint '{ckpt}' does not record its launch; pass --accelerate-config.")
+        setup = setup_from_dict(saved)
+        notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
+    checked = check_launch(cfg, setup, machine)
+    state = check_resumable(ckpt, checked.config, setup)
+    done = int(state.get("step", 0)) >= checked.config.steps
+    if done:
+        notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
+                     "(pass a larger --steps to train further).")
+    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done)

@@ -1,0 +1,187 @@
+"""`config validate` refuses exactly what `train` refuses before spawning: same exit code, same words.
+
+Both commands run in-process on the real CLI app. The machine they check for is pinned (`Machine.this`), so a case
+means the same on a laptop and on a GPU box; `launch.run` is replaced by a tripwire, because every case here must be
+refused before a launch (a case that got through would otherwise start a real run).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import EXAMPLES
+from opentau_cli import launch
+from opentau_cli.cli.main import app
+from opentau_cli.config import Machine
+from opentau_cli.data.synth import write_synth
+
+TINY = str(EXAMPLES / "pi05_tiny_config.json")
+FULL = str(EXAMPLES / "pi05_config.json")
+CPU_ZERO3 = str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")
+DDP8 = str(EXAMPLES / "accelerate_ddp_config.yaml")
+NO_GPU = Machine(cuda=False, gpus=0)
+TWO_GPUS = Machine(cuda=True, gpus=2)
+
+YAMLS = {
+    "fsdp.yaml": "distributed_type: FSDP\nnum_processes: 2\n",
+    "fp16.yaml": "distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: fp16\n",
+    "fp8.yaml": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n",
+    "two_machines.yaml": "distributed_type: MULTI_GPU\nnum_processes: 4\nnum_machines: 2\n",
+    "bad.yaml": "distributed_type: [unclosed\n",
+}
+
+
+class Case(NamedTuple):
+    """A refusal: the config file and arguments of both commands, the machine they check for, modules that are absent
+    (an optional dependency not installed). "{tmp}" is the test's scratch directory; a case gets a fresh
+    --output_dir unless it names one."""
+
+    id: str
+    config: str
+    args: list[str]
+    machine: Machine = NO_GPU
+    absent: tuple[str, ...] = ()
+
+    def command_args(self, tmp) -> tuple[str, list[str]]:
+        args = [a.replace("{tmp}", str(tmp)) for a in self.args]
+        if not any(a.startswith("--output_dir=") for a in args):
+            args.append(f"--output_dir={tmp / 'run'}")
+        return self.config.replace("{tmp}", str(tmp)), args
+
+
+# Every refusal `train` can make before it spawns a process.
+CASES = [
+    Case("missing config file", "{tmp}/missing.json", []),
+    Case("malformed json", "{tmp}/bad.json", []),
+    Case("unknown override key", TINY, ["--policy.chunk_sise=3"]),
+    Case("stray argument", TINY, ["stray"]),
+    Case("value out of range", TINY, ["--steps=0"]),
+    Case("missing accelerate config", TINY, ["--accelerate-config={tmp}/none.yaml"]),
+    Case("malformed accelerate config", TINY, ["--accelerate-config={tmp}/bad.yaml"]),
+    Case("batch arithmetic", TINY, ["--per_device_batch_size=3"]),
+    Case("n_action_steps over chunk_size", TINY, ["--policy.n_action_steps=20"]),
+    Case("zero3 with gradient checkpointing", TINY, [f"--accelerate-config={CPU_ZERO3}", "--policy.gradient_checkpointing=true"]),
+    Case("missing pretrained weights", TINY, ["--policy.pretrained_path={tmp}/nope.safetensors"]),
+    Case("missing tokenizer", TINY, ["--policy.tokenizer_path={tmp}/no_tokenizer"]),
+    Case("unknown loss term", TINY, ['--policy.loss_weighting={"l1": 1.0}']),
+    Case("image size the vision tower cannot patch", TINY, ["--policy.image_resolution=[36,36]"]),
+    Case("more action bins than the vocabulary", TINY, ["--policy.discrete_action_loss=true", "--policy.discrete_action_bins=2000"]),
+    Case("dataset root is not a directory", TINY, ["--dataset.root={tmp}/no_data"]),
+    Case("dataset without meta/info.json", TINY, ["--dataset.root={tmp}/empty"]),
+    Case("state key not in the dataset", TINY, ["--dataset.state_key=observation.stat"]),
+    Case("state wider than max_state_dim", TINY, ["--policy.max_state_dim=2"]),
+    Case("more cameras than camera slots", TINY, ["--dataset.root={tmp}/two_cameras"]),
+    Case("video without PyAV", TINY, ["--dataset.root={tmp}/video"], absent=("av",)),
+    Case("camera mapped to a missing slot", TINY, ['--dataset.camera_keys={"observation.images.camera0": "camera3"}']),
+    Case("episodes not in the dataset", TINY, ["--dataset.episodes=[0,999]"]),
+    Case("validation without held-out episodes", TINY, ["--validation.val_split=0"]),
+    Case("full pi05 preset without cuda", FULL, []),
+    Case("fsdp without cuda", TINY, ["--accelerate-config={tmp}/fsdp.yaml"]),
+    Case("fp16 without cuda", TINY, ["--accelerate-config={tmp}/fp16.yaml"]),
+    Case("fp8", TINY, ["--accelerate-config={tmp}/fp8.yaml"], TWO_GPUS),
+    Case("more processes than gpus", TINY, [f"--accelerate-config={DDP8}"], TWO_GPUS),
+    Case("two machines without main_process_ip", TINY, ["--accelerate-config={tmp}/two_machines.yaml"], TWO_GPUS),
+    Case("output dir in use", TINY, ["--output_dir={tmp}/used"]),
+    Case("resume without a checkpoint", TINY, ["--resume=true", "--output_dir={tmp}/empty_run"]),
+    Case("several problems at once", FULL, ["--policy.n_action_steps=99", "--accelerate-config={tmp}/fsdp.yaml", "--dataset.root={tmp}/empty"]),
+]
+
+
+@pytest.fixture
+def inputs(isolated_env):
+    tmp = isolated_env
+    (tmp / "bad.json").write_text('{"steps": 10,,}')
+    for name, text in YAMLS.items():
+        (tmp / name).write_text(text)
+    (tmp / "empty").mkdir()
+    (tmp / "used").mkdir()
+    (tmp / "used" / "metrics.jsonl").write_text("{}\n")
+    write_synth(tmp / "two_cameras", episodes=2, steps_per_episode=4, cameras=2)
+    write_synth(tmp / "video", episodes=2, steps_per_episode=4, video=True)
+    return tmp
+
+
+def pin(mp: pytest.MonkeyPatch, machine: Machine, absent: tuple[str, ...] = ()) -> None:
+    """Pin the machine both commands check for and hide the modules a case says are not installed."""
+    mp.setattr(Machine, "this", classmethod(lambda cls: machine))
+    for name in absent:
+        mp.setitem(sys.modules, name, None)  # `import name` now raises ImportError, as when not installed
+
+
+@pytest.fixture(autouse=True)
+def tripwire(monkeypatch):
+    def launched(*_args, **_kwargs):
+        raise AssertionError("train got past its checks and would have launched")
+
+    monkeypatch.setattr(launch, "run", launched)
+
+
+def train_and_validate(config: str, args: list[str]):
+    runner = CliRunner()
+    train = runner.invoke(app, ["train", f"--config_path={config}", *args])
+    validate = runner.invoke(app, ["config", "validate", config, *args])
+    return train, validate
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_config_validate_refuses_what_train_refuses_with_the_same_exit_code_and_message(inputs, monkeypatch, case):
+    pin(monkeypatch, case.machine, case.absent)
+    train, validate = train_and_validate(*case.command_args(inputs))
+    assert train.exception is None or isinstance(train.exception, SystemExit), train.exception
+    assert train.exit_code == 2, train.output
+    assert "Error: " in train.stderr and "Traceback" not in train.output
+    assert (validate.exit_code, validate.stderr) == (train.exit_code, train.stderr)
+    assert validate.stdout == ""  # no "Config OK"
+    assert not (inputs / "run").exists()  # nothing written
+
+
+def rule_messages(module) -> list[str]:
+    """The longest literal piece of each message a module appends to its `errors` list."""
+    import ast
+    from pathlib import Path
+
+    pieces = []
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "append" and getattr(node.func.value, "id", None) == "errors":
+            arg = node.args[0]
+            parts = arg.values if isinstance(arg, ast.JoinedStr) else [arg]
+            literal = [p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)]
+            if literal:
+                pieces.append(max(literal, key=len).strip())
+    return pieces
+
+
+def test_the_cases_reach_every_refusal_of_the_rules_and_the_dataset_check(inputs):
+    """A rule added to rules.py or data/check.py without a case above fails here."""
+    import opentau_cli.config.rules as rules
+    import opentau_cli.data.check as check
+
+    said = []
+    for case in CASES:
+        with pytest.MonkeyPatch.context() as mp:
+            pin(mp, case.machine, case.absent)
+            config, args = case.command_args(inputs)
+            said.append(CliRunner().invoke(app, ["config", "validate", config, *args]).stderr)
+    text = "\n".join(said)
+    messages = rule_messages(rules) + rule_messages(check)
+    assert len(messages) >= 15  # the walk still finds the messages
+    assert [m for m in messages if m not in text] == []
+
+
+def test_validate_for_a_target_machine_makes_the_refusal_train_makes_there(inputs, monkeypatch):
+    """`--gpus N` checks for a machine with N GPUs: on a 2-GPU box `train` refuses the 8-process YAML, and so does
+    `config validate --gpus 2` anywhere, saying it checked for the target machine."""
+    pin(monkeypatch, TWO_GPUS)
+    out = f"--output_dir={inputs / 'run'}"
+    train, _ = train_and_validate(TINY, [f"--accelerate-config={DDP8}", out])
+    pin(monkeypatch, NO_GPU)
+    target = CliRunner().invoke(app, ["config", "validate", TINY, f"--accelerate-config={DDP8}", "--gpus", "2", out])
+    assert train.exit_code == target.exit_code == 2
+    assert train.stderr.replace("this machine", "the target machine") == target.stderr
+    ok = CliRunner().invoke(app, ["config", "validate", FULL, f"--accelerate-config={DDP8}", "--gpus", "8", out])
+    assert ok.exit_code == 0, ok.output
+    assert "checked for        a machine with 8 CUDA GPUs (--gpus 8)" in ok.stdout
