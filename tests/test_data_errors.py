@@ -158,3 +158,25 @@ def test_checking_the_demo_before_it_exists_writes_nothing_and_still_checks_widt
     errors = check_dataset(load_config(TINY, ["--policy.max_action_dim=1"]))
     assert len(errors) == 1 and "'action' is 2 wide but policy.max_action_dim is 1" in errors[0]
     assert not (tmp_path / "cache").exists()
+
+
+def test_rows_wider_than_their_declared_shape_are_refused_when_the_data_is_built(copy, tmp_path):
+    """The widths against policy.max_*_dim are checked from meta/info.json before launch; the data must then match it."""
+    from opentau_cli.data import build_data
+
+    info_path = copy / "meta" / "info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.state"]["shape"] = [3]  # the rows hold 4 numbers
+    info_path.write_text(json.dumps(info))
+    cfg = load_config(TINY, [f"--dataset.root={copy}", "--validation.val_split=0", "--validation.val_freq=0"], environ={})
+    assert check_dataset(cfg) == []
+    with pytest.raises(UserError, match=r"'observation.state' rows are 4 wide but meta/info.json declares 3"):
+        build_data(cfg)
+
+
+def test_episodes_of_the_demo_are_checked_before_it_exists(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path / "cache"))
+    assert check_dataset(load_config(TINY, ["--dataset.episodes=[0,39]"])) == []
+    errors = check_dataset(load_config(TINY, ["--dataset.episodes=[0,40]"]))
+    assert len(errors) == 1 and "dataset.episodes [40] are not in" in errors[0] and "(it has 40 episodes)" in errors[0]
+    assert not (tmp_path / "cache").exists()
