@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opentau_cli.checkpoint.manager import (
-    TRAIN_CONFIG, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
-)
+from opentau_cli.checkpoint.layout import TRAIN_CONFIG
+from opentau_cli.checkpoint.manager import check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
     validate,
