@@ -13,7 +13,10 @@ from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 from opentau_cli.policies import build_policy, count_parameters, load_pretrained
 
-STATS = {"state": {"mean": [0.5, -1.0, 2.0, 0.0], "std": [2.0, 0.5, 1.0, 3.0]}, "action": {"mean": [1.0, 0.0, -2.0], "std": [0.5, 2.0, 1.0]}}
+STATS = {
+    "state": {"mean": [0.5, -1.0, 2.0, 0.0], "std": [2.0, 0.5, 1.0, 3.0], "q01": [-1.5, -2.0, 0.0, -6.0], "q99": [2.5, 0.0, 4.0, 6.0]},
+    "action": {"mean": [1.0, 0.0, -2.0], "std": [0.5, 2.0, 1.0], "q01": [0.0, -4.0, -4.0], "q99": [2.0, 4.0, 0.0]},
+}
 
 
 @pytest.fixture(autouse=True)
@@ -169,11 +172,15 @@ def test_padded_action_steps_and_padded_dims_get_no_loss_gradient():
     policy = build_policy(tiny_cfg())
     captured = {}
 
-    def keep(module, args, output):
-        output.retain_grad()
-        captured["velocity"] = output
+    run_expert = policy._run_expert
 
-    policy.action_out_proj.register_forward_hook(keep)
+    def keep(*args):
+        velocity = run_expert(*args)
+        velocity.retain_grad()
+        captured["velocity"] = velocity
+        return velocity
+
+    policy._run_expert = keep
     policy(make_batch())["loss"].backward()
     grad = captured["velocity"].grad  # (batch, chunk, max_action_dim)
     assert grad[0, 6:].abs().sum() == 0  # past episode 0's end
@@ -189,7 +196,8 @@ def test_state_dict_round_trips_through_safetensors_bit_exactly_with_its_stats(t
             p.add_(torch.randn_like(p) * 0.01)  # not the init values
     path = tmp_path / "model.safetensors"
     save_file(policy.state_dict(), str(path))
-    assert {"state_mean", "state_std", "action_mean", "action_std", "action_dim"} <= set(load_file(str(path)))
+    assert {"state_mean", "state_std", "state_q01", "state_q99", "action_mean", "action_std", "action_q01", "action_q99",
+            "action_dim"} <= set(load_file(str(path)))
 
     torch.manual_seed(123)
     fresh = build_policy(tiny_cfg(discrete_action_loss=True))  # no stats: the checkpoint alone must carry them
@@ -227,7 +235,7 @@ def test_load_pretrained_reads_hugging_face_shards_with_an_index(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     fresh = build_policy(tiny_cfg())
     assert load_pretrained(fresh, tmp_path).clean
-    assert torch.equal(fresh.action_std, policy.action_std)
+    assert torch.equal(fresh.action_std, policy.action_std) and torch.equal(fresh.action_q99, policy.action_q99)
 
 
 def test_load_pretrained_refuses_a_missing_path_and_a_corrupt_file(tmp_path):
@@ -248,11 +256,12 @@ def test_byte_tokenizer_prompt_holds_task_bytes_then_one_token_per_state_bin():
     policy = build_policy(tiny_cfg(), stats=STATS)
     batch = make_batch(batch_size=1)
     batch["task"] = ["ab"]
-    batch["state"] = torch.tensor([[0.5, -1.0, 2.0 + 3.0, -100.0]])  # normalized: 0, 0, +3 std (top bin), clipped low
+    # Quantile-normalized: 0.004 (bin 128), 0.504 (bin 192), 1.5 (top bin), far below -1 (openpi's -1: the lowest id here).
+    batch["state"] = torch.tensor([[0.508, -0.496, 5.0, -100.0]])
     inputs = policy._prepare(batch, with_actions=False)
     ids = inputs["input_ids"][0].tolist()
     assert ids[:3] == [1, 3 + ord("a"), 3 + ord("b")]
-    assert ids[3:7] == [259 + 128, 259 + 128, 259 + 255, 259 + 0]
+    assert ids[3:7] == [259 + 128, 259 + 192, 259 + 255, 259 + 0]
     assert ids[7:] == [0] * (48 - 7) and inputs["text_valid"][0].sum() == 7
 
 
@@ -282,7 +291,7 @@ def test_a_local_hugging_face_tokenizer_directory_is_used_with_the_state_as_numb
     policy = build_policy(tiny_cfg(tokenizer_path=tmp_path / "tok", tokenizer_max_length=48), stats=STATS)
     batch = make_batch(batch_size=1)
     batch["task"] = ["pick up the cube"]
-    batch["state"] = torch.tensor([[0.5, -1.0, 2.0, 0.0]])  # all at the mean: bin 128
+    batch["state"] = torch.tensor([[0.508, -0.996, 2.008, 0.024]])  # each 0.004 above its q01..q99 midpoint: bin 128
     ids = policy._prepare(batch, with_actions=False)["input_ids"][0].tolist()
     expected = ["[BOS]", "Task", ":", "pick", "up", "the", "cube", ",", "State", ":", "128", "128", "128", "128", ";", "Action", ":"]
     assert ids[: len(expected)] == [vocab[w] for w in expected]
@@ -300,7 +309,7 @@ def test_a_bad_tokenizer_path_is_a_user_error(tmp_path):
 
 
 def test_stats_wider_than_max_dims_are_a_user_error():
-    wide = {"state": {"mean": [0.0] * 9, "std": [1.0] * 9}, "action": {"mean": [0.0], "std": [1.0]}}
+    wide = {"state": {"q01": [0.0] * 9, "q99": [1.0] * 9}, "action": {"q01": [0.0], "q99": [1.0]}}
     with pytest.raises(UserError, match="state has 9 dims but policy.max_state_dim=8"):
         build_policy(tiny_cfg(), stats=wide)
 

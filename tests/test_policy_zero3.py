@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import json, os, sys
+import json
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo", rank=0, world_size=1)
@@ -19,7 +19,8 @@ from opentau_cli.policies import build_policy
 
 cfg = PolicyConfig(preset="pi05_tiny", chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8,
                    image_resolution=(32, 32), tokenizer_max_length=48, freeze_vision_encoder=False)
-stats = {"state": {"mean": [0.5] * 4, "std": [2.0] * 4}, "action": {"mean": [0.1] * 2, "std": [3.0] * 2}}
+stats = {"state": {"mean": [0.5] * 4, "std": [2.0] * 4, "q01": [-1.0] * 4, "q99": [2.0] * 4},
+         "action": {"mean": [0.1] * 2, "std": [3.0] * 2, "q01": [-3.0] * 2, "q99": [3.0] * 2}}
 ds_config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}}
 with deepspeed.zero.Init(config_dict_or_path=ds_config):
     policy = build_policy(cfg, stats)
@@ -34,8 +35,9 @@ with deepspeed.zero.GatheredParameters([gate, embed]):
         "embed_std": embed.float().std().item(),           # transformers' gathered init (0.02), not garbage
     }
 out["rope_dtype"] = str(policy.vlm.language_model.rotary_emb.inv_freq.dtype)
-out["stats_dtype"] = str(policy.action_std.dtype)
+out["stats_dtype"] = str(policy.action_q99.dtype)
 out["action_std"] = policy.action_std[:2].tolist()
+out["action_q99"] = policy.action_q99[:2].tolist()
 engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
                                   config={**ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
 batch = dict(images=torch.rand(4, 1, 3, 32, 32), image_masks=torch.ones(4, 1, dtype=torch.bool), state=torch.randn(4, 4),
@@ -46,8 +48,9 @@ engine.step()
 out["loss"] = loss.item()
 out["sample_shape"] = list(engine.module.sample_actions(batch).shape)
 print("RESULT" + json.dumps(out), flush=True)
-dist.destroy_process_group()  # then skip native teardown, as opentau's workers do (it can abort after the work is done)
-os._exit(0)
+from opentau_cli.runtime import exit_rank
+
+exit_rank(0)  # as opentau's workers leave: native teardown can abort after the work is done
 """
 
 
@@ -73,5 +76,5 @@ def test_pi05_builds_inside_zero_init_with_its_initial_values_and_trains_a_step(
     assert out["gate_tail"] == 1.0
     assert 0.015 < out["embed_std"] < 0.025
     assert out["rope_dtype"] == "torch.float32" and out["stats_dtype"] == "torch.float32"
-    assert out["action_std"] == [3.0, 3.0]
+    assert out["action_std"] == [3.0, 3.0] and out["action_q99"] == [3.0, 3.0]
     assert out["loss"] == out["loss"] and out["sample_shape"] == [4, 10, 2]  # finite loss (not NaN), real action dims

@@ -1,21 +1,26 @@
-"""pi05 (and pi0) as one torch module built from transformers pieces.
+"""pi05 (and pi0) as one torch module built from transformers pieces, computing what openpi's pi05 computes.
 
 What is reused from transformers: `PI0Config` (sub-configs), `PaliGemmaModel` (SigLIP vision tower, projector, Gemma
 language model), a Gemma model as the action expert, Gemma's attention projections / MLP / RMSNorm / rotary
-embedding, and PI0's sinusoidal time embedding and action-time MLP (for `type: pi0`).
+embedding.
 
 What is written here is what pi05 changes, plus the per-layer control it needs:
 - the prefix (images + prompt) runs through the VLM layers, keeping each layer's keys/values (a KV cache, as in
   transformers' PI0); the expert's layers then attend to that cache and to the action tokens. This equals joint
   attention because the prefix never attends to the suffix;
 - adaRMS: the expert's RMSNorms take scale, shift and a residual gate from the flow-matching time;
-- the robot state is discretized into 256 bins inside the prompt (pi0 instead uses a state token);
+- the robot state, quantile-normalized, is discretized into 256 bins inside the prompt (pi0 instead uses a state
+  token and mean/std normalization);
+- precision as in openpi: the patch and position embeddings, every norm (the adaRMS dense layers too) and the
+  action / time projections compute in fp32 while the rest may run in bf16 (autocast, or bf16 weights);
 - knowledge insulation: the expert sees detached prefix keys/values;
 - an optional cross-entropy loss on uniformly binned action tokens appended to the prefix (a simple stand-in for
   pi05's FAST tokens), causal among themselves and hidden from the expert.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,21 +29,59 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.gemma.modeling_gemma import GemmaModel, GemmaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.paligemma.modeling_paligemma import PaliGemmaModel
-from transformers.models.pi0.modeling_pi0 import PI0ActionTimeEmbedding, PI0TimestepEmbeddings
 
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 from opentau_cli.policies.pi05.configuration import arch_config
-from opentau_cli.policies.pi05.tokenization import STATE_BINS, action_token_id, encode_prompts, load_tokenizer
+from opentau_cli.policies.pi05.normalization import IDENTITY, QUANTILE, STATS_OF, mode_of, normalize, unnormalize
+from opentau_cli.policies.pi05.tokenization import action_token_id, encode_prompts, load_tokenizer, state_bins
 
-# Normalized values (in standard deviations) are clipped to +-DISCRETE_RANGE before uniform binning.
-DISCRETE_RANGE = 3.0
+# Parameters that openpi keeps in fp32 when the rest of the model is bf16 (matched as name fragments): SigLIP's patch
+# and position embeddings, every Gemma norm of the VLM and the expert (the adaRMS dense layers included), and the
+# projections between actions / time and the expert.
+FP32_PARAMETERS = (
+    "vision_tower.embeddings.patch_embedding.", "vision_tower.embeddings.position_embedding.",
+    "input_layernorm.", "post_attention_layernorm.", "language_model.norm.", "expert.norm.",
+    "embed_suffix.", "action_out_proj.",
+)
+STATS = ("mean", "std", "q01", "q99")
+# Bins of the optional discrete action tokens span the normalized range holding nearly every value.
+DISCRETE_RANGE = {QUANTILE: 1.0, "mean_std": 3.0}
 
 
-def discretize(x: torch.Tensor, bins: int) -> torch.Tensor:
-    """Uniform bins over [-DISCRETE_RANGE, DISCRETE_RANGE] of a normalized value."""
-    scaled = (x.float().clamp(-DISCRETE_RANGE, DISCRETE_RANGE) + DISCRETE_RANGE) / (2 * DISCRETE_RANGE)
+def discretize(x: torch.Tensor, bins: int, limit: float) -> torch.Tensor:
+    """Uniform bins over [-limit, limit] of a normalized value (clipped)."""
+    scaled = (x.float().clamp(-limit, limit) + limit) / (2 * limit)
     return (scaled * bins).long().clamp(0, bins - 1)
+
+
+def no_autocast(like: torch.Tensor):
+    return torch.autocast(like.device.type, enabled=False)
+
+
+# The fp32 layers compute inside their own forward, where ZeRO-3 has gathered their parameters.
+class Fp32Linear(nn.Linear):
+    """A Linear that computes in fp32 whatever the surrounding autocast, its weights upcast where stored in bf16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with no_autocast(x):
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+class Fp32Conv2d(nn.Conv2d):
+    """SigLIP's patch embedding, computed in fp32 like Fp32Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with no_autocast(x):
+            return self._conv_forward(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+def time_embedding(time: torch.Tensor, width: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
+    """Sine-cosine embedding of the flow time (periods 4e-3..4, sines then cosines), computed in float64 as openpi does."""
+    fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float64, device=time.device)
+    period = min_period * (max_period / min_period) ** fraction
+    angle = (1.0 / period * 2 * math.pi)[None, :] * time.double()[:, None]
+    return torch.cat([angle.sin(), angle.cos()], dim=1).float()
 
 
 class AdaRMS(nn.Module):  # not named *RMSNorm: transformers would re-init it as a plain norm (gate 0)
@@ -63,27 +106,48 @@ class AdaRMS(nn.Module):  # not named *RMSNorm: transformers would re-init it as
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        modulation = F.linear(cond, self.weight, self.bias).float()[:, None, :]
+        with no_autocast(x):
+            modulation = F.linear(cond.float(), self.weight.float(), self.bias.float())[:, None, :]
         scale, shift, gate = modulation.split(self.dim, dim=-1)
         return (normed * (1 + scale) + shift).to(x.dtype), gate.to(x.dtype)
 
 
 class Pi05TimeEmbedding(nn.Module):
-    """Noisy actions -> expert tokens; time -> the adaRMS conditioning (sinusoid, then a 2-layer MLP)."""
+    """Noisy actions -> expert tokens; time -> the adaRMS conditioning (sinusoid, then a 2-layer MLP). All in fp32."""
 
     def __init__(self, arch):
         super().__init__()
-        width = arch.dit_config.hidden_size
-        self.sinusoid_embeds = PI0TimestepEmbeddings(arch)
-        self.action_in_proj = nn.Linear(arch.max_action_dim, width)
-        self.time_mlp_in = nn.Linear(width, width)
-        self.time_mlp_out = nn.Linear(width, width)
+        self.width = arch.dit_config.hidden_size
+        self.action_in_proj = Fp32Linear(arch.max_action_dim, self.width)
+        self.time_mlp_in = Fp32Linear(self.width, self.width)
+        self.time_mlp_out = Fp32Linear(self.width, self.width)
 
     def forward(self, noisy_actions: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.action_in_proj(noisy_actions)
-        cond = self.sinusoid_embeds(time.float()).to(tokens.dtype)
-        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(cond))))
+        cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_embedding(time, self.width)))))
         return tokens, cond
+
+
+class Pi0ActionTimeEmbedding(nn.Module):
+    """pi0's suffix: a state token, then each noisy action fused with the time embedding by a 2-layer MLP. All in fp32.
+
+    Parameter names as in transformers' PI0ActionTimeEmbedding (the LeRobot pi0 layout); written here to compute in
+    fp32 with openpi's float64 time embedding.
+    """
+
+    def __init__(self, arch):
+        super().__init__()
+        self.width = width = arch.dit_config.hidden_size
+        self.action_in_proj = Fp32Linear(arch.max_action_dim, width)
+        self.state_proj = Fp32Linear(arch.max_state_dim, width)
+        self.action_time_mlp_in = Fp32Linear(2 * width, width)
+        self.action_time_mlp_out = Fp32Linear(width, width)
+
+    def forward(self, state: torch.Tensor, noisy_actions: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        actions = self.action_in_proj(noisy_actions)
+        times = time_embedding(time, self.width)[:, None, :].expand_as(actions)
+        fused = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([actions, times], dim=2))))
+        return torch.cat([self.state_proj(state)[:, None, :], fused], dim=1)
 
 
 def _norm(norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None):
@@ -112,8 +176,7 @@ class Pi05Policy(nn.Module):
     def __init__(self, cfg: PolicyConfig):
         super().__init__()
         self.cfg = cfg
-        if cfg.n_action_steps > cfg.chunk_size:
-            raise UserError(f"policy.n_action_steps={cfg.n_action_steps} exceeds policy.chunk_size={cfg.chunk_size}.")
+        self.norm_mode = mode_of(cfg.type)
         arch = arch_config(cfg)
         # The expert never reads token ids: a 1-row table instead of a vocabulary-sized one, removed below.
         arch.dit_config.vocab_size = 1
@@ -140,14 +203,16 @@ class Pi05Policy(nn.Module):
                 layer.post_attention_layernorm = AdaRMS(width, width)
             self.expert.norm = AdaRMS(width, width)
         else:
-            self.embed_suffix = PI0ActionTimeEmbedding(arch)  # state token + action/time MLP, as in transformers' PI0
-        self.action_out_proj = nn.Linear(arch.dit_config.hidden_size, cfg.max_action_dim)
+            self.embed_suffix = Pi0ActionTimeEmbedding(arch)
+        self.action_out_proj = Fp32Linear(arch.dit_config.hidden_size, cfg.max_action_dim)
+        # Same parameters, an fp32 forward (swapping the class keeps transformers' initial values and any ZeRO-3 partition).
+        self.vlm.vision_tower.embeddings.patch_embedding.__class__ = Fp32Conv2d
 
-        # Dataset statistics travel with the weights; identity until set_stats (or a checkpoint) fills them.
-        self.register_buffer("state_mean", torch.zeros(cfg.max_state_dim))
-        self.register_buffer("state_std", torch.ones(cfg.max_state_dim))
-        self.register_buffer("action_mean", torch.zeros(cfg.max_action_dim))
-        self.register_buffer("action_std", torch.ones(cfg.max_action_dim))
+        # Dataset statistics travel with the weights; identity until set_stats (or a checkpoint) fills them. All four
+        # are kept whichever normalization this type uses, so an exporter can write openpi's norm_stats in full.
+        for key, width in (("state", cfg.max_state_dim), ("action", cfg.max_action_dim)):
+            for stat in STATS:
+                self.register_buffer(f"{key}_{stat}", torch.full((width,), IDENTITY[stat]))
         self.register_buffer("state_dim", torch.tensor([cfg.max_state_dim], dtype=torch.int64))
         self.register_buffer("action_dim", torch.tensor([cfg.max_action_dim], dtype=torch.int64))
 
@@ -163,16 +228,46 @@ class Pi05Policy(nn.Module):
     def language_model(self) -> GemmaModel:
         return self.vlm.language_model
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the bulk of the weights (bf16 under DeepSpeed bf16 or after cast_weights, else fp32)."""
+        return self.language_model.layers[0].self_attn.q_proj.weight.dtype
+
     def set_stats(self, stats: dict) -> None:
-        """Fill the normalization buffers from `{"state": {"mean", "std"}, "action": {...}}` (real dims)."""
+        """Fill the normalization buffers from `{"state": {"mean", "std", "q01", "q99"}, "action": {...}}` (real dims).
+
+        The statistics this type's normalization reads are required (q01/q99 for pi05, mean/std for pi0); the others
+        are kept when given and left at identity otherwise.
+        """
+        needed = STATS_OF[self.norm_mode]
         for key, limit_name in (("state", "max_state_dim"), ("action", "max_action_dim")):
-            mean, std = (torch.as_tensor(stats[key][k], dtype=torch.float32).flatten() for k in ("mean", "std"))
+            given = {k: torch.as_tensor(v, dtype=torch.float32).flatten() for k, v in stats[key].items() if k in STATS}
+            missing = [k for k in needed if k not in given]
+            if missing:
+                raise UserError(f"The {key} statistics lack {'/'.join(missing)}, which {self.cfg.type}'s {self.norm_mode} normalization needs.")
+            width = given[needed[0]].numel()
             limit = getattr(self.cfg, limit_name)
-            if mean.numel() > limit:
-                raise UserError(f"The dataset's {key} has {mean.numel()} dims but policy.{limit_name}={limit}; raise policy.{limit_name}.")
-            getattr(self, f"{key}_mean").zero_()[: mean.numel()] = mean.to(self.state_mean.device)
-            getattr(self, f"{key}_std").fill_(1.0)[: std.numel()] = std.to(self.state_mean.device)
-            getattr(self, f"{key}_dim").fill_(mean.numel())
+            if width > limit:
+                raise UserError(f"The dataset's {key} has {width} dims but policy.{limit_name}={limit}; raise policy.{limit_name}.")
+            for stat in STATS:
+                buffer = getattr(self, f"{key}_{stat}").fill_(IDENTITY[stat])
+                if stat in given:
+                    buffer[: given[stat].numel()] = given[stat].to(buffer.device)
+            getattr(self, f"{key}_dim").fill_(width)
+
+    def _stats(self, key: str) -> dict[str, torch.Tensor]:
+        return {stat: getattr(self, f"{key}_{stat}").float() for stat in STATS}
+
+    def fp32_parameter_names(self) -> list[str]:
+        """The parameters openpi keeps in fp32 when the rest is bf16 (FP32_PARAMETERS)."""
+        return [n for n, _ in self.named_parameters() if any(fragment in n for fragment in FP32_PARAMETERS)]
+
+    def cast_weights(self, dtype: torch.dtype) -> "Pi05Policy":
+        """Every parameter to `dtype` except the fp32 set, as openpi lays out its bf16 model; buffers stay as they are."""
+        keep = set(self.fp32_parameter_names())
+        for name, param in self.named_parameters():
+            param.data = param.data.to(torch.float32 if name in keep else dtype)
+        return self
 
     def reset_fp32_buffers(self) -> None:
         """Recompute the non-learned buffers in fp32 (after a build inside an init context that cast them)."""
@@ -181,10 +276,9 @@ class Pi05Policy(nn.Module):
                 inv_freq, _ = module.compute_default_rope_parameters(module.config)
                 module.inv_freq = inv_freq.to(module.inv_freq.device)
                 module.original_inv_freq = inv_freq.clone().to(module.inv_freq.device)
-            elif isinstance(module, PI0TimestepEmbeddings):
-                module.sinusoid_freq = module.compute_freqs(module.config).to(module.sinusoid_freq.device)
-        for name in ("state_mean", "state_std", "action_mean", "action_std"):
-            setattr(self, name, getattr(self, name).float())
+        for key in ("state", "action"):
+            for stat in STATS:
+                setattr(self, f"{key}_{stat}", getattr(self, f"{key}_{stat}").float())
 
     def unused_parameter_names(self) -> list[str]:
         """Parameters whose outputs nothing reads in the current mode (kept in the state_dict, never trained)."""
@@ -224,20 +318,20 @@ class Pi05Policy(nn.Module):
 
     # ------------------------------------------------------------------------------------------ inputs
     def _prepare(self, batch: dict, with_actions: bool) -> dict:
-        """Normalize, zero-pad to max dims, tokenize the prompt with the discretized state; cast to the model dtype."""
-        param = next(self.parameters())
-        dtype, device = param.dtype, param.device
+        """Normalize, zero-pad to max dims, tokenize the prompt (with the binned state for pi05); floats stay fp32."""
+        device = self.action_out_proj.weight.device
         state = batch["state"].to(device=device, dtype=torch.float32)
         batch_size, state_dim = state.shape
         if state_dim > self.cfg.max_state_dim:
             raise UserError(f"The batch state has {state_dim} dims but policy.max_state_dim={self.cfg.max_state_dim}.")
-        state = (state - self.state_mean[:state_dim].float()) / self.state_std[:state_dim].float().clamp_min(1e-6)
-        state_bins = discretize(state, STATE_BINS).tolist()
-        ids, lengths = encode_prompts(self.tokenizer, list(batch["task"]), [tuple(b) for b in state_bins], self.cfg.tokenizer_max_length)
+        state = normalize(state, self._stats("state"), self.norm_mode)
+        # openpi bins the real dims only, before padding; pi0 reads the state through its own token instead.
+        bins = state_bins(state) if self.cfg.type == "pi05" else None
+        ids, lengths = encode_prompts(self.tokenizer, list(batch["task"]), bins, self.cfg.tokenizer_max_length)
         out = {
-            "images": batch["images"].to(device=device, dtype=dtype) * 2 - 1,  # SigLIP expects [-1, 1]
+            "images": batch["images"].to(device=device, dtype=torch.float32) * 2 - 1,  # [0, 1] -> SigLIP's [-1, 1]
             "image_masks": batch["image_masks"].to(device=device, dtype=torch.bool),
-            "state": F.pad(state, (0, self.cfg.max_state_dim - state_dim)).to(dtype),
+            "state": F.pad(state, (0, self.cfg.max_state_dim - state_dim)),
             "input_ids": torch.tensor(ids, device=device),
             "text_valid": torch.arange(self.cfg.tokenizer_max_length, device=device)[None] < torch.tensor(lengths, device=device)[:, None],
             "batch_size": batch_size,
@@ -249,11 +343,24 @@ class Pi05Policy(nn.Module):
                 raise UserError(f"The batch actions have {action_dim} dims but policy.max_action_dim={self.cfg.max_action_dim}.")
             if actions.shape[1] != self.cfg.chunk_size:
                 raise UserError(f"The batch has action chunks of {actions.shape[1]} steps but policy.chunk_size={self.cfg.chunk_size}.")
-            actions = (actions - self.action_mean[:action_dim].float()) / self.action_std[:action_dim].float().clamp_min(1e-6)
+            actions = normalize(actions, self._stats("action"), self.norm_mode)
             out["actions"] = F.pad(actions, (0, self.cfg.max_action_dim - action_dim))
             out["action_valid"] = ~batch["action_is_pad"].to(device=device, dtype=torch.bool)
             out["action_dim"] = action_dim
         return out
+
+    def _vision_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """SigLIP on (n, 3, H, W) pixels in [-1, 1]; the patch and position embeddings in fp32.
+
+        SigLIP's own forward, with its embedding step written out so that it stays fp32 under autocast.
+        """
+        vision = self.vlm.vision_tower
+        embeddings = vision.embeddings
+        patches = embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        with no_autocast(patches):
+            hidden = patches + embeddings.position_embedding(embeddings.position_ids).float()
+        hidden = vision.encoder(inputs_embeds=hidden.to(self.compute_dtype)).last_hidden_state
+        return vision.post_layernorm(hidden)
 
     def _embed_prefix(self, inputs: dict, action_tokens: torch.Tensor | None):
         """Image tokens + prompt tokens (+ shifted action tokens for the CE loss) and their masks/positions."""
@@ -261,21 +368,20 @@ class Pi05Policy(nn.Module):
         batch_size, num_cameras = images.shape[:2]
         vision_trains = any(p.requires_grad for p in self.vlm.vision_tower.parameters())
         with torch.set_grad_enabled(torch.is_grad_enabled() and vision_trains):
-            features = self.vlm.vision_tower(images.flatten(0, 1)).last_hidden_state
+            features = self._vision_features(images.flatten(0, 1))
         image_embeds = self.vlm.multi_modal_projector(features)
         tokens_per_image = image_embeds.shape[1]
         image_embeds = image_embeds.reshape(batch_size, num_cameras * tokens_per_image, -1)
         image_valid = inputs["image_masks"].repeat_interleave(tokens_per_image, dim=1)
 
-        embed = self.language_model.embed_tokens
-        parts, valid = [image_embeds, embed(inputs["input_ids"]).to(image_embeds.dtype)], [image_valid, inputs["text_valid"]]
+        parts, valid = [image_embeds, self.language_model.embed_tokens(inputs["input_ids"]).to(image_embeds.dtype)], [image_valid, inputs["text_valid"]]
         context_length = image_embeds.shape[1] + inputs["input_ids"].shape[1]
         # Block ids: the context is one bidirectional block, each action token its own block (causal among them).
         blocks = [torch.zeros(batch_size, context_length, dtype=torch.long, device=images.device)]
         if action_tokens is not None:
             start = torch.full_like(action_tokens[:, :1], self.tokenizer.start_id)
             shifted = torch.cat([start, action_tokens[:, :-1]], dim=1)
-            parts.append(embed(shifted).to(image_embeds.dtype))
+            parts.append(self.language_model.embed_tokens(shifted).to(image_embeds.dtype))
             valid.append(torch.ones_like(shifted, dtype=torch.bool))
             blocks.append(torch.arange(1, shifted.shape[1] + 1, device=images.device).expand(batch_size, -1))
         embeds, valid, blocks = torch.cat(parts, 1), torch.cat(valid, 1), torch.cat(blocks, 1)
@@ -288,6 +394,7 @@ class Pi05Policy(nn.Module):
         return embeds, mask, positions, expert_keys, context_length
 
     def _embed_suffix(self, state, noisy_actions, time):
+        """Expert input tokens (in the compute dtype), the adaRMS conditioning (fp32; None for pi0), block ids."""
         if self.cfg.type == "pi05":
             tokens, cond = self.embed_suffix(noisy_actions, time)
             blocks = torch.zeros(tokens.shape[1], dtype=torch.long, device=tokens.device)
@@ -296,7 +403,7 @@ class Pi05Policy(nn.Module):
             # pi0: the state token sees only itself; the action tokens see the state and each other.
             blocks = torch.ones(tokens.shape[1], dtype=torch.long, device=tokens.device)
             blocks[0] = 0
-        return tokens, cond, blocks
+        return tokens.to(self.compute_dtype), cond, blocks
 
     # ------------------------------------------------------------------------------------------ layers
     def _prefix_layer(self, index, hidden, cos, sin, mask, need_output: bool):
@@ -354,7 +461,6 @@ class Pi05Policy(nn.Module):
         inputs = self._prepare(batch, with_actions=True)
         actions = inputs["actions"]
         batch_size = inputs["batch_size"]
-        dtype = inputs["images"].dtype
         if time is None:
             beta = torch.distributions.Beta(torch.tensor(1.5, device=actions.device), torch.tensor(1.0, device=actions.device))
             time = beta.sample((batch_size,)) * 0.999 + 0.001
@@ -368,21 +474,21 @@ class Pi05Policy(nn.Module):
         action_tokens = target_bins = None
         if use_ce:
             real = actions[..., : inputs["action_dim"]]
-            target_bins = discretize(real, self.cfg.discrete_action_bins).flatten(1)  # step-major
+            target_bins = discretize(real, self.cfg.discrete_action_bins, DISCRETE_RANGE[self.norm_mode]).flatten(1)  # step-major
             action_tokens = action_token_id(self.vocab_size, target_bins)
         vlm_trains = any(p.requires_grad for p in self.vlm.parameters())
         with torch.set_grad_enabled(torch.is_grad_enabled() and vlm_trains):
             embeds, mask, positions, expert_keys, context_length = self._embed_prefix(inputs, action_tokens)
             cache, prefix_out = self._run_prefix(embeds, mask, positions, need_output=use_ce)
         context_end = positions[:, context_length - 1] + 1
-        tokens, cond, blocks = self._embed_suffix(inputs["state"], noisy.to(dtype), time)
-        velocity = self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end).float()
+        tokens, cond, blocks = self._embed_suffix(inputs["state"], noisy, time)
+        velocity = self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end)
 
         weight = inputs["action_valid"][:, :, None].float() * (torch.arange(actions.shape[-1], device=actions.device) < inputs["action_dim"]).float()
         mse = ((velocity - target) ** 2 * weight).sum() / weight.sum().clamp_min(1)
-        weights = self.cfg.loss_weighting
+        weights = self.cfg.loss_weighting  # every term present: config/model.py fills the defaults
         out = {"mse_loss": mse}
-        loss = weights.get("mse", 1.0) * mse
+        loss = weights["mse"] * mse
         if use_ce:
             bins = self.cfg.discrete_action_bins
             # Logits over the action-bin rows of the (tied) embedding only: the full 257k vocabulary would not fit.
@@ -393,7 +499,7 @@ class Pi05Policy(nn.Module):
             ce = F.cross_entropy(logits.flatten(0, 1), target_rows.flatten(), reduction="none")
             ce = (ce * token_valid.flatten()).sum() / token_valid.sum().clamp_min(1)
             out["ce_loss"] = ce
-            loss = loss + weights.get("ce", 1.0) * ce
+            loss = loss + weights["ce"] * ce
         out["loss"] = loss
         return out
 
@@ -401,20 +507,18 @@ class Pi05Policy(nn.Module):
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None) -> torch.Tensor:
         """Integrate the flow from noise (t=1) to actions (t=0) in num_inference_steps Euler steps; un-normalized."""
         inputs = self._prepare(batch, with_actions=False)
-        batch_size, dtype = inputs["batch_size"], inputs["images"].dtype
-        device = inputs["images"].device
+        batch_size, device = inputs["batch_size"], inputs["images"].device
         embeds, mask, positions, expert_keys, context_length = self._embed_prefix(inputs, None)
         cache, _ = self._run_prefix(embeds, mask, positions, need_output=False)
         context_end = positions[:, context_length - 1] + 1
         if noise is None:
             noise = torch.randn(batch_size, self.cfg.chunk_size, self.cfg.max_action_dim, device=device)
         x = noise.to(device, torch.float32)
-        steps = self.cfg.num_inference_steps
-        dt = -1.0 / steps
-        for step in range(steps):
-            time = torch.full((batch_size,), 1.0 + step * dt, device=device)
-            tokens, cond, blocks = self._embed_suffix(inputs["state"], x.to(dtype), time)
-            x = x + dt * self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end).float()
+        dt = torch.tensor(-1.0 / self.cfg.num_inference_steps, device=device)
+        time = torch.ones((), device=device)  # accumulated in fp32 step by step, as openpi does
+        for _ in range(self.cfg.num_inference_steps):
+            tokens, cond, blocks = self._embed_suffix(inputs["state"], x, time.expand(batch_size))
+            x = x + dt * self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end)
+            time = time + dt
         action_dim = int(self.action_dim.item())
-        actions = x[:, : self.cfg.n_action_steps, :action_dim]
-        return actions * self.action_std[:action_dim].float() + self.action_mean[:action_dim].float()
+        return unnormalize(x[:, : self.cfg.n_action_steps, :action_dim], self._stats("action"), self.norm_mode)

@@ -1,16 +1,21 @@
 """Prompt tokenization: task text + the robot state discretized into 256 bins (pi05), and discrete action tokens.
 
-Two tokenizers behind one small interface (`encode_prompt`, `action_token_ids`, `start_id`, `pad_id`):
-- `ByteTokenizer` (built in, offline): ids 0-2 are pad/bos/eos, then one id per byte, then one id per state bin;
-  discrete action tokens take the last ids of the model vocabulary.
-- `HFTokenizer`: a local Hugging Face tokenizer directory (`tokenizer_path`). As in openpi's pi05 the state bins are
-  written as numbers in the text ("Task: ..., State: 12 200 ...;\nAction: "); action tokens again take the last ids
-  of the model vocabulary (openpi does the same with PaliGemma's reserved tail).
+Two tokenizers behind one small interface (`encode_prompt`, `start_id`, `pad_id`, `reserved`):
+- `HFTokenizer`: a local Hugging Face tokenizer directory (`tokenizer_path`); with PaliGemma's tokenizer it gives the
+  ids the published pi05 was trained on. Prompts are openpi's: pi05 "Task: <task>, State: <bins>;\nAction: " with
+  the bins written as numbers, pi0 "<task>\n" (its state goes to the expert); BOS first; too long prompts are
+  truncated with a warning.
+- `ByteTokenizer` (built in, offline; for tests and tiny presets): ids 0-2 are pad/bos/eos, then one id per byte,
+  then one id per state bin.
+Discrete action tokens take the last ids of the model vocabulary (openpi does the same with PaliGemma's tail).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+
+import torch
 
 from opentau_cli.errors import UserError
 
@@ -24,6 +29,16 @@ def clean_task(text: str) -> str:
     return text.strip().replace("_", " ").replace("\n", " ")
 
 
+def state_bins(normalized_state: torch.Tensor) -> list[tuple[int, ...]]:
+    """openpi's bins of the quantile-normalized state: bin i holds [-1 + i/128, -1 + (i+1)/128).
+
+    Values below -1 give -1 and values from 1 - 1/128 up give 255, exactly as np.digitize(x, linspace(-1, 1, 257)[:-1]) - 1.
+    """
+    edges = torch.linspace(-1.0, 1.0, STATE_BINS + 1, dtype=torch.float64, device=normalized_state.device)[:-1]
+    bins = torch.bucketize(normalized_state.double(), edges, right=True) - 1
+    return [tuple(row) for row in bins.tolist()]
+
+
 class ByteTokenizer:
     """UTF-8 bytes, plus one token per state bin. Needs a vocabulary of 515 + action bins ids."""
 
@@ -33,8 +48,9 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def encode_prompt(self, task: str, state_bins: tuple[int, ...], max_length: int) -> list[int]:
-        state_ids = [_STATE_OFFSET + b for b in state_bins]
+    def encode_prompt(self, task: str, state_bins: tuple[int, ...] | None, max_length: int) -> list[int]:
+        # Out-of-range states (openpi's bin -1) share the lowest bin: this tokenizer has exactly 256 state ids.
+        state_ids = [_STATE_OFFSET + min(max(b, 0), STATE_BINS - 1) for b in state_bins or ()]
         room = max_length - 1 - len(state_ids)
         if room < 0:
             raise UserError(
@@ -59,19 +75,29 @@ class HFTokenizer:
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.start_id = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.pad_id
 
-    def encode_prompt(self, task: str, state_bins: tuple[int, ...], max_length: int) -> list[int]:
-        state = " ".join(str(b) for b in state_bins)
-        ids = self.tok.encode(f"Task: {clean_task(task)}, State: {state};\nAction: ", add_special_tokens=False)
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, task: str, state_bins: tuple[int, ...] | None, max_length: int) -> list[int]:
+        text = clean_task(task)
+        if state_bins is None:  # pi0: the newline, encoded on its own, is the "start of answer" token
+            ids = self._encode(text) + self._encode("\n")
+        else:
+            ids = self._encode(f"Task: {text}, State: {' '.join(str(b) for b in state_bins)};\nAction: ")
         if self.tok.bos_token_id is not None:
             ids = [self.tok.bos_token_id, *ids]
-        # Truncating would cut the state off; say so instead of training on half a prompt.
         if len(ids) > max_length:
-            raise UserError(f"A prompt needs {len(ids)} tokens with {self.tok.name_or_path}; raise policy.tokenizer_max_length (now {max_length}).")
+            warnings.warn(
+                f"A prompt of {len(ids)} tokens is truncated to policy.tokenizer_max_length={max_length}; raise it if this happens often.",
+                stacklevel=2,
+            )
+            ids = ids[:max_length]
         return ids
 
 
 def load_tokenizer(tokenizer_path: Path | None, vocab_size: int):
-    """The byte-level tokenizer, or the local HF one; checks that its ids fit the model vocabulary."""
+    """The byte-level tokenizer (no path), or the Hugging Face tokenizer in a local directory; checks that its ids fit
+    the model vocabulary. A hub repo id is resolved to its local snapshot directory before this is called."""
     if tokenizer_path is None:
         tokenizer = ByteTokenizer(vocab_size)
     else:
@@ -88,10 +114,10 @@ def action_token_id(vocab_size: int, bin_index):
     return vocab_size - 1 - bin_index
 
 
-def encode_prompts(tokenizer, tasks: list[str], state_bins: list[tuple[int, ...]], max_length: int) -> tuple[list[list[int]], list[int]]:
-    """Token ids padded to max_length, and the real lengths."""
+def encode_prompts(tokenizer, tasks: list[str], bins_per_sample: list[tuple[int, ...]] | None, max_length: int) -> tuple[list[list[int]], list[int]]:
+    """Token ids padded to max_length, and the real lengths; `bins_per_sample` None: no state in the prompt (pi0)."""
     rows, lengths = [], []
-    for task, bins in zip(tasks, state_bins):
+    for task, bins in zip(tasks, bins_per_sample or [None] * len(tasks)):
         ids = tokenizer.encode_prompt(task, bins, max_length)
         lengths.append(len(ids))
         rows.append(ids + [tokenizer.pad_id] * (max_length - len(ids)))
