@@ -65,12 +65,9 @@ def main() -> None:
         _train_and_save(args, args.zero3_out, args.extra_out, zero_stage=3)
     # Leave the way opentau's workers do: a rank that exits with gloo's and the store's native threads still up
     # sometimes aborts in teardown ("terminate called without an active exception") after its work is done.
-    from opentau_cli.train.worker import close_process_group
+    from opentau_cli.runtime import exit_rank
 
-    close_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)
 
 
 def _train_and_save(args, out_dir, extra_out, zero_stage) -> None:

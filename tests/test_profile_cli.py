@@ -49,8 +49,8 @@ SINGLE_YAML = "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_p
 
 
 def test_compare_on_two_cpu_configs_gives_two_rows_full_reports_and_phases_that_add_up(isolated_env):
-    from opentau_cli.profiling.phases import PHASES
     from opentau_cli.profiling.stats import REPORT_FIELDS
+    from opentau_cli.train.timing import PHASES
 
     single = isolated_env / "single.yaml"
     single.write_text(SINGLE_YAML)
@@ -103,3 +103,24 @@ def test_find_max_batch_reports_an_oom_under_the_memory_limit_as_batch_0(isolate
     assert "even a per-device batch of 1 runs out of memory" in r.stderr
     result = json.loads(out.read_text())["results"][0]
     assert result["max_per_device_batch"] == 0 and result["first_oom_batch"] == 1
+
+
+def test_a_user_error_found_late_in_the_data_exits_2_with_one_line_under_profile_as_under_train(isolated_env):
+    """Truncated videos pass the checks made before launch (they only look at the metadata); the first batch finds
+    them. Both commands read the rank's marked line the same way."""
+    data = isolated_env / "videos"
+    r = run_cli(["dataset", "synth", str(data), "--episodes", "2", "--steps-per-episode", "12", "--video"])
+    assert r.returncode == 0, r.stderr
+    for video in data.rglob("*.mp4"):
+        video.write_bytes(video.read_bytes()[:600])
+    checked = run_cli(["config", "validate", TINY, f"--dataset.root={data}", f"--output_dir={isolated_env / 'run'}"])
+    assert checked.returncode == 0, checked.stderr  # so the error below is found late, inside a worker
+    errors = {}
+    for command, extra in (("profile", ["--warmup", "0"]), ("train", [f"--output_dir={isolated_env / 'run'}"])):
+        r = run_cli([command, f"--config_path={TINY}", f"--dataset.root={data}", "--steps", "1", *extra],
+                    cwd=isolated_env, env=ONE_THREAD)
+        assert r.returncode == 2, f"{command}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        assert "Traceback" not in r.stdout + r.stderr, command
+        errors[command] = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors["train"]) == 1 and "cannot open video" in errors["train"][0]
+    assert errors["profile"] == errors["train"]

@@ -1,4 +1,4 @@
-"""PhaseTimer: the hook TRAIN's step wraps its phases with."""
+"""PhaseTimer: the timer `opentau profile` hands to TRAIN's step."""
 
 from __future__ import annotations
 
@@ -6,21 +6,12 @@ import time
 
 import pytest
 
-from opentau_cli.profiling.phases import PHASES, PhaseTimer
-
-
-def test_disabled_timer_records_nothing_and_never_syncs():
-    calls = []
-    timer = PhaseTimer(enabled=False, sync=lambda: calls.append(1))
-    with timer.phase("forward"):
-        pass
-    timer.end_step()
-    assert timer.steps == []
-    assert calls == []
+from opentau_cli.profiling.phases import PhaseTimer
+from opentau_cli.train.timing import PHASES
 
 
 def test_phases_are_recorded_per_step_and_add_up_to_the_step_total():
-    timer = PhaseTimer(enabled=True)
+    timer = PhaseTimer()
     for _ in range(2):
         with timer.phase("data"):
             time.sleep(0.01)
@@ -40,7 +31,7 @@ def test_phases_are_recorded_per_step_and_add_up_to_the_step_total():
 
 
 def test_time_between_steps_counts_in_the_next_step_total():
-    timer = PhaseTimer(enabled=True)
+    timer = PhaseTimer()
     with timer.phase("data"):
         pass
     timer.end_step()
@@ -53,7 +44,7 @@ def test_time_between_steps_counts_in_the_next_step_total():
 
 
 def test_repeated_phase_in_one_step_is_summed():
-    timer = PhaseTimer(enabled=True)
+    timer = PhaseTimer()
     for _ in range(3):  # e.g. gradient accumulation micro-batches
         with timer.phase("forward"):
             time.sleep(0.01)
@@ -63,7 +54,7 @@ def test_repeated_phase_in_one_step_is_summed():
 
 def test_sync_is_called_at_both_boundaries_of_every_phase():
     calls = []
-    timer = PhaseTimer(enabled=True, sync=lambda: calls.append(1))
+    timer = PhaseTimer(sync=lambda: calls.append(1))
     with timer.phase("forward"):
         assert len(calls) == 1
     with timer.phase("backward"):
@@ -72,7 +63,7 @@ def test_sync_is_called_at_both_boundaries_of_every_phase():
 
 
 def test_nested_phases_are_refused():
-    timer = PhaseTimer(enabled=True)
+    timer = PhaseTimer()
     with timer.phase("forward"):
         with pytest.raises(RuntimeError, match="inside phase 'forward'"):
             with timer.phase("backward"):
@@ -80,7 +71,7 @@ def test_nested_phases_are_refused():
 
 
 def test_reset_forgets_warmup_steps():
-    timer = PhaseTimer(enabled=True)
+    timer = PhaseTimer()
     with timer.phase("data"):
         pass
     timer.end_step()
@@ -94,7 +85,7 @@ def test_reset_forgets_warmup_steps():
 
 
 def test_custom_phase_names_are_kept():
-    timer = PhaseTimer(enabled=True)
+    timer = PhaseTimer()
     with timer.phase("validation"):
         pass
     timer.end_step()
@@ -102,7 +93,7 @@ def test_custom_phase_names_are_kept():
 
 
 def test_phase_time_is_recorded_even_when_the_body_raises():
-    timer = PhaseTimer(enabled=True)
+    timer = PhaseTimer()
     with pytest.raises(ValueError):
         with timer.phase("forward"):
             time.sleep(0.01)

@@ -8,7 +8,6 @@ import json
 import pytest
 from rich.console import Console
 
-from opentau_cli.profiling.phases import PHASES
 from opentau_cli.profiling.render import compare_table, fmt_bytes, print_report
 from opentau_cli.profiling.stats import (
     REPORT_FIELDS,
@@ -20,6 +19,7 @@ from opentau_cli.profiling.stats import (
     rank_result,
     summarize,
 )
+from opentau_cli.train.timing import PHASES
 
 
 def _step(total: float, **phases: float) -> dict:

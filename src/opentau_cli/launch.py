@@ -1,9 +1,10 @@
-"""Build and run `accelerate launch` on the training worker: CPU recipes, logs, exit codes and signals.
+"""Build and run `accelerate launch` on a per-rank worker (train's or profile's): CPU recipes, logs, exit codes and signals.
 
 The launcher is the only process the user talks to. It runs a `RunPlan` that `opentau_cli.plan` decided (every
 rule and resume check, the same as `config validate`) before anything is spawned, writes the resolved config and an Accelerate YAML with the CPU recipes of
 docs/ARCHITECTURE.md "CPU recipes" applied into `<output_dir>/logs/<timestamp>/`, then runs the workers and maps their outcome to
-exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log path), 130 Ctrl-C.
+exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log path), 2 a user error a rank found late,
+130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -26,8 +28,20 @@ from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.plan import RunPlan
+from opentau_cli.runtime import read_user_error
 
-WORKER_MODULE = "opentau_cli.train.worker"
+
+@dataclass(frozen=True)
+class Worker:
+    """What every rank of a launch runs."""
+
+    module: str  # run as `python -m <module>` by accelerate launch
+    name: str  # what failed, in the error: "Training failed: ..."
+    console: bool = True  # the launcher's stdout (rank 0's console) reaches this terminal, else <log_dir>/launcher.log
+
+
+TRAIN_WORKER = Worker("opentau_cli.train.worker", "Training")
+LAUNCHER_LOG = "launcher.log"
 # Signals that mean "finish the current step, save, exit 0" (cluster preemption).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -131,14 +145,14 @@ def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, 
     return cfg_path, accel_path, launch_path
 
 
-def build_command(accel_path: Path, cfg_path: Path, launch_path: Path) -> list[str]:
+def build_command(accel_path: Path, cfg_path: Path, launch_path: Path, module: str = TRAIN_WORKER.module) -> list[str]:
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_path),
-        "-m", WORKER_MODULE, "--config", str(cfg_path), "--launch", str(launch_path),
+        "-m", module, "--config", str(cfg_path), "--launch", str(launch_path),
     ]
 
 
-def _worker_processes(launcher_pid: int) -> list:
+def _worker_processes(launcher_pid: int, module: str) -> list:
     import psutil
 
     try:
@@ -148,7 +162,7 @@ def _worker_processes(launcher_pid: int) -> list:
     out = []
     for child in children:
         try:
-            if WORKER_MODULE in " ".join(child.cmdline()):
+            if module in " ".join(child.cmdline()):
                 out.append(child)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -175,40 +189,33 @@ def failed_log(log_dir: Path) -> tuple[Path, str]:
     return (logs[0] if logs else log_dir), ""
 
 
-def find_user_error(log_dir: Path) -> str | None:
-    """A rank that stopped on bad input (e.g. found in the data only once loaded) says so with a marked line."""
-    from opentau_cli.train.worker import USER_ERROR_MARK
-
-    for log in sorted(log_dir.glob("rank*.log")):
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith(USER_ERROR_MARK):
-                return line[len(USER_ERROR_MARK):]
-    return None
-
-
-def run(plan: RunPlan, *, echo=print) -> int:
-    """Launch the workers and wait. Returns 0 or 130; raises RunError when a worker failed."""
+def run(plan: RunPlan, *, worker: Worker = TRAIN_WORKER, echo=print) -> int:
+    """Launch `worker` on every rank and wait. Returns 0 or 130; raises UserError when a rank found a problem with
+    the input (its one line, read the same way for every worker), RunError when a rank failed (with the log path)."""
     cuda = cuda_is_available()
     prepare_output_dir(plan)
     clean_leftovers(plan.config.output_dir)
     log_dir = new_log_dir(plan.config.output_dir)
     cfg_path, accel_path, launch_path = write_launch_files(plan, log_dir, cuda)
-    cmd = build_command(accel_path, cfg_path, launch_path)
+    cmd = build_command(accel_path, cfg_path, launch_path, worker.module)
     echo(f"Logs: {log_dir}/rank<N>.log")
 
-    proc = subprocess.Popen(cmd, env=worker_env(plan.setup, cuda))
+    # The launcher's own chatter, and its traceback when a rank fails, go to launcher.log: the user gets one line.
+    with (log_dir / LAUNCHER_LOG).open("w") as launcher_log:
+        proc = subprocess.Popen(cmd, env=worker_env(plan.setup, cuda), stdout=None if worker.console else launcher_log,
+                                stderr=launcher_log)
     interrupted = stopped_early = False
 
     def preempt(signum, _frame):
         # Workers (not torchrun, which would kill them) get the signal: they finish the step, save, and exit 0.
-        workers = _worker_processes(proc.pid)
+        workers = _worker_processes(proc.pid, worker.module)
         if not workers:  # still starting up: nothing to save yet, stop the launch
             nonlocal stopped_early
             stopped_early = True
             proc.send_signal(signal.SIGTERM)
-        for worker in workers:
+        for rank in workers:
             try:
-                worker.send_signal(signum)
+                rank.send_signal(signum)
             except Exception:
                 pass
 
@@ -233,10 +240,12 @@ def run(plan: RunPlan, *, echo=print) -> int:
         echo("Stopped by a signal before training started; nothing to save.")
         return 0
     if rc != 0:
-        user_error = find_user_error(log_dir)
+        user_error = read_user_error(log_dir)
         if user_error:
             raise UserError(user_error)
         log, last = failed_log(log_dir)
+        if log == log_dir:  # no rank got as far as its log
+            log = log_dir / LAUNCHER_LOG
         reason = f": {last}" if last else f" (exit code {rc})"
-        raise RunError(f"Training failed{reason}. Full log: {log}")
+        raise RunError(f"{worker.name} failed{reason}. Full log: {log}")
     return 0

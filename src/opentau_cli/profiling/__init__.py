@@ -1,5 +1,1 @@
-"""Profiling: per-phase step timers (phases.py) and the reports built from them."""
-
-from opentau_cli.profiling.phases import PHASES, PhaseTimer
-
-__all__ = ["PHASES", "PhaseTimer"]
+"""Profiling: the phase timer TRAIN's step drives (phases.py), FLOP counting, and the reports built from them."""

@@ -16,15 +16,15 @@ COUNTED_PHASES = ("forward", "backward")
 
 
 class FlopCountingTimer(PhaseTimer):
-    def __init__(self, enabled: bool, sync: Callable[[], None] | None = None, *, count_step: int | None = 0):
-        super().__init__(enabled, sync)
+    def __init__(self, sync: Callable[[], None] | None = None, *, count_step: int | None = 0):
+        super().__init__(sync)
         self._count_step = count_step
         self._step_index = 0
         self.flops: int | None = None  # total FLOPs of the counted step (forward + backward), None if not counted
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        counting = self.enabled and self._step_index == self._count_step and name in COUNTED_PHASES
+        counting = self._step_index == self._count_step and name in COUNTED_PHASES
         if not counting:
             with super().phase(name):
                 yield

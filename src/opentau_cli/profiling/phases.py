@@ -1,6 +1,5 @@
-"""PhaseTimer: the hook the training step wraps its phases with, so `opentau profile` times the real code path.
-
-Disabled, every method is a no-op (the training loop never branches on "profiling?").
+"""PhaseTimer: the timer `opentau profile` hands to TRAIN's `Trainer.train_step` (a `train.timing.StepTimer`), so
+it times the real code path; `opentau train` steps with `train.timing.NO_TIMER` instead.
 """
 
 from __future__ import annotations
@@ -9,8 +8,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-# The phases a training step is split into, in the order they happen.
-PHASES = ("data", "forward", "backward", "optimizer", "zero_grad_sched", "sync")
+from opentau_cli.train.timing import PHASES
 
 
 class PhaseTimer:
@@ -20,8 +18,7 @@ class PhaseTimer:
     charged to the phase that launched it rather than to whichever phase happens to block next.
     """
 
-    def __init__(self, enabled: bool, sync: Callable[[], None] | None = None):
-        self.enabled = enabled
+    def __init__(self, sync: Callable[[], None] | None = None):
         self._sync = sync
         self._steps: list[dict[str, float]] = []
         self._current: dict[str, float] = {}
@@ -35,9 +32,6 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
         if self._open is not None:
             # Nested phases would count the same seconds twice and break "phases add up to the step".
             raise RuntimeError(f"phase {name!r} opened inside phase {self._open!r}")
@@ -55,8 +49,6 @@ class PhaseTimer:
 
     def end_step(self) -> None:
         """Close the step: its total is the wall time since the previous end_step (or its first phase)."""
-        if not self.enabled:
-            return
         now = time.perf_counter()
         start = self._step_start if self._step_start is not None else now
         record = {name: 0.0 for name in PHASES}

@@ -11,7 +11,7 @@ import resource
 import statistics
 import sys
 
-from opentau_cli.profiling.phases import PHASES
+from opentau_cli.train.timing import PHASES
 
 # Rows of the phase table, in order: the timed phases, time spent outside any phase, the whole step.
 REPORT_PHASES = (*PHASES, "other", "total")
@@ -43,9 +43,9 @@ PEAK_FLOPS_BF16 = {
 # Where each backend's time lands, said next to the table (the phase names alone would mislead under DeepSpeed).
 ACCOUNTING_NOTES = {
     "deepspeed": (
-        "DeepSpeed: Accelerate's backward() runs engine.backward() (incl. the gradient reduce-scatter / all-reduce) "
-        "and then engine.step() (unscale, gradient clipping, the optimizer step, the ZeRO parameter update); "
-        "opentau profile times engine.step() and reports it as 'optimizer step', so 'backward' is engine.backward() alone."
+        "DeepSpeed: 'backward' is engine.backward() (incl. the gradient reduce-scatter / all-reduce) and 'optimizer "
+        "step' is engine.step() (unscale, gradient clipping, the optimizer step, the ZeRO parameter update), which "
+        "the training step runs separately where Accelerate's backward() would run both."
     ),
     "ddp": "DDP: the gradient all-reduce overlaps with backward and is counted in 'backward'.",
     "single": "Single process: no gradient communication.",

@@ -1,44 +1,22 @@
 """The per-rank profile process: `python -m opentau_cli.profiling.worker --config ... --launch ...` (via the launcher).
 
-It builds exactly what `train` builds (TRAIN's `build_trainer`) and runs TRAIN's `train_step` with a timer, plus the
-collectives `train`'s loop runs around each step (preemption agreement, metric gathering every log_freq steps), and
-no checkpoints. Then every rank's timings go to rank 0, which
-writes them to <output_dir>/profile_result.json. A rank that runs out of memory writes profile_oom_rank<N>.json.
+It runs under opentau's per-rank runtime (`opentau_cli.runtime`), builds exactly what `train` builds (TRAIN's
+`build_trainer`) and runs `train`'s loop without checkpoints and validation: TRAIN's `train_step`, its per-step
+collectives included, with a phase timer. Then every rank's timings go to rank 0, which writes them to
+<output_dir>/profile_result.json. A rank that runs out of memory writes profile_oom_rank<N>.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import threading
-import sys
 import time
 from pathlib import Path
 
 from opentau_cli.profiling.flops import FlopCountingTimer
 from opentau_cli.profiling.launcher import OOM_FILE, REQUEST_FILE, RESULT_FILE
-
-
-class ProfileTimer(FlopCountingTimer):
-    """TRAIN's train_step closes its step itself; the profile loop still has the per-step collectives of `train`'s
-    loop to run, so train_step's end_step is ignored and the loop closes the step with close_step()."""
-
-    def end_step(self) -> None:
-        pass
-
-    def close_step(self) -> None:
-        super().end_step()
-
-    def sync_device(self) -> None:
-        self._do_sync()
-
-    def move(self, src: str, dst: str, seconds: float) -> None:
-        """Re-attribute time measured inside phase `src` to `dst` (both stay inside the same step)."""
-        if self.enabled:
-            self._current[src] = self._current.get(src, 0.0) - seconds
-            self._current[dst] = self._current.get(dst, 0.0) + seconds
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -78,28 +56,6 @@ def record_oom(run_dir: Path, rank: int, message: str) -> None:
     (run_dir / OOM_FILE.format(rank=rank)).write_text(json.dumps({"rank": rank, "error": message}))
 
 
-def time_deepspeed_step(trainer, timer: ProfileTimer) -> bool:
-    """Accelerate's backward() runs DeepSpeed's engine.step() (clip, optimizer step, ZeRO update) at the boundary;
-    time it and report it as 'optimizer' instead of 'backward'. Only timing is added; the call is unchanged."""
-    wrapped = getattr(trainer.accelerator, "deepspeed_engine_wrapped", None)
-    if wrapped is None:
-        return False
-    engine = wrapped.engine
-    original = engine.step
-
-    def timed_step(*args, **kwargs):
-        timer.sync_device()
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            timer.sync_device()
-            timer.move("backward", "optimizer", time.perf_counter() - start)
-
-    engine.step = timed_step
-    return True
-
-
 def gather(accelerator, item: dict) -> list[dict]:
     if accelerator.num_processes == 1:
         return [item]
@@ -114,28 +70,20 @@ def profile(cfg, setup, request: dict) -> dict | None:
     import torch
 
     from opentau_cli.profiling.stats import rank_result
-    from opentau_cli.train.trainer import any_rank, build_trainer
+    from opentau_cli.train.trainer import build_trainer
 
     warmup, steps = request["warmup"], request["steps"]
     cuda = torch.cuda.is_available()
     count_step = 0 if request.get("count_flops") and warmup > 0 else None
-    timer = ProfileTimer(enabled=True, sync=torch.cuda.synchronize if cuda else None, count_step=count_step)
+    timer = FlopCountingTimer(sync=torch.cuda.synchronize if cuda else None, count_step=count_step)
     trainer = build_trainer(cfg, setup)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    ds_split = time_deepspeed_step(trainer, timer)
     try:
-        for i in range(warmup + steps):
+        for i in range(warmup + steps):  # `train`'s loop, less checkpoints and validation
             if i == warmup:
                 timer.reset()
             trainer.train_step(timer)
-            # What `train`'s loop does around each step (no checkpoints, no validation): agree across ranks on
-            # preemption, and every log_freq steps gather the loss terms from every rank. Both are collectives.
-            with timer.phase("sync"):
-                any_rank(trainer.accelerator, False)
-                if trainer.step % cfg.log_freq == 0:
-                    trainer.collect_metrics()
-            timer.close_step()
     finally:
         trainer.data.stream.close()
     acc = trainer.accelerator
@@ -152,53 +100,39 @@ def profile(cfg, setup, request: dict) -> dict | None:
         "ranks": [{k: v for k, v in r.items() if k != "flops"} for r in ranks],
         # Every rank runs the same model on the same micro-batch size: rank 0's count per sample stands for all.
         "flops_per_sample": flops / cfg.batch_size if flops else None,
-        "deepspeed_step_timed_separately": ds_split,
         "warnings": warnings,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--launch", required=True)
-    args = parser.parse_args(argv)
-    launch = json.loads(Path(args.launch).read_text())
+def work(cfg, setup, launch: dict, _console) -> int:
+    """One rank of a profile: run the request in the scratch run dir, write the result (rank 0) or an OOM record."""
     rank = int(os.environ.get("RANK", "0"))
-
-    from opentau_cli.train.worker import close_process_group, redirect_output, report_failure
-
-    redirect_output(Path(launch["log_dir"]), rank)
-    from opentau_cli.config import TrainConfig
-    from opentau_cli.config import setup_from_dict
-
-    cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
     run_dir = Path(cfg.output_dir)
     request = json.loads((run_dir / REQUEST_FILE).read_text())
     limit = request.get("memory_limit")
     watch_memory(limit, run_dir, rank)
     try:
-        result = profile(cfg, setup_from_dict(launch["accelerate"]), request)
-        close_process_group()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if limit and peak > limit:
-            record_oom(run_dir, rank, f"peak resident memory {peak >> 20} MiB passed --memory-limit {limit >> 20} MiB")
-            return 1
-        if result is not None:
-            tmp = run_dir / (RESULT_FILE + ".tmp")
-            tmp.write_text(json.dumps(result) + "\n")
-            tmp.replace(run_dir / RESULT_FILE)
-        return 0
+        result = profile(cfg, setup, request)
     except BaseException as e:
-        code = report_failure(e)
         if is_oom(e):
             record_oom(run_dir, rank, (str(e).strip() or type(e).__name__).splitlines()[0][:300])
-        return code
+        raise
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if limit and peak > limit:
+        record_oom(run_dir, rank, f"peak resident memory {peak >> 20} MiB passed --memory-limit {limit >> 20} MiB")
+        return 1
+    if result is not None:
+        tmp = run_dir / (RESULT_FILE + ".tmp")
+        tmp.write_text(json.dumps(result) + "\n")
+        tmp.replace(run_dir / RESULT_FILE)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    from opentau_cli.runtime import run_rank
+
+    run_rank(work, argv, description=__doc__)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip native teardown: with the work done and logs flushed, gloo/DeepSpeed threads torn down at interpreter
-    # exit sometimes abort a rank ("terminate called without an active exception"), failing a finished run.
-    os._exit(code)
+    main()

@@ -1,7 +1,7 @@
 """What every rank builds (Accelerator, data, policy, AdamW, cosine schedule) and one training step.
 
-`build_trainer` is shared by `opentau train` (through the worker's `fit`) and `opentau profile` (which calls
-`run_steps` with a PhaseTimer and no checkpoints), so both time and run exactly the same code path.
+`build_trainer` and `Trainer.train_step` are shared by `opentau train` (the worker's `fit`) and `opentau profile`
+(which hands the step a timer and saves no checkpoints), so both run exactly the same code path.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
-from opentau_cli.profiling.phases import PhaseTimer
+from opentau_cli.train.timing import NO_TIMER, StepTimer
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -118,6 +118,15 @@ def to_device(batch: dict, device, dtype: torch.dtype | None) -> dict:
 
 
 @dataclass
+class StepResult:
+    """What the loop learns from a step: the train metrics record (on log steps, else None) and whether some rank
+    was asked to stop (preemption)."""
+
+    record: dict | None
+    stop: bool
+
+
+@dataclass
 class Trainer:
     """Everything one rank trains with, plus the tiny state that survives a resume (step, samples seen)."""
 
@@ -146,10 +155,24 @@ class Trainer:
             batch = next(self.data.stream)
         return to_device(batch, self.accelerator.device, model_dtype(self.accelerator))
 
-    def train_step(self, timer: PhaseTimer | None = None) -> None:
-        """One optimizer step: gradient_accumulation_steps micro-batches, clip, AdamW, schedule, zero_grad."""
-        timer = timer or PhaseTimer(False)
+    def train_step(self, timer: StepTimer = NO_TIMER, *, stop_requested: bool = False) -> StepResult:
+        """One optimizer step, then the collectives every rank runs after it: the metrics gather on log steps and the
+        agreement on stopping (every step, so that no rank leaves the loop alone). The timer sees every phase; the
+        step ends when its collectives do."""
         start = time.perf_counter()
+        self.update(timer)
+        self._train_time += time.perf_counter() - start
+        self.step += 1
+        self._logged_steps += 1
+        self.samples_seen += self.global_batch
+        with timer.phase("sync"):
+            record = self.collect_metrics() if self.is_log_step() else None
+            stop = any_rank(self.accelerator, stop_requested)
+        timer.end_step()
+        return StepResult(record=record, stop=stop)
+
+    def update(self, timer: StepTimer) -> None:
+        """One optimizer update: gradient_accumulation_steps micro-batches, clip, AdamW, schedule, zero_grad."""
         acc, accum = self.accelerator, self.cfg.gradient_accumulation_steps
         self.model.train()
         for _ in range(accum):
@@ -159,22 +182,43 @@ class Trainer:
                 with timer.phase("forward"):
                     out = self.model(batch)
                 with timer.phase("backward"):
-                    acc.backward(out["loss"])  # under DeepSpeed this also clips and steps at the boundary
+                    self.backward(out["loss"])
                 for k, v in out.items():
                     if isinstance(v, torch.Tensor) and v.dim() == 0:
                         self._sums[k] = self._sums.get(k, 0.0) + v.detach().float() / accum
                 if acc.sync_gradients:
                     with timer.phase("optimizer"):
-                        self._grad_norm = self.clip_gradients()
-                        self.optimizer.step()
+                        self.clip_and_step()
                     with timer.phase("zero_grad_sched"):
                         self.scheduler.step()
                         self.optimizer.zero_grad(set_to_none=True)
-        timer.end_step()
-        self._train_time += time.perf_counter() - start
-        self.step += 1
-        self._logged_steps += 1
-        self.samples_seen += self.global_batch
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accelerate's backward, except that under DeepSpeed the engine's step (clip, optimizer step, ZeRO update),
+        which Accelerate runs inside backward at the accumulation boundary, is left to clip_and_step. The engine
+        calls and their order are those of Accelerate's DeepSpeedEngineWrapper.backward."""
+        engine = self.deepspeed_engine()
+        if engine is None:
+            self.accelerator.backward(loss)
+            return
+        engine.set_gradient_accumulation_boundary(is_boundary=self.accelerator.sync_gradients)
+        engine.backward(loss)
+
+    def clip_and_step(self) -> None:
+        """At the accumulation boundary: clip and step. Under DeepSpeed the engine's step does both; the gradient
+        norm is then read from the engine, and the prepared optimizer's own step is a no-op."""
+        engine = self.deepspeed_engine()
+        if engine is not None:
+            engine.step()
+        self._grad_norm = self.clip_gradients()
+        self.optimizer.step()
+
+    def deepspeed_engine(self):
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return None if wrapped is None else wrapped.engine
+
+    def is_log_step(self) -> bool:
+        return self.step % self.cfg.log_freq == 0 or self.step == self.cfg.steps
 
     def clip_gradients(self) -> float:
         clip = self.cfg.optimizer.grad_clip_norm
@@ -278,37 +322,38 @@ def any_rank(accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(t, reduction="sum").item() > 0)
 
 
-def build_policy_model(cfg: TrainConfig, stats: dict, accelerator) -> torch.nn.Module:
-    import importlib
-
-    from opentau_cli.policies import build_policy, load_pretrained
+def build_policy_model(cfg: TrainConfig, stats: dict, accelerator, console=None) -> torch.nn.Module:
+    """The policy (partitioned under ZeRO-3), started from `policy.pretrained_path` when set. The load report goes
+    into the run's log with every name and, from rank 0, its summary to `console` (the launcher's terminal)."""
+    from accelerate.utils import set_seed
 
     # zero.Init patches torch.Tensor.__new__; modules imported lazily inside it (torch._dynamo via transformers)
-    # fail to import, so load the policy's modules first.
+    # fail to import, so load them first (the policy package imports its own modules eagerly for the same reason).
     import torch._dynamo  # noqa: F401
 
-    importlib.import_module(f"opentau_cli.policies.{cfg.policy.type}" if cfg.policy.type == "pi05" else "opentau_cli.policies")
-    from accelerate.utils import set_seed
+    from opentau_cli.policies import build_policy, load_pretrained
 
     with init_context(accelerator, cfg):
         set_seed(cfg.seed)  # seeded here, inside the context: entering zero.Init draws from the RNG
         model = build_policy(cfg.policy, stats)
-    if cfg.policy.pretrained_path is not None:
-        if is_zero3(accelerator):
-            import deepspeed
-
-            # Partitioned parameters: gather them, let rank 0 load, and DeepSpeed re-partitions on exit.
-            with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-                if accelerator.is_main_process:
-                    load_pretrained(model, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict)
-        else:
-            load_pretrained(model, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict)
+    if cfg.policy.pretrained_path is not None and cfg.resume:
+        print(f"Resuming: the checkpoint's weights replace policy.pretrained_path={cfg.policy.pretrained_path} (not read).", flush=True)
+    elif cfg.policy.pretrained_path is not None:
+        # Every rank matches the checkpoint (the same refusals everywhere); under ZeRO-3 rank 0 fills one gathered
+        # parameter at a time, so no rank ever holds a second full copy of the model.
+        report = load_pretrained(model, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict,
+                                 dataset_stats=stats, partitioned=is_zero3(accelerator))
+        if accelerator.is_main_process:
+            print(report.full(), flush=True)
+            if console is not None:
+                console.write(report.summary() + "\n")
+                console.flush()
     if cfg.policy.use_torch_compile and not is_zero3(accelerator):
         model.compile()  # in place: state_dict keys stay those of the plain module
     return model
 
 
-def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=None) -> Trainer:
+def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=None, console=None) -> Trainer:
     """Build everything a rank trains with. Order is fixed (seed, data, model, optimizer, prepare, per-rank seed) so
     that a resumed run draws random numbers exactly as the original did."""
     from accelerate.utils import set_seed
@@ -318,7 +363,7 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
     accelerator = make_accelerator(cfg, setup, tensorboard_dir=tensorboard_dir)
     set_seed(cfg.seed)  # same initial weights on every rank and every backend
     data = build_data(cfg, accelerator.process_index, accelerator.num_processes)
-    model = build_policy_model(cfg, data.stats, accelerator)
+    model = build_policy_model(cfg, data.stats, accelerator, console)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
@@ -326,16 +371,3 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
     return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, data=data)
-
-
-def run_steps(cfg: TrainConfig, setup: AccelerateSetup, steps: int, timer: PhaseTimer, *, warmup: int = 0) -> Trainer:
-    """For `opentau profile`: build exactly what train builds and run warmup + steps steps, no checkpoints.
-
-    The timer is reset after the warm-up steps, so `timer.steps` holds only the measured ones.
-    """
-    trainer = build_trainer(cfg, setup)
-    for i in range(warmup + steps):
-        if i == warmup:
-            timer.reset()
-        trainer.train_step(timer)
-    return trainer

@@ -1,0 +1,99 @@
+"""The life of one process that `accelerate launch` starts: docs/ARCHITECTURE.md "Per-rank runtime".
+
+The train worker, the profile worker and the test helpers all run this way: output to `<log_dir>/rank<N>.log`, a
+`UserError` as one marked line and exit 2, a `RunError` as one `Error:` line and exit 1, anything else as a traceback
+and exit 1; then the process group is destroyed and the process leaves with `os._exit` after flushing. The launcher
+reads the marked line back with `read_user_error`, the same way for every command.
+
+Import nothing heavy here: the launcher imports this module to read rank logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import IO, Callable, NoReturn
+
+USER_ERROR_MARK = "opentau-user-error: "
+
+
+def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, description: str | None = None) -> NoReturn:
+    """Run `work(cfg, setup, launch, console)` as one rank of a launch and exit with its code (see the module doc).
+
+    `--config` is the resolved train_config.json and `--launch` the launch.json that the launcher wrote; `console`
+    is the launcher's terminal on rank 0 (None on the other ranks).
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="The resolved train_config.json written by the launcher.")
+    parser.add_argument("--launch", required=True, help="launch.json: accelerate setup, resume checkpoint, log dir, run id.")
+    args = parser.parse_args(argv)
+    launch = json.loads(Path(args.launch).read_text())
+    console = redirect_output(Path(launch["log_dir"]), int(os.environ.get("RANK", "0")))
+    try:
+        from opentau_cli.config import TrainConfig, setup_from_dict
+
+        cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
+        code = work(cfg, setup_from_dict(launch["accelerate"]), launch, console)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException as e:
+        code = report_failure(e)
+    exit_rank(code)
+
+
+def redirect_output(log_dir: Path, rank: int) -> IO | None:
+    """Send this rank's stdout/stderr (Python and C level) to its log file; return a handle on the console for rank 0."""
+    console = os.fdopen(os.dup(1), "w", buffering=1) if rank == 0 else None
+    log = open(log_dir / f"rank{rank}.log", "a", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    return console
+
+
+def report_failure(e: BaseException) -> int:
+    """Print a failure the way the launcher reads it (call inside `except`); returns the exit code."""
+    from opentau_cli.errors import RunError, UserError
+
+    if isinstance(e, UserError):
+        print(f"{USER_ERROR_MARK}{e}", flush=True)
+        return 2
+    if isinstance(e, RunError):
+        print(f"Error: {e}", flush=True)
+        return 1
+    traceback.print_exc()
+    sys.stderr.flush()
+    return 1
+
+
+def read_user_error(log_dir: Path) -> str | None:
+    """The launcher's side of report_failure: the message of a rank that stopped on bad input, if one did."""
+    for log in sorted(log_dir.glob("rank*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(USER_ERROR_MARK):
+                return line[len(USER_ERROR_MARK):]
+    return None
+
+
+def close_process_group() -> None:
+    """Tear down torch.distributed before exit: a process that exits with gloo's threads still running can abort
+    ("terminate called without an active exception") after its work is done."""
+    dist = sys.modules.get("torch.distributed")  # never imported: no group to close (and no torch import to pay)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """Close the process group, flush, and leave without native teardown: with the work done and the logs flushed,
+    gloo / DeepSpeed threads torn down at interpreter exit sometimes abort a rank, failing a finished run."""
+    close_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
