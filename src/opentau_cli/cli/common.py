@@ -70,6 +70,3 @@ def handle_errors(fn: Callable) -> Callable:
 
     return wrapper
 
-
-def not_available(what: str) -> None:
-    raise UserError(f"{what} is not available yet in this version of opentau.")
