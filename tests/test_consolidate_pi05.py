@@ -20,6 +20,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import EXAMPLES, opentau_bin, run_cli
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, LAST, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, leftover_of, rank_state_file, read_last,
+)
 from opentau_cli.cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,17 +56,17 @@ def test_pi05_zero3_checkpoint_consolidates_like_zero_to_fp32_and_loads_into_fre
     from opentau_cli.config.load import load_config
     from opentau_cli.policies import build_policy, load_pretrained
 
-    ckpt = zero3_run / "checkpoints" / "000002"
-    res = CliRunner().invoke(app, ["checkpoint", "consolidate", str(zero3_run / "checkpoints" / "last")])
+    ckpt = zero3_run / CHECKPOINTS / "000002"
+    res = CliRunner().invoke(app, ["checkpoint", "consolidate", str(zero3_run / CHECKPOINTS / LAST)])
     assert res.exit_code == 0, res.stderr
-    ours = load_file(ckpt / "model.safetensors")
+    ours = load_file(ckpt / MODEL_WEIGHTS)
     ds_ckpt_helper.run_zero_to_fp32([(ckpt, tmp_path / "ref")])
-    ref = torch.load(tmp_path / "ref" / "pytorch_model.bin", weights_only=True)
+    ref = ds_ckpt_helper.zero_to_fp32_output(tmp_path / "ref")
     assert sorted(ours) == sorted(ref)
     for k in ref:
         assert ours[k].dtype == ref[k].dtype and ours[k].shape == ref[k].shape and torch.equal(ours[k], ref[k]), k
 
-    cfg = load_config(ckpt / "train_config.json", [])
+    cfg = load_config(ckpt / TRAIN_CONFIG, [])
     policy = build_policy(cfg.policy)
     report = load_pretrained(policy, ckpt)
     assert not report.missing and not report.unexpected
@@ -87,9 +90,9 @@ def test_resume_refuses_a_planted_malicious_pickle_and_never_runs_it(zero3_run, 
 
     run = tmp_path / "run"
     shutil.copytree(zero3_run, run, symlinks=True)
-    ckpt = run / "checkpoints" / "000002"
+    ckpt = run / CHECKPOINTS / "000002"
     marker = tmp_path / "pwned"
-    rng = ckpt / "random_states_1.pkl"  # Accelerate unpickles these with plain pickle in load_state
+    rng = ckpt / rank_state_file(1)  # Accelerate unpickles these with plain pickle in load_state
     torch.save({"step": _Evil(marker)}, rng)
     if forge_manifest:  # an attacker who can also rewrite manifest.json: the pickle scan still refuses
         write_manifest(ckpt)
@@ -105,15 +108,16 @@ def test_sigkill_mid_save_leaves_checkpoints_verifiable_and_resume_continues_exa
 
     run = tmp_path / "run"
     shutil.copytree(zero3_run, run, symlinks=True)
-    ckpts = run / "checkpoints"
-    assert list(ckpts.glob(".tmp-000003-*")), "the kill did not land inside the save"
+    ckpts = run / CHECKPOINTS
+    assert [leftover_of(p.name) for p in ckpts.iterdir() if leftover_of(p.name)] == [("save", "000003")], \
+        "the kill did not land inside the save"
     steps = sorted(d.name for d in ckpts.iterdir() if d.name.isdigit())
     assert steps == ["000001", "000002"] and all(is_complete(ckpts / s) and not verify_manifest(ckpts / s) for s in steps)
-    assert os.readlink(ckpts / "last") == "000002"
+    assert os.readlink(ckpts / LAST) == "000002" == read_last(ckpts)
     assert CliRunner().invoke(app, ["checkpoint", "verify", str(run)]).exit_code == 0
 
     def step3_losses():
-        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return [r["loss"] for r in map(json.loads, (run / METRICS).read_text().splitlines())
                 if r.get("kind") == "train" and r.get("step") == 3]
 
     before = step3_losses()  # logged by the killed run just before its save of step 3 began
@@ -121,6 +125,6 @@ def test_sigkill_mid_save_leaves_checkpoints_verifiable_and_resume_continues_exa
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "000002" in res.stdout + res.stderr  # resumed from the newest complete checkpoint
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".")], "the interrupted save was not cleaned up"
-    assert not verify_manifest(ckpts / "000003") and os.readlink(ckpts / "last") == "000003"
+    assert not verify_manifest(ckpts / "000003") and os.readlink(ckpts / LAST) == "000003"
     # The resumed run computes step 3 again from the restored model, optimizer, RNG and data position: same loss.
     assert len(before) == 1 and step3_losses() == before, (before, step3_losses())

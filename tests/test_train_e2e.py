@@ -18,7 +18,10 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import EXAMPLES, opentau_bin, run_cli
-from opentau_cli.checkpoint.manager import CHECKPOINTS, TRAIN_CONFIG, TRAINING_STATE
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, DS_TAG, LAST, LOGS, MANIFEST, METRICS, MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TENSORBOARD, TRAIN_CONFIG,
+    TRAINING_STATE, ZERO_TO_FP32, ds_shard_glob, leftover_of, read_last, step_of,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +62,7 @@ def train_args(backend: str, out: Path, *extra: str) -> list[str]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in (run_dir / METRICS).read_text().splitlines():
         rec = json.loads(line)
         if rec.get("kind") == "train":
             out[rec["step"]] = rec["loss"]
@@ -67,7 +70,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
 
 
 def ok(result) -> None:
@@ -82,7 +85,7 @@ class Run:
         ok(run_cli(train_args(backend, self.dir, *extra), env=self.env))
         self.full = losses(self.dir)
         self.full_records = records(self.dir)
-        self.ckpt_mid = self.dir / "checkpoints" / "000003"
+        self.ckpt_mid = self.dir / CHECKPOINTS / "000003"
         self.resume = run_cli(["resume", str(self.ckpt_mid)], env=self.env)
         ok(self.resume)
         self.resumed = losses(self.dir)
@@ -106,24 +109,25 @@ def runs(tmp_path_factory):
 def test_train_saves_checkpoints_and_resume_continues_after_the_checkpoint(runs, backend):
     run = runs(backend)
     assert sorted(run.full) == list(range(1, STEPS + 1))
-    ckpts = sorted(p.name for p in (run.dir / "checkpoints").iterdir() if not p.name.startswith("."))
-    assert ckpts == ["000003", "000006", "last"]
-    assert os.readlink(run.dir / "checkpoints" / "last") == "000006"
-    for name in ("train_config.json", "training_state.json", "manifest.json", "scheduler.bin"):
+    ckpts = sorted(p.name for p in (run.dir / CHECKPOINTS).iterdir() if not p.name.startswith("."))
+    assert ckpts == ["000003", "000006", LAST]
+    assert os.readlink(run.dir / CHECKPOINTS / LAST) == "000006"
+    for name in (TRAIN_CONFIG, TRAINING_STATE, MANIFEST, SCHEDULER):
         assert (run.ckpt_mid / name).is_file()
-    state = json.loads((run.ckpt_mid / "training_state.json").read_text())
+    state = json.loads((run.ckpt_mid / TRAINING_STATE).read_text())
     assert state["step"] == SAVE and state["samples_seen"] == 8 * SAVE
     assert state["world_size"] == (1 if backend == "single" else 2)
     assert state["sampler"]["epoch"] * 10**6 + state["sampler"]["batch"] > 0
-    saved_cfg = json.loads((run.ckpt_mid / "train_config.json").read_text())
-    assert saved_cfg["config_path"].endswith("checkpoints/000003/train_config.json") and saved_cfg["resume"] is False
+    saved_cfg = json.loads((run.ckpt_mid / TRAIN_CONFIG).read_text())
+    assert Path(saved_cfg["config_path"]).parts[-3:] == (CHECKPOINTS, "000003", TRAIN_CONFIG)
+    assert saved_cfg["resume"] is False
     # The resume logged from step SAVE + 1 on (not 1), saved the last step again over the old one, and left no temp dirs.
     assert "Resumed from" in run.resume.stdout + run.resume.stderr
     assert sorted(run.resumed) == list(range(1, STEPS + 1))
-    assert not [p for p in (run.dir / "checkpoints").iterdir() if p.name.startswith(".")]
-    assert json.loads((run.dir / "checkpoints" / "000006" / "training_state.json").read_text())["step"] == STEPS
-    assert (run.dir / "tensorboard").is_dir() and list((run.dir / "tensorboard").rglob("events.out.tfevents*"))
-    assert len(list((run.dir / "logs").iterdir())) == 2
+    assert not [p for p in (run.dir / CHECKPOINTS).iterdir() if p.name.startswith(".")]
+    assert json.loads((run.dir / CHECKPOINTS / "000006" / TRAINING_STATE).read_text())["step"] == STEPS
+    assert (run.dir / TENSORBOARD).is_dir() and list((run.dir / TENSORBOARD).rglob("events.out.tfevents*"))
+    assert len(list((run.dir / LOGS).iterdir())) == 2
 
 
 @pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
@@ -147,7 +151,7 @@ def test_model_safetensors_loads_into_a_fresh_pi05(runs):
     from opentau_cli.policies import build_policy
 
     run = runs("ddp")
-    tensors = load_file(str(run.ckpt_mid / "model.safetensors"))
+    tensors = load_file(str(run.ckpt_mid / MODEL_WEIGHTS))
     policy = build_policy(load_config(TINY).policy)
     missing, unexpected = policy.load_state_dict(tensors, strict=True), None
     assert not missing.missing_keys and not missing.unexpected_keys and unexpected is None
@@ -155,9 +159,10 @@ def test_model_safetensors_loads_into_a_fresh_pi05(runs):
 
 def test_deepspeed_checkpoints_hold_shards_of_both_ranks(runs):
     for backend in ("zero2", "zero3"):
-        shards = sorted(p.name for p in (runs(backend).ckpt_mid / "pytorch_model").iterdir())
-        assert any("rank_0" in s for s in shards) and any("rank_1" in s for s in shards), shards
-        assert (runs(backend).ckpt_mid / "zero_to_fp32.py").is_file()
+        tag = runs(backend).ckpt_mid / DS_TAG
+        for rank in (0, 1):
+            assert list(tag.glob(ds_shard_glob("optim", rank))), (rank, sorted(p.name for p in tag.iterdir()))
+        assert (runs(backend).ckpt_mid / ZERO_TO_FP32).is_file()
 
 
 def test_step_one_loss_is_equal_under_ddp_and_zero2(runs):
@@ -183,13 +188,13 @@ def test_sigterm_saves_exits_0_and_resume_matches_uninterrupted(runs, tmp_path):
     proc = subprocess.Popen([opentau_bin(), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").is_file() and len(losses(out)) >= 1:
+        if (out / METRICS).is_file() and len(losses(out)) >= 1:
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log[-3000:]
-    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    saved = sorted(p.name for p in (out / CHECKPOINTS).iterdir() if step_of(p.name) is not None)
     assert len(saved) == 1 and 1 <= int(saved[0]) < STEPS, saved
     assert "Preempted" in log
     # Save every step now: keep_last=1 must delete each older one, except the checkpoint resumed from.
@@ -199,7 +204,7 @@ def test_sigterm_saves_exits_0_and_resume_matches_uninterrupted(runs, tmp_path):
     for step in range(1, STEPS + 1):
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
     # keep_last=1: only the newest, plus the checkpoint this run resumed from (never deleted).
-    left = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    left = sorted(p.name for p in (out / CHECKPOINTS).iterdir() if step_of(p.name) is not None)
     assert left == sorted({saved[0], "000006"}), left
 
 
@@ -216,13 +221,12 @@ KILL_HOOK = Path(__file__).parent / "kill_hook"
 
 
 def test_sigkill_at_five_moments_of_real_2_rank_saves_keeps_checkpoints_sound_and_resume_exact(runs, tmp_path):
-    from opentau_cli.checkpoint.info import read_last
     from opentau_cli.checkpoint.manager import latest
     from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
 
     reference = runs("zero2").full
     run = tmp_path / "run"
-    ckpts = run / "checkpoints"
+    ckpts = run / CHECKPOINTS
     base_env = {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(KILL_HOOK)}
     base_env.pop("OPENTAU_DEBUG", None)
     command = train_args("zero2", run, "--save_freq", "1", "--checkpoint.keep_last", "2")
@@ -233,7 +237,7 @@ def test_sigkill_at_five_moments_of_real_2_rank_saves_keeps_checkpoints_sound_an
         assert proc.returncode == -signal.SIGKILL, f"{moment}: not killed\n{proc.stderr[-3000:]}"
         _assert_killed_at(moment, ckpts)
         # Every step directory is complete and verifies; half-written or half-deleted ones are hidden leftovers.
-        steps = sorted(d.name for d in ckpts.iterdir() if d.name.isdigit())
+        steps = sorted(d.name for d in ckpts.iterdir() if step_of(d.name) is not None)
         assert all(is_complete(ckpts / d) and verify_manifest(ckpts / d) == [] for d in steps), (moment, steps)
         assert latest(run) == ckpts / newest, (moment, steps)
         assert is_complete(ckpts / read_last(ckpts))
@@ -246,25 +250,25 @@ def test_sigkill_at_five_moments_of_real_2_rank_saves_keeps_checkpoints_sound_an
     for s in range(1, STEPS + 1):
         assert resumed[s] == pytest.approx(reference[s], rel=1e-5), f"step {s}"
     # Leftovers cleaned; keep_last=2 kept the newest two (the one resumed from, 000005, is one of them).
-    assert sorted(p.name for p in ckpts.iterdir()) == ["000005", "000006", "last"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["000005", "000006", LAST]
 
 
 def _assert_killed_at(moment: str, ckpts: Path) -> None:
     """What the disk shows right after the kill proves which moment it struck."""
-    from opentau_cli.checkpoint.info import read_last
-
-    hidden = {"-".join(p.name.split("-")[:2]): p for p in ckpts.iterdir() if p.name.startswith(".")}  # drop the run id
+    hidden = [p for p in ckpts.iterdir() if p.name.startswith(".")]
+    left = {leftover_of(p.name): p for p in hidden}  # (save | deletion, step): the run id dropped
+    assert None not in left, hidden
     if moment == "mid_file":
-        assert list(hidden) == [".tmp-000002"]
-        assert list(hidden[".tmp-000002"].rglob("*rank_1*optim_states.pt"))
-        assert not (hidden[".tmp-000002"] / "manifest.json").exists()
+        assert list(left) == [("save", "000002")]
+        assert list(left["save", "000002"].rglob(ds_shard_glob("optim", rank=1)))
+        assert not (left["save", "000002"] / MANIFEST).exists()
     elif moment in ("before_manifest_rename", "before_publish"):
-        assert list(hidden) == [".tmp-000003"]
-        assert (hidden[".tmp-000003"] / "manifest.json").exists() == (moment == "before_publish")
+        assert list(left) == [("save", "000003")]
+        assert (left["save", "000003"] / MANIFEST).exists() == (moment == "before_publish")
     elif moment == "before_last":
-        assert not hidden and read_last(ckpts) == "000003" and (ckpts / "000004").is_dir()
+        assert not left and read_last(ckpts) == "000003" and (ckpts / "000004").is_dir()
     elif moment == "mid_retention":
-        assert list(hidden) == [".old-000002"] and read_last(ckpts) == "000005"
+        assert list(left) == [("deletion", "000002")] and read_last(ckpts) == "000005"
 
 
 # Bad input: exit 2, one clear line, nothing written.
@@ -282,25 +286,25 @@ def test_resume_of_a_directory_without_checkpoints_exits_2(tmp_path):
 
 
 def _copy_ckpt(src: Path, dst_run: Path) -> Path:
-    dst = dst_run / "checkpoints" / src.name
+    dst = dst_run / CHECKPOINTS / src.name
     shutil.copytree(src, dst)
     return dst
 
 
 def test_resume_of_a_checkpoint_with_a_missing_file_exits_2_and_loads_nothing(runs, tmp_path):
     ckpt = _copy_ckpt(runs("ddp").ckpt_mid, tmp_path / "run")
-    (ckpt / "optimizer.bin").unlink()
+    (ckpt / OPTIMIZER).unlink()
     before = _tree(tmp_path / "run")
     r = run_cli(["resume", str(ckpt)], env=env_for(tmp_path))
     assert r.returncode == 2, r.stderr
-    assert "optimizer.bin" in r.stderr and "manifest" in r.stderr and "Traceback" not in r.stderr
+    assert OPTIMIZER in r.stderr and "manifest" in r.stderr and "Traceback" not in r.stderr
     assert _tree(tmp_path / "run") == before
 
 
 def test_resume_with_an_incompatible_preset_exits_2(runs, tmp_path):
     ckpt = runs("ddp").ckpt_mid
     before = _tree(runs("ddp").dir)
-    r = run_cli(["train", f"--config_path={ckpt / 'train_config.json'}", "--resume=true", "--steps=12",
+    r = run_cli(["train", f"--config_path={ckpt / TRAIN_CONFIG}", "--resume=true", "--steps=12",
                  "--policy.preset=pi05_small"], env=env_for(tmp_path))
     assert r.returncode == 2 and "policy.preset" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert _tree(runs("ddp").dir) == before
@@ -310,7 +314,7 @@ def test_deepspeed_checkpoint_resumed_under_ddp_exits_2_and_says_consolidate(run
     ckpt = _copy_ckpt(runs("zero2").ckpt_mid, tmp_path / "run")
     r = run_cli(["resume", str(ckpt), f"--accelerate-config={YAML['ddp']}"], env=env_for(tmp_path))
     assert r.returncode == 2 and "consolidate" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert not (tmp_path / "run" / "logs").exists()
+    assert not (tmp_path / "run" / LOGS).exists()
 
 
 def test_resume_with_another_world_size_exits_2(runs, tmp_path):
@@ -331,7 +335,7 @@ RESUME_REFUSALS = {
     "another world size": (["--accelerate-config={single}"], None),
     "another backend": ([f"--accelerate-config={YAML['zero2']}"], None),
     "another preset": (["--policy.preset=pi05_small"], None),
-    "a damaged checkpoint": ([], lambda ckpt: (ckpt / "optimizer.bin").unlink()),
+    "a damaged checkpoint": ([], lambda ckpt: (ckpt / OPTIMIZER).unlink()),
     "a checkpoint without its launch": ([], _no_accelerate_record),
 }
 
@@ -383,8 +387,8 @@ def test_train_config_path_with_resume_true_resumes_that_checkpoint_with_more_st
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     run_dir = tmp_path / "moved_run"
-    ckpt = _copy_ckpt(runs("ddp").dir / "checkpoints" / "000006", run_dir)
-    plan = plan_train(ckpt / "train_config.json", None, ["--resume=true", "--steps=9"])
+    ckpt = _copy_ckpt(runs("ddp").dir / CHECKPOINTS / "000006", run_dir)
+    plan = plan_train(ckpt / TRAIN_CONFIG, None, ["--resume=true", "--steps=9"])
     assert plan.resume_from == ckpt.resolve()
     assert plan.config.steps == 9 and plan.config.output_dir == run_dir.resolve()
     assert plan.setup.backend == "ddp" and plan.setup.world_size == 2  # the checkpoint's launch, no flag needed
@@ -392,7 +396,7 @@ def test_train_config_path_with_resume_true_resumes_that_checkpoint_with_more_st
 
 def test_resuming_a_finished_run_exits_0_and_launches_nothing(runs, tmp_path):
     run = runs("ddp")
-    logs_before = sorted((run.dir / "logs").iterdir())
+    logs_before = sorted((run.dir / LOGS).iterdir())
     r = run_cli(["resume", str(run.dir)], env=env_for(tmp_path))
     assert r.returncode == 0 and "Nothing to do" in r.stderr and "--steps" in r.stderr, r.stderr
-    assert sorted((run.dir / "logs").iterdir()) == logs_before
+    assert sorted((run.dir / LOGS).iterdir()) == logs_before
