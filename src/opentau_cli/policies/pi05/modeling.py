@@ -84,6 +84,12 @@ def time_embedding(time: torch.Tensor, width: int, min_period: float = 4e-3, max
     return torch.cat([angle.sin(), angle.cos()], dim=1).float()
 
 
+def sample_time(batch_size: int, device) -> torch.Tensor:
+    """Flow-matching times t ~ Beta(1.5, 1) * 0.999 + 0.001: weighted towards noise (t=1), never exactly 0."""
+    beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
+    return beta.sample((batch_size,)) * 0.999 + 0.001
+
+
 class AdaRMS(nn.Module):  # not named *RMSNorm: transformers would re-init it as a plain norm (gate 0)
     """RMSNorm whose scale, shift and residual gate are a linear function of the time conditioning.
 
@@ -462,8 +468,7 @@ class Pi05Policy(nn.Module):
         actions = inputs["actions"]
         batch_size = inputs["batch_size"]
         if time is None:
-            beta = torch.distributions.Beta(torch.tensor(1.5, device=actions.device), torch.tensor(1.0, device=actions.device))
-            time = beta.sample((batch_size,)) * 0.999 + 0.001
+            time = sample_time(batch_size, actions.device)
         if noise is None:
             noise = torch.randn_like(actions)
         time, noise = time.to(actions.device, torch.float32), noise.to(actions.device, torch.float32)
