@@ -34,9 +34,14 @@ class PolicyConfig(Section):
     max_action_dim: int = Field(32, ge=1, description="Actions are zero-padded to this width.")
     image_resolution: tuple[int, int] = Field((224, 224), description="(height, width) every camera is resized to.")
     tokenizer_max_length: int = Field(200, ge=8, description="Prompt tokens (task text + discretized state).")
-    tokenizer_path: Path | None = Field(None, description="Local Hugging Face tokenizer dir; byte-level when unset.")
-    pretrained_path: Path | None = Field(None, description="Local model.safetensors (or dir) to start from.")
-    pretrained_strict: bool = Field(True, description="Fail on missing/unexpected keys in pretrained_path.")
+    tokenizer_path: Path | None = Field(
+        None, description="Hugging Face tokenizer: a local dir or a repo id (e.g. google/paligemma-3b-pt-224); byte-level when unset."
+    )
+    pretrained_path: Path | None = Field(
+        None, description="Weights to start from: a model.safetensors, a dir, or a Hugging Face repo id org/name[@revision] "
+                          "(openpi, LeRobot, OpenTau or opentau layout, pi05 or pi0)."
+    )
+    pretrained_strict: bool = Field(True, description="Fail on missing/unexpected/mis-shaped tensors in pretrained_path; false loads what matches.")
     freeze_vision_encoder: bool = Field(True, description="Do not train the SigLIP vision tower.")
     train_expert_only: bool = Field(False, description="Train only the action expert (and its projections).")
     gradient_checkpointing: bool = Field(False, description="Activation checkpointing on transformer layers.")
