@@ -77,7 +77,8 @@ def resolve(text: str | Path, field: str = "policy.pretrained_path") -> Path:
         return local
     parsed = parse_repo_id(text)
     if parsed is None:
-        raise UserError(f"{field}={text}: no such file or directory (nor a Hugging Face repo id org/name[@revision]).")
+        what = "directory" if field.endswith("tokenizer_path") else "file or directory"
+        raise UserError(f"{field}={text}: no such {what} (nor a Hugging Face repo id org/name[@revision]).")
     repo_id, revision = parsed
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
