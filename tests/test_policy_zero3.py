@@ -40,12 +40,23 @@ out["action_std"] = policy.action_std[:2].tolist()
 out["action_q99"] = policy.action_q99[:2].tolist()
 engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
                                   config={**ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+# DeepSpeed bf16 casts every weight to bf16; openpi's fp32 set still computes in fp32 (from the bf16-stored weights).
+dtypes = {}
+def note_dtype(name):
+    def hook(module, args, output):
+        dtypes.setdefault(name, str((output[0] if isinstance(output, tuple) else output).dtype))
+    return hook
+for name, module in {"time_mlp_out": policy.embed_suffix.time_mlp_out, "final_norm": policy.expert.norm,
+                     "patch_embedding": policy.vlm.vision_tower.embeddings.patch_embedding, "expert_mlp": policy.expert.layers[0].mlp}.items():
+    module.register_forward_hook(note_dtype(name))
 batch = dict(images=torch.rand(4, 1, 3, 32, 32), image_masks=torch.ones(4, 1, dtype=torch.bool), state=torch.randn(4, 4),
              actions=torch.randn(4, 10, 2), action_is_pad=torch.zeros(4, 10, dtype=torch.bool), task=["reach"] * 4)
 loss = engine(batch)["loss"]
 engine.backward(loss)
 engine.step()
 out["loss"] = loss.item()
+out["output_dtypes"] = dtypes
+out["weight_dtype"] = str(policy.action_out_proj.weight.dtype)
 out["sample_shape"] = list(engine.module.sample_actions(batch).shape)
 print("RESULT" + json.dumps(out), flush=True)
 from opentau_cli.runtime import exit_rank
@@ -78,3 +89,6 @@ def test_pi05_builds_inside_zero_init_with_its_initial_values_and_trains_a_step(
     assert out["rope_dtype"] == "torch.float32" and out["stats_dtype"] == "torch.float32"
     assert out["action_std"] == [3.0, 3.0] and out["action_q99"] == [3.0, 3.0]
     assert out["loss"] == out["loss"] and out["sample_shape"] == [4, 10, 2]  # finite loss (not NaN), real action dims
+    assert out["weight_dtype"] == "torch.bfloat16"
+    assert out["output_dtypes"] == {"patch_embedding": "torch.float32", "time_mlp_out": "torch.float32",
+                                    "final_norm": "torch.bfloat16", "expert_mlp": "torch.bfloat16"}
