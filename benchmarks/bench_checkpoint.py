@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, env, opentau_bin, print_rows, verdict  # noqa: E402
+from opentau_cli.checkpoint.layout import METRICS  # noqa: E402
 
 CHUNK = 16 << 20
 
@@ -105,11 +106,11 @@ def launch_times(config: Path, workdir: Path, warm_first: bool = True) -> tuple[
     # A first fresh run warms the demo-data cache, page cache and DeepSpeed/torch imports for both timed runs.
     warm = workdir / "warm"
     if warm_first:
-        seconds_to_step([ot, "train", f"--config_path={config}", f"--output_dir={warm}", "--steps=1", *common], warm / "metrics.jsonl", 0)
+        seconds_to_step([ot, "train", f"--config_path={config}", f"--output_dir={warm}", "--steps=1", *common], warm / METRICS, 0)
     run_dir = workdir / "launch"
     fresh = seconds_to_step([ot, "train", f"--config_path={config}", f"--output_dir={run_dir}", "--steps=2", *common],
-                            run_dir / "metrics.jsonl", 0)
-    resume = seconds_to_step([ot, "resume", str(run_dir), "--steps=3", "--log_freq=1"], run_dir / "metrics.jsonl", 2)
+                            run_dir / METRICS, 0)
+    resume = seconds_to_step([ot, "resume", str(run_dir), "--steps=3", "--log_freq=1"], run_dir / METRICS, 2)
     return fresh, resume
 
 

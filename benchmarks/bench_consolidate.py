@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _common import append_result, base_parser, env, opentau_bin, print_rows, verdict  # noqa: E402
 import ds_ckpt_helper  # noqa: E402
+from opentau_cli.checkpoint.layout import DS_LATEST, MODEL_WEIGHTS, ZERO_TO_FP32  # noqa: E402
 
 # safetensors needs separate tensors where the state dict names one storage twice (the tied weight).
 UNTIE = """
@@ -118,19 +119,19 @@ def compare_paths(ckpt: Path, work: Path, model: str) -> list[tuple[str, str]]:
         d.mkdir()
     read_into_page_cache(ckpt)
     try:
-        d1, rss_direct = measured([python, "-c", ZERO_TO_SAFETENSORS, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(direct_dir)])
-        d2, _ = measured(["sync", str(direct_dir / "model.safetensors"), str(direct_dir)])
-        w1, r1 = measured([python, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(up_dir / "tmp")])
-        w2, r2 = measured([python, "-c", CONVERT_BIN_TO_SAFETENSORS, str(up_dir / "tmp" / "pytorch_model.bin"),
-                           str(up_dir / "model.safetensors")])
+        d1, rss_direct = measured([python, "-c", ZERO_TO_SAFETENSORS, str(ckpt / ZERO_TO_FP32), str(ckpt), str(direct_dir)])
+        d2, _ = measured(["sync", str(direct_dir / MODEL_WEIGHTS), str(direct_dir)])
+        w1, r1 = measured([python, str(ckpt / ZERO_TO_FP32), str(ckpt), str(up_dir / "tmp")])
+        w2, r2 = measured([python, "-c", CONVERT_BIN_TO_SAFETENSORS, str(up_dir / "tmp" / ds_ckpt_helper.ZERO_TO_FP32_OUTPUT),
+                           str(up_dir / MODEL_WEIGHTS)])
         shutil.rmtree(up_dir / "tmp")
         ours_wall, ours_rss = measured([opentau_bin(), "checkpoint", "consolidate", str(ckpt), "--output",
-                                        str(ours_dir / "model.safetensors")])
-        outputs = [str(d / "model.safetensors") for d in (ours_dir, up_dir, direct_dir)]
+                                        str(ours_dir / MODEL_WEIGHTS)])
+        outputs = [str(d / MODEL_WEIGHTS) for d in (ours_dir, up_dir, direct_dir)]
         check = subprocess.run([python, "-c", COMPARE, *outputs], capture_output=True, text=True, env=env())
         if check.returncode != 0:
             raise SystemExit(f"outputs differ: {check.stderr[-2000:]}")
-        size = (ours_dir / "model.safetensors").stat().st_size
+        size = (ours_dir / MODEL_WEIGHTS).stat().st_size
     finally:
         for d in (up_dir, direct_dir, ours_dir):
             shutil.rmtree(d, ignore_errors=True)
@@ -167,7 +168,7 @@ def main() -> None:
         for stage in (3, 2):
             ckpt = work / f"zero{stage}"
             model = f"ZeRO-{stage}, 2 ranks, bf16, "
-            if (ckpt / "latest").exists():
+            if (ckpt / DS_LATEST).exists():
                 model += f"reused from {ckpt}"
             else:
                 t = time.perf_counter()
