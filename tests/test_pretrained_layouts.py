@@ -124,6 +124,9 @@ def test_layouts_are_detected_from_their_keys():
     assert detect_layout(pi05) == Layout(OPENPI, "pi05")
     assert detect_layout("model." + k for k in pi05) == Layout(LEROBOT, "pi05")
     assert detect_layout([*("model." + k for k in pi05), "normalize_inputs.buffer_state.min"]) == Layout(OPENTAU, "pi05")
+    # A LeRobot file that does keep embed_tokens is still LeRobot (its statistics are in its normalizer files).
+    embed = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+    assert detect_layout([*("model." + k for k in pi05), embed]) == Layout(LEROBOT, "pi05")
     pi0 = list(published_keys("pi0", "model.", embed_tokens=False))
     assert detect_layout(pi0) == Layout(LEROBOT, "pi0")
     # OpenTau's older pi05 checkpoints name the time MLP like pi0's; the adaRMS norms still say pi05.

@@ -57,8 +57,9 @@ def detect_layout(keys, source: str = "the checkpoint") -> Layout:
     published = [k for k in keys if "paligemma_with_expert." in k]
     if published:
         if any(k.startswith("model.paligemma_with_expert.") for k in published):
-            opentau = any(_OPENTAU_STATS.match(k) or any(m in k for m in _OPENTAU_ONLY) for k in keys) or any(
-                k.endswith("paligemma.model.language_model.embed_tokens.weight") for k in keys)
+            # Only OpenTau writes normalize buffers or its discrete-action head into the weights; without them the
+            # two read the same (and such an OpenTau file has no statistics for the LeRobot reader to miss).
+            opentau = any(_OPENTAU_STATS.match(k) or any(m in k for m in _OPENTAU_ONLY) for k in keys)
             name = OPENTAU if opentau else LEROBOT
         else:
             name = OPENPI
