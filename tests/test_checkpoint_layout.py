@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from accelerate.utils import constants
 
@@ -21,7 +22,7 @@ def test_the_names_of_save_state_files_are_accelerates_own():
 def test_step_dir_names_read_back_as_their_step_and_nothing_else_does():
     for step, total in ((40, 100), (7, 12_345_678)):
         assert layout.step_of(layout.step_dir_name(step, total)) == step
-    for other in (layout.LAST, ".tmp-000040-r1", "notes"):
+    for other in (layout.LAST, layout.tmp_dir(Path(), "000040", "r1").name, "notes"):
         assert layout.step_of(other) is None
 
 
