@@ -120,9 +120,7 @@ class LoadReport:
             if keys:
                 parts.append(f"{len(keys)} {label} keys: {_shown(keys, limit)}")
         if self.mismatched:
-            shown = [self._mismatch(k) for k in self.mismatched[:limit]]
-            more = f", ... ({len(self.mismatched) - limit} more)" if len(self.mismatched) > limit else ""
-            parts.append(f"{len(self.mismatched)} shape-mismatched keys: {', '.join(shown)}{more}")
+            parts.append(f"{len(self.mismatched)} shape-mismatched keys: {_shown([self._mismatch(k) for k in self.mismatched], limit)}")
         return "; ".join(parts)
 
     def summary(self) -> str:
@@ -137,8 +135,7 @@ class LoadReport:
             if keys:
                 lines.append(f"  {len(keys)} {label}: {_shown(keys)}")
         if self.mismatched:
-            lines.append(f"  {len(self.mismatched)} shape-mismatched: {', '.join(self._mismatch(k) for k in self.mismatched[:SHORT_LIST])}"
-                         + (f", ... ({len(self.mismatched) - SHORT_LIST} more)" if len(self.mismatched) > SHORT_LIST else ""))
+            lines.append(f"  {len(self.mismatched)} shape-mismatched: {_shown([self._mismatch(k) for k in self.mismatched])}")
         for reason, keys in self.ignored.items():
             lines.append(f"  ignored {len(keys)}: {reason}")
         if self.stats_source:
@@ -182,7 +179,7 @@ def match(policy: torch.nn.Module, ckpt: Checkpoint) -> LoadReport:
     report = LoadReport(source=ckpt.source, resolved=str(ckpt.path), layout=layout)
     plan: dict[str, str] = {}
     for key in sorted(ckpt.shapes):
-        name = key if layout.name == NATIVE else our_name(key, layout)
+        name = our_name(key, layout)
         reason = ignored_reason(key, name)
         if reason:
             report.ignored.setdefault(reason, []).append(key)
@@ -223,7 +220,7 @@ def guess_preset(ckpt: Checkpoint) -> str | None:
     """The preset whose sizes the checkpoint has (widths and layer counts), if any."""
     from opentau_cli.policies.pi05.configuration import PRESETS
 
-    shapes = {(k if ckpt.layout.name == NATIVE else our_name(k, ckpt.layout)): s for k, s in ckpt.shapes.items()}
+    shapes = {our_name(k, ckpt.layout): s for k, s in ckpt.shapes.items()}
 
     def layers(prefix: str) -> int:
         found = {int(m.group(1)) for k in shapes if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
@@ -244,6 +241,11 @@ def _width(feature_stats: dict) -> int:
     return len(next(iter(feature_stats.values())))
 
 
+def _another_robot(ckpt: Checkpoint, problems: list[str]) -> UserError:
+    return UserError(f"{ckpt.source}: {'; '.join(problems)}: it was trained on another robot; set "
+                     "policy.pretrained_strict=false to normalize with the dataset's statistics instead.")
+
+
 def _plan_statistics(ckpt: Checkpoint, report: LoadReport, dataset_stats: dict | None, strict: bool) -> dict | None:
     """The statistics to set after the weights (None: keep what the policy has), and report.stats_source."""
     problems = []
@@ -252,19 +254,18 @@ def _plan_statistics(ckpt: Checkpoint, report: LoadReport, dataset_stats: dict |
         for feature in ("state", "action"):
             key = f"{feature}_dim"
             if dataset_stats and key in ckpt.shapes and key in report.loaded:
-                width, data_width = int(ckpt.tensor(key).item()), len(dataset_stats[feature]["mean"])
+                width, data_width = int(ckpt.tensor(key).item()), _width(dataset_stats[feature])
                 if width != data_width:
                     problems.append(f"the checkpoint's {feature} statistics have {width} dims but the dataset's {feature} has {data_width}")
         if not problems:
             return None
         if strict:
-            raise UserError(f"{ckpt.source}: {'; '.join(problems)}: it was trained on another robot; set "
-                            "policy.pretrained_strict=false to normalize with the dataset's statistics instead.")
+            raise _another_robot(ckpt, problems)
         report.stats_source = f"from the dataset ({'; '.join(problems)})"
         return dataset_stats
     found, where = read_stats(ckpt.layout, ckpt.root, ckpt.shapes, ckpt.tensor)
     if found is None:
-        report.stats_source = f"from the dataset ({where})" if dataset_stats else f"none ({where}) until set_stats"
+        report.stats_source = f"from the dataset ({where})" if dataset_stats else f"none ({where}; the policy keeps its own)"
         return None
     merged, theirs_used, data_used = {}, [], []
     for feature in ("state", "action"):
@@ -274,9 +275,9 @@ def _plan_statistics(ckpt: Checkpoint, report: LoadReport, dataset_stats: dict |
                 merged[feature] = data
                 data_used.append(f"{feature} (the checkpoint has none)")
             continue
-        if data and _width(theirs) != len(data["mean"]):
+        if data and _width(theirs) != _width(data):
             problems.append(f"the checkpoint's {feature} statistics ({where}) have {_width(theirs)} dims but the "
-                            f"dataset's {feature} has {len(data['mean'])}")
+                            f"dataset's {feature} has {_width(data)}")
             merged[feature] = data
             data_used.append(f"{feature} ({problems[-1]})")
             continue
@@ -286,8 +287,7 @@ def _plan_statistics(ckpt: Checkpoint, report: LoadReport, dataset_stats: dict |
         if filled:
             data_used.append(f"{feature} {'/'.join(filled)}")
     if problems and strict:
-        raise UserError(f"{ckpt.source}: {'; '.join(problems)}: it was trained on another robot; set "
-                        "policy.pretrained_strict=false to normalize with the dataset's statistics instead.")
+        raise _another_robot(ckpt, problems)
     parts = [f"from the checkpoint ({where}): {', '.join(theirs_used)}"] if theirs_used else []
     report.stats_source = "; ".join(parts + ([f"from the dataset: {', '.join(data_used)}"] if data_used else []))
     return merged if {"state", "action"} <= set(merged) else None
