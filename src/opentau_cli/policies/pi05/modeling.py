@@ -38,7 +38,8 @@ from opentau_cli.policies.pi05.tokenization import action_token_id, encode_promp
 
 # Parameters that openpi keeps in fp32 when the rest of the model is bf16 (matched as name fragments): SigLIP's patch
 # and position embeddings, every Gemma norm of the VLM and the expert (the adaRMS dense layers included), and the
-# projections between actions / time and the expert.
+# projections between actions / time and the expert. They compute in fp32 in every mode: fp32 weights under DDP's
+# bf16 autocast and after cast_weights(bf16); under DeepSpeed bf16, which stores every weight in bf16, from those.
 FP32_PARAMETERS = (
     "vision_tower.embeddings.patch_embedding.", "vision_tower.embeddings.position_embedding.",
     "input_layernorm.", "post_attention_layernorm.", "language_model.norm.", "expert.norm.",
