@@ -23,14 +23,26 @@ from opentau_cli.errors import UserError
 
 def check_policy(cfg: TrainConfig) -> list[str]:
     """What the policy refuses to be built from (an image size its vision tower cannot patch, more action bins than
-    its vocabulary), found by building it on the meta device: no memory, no weights, well under a second."""
-    from opentau_cli.policies import count_parameters  # torch and transformers: only once the config itself loaded
+    its vocabulary), found by building it on the meta device (no memory, well under a second), and whether its
+    weight and tokenizer sources exist (a path, or a Hugging Face repo id in the cache or on the Hub) and the weights
+    fit it (read from their headers only). A resume loads the checkpoint's weights, not pretrained_path."""
+    # torch, transformers and huggingface_hub: only once the config itself loaded.
+    from opentau_cli.policies import check_pretrained, count_parameters
+    from opentau_cli.policies.hub import check_weights_source
 
+    errors = []
+    for name in ("pretrained_path", "tokenizer_path"):
+        source = getattr(cfg.policy, name)
+        problem = check_weights_source(source, f"policy.{name}") if source is not None else None
+        if problem:
+            errors.append(problem)
     try:
         count_parameters(cfg.policy)
+        if cfg.policy.pretrained_path is not None and not cfg.resume and not errors:
+            check_pretrained(cfg.policy)
     except UserError as e:
-        return [str(e)]
-    return []
+        errors.append(str(e))
+    return errors
 
 
 # The checks of other packages that the config rules run with their own.

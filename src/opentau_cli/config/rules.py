@@ -102,10 +102,6 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
     if zero3 and cfg.policy.use_torch_compile:
         warnings.append("policy.use_torch_compile=true is not supported under DeepSpeed ZeRO-3: running eager instead.")
         cfg.policy.use_torch_compile = False
-    for name in ("pretrained_path", "tokenizer_path"):
-        p = getattr(cfg.policy, name)
-        if p is not None and not Path(p).exists():
-            errors.append(f"policy.{name} '{p}' does not exist.")
     for term in cfg.policy.loss_weighting:
         if term not in LOSS_TERMS:
             errors.append(f"policy.loss_weighting has unknown term '{term}' (known: {', '.join(LOSS_TERMS)}).")
