@@ -38,9 +38,22 @@ def test_help_lists_every_command_group():
         assert name in sub
 
 
+@pytest.fixture(scope="module")
+def example_datasets(tmp_path_factory):
+    """The datasets the mixture example reads, made as the README makes them (paths relative to the working dir)."""
+    from opentau_cli.data import write_synth
+
+    cwd = tmp_path_factory.mktemp("examples")
+    write_synth(cwd / "data" / "reach_v21", episodes=5, steps_per_episode=6)
+    write_synth(cwd / "data" / "reach_v30_video", episodes=5, steps_per_episode=6, fmt="v3.0", video=True, cameras=2)
+    return cwd
+
+
 @pytest.mark.parametrize("accel", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("config", TRAIN_CONFIGS, ids=lambda p: p.stem)
-def test_every_example_config_validates_with_every_accelerate_config_for_an_8_gpu_machine(isolated_env, accel, config):
+def test_every_example_config_validates_with_every_accelerate_config_for_an_8_gpu_machine(isolated_env, example_datasets,
+                                                                                        monkeypatch, accel, config):
+    monkeypatch.chdir(example_datasets)
     result = invoke("config", "validate", str(config), "--accelerate-config", str(accel), "--gpus", "8", f"--output_dir={isolated_env / 'run'}")
     assert result.exit_code == 0, result.output
     assert "Config OK" in result.output and "checked for        a machine with 8 CUDA GPUs (--gpus 8)" in result.output

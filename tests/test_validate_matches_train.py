@@ -7,9 +7,12 @@ refused before a launch (a case that got through would otherwise start a real ru
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import NamedTuple
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -85,21 +88,73 @@ CASES = [
     Case("fp8", TINY, ["--accelerate-config={tmp}/fp8.yaml"], TWO_GPUS),
     Case("more processes than gpus", TINY, [f"--accelerate-config={DDP8}"], TWO_GPUS),
     Case("two machines without main_process_ip", TINY, ["--accelerate-config={tmp}/two_machines.yaml"], TWO_GPUS),
+    Case("data file missing", TINY, ["--dataset.root={tmp}/data/no_data_file"]),
+    Case("video file missing", TINY, ["--dataset.root={tmp}/data/no_video_file"]),
+    Case("video file empty", TINY, ["--dataset.root={tmp}/data/empty_video"]),
+    Case("videos in another folder", TINY, ["--dataset.root={tmp}/data/videos_elsewhere"]),
+    Case("video encoded at another fps", TINY, ["--dataset.root={tmp}/data/video_fps"]),
+    Case("episode rows disagree with its length", TINY, ["--dataset.root={tmp}/data/bad_rows"]),
+    Case("episode video shorter than the episode", TINY, ["--dataset.root={tmp}/data/short_span"]),
+    Case("state mapped to an image feature", TINY, ["--dataset.state_key=observation.images.top"]),
+    Case("validation holds out every selected episode", TINY, ["--dataset.episodes=[0]"]),
+    Case("mixture next to dataset.root", TINY, ['--dataset.mixture=[{"root": "{tmp}/data/v21"}]', "--dataset.root={tmp}/data/v21"]),
+    Case("mixture members with one name", TINY, ['--dataset.mixture=[{"root": "{tmp}/data/v21"}, {"root": "{tmp}/data/v21"}]']),
+    Case("mixture member root is not a directory", TINY, ['--dataset.mixture=[{"root": "{tmp}/data/v21"}, {"root": "{tmp}/no_data"}]']),
+    Case("mixture member key not in its dataset", TINY,
+         ['--dataset.mixture=[{"root": "{tmp}/data/v21"}, {"root": "{tmp}/data/v30", "action_key": "actions"}]']),
+    Case("mixture members at different fps", TINY, ['--dataset.mixture=[{"root": "{tmp}/data/v21"}, {"root": "{tmp}/data/fps20"}]']),
     Case("output dir in use", TINY, ["--output_dir={tmp}/used"]),
     Case("resume without a checkpoint", TINY, ["--resume=true", "--output_dir={tmp}/empty_run"]),
     Case("several problems at once", FULL, ["--policy.n_action_steps=99", "--accelerate-config={tmp}/fsdp.yaml", "--dataset.root={tmp}/empty"]),
 ]
 
 
+def _edit_json(path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _edit_episodes(root, column: str, value) -> None:
+    """Set `column` of episode 0 in a v3.0 dataset's meta/episodes."""
+    path = root / "meta" / "episodes" / "chunk-000" / "file-000.parquet"
+    rows = pq.read_table(path).to_pylist()
+    rows[0][column] = value
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """Datasets with one problem each that only the meta files and a stat of the data files show (read-only)."""
+    root = tmp_path_factory.mktemp("datasets")
+
+    def synth(name, **kw):
+        return write_synth(root / name, episodes=2, steps_per_episode=4, **kw)
+
+    synth("v21")
+    synth("v30", fmt="v3.0")
+    (synth("no_data_file") / "data" / "chunk-000" / "episode_000001.parquet").unlink()
+    (synth("no_video_file", video=True) / "videos" / "chunk-000" / "observation.images.top" / "episode_000001.mp4").unlink()
+    (synth("empty_video", video=True) / "videos" / "chunk-000" / "observation.images.top" / "episode_000000.mp4").write_bytes(b"")
+    moved = synth("videos_elsewhere", fmt="v3.0", video=True)
+    (moved / "videos").rename(moved / "media")
+    _edit_json(synth("video_fps", video=True) / "meta" / "info.json",
+               lambda info: info["features"]["observation.images.top"]["info"].update({"video.fps": 30}))
+    _edit_episodes(synth("bad_rows", fmt="v3.0"), "dataset_to_index", 3)
+    _edit_episodes(synth("short_span", fmt="v3.0", video=True), "videos/observation.images.top/to_timestamp", 0.1)
+    _edit_json(synth("fps20") / "meta" / "info.json", lambda info: info.update({"fps": 20}))
+    return root
+
+
 @pytest.fixture
-def inputs(isolated_env):
+def inputs(isolated_env, datasets):
     tmp = isolated_env
+    (tmp / "data").symlink_to(datasets)
     (tmp / "bad.json").write_text('{"steps": 10,,}')
     for name, text in YAMLS.items():
         (tmp / name).write_text(text)
     (tmp / "empty").mkdir()
-    (tmp / "used").mkdir()
-    (tmp / "used" / "metrics.jsonl").write_text("{}\n")
+    (tmp / "used" / "checkpoints" / "000010").mkdir(parents=True)  # a run with a checkpoint
     write_synth(tmp / "two_cameras", episodes=2, steps_per_episode=4, cameras=2)
     write_synth(tmp / "video", episodes=2, steps_per_episode=4, video=True)
     return tmp

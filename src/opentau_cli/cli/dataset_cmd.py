@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from opentau_cli.cli.common import JsonOpt, handle_errors, make_app
+from opentau_cli.errors import UserError
 
 app = make_app("Create and describe LeRobot-format datasets.")
 
@@ -42,21 +43,27 @@ def _fmt_vec(values: list[float], limit: int = 8) -> str:
 @app.command("info")
 @handle_errors
 def info_cmd(
-    dataset_dir: str = typer.Argument(..., help="Dataset directory, or @demo."),
+    target: str = typer.Argument(..., help="Dataset directory, @demo, or a training config JSON (describes its mixture)."),
     as_json: JsonOpt = False,
     verify: bool = typer.Option(False, "--verify", help="Also read every frame (decode every image / video frame) and fail on the first problem."),
     state_key: str = typer.Option("observation.state", "--state-key", help="State feature read by --verify."),
     action_key: str = typer.Option("action", "--action-key", help="Action feature read by --verify."),
 ) -> None:
-    """Print features, episodes, frames, fps and stats of a dataset.
+    """Print features, episodes, frames, fps and stats of a dataset, or the datasets a training config mixes.
 
     Examples: `opentau dataset info /work/data/my_lerobot_dataset --json`;
-    `opentau dataset info /work/data/my_lerobot_dataset --verify` (reads every frame, exit 2 naming the bad file).
+    `opentau dataset info /work/data/my_lerobot_dataset --verify` (reads every frame, exit 2 naming the bad file);
+    `opentau dataset info configs/examples/pi05_mixture_config.json` (each member, its weight and share of samples).
     """
     from opentau_cli.data import resolve_dataset_root
     from opentau_cli.data.info import describe_dataset, verify_dataset
 
-    root = resolve_dataset_root(dataset_dir)
+    if target.endswith(".json"):
+        if verify:
+            raise UserError("--verify reads one dataset: pass its directory (each member's root) instead of a config.")
+        _print_mixture(target, as_json)
+        return
+    root = resolve_dataset_root(target)
     info = describe_dataset(root)
     if verify:
         frames = verify_dataset(root, state_key=state_key, action_key=action_key)
@@ -82,3 +89,23 @@ def info_cmd(
         else:
             typer.echo(f"  {key} mean {_fmt_vec(s['mean'])}")
             typer.echo(f"  {' ' * len(key)} std  {_fmt_vec(s['std'])}  ({s['source']})")
+
+
+def _print_mixture(config_path: str, as_json: bool) -> None:
+    from opentau_cli.config import load_config
+    from opentau_cli.data.info import describe_mixture
+
+    info = describe_mixture(load_config(config_path, {}))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    members = info["members"]
+    kind = f"a mixture of {len(members)} datasets" if info["mixture"] else "one dataset"
+    typer.echo(f"Config    {config_path}: {kind}")
+    typer.echo(f"Epoch     {info['draws_per_epoch']} draws (the training frames of all datasets), order by seed {info['seed']}")
+    typer.echo(f"{'dataset':<24} {'weight':>7} {'share':>7} {'draws/epoch':>12} {'passes/epoch':>13} {'episodes train/val':>19}  layout  fps")
+    for m in members:
+        typer.echo(f"{m['name'][:24]:<24} {m['weight']:>7g} {m['share']:>7.1%} {m['draws_per_epoch']:>12} {m['passes_per_epoch']:>13.2f} "
+                   f"{str(m['train_episodes']) + '/' + str(m['val_episodes']):>19}  {m['codebase_version'] or '?':<6}  {m['fps']:g}")
+    for m in members:
+        typer.echo(f"  {m['name']}: {m['root']}; state {m['state']}, action {m['action']}, cameras {', '.join(m['cameras']) or 'none'}")

@@ -38,7 +38,8 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("output dir", str(cfg.output_dir)),
         ("policy", f"{cfg.policy.type} (preset {cfg.policy.preset})"),
         ("parameters", parameter_row(cfg.policy)),
-        ("dataset", cfg.dataset.root),
+        ("dataset", cfg.dataset.root if cfg.dataset.mixture is None
+         else "mixture of " + ", ".join(f"{m.label} (weight {m.weight:g})" for m in cfg.dataset.mixture)),
     ]
     if plan.resume_from:
         rows.append(("resume from", str(plan.resume_from)))

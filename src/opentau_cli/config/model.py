@@ -62,20 +62,48 @@ class PolicyConfig(Section):
         return {**dict.fromkeys(LOSS_TERMS, 1.0), **weights}
 
 
-class DatasetConfig(Section):
+class DatasetSource(Section):
+    """One LeRobot dataset and how its features map to the policy's inputs."""
+
     root: str = Field(DEMO_DATASET, description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}' for the bundled synthetic demo.")
     camera_keys: dict[str, str] = Field(
         default_factory=dict,
         description="Dataset feature -> camera slot, e.g. {'observation.images.top': 'camera0'}; empty = every image/video feature in order.",
     )
-    num_cameras: int = Field(1, ge=1, description="Camera slots the policy sees; missing cameras are padded and flagged.")
     state_key: str = Field("observation.state", description="Dataset feature used as robot state.")
     action_key: str = Field("action", description="Dataset feature used as action.")
     episodes: list[int] | None = Field(None, description="Restrict to these episode indices (None = all).")
+    prompt: str | None = Field(None, description="Task prompt for frames whose dataset has no task text.")
+
+
+class MixtureMember(DatasetSource):
+    """A dataset of a mixture: its own root, key mapping and episodes, and its sampling weight."""
+
+    root: str = Field(..., description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}'.")
+    name: str | None = Field(None, description="Its name in logs, training_state.json and `dataset info`; default: the folder name.")
+    weight: float = Field(1.0, gt=0, description="Sampling weight: the member's share of draws is weight / sum of weights.")
+
+    @property
+    def label(self) -> str:
+        return self.name or (DEMO_DATASET.lstrip("@") if self.root == DEMO_DATASET else Path(self.root).name or self.root)
+
+
+class DatasetConfig(DatasetSource):
+    num_cameras: int = Field(1, ge=1, description="Camera slots the policy sees; missing cameras are padded and flagged.")
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
     video_backend: Literal["pyav"] = Field("pyav", description="Video decoder (install the 'video' extra).")
-    prompt: str | None = Field(None, description="Task prompt for frames whose dataset has no task text.")
     video_cache_mb: int = Field(256, ge=1, description="Decoded, resized video frames kept per data worker (MiB).")
+    mixture: list[MixtureMember] | None = Field(
+        None, min_length=1,
+        description="Train on several datasets sampled by weight, each with its own root, key mapping and statistics "
+                    "(instead of root / camera_keys / state_key / action_key / episodes / prompt here).",
+    )
+
+    def members(self) -> list[MixtureMember]:
+        """The datasets this config reads: the mixture, or the single dataset described by the fields above."""
+        if self.mixture is not None:
+            return list(self.mixture)
+        return [MixtureMember(**{name: getattr(self, name) for name in DatasetSource.model_fields})]
 
 
 class OptimizerConfig(Section):

@@ -54,6 +54,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         action_key: str = "action",
         prompt: str | None = None,
         video_cache_mb: int = 256,
+        video: VideoFrames | None = None,
     ):
         self.root = Path(root)
         self.meta = read_meta(self.root)
@@ -78,7 +79,12 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self._load_numbers()
         self.stats = dataset_stats(self.meta, self.episodes, self.state_key, self.action_key, self._state, self._action)
         self._images: OrderedDict[tuple, object] = OrderedDict()  # (data file, column) -> encoded images, LRU by bytes
-        self._video = VideoFrames(cache_mb=video_cache_mb)
+        self._video = video or VideoFrames(cache_mb=video_cache_mb)  # a mixture's members share one cache
+
+    def map_numbers(self, state_fn, action_fn) -> None:
+        """Replace the (frames, width) state and action rows by what the functions make of them (a mixture carries
+        its members into the policy's statistics); `stats` stay those of the dataset's own values."""
+        self._state, self._action = state_fn(self._state), action_fn(self._action)
 
     # -- facts -----------------------------------------------------------------------------------------------------
     @property

@@ -65,3 +65,36 @@ def verify_dataset(root: str | Path, *, state_key: str = "observation.state", ac
         if on_episode and (idx + 1 == len(ds) or ds.episode_of(idx + 1) != ds.episode_of(idx)):
             on_episode(ds.episode_of(idx))
     return len(ds)
+
+
+def describe_mixture(cfg) -> dict:
+    """Each dataset a config trains on (the mixture's members, or its one dataset): weight, share of the draws, the
+    episode split, and how often an epoch goes through its training frames. From the meta files only."""
+    from opentau_cli.data.build import split_episodes
+    from opentau_cli.data.mixture import draw_counts
+    from opentau_cli.data.synth import resolve_dataset_root
+
+    members = cfg.dataset.members()
+    rows = []
+    for m in members:
+        root = resolve_dataset_root(m.root)
+        meta = read_meta(root)
+        train_eps, val_eps = split_episodes(root, cfg.validation.val_split, cfg.seed, m.episodes)
+        rows.append({
+            "name": m.label, "root": str(root), "codebase_version": meta.info.get("codebase_version"),
+            "robot_type": meta.info.get("robot_type"), "fps": meta.fps, "weight": m.weight,
+            "train_episodes": len(train_eps), "val_episodes": len(val_eps),
+            "train_frames": sum(meta.episodes[e].length for e in train_eps),
+            "state": f"{m.state_key} ({meta.width(m.state_key)})" if m.state_key in meta.features else m.state_key,
+            "action": f"{m.action_key} ({meta.width(m.action_key)})" if m.action_key in meta.features else m.action_key,
+            "cameras": meta.camera_features,
+        })
+    draws = sum(r["train_frames"] for r in rows)
+    # One dataset is read in a permutation of its frames; a mixture draws by weight (data/mixture.py).
+    counts = draw_counts([m.weight for m in members], draws) if cfg.dataset.mixture is not None else [draws]
+    for row, count in zip(rows, counts):
+        row["draws_per_epoch"] = int(count)
+        row["share"] = int(count) / draws if draws else 0.0
+        row["passes_per_epoch"] = int(count) / row["train_frames"] if row["train_frames"] else 0.0
+    return {"mixture": cfg.dataset.mixture is not None, "draws_per_epoch": draws, "seed": cfg.seed,
+            "val_split": cfg.validation.val_split, "members": rows}

@@ -22,6 +22,8 @@ class EpisodeMeta:
     # v3.0 only: where the episode lives inside the shared files.
     data_file: tuple[int, int] | None = None  # (chunk_index, file_index)
     video_files: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # key -> (chunk, file, from_timestamp)
+    video_ends: dict[str, float] = field(default_factory=dict)  # key -> to_timestamp, when given
+    rows: tuple[int, int] | None = None  # (dataset_from_index, dataset_to_index), when given
     stats: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # per-episode stats when the dataset has them
 
 
@@ -189,17 +191,21 @@ def _read_v3_episodes(root: Path) -> dict[int, EpisodeMeta]:
         for row in _read_parquet(path).to_pylist():
             ep = int(row["episode_index"])
             data_file = (int(row.get("data/chunk_index", 0)), int(row.get("data/file_index", 0)))
-            videos, stats = {}, {}
+            videos, ends, stats = {}, {}, {}
             for col, val in row.items():
                 parts = col.split("/")
                 if parts[0] == "videos" and len(parts) == 3 and parts[2] == "chunk_index":
                     key = parts[1]
                     videos[key] = (int(val), int(row[f"videos/{key}/file_index"]), float(row.get(f"videos/{key}/from_timestamp", 0.0)))
+                    if row.get(f"videos/{key}/to_timestamp") is not None:
+                        ends[key] = float(row[f"videos/{key}/to_timestamp"])
                 elif parts[0] == "stats" and len(parts) == 3 and val is not None:
                     stats.setdefault(parts[1], {})[parts[2]] = val
+            has_rows = row.get("dataset_from_index") is not None and row.get("dataset_to_index") is not None
             episodes[ep] = EpisodeMeta(
                 index=ep, length=int(row["length"]), tasks=list(row.get("tasks") or []), data_file=data_file,
-                video_files=videos, stats=_stats_arrays(stats),
+                video_files=videos, video_ends=ends, stats=_stats_arrays(stats),
+                rows=(int(row["dataset_from_index"]), int(row["dataset_to_index"])) if has_rows else None,
             )
     return episodes
 
@@ -219,25 +225,26 @@ def _read_v3_tasks(root: Path) -> dict[int, str]:
 SLOT_RE = re.compile(r"^camera(\d+)$")
 
 
-def camera_slots(meta: DatasetMeta, camera_keys: dict[str, str], num_cameras: int) -> list[str | None]:
-    """Dataset feature feeding each camera slot (None = slot padded). Raises UserError on a bad mapping."""
+def camera_slots(meta: DatasetMeta, camera_keys: dict[str, str], num_cameras: int, what: str = "dataset.camera_keys") -> list[str | None]:
+    """Dataset feature feeding each camera slot (None = slot padded). Raises UserError on a bad mapping (`what` is
+    the config key of the mapping, for the message)."""
     slots: list[str | None] = [None] * num_cameras
     if not camera_keys:
         cams = meta.camera_features
         if len(cams) > num_cameras:
             raise UserError(
                 f"the dataset has {len(cams)} cameras ({', '.join(cams)}) but dataset.num_cameras is {num_cameras}: "
-                "raise dataset.num_cameras or choose cameras with dataset.camera_keys."
+                f"raise dataset.num_cameras or choose cameras with {what}."
             )
         slots[: len(cams)] = cams
         return slots
     for feature, slot in camera_keys.items():
         m = SLOT_RE.match(slot)
         if not m or int(m.group(1)) >= num_cameras:
-            raise UserError(f"dataset.camera_keys maps '{feature}' to '{slot}'; slots are camera0..camera{num_cameras - 1}.")
+            raise UserError(f"{what} maps '{feature}' to '{slot}'; slots are camera0..camera{num_cameras - 1}.")
         if feature not in meta.features:
-            raise UserError(f"dataset.camera_keys names '{feature}', which is not a feature in {meta.root / 'meta/info.json'}.")
+            raise UserError(f"{what} names '{feature}', which is not a feature in {meta.root / 'meta/info.json'}.")
         if meta.features[feature].get("dtype") not in ("image", "video"):
-            raise UserError(f"dataset.camera_keys names '{feature}', which is not an image or video feature.")
+            raise UserError(f"{what} names '{feature}', which is not an image or video feature.")
         slots[int(m.group(1))] = feature
     return slots

@@ -41,6 +41,12 @@ class ResumableSampler(torch.utils.data.Sampler):
     def __iter__(self):
         return iter(self.indices())
 
+    num_datasets = 1
+
+    def drawn(self, epoch: int, positions: int) -> np.ndarray:
+        """Samples of each dataset among the first `positions` of `epoch`'s order (one dataset: all of them)."""
+        return np.array([positions], dtype=np.int64)
+
 
 class _EpochBatches:
     """The batch sampler the DataLoader iterates: one epoch's batches from a starting batch on.
@@ -108,10 +114,24 @@ class BatchStream:
             generator=torch.Generator().manual_seed(sampler.seed),
         )
         self._it = None
+        self._drawn_in_epoch: dict[int, np.ndarray] = {}  # completed epochs' draws per dataset
         self.load_state_dict({"epoch": start_epoch, "batch": start_batch})
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch": self.batch}
+
+    def samples_per_dataset(self) -> list[int]:
+        """Samples drawn from each dataset so far by all ranks together: the first batch x batch_size x world_size
+        positions of each epoch's global order (docs/ARCHITECTURE.md, "Data order"), so no collective is needed."""
+        world = self.sampler.world_size
+        per_epoch = self.batches_per_epoch * self.batch_size * world
+        total = np.zeros(self.sampler.num_datasets, dtype=np.int64)
+        for epoch in range(self.epoch):
+            if epoch not in self._drawn_in_epoch:
+                self._drawn_in_epoch[epoch] = self.sampler.drawn(epoch, per_epoch)
+            total += self._drawn_in_epoch[epoch]
+        total += self.sampler.drawn(self.epoch, self.batch * self.batch_size * world)
+        return [int(n) for n in total]
 
     def load_state_dict(self, state: dict) -> None:
         epoch, batch = int(state["epoch"]), int(state["batch"])

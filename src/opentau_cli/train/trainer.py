@@ -291,6 +291,11 @@ class Trainer:
             "step": self.step,
             "samples_seen": self.samples_seen,
             "sampler": self.data.stream.state_dict(),
+            # Summed over ranks; follows from the data position (docs/ARCHITECTURE.md, "Data order").
+            "samples_per_dataset": dict(zip(self.data.names, self.data.stream.samples_per_dataset())),
+            # Each dataset's own statistics: what serves the policy on that dataset's robot.
+            "datasets": [{"name": name, "weight": weight, "stats": stats}
+                         for name, weight, stats in zip(self.data.names, self.data.weights, self.data.member_stats)],
             "world_size": self.accelerator.num_processes,
             "backend": self.setup.backend,
             "zero_stage": self.setup.zero_stage if self.setup.backend == "deepspeed" else None,
@@ -364,6 +369,12 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
     set_seed(cfg.seed)  # same initial weights on every rank and every backend
     data = build_data(cfg, accelerator.process_index, accelerator.num_processes)
     model = build_policy_model(cfg, data.stats, accelerator, console)
+    if data.is_mixture and cfg.policy.pretrained_path is not None and not cfg.resume:
+        # The members were carried into data.stats as they were loaded (data/mixture.py): the policy normalizes with
+        # exactly those, whatever statistics the pretrained checkpoint brought.
+        model.set_stats(data.stats)
+        if accelerator.is_main_process:
+            print("Mixture: each dataset is normalized with its own statistics; those of policy.pretrained_path are not used.", flush=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
