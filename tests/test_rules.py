@@ -9,6 +9,8 @@ import pytest
 from opentau_cli.config import (
     AccelerateSetup, Machine, load_config, read_accelerate_config, resolve_accelerate_config, setup_from_dict, validate,
 )
+from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, LOGS, METRICS, TENSORBOARD
+from opentau_cli.config.rules import output_dir_in_use
 from opentau_cli.errors import UserError
 from conftest import EXAMPLES
 
@@ -140,12 +142,26 @@ def test_deepspeed_yaml_disagreeing_with_config_warns_and_config_wins(tmp_path):
 
 
 def test_existing_output_dir_is_refused_unless_resuming_or_overwriting(tmp_path):
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "run" / CHECKPOINTS / "000010").mkdir(parents=True)
     with pytest.raises(UserError, match="already exists.*opentau resume"):
         validate(cfg(tmp=tmp_path), AccelerateSetup(), CPU)
     validate(cfg("--overwrite=true", tmp=tmp_path), AccelerateSetup(), CPU)
     validate(cfg("--resume=true", tmp=tmp_path), AccelerateSetup(), CPU)
+
+
+def test_the_dir_of_a_start_that_failed_before_its_first_checkpoint_can_be_started_again(tmp_path):
+    run = tmp_path / "run"
+    (run / LOGS / "20260101-000000").mkdir(parents=True)
+    (run / METRICS).write_text("{}\n")
+    (run / TENSORBOARD).mkdir()
+    (run / CHECKPOINTS / ".tmp-000100-20260101-000000").mkdir(parents=True)  # a save it did not finish
+    assert not output_dir_in_use(run)
+    validate(cfg(tmp=tmp_path), AccelerateSetup(), CPU)
+    (run / CHECKPOINTS / LAST).write_text("000100")
+    assert output_dir_in_use(run)
+    (run / CHECKPOINTS / LAST).unlink()
+    (run / "notes.txt").write_text("mine")  # not something opentau writes: never written into
+    assert output_dir_in_use(run)
 
 
 def test_n_action_steps_cannot_exceed_chunk_size(tmp_path):

@@ -117,7 +117,9 @@ def new_log_dir(output_dir: Path) -> Path:
 
 
 def prepare_output_dir(plan: RunPlan) -> None:
-    """Create the run dir; with --overwrite on a fresh run, drop the old run's results so they never mix."""
+    """Create the run dir; with --overwrite on a fresh run, drop the old run's results so they never mix. A fresh run
+    into the dir of a start that failed before its first checkpoint (the only kind the rules let through) moves that
+    start's metrics and TensorBoard events into its own log dir: kept, and never mixed with this run's."""
     cfg = plan.config
     if cfg.overwrite and not cfg.resume and cfg.output_dir.is_dir():
         for name in (CHECKPOINTS, METRICS, TENSORBOARD):
@@ -126,6 +128,14 @@ def prepare_output_dir(plan: RunPlan) -> None:
                 shutil.rmtree(p)
             elif p.exists() or p.is_symlink():
                 p.unlink()
+    elif not cfg.resume and cfg.output_dir.is_dir():
+        results = [cfg.output_dir / name for name in (METRICS, TENSORBOARD) if (cfg.output_dir / name).exists()]
+        if results:
+            logs = [p for p in (cfg.output_dir / LOGS).glob("*") if p.is_dir()]
+            failed_start = max(logs, key=lambda d: d.stat().st_mtime) if logs else cfg.output_dir / LOGS / "earlier"
+            failed_start.mkdir(parents=True, exist_ok=True)
+            for p in results:
+                p.rename(failed_start / p.name)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD, leftover_of
 from opentau_cli.config.accelerate import AccelerateSetup
 from opentau_cli.config.model import DEMO_DATASET, LOSS_TERMS, TrainConfig
 from opentau_cli.errors import UserError
@@ -70,7 +71,18 @@ def cuda_is_available() -> bool:
 
 
 def output_dir_in_use(path: Path) -> bool:
-    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+    """True when a fresh run must not write into `path`: it holds a checkpoint, or anything opentau does not write.
+
+    The directory of a start that failed before its first checkpoint (logs, perhaps metrics) is not in use, so the
+    same command can be run again (`launch.prepare_output_dir` files that start's results under its logs)."""
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        return True
+    if any(entry.name not in (LOGS, METRICS, TENSORBOARD, CHECKPOINTS) for entry in path.iterdir()):
+        return True
+    ckpts = path / CHECKPOINTS
+    return ckpts.exists() and (not ckpts.is_dir() or any(leftover_of(entry.name) is None for entry in ckpts.iterdir()))
 
 
 def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks: Sequence[Check] = ()) -> Validated:
