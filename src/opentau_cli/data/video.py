@@ -21,6 +21,14 @@ from opentau_cli.errors import UserError
 INSTALL_HINT = "install PyAV with `pip install 'opentau-cli[video]'` (or `pip install av`)"
 
 
+REPAIR = "restore it from the dataset's source, or train without its episodes (dataset.episodes)"
+
+
+def _reason(e: Exception) -> str:
+    """PyAV's own words without the path it repeats ("Invalid data found when processing input")."""
+    return getattr(e, "strerror", None) or str(e)
+
+
 def pyav_available() -> bool:
     try:
         import av  # noqa: F401
@@ -61,7 +69,7 @@ class VideoFrames:
             return self._frames[key]
         self._decode_until(path, want, fps, size)
         if key not in self._frames:
-            raise UserError(f"{path} has no frame at t={timestamp:.3f}s (frame {want}); the video is shorter than its episode.")
+            raise UserError(f"{path} has no frame at t={timestamp:.3f}s (frame {want}): the video is shorter than its episode; {REPAIR}.")
         return self._frames[key]
 
     def _container(self, path: Path):
@@ -70,11 +78,11 @@ class VideoFrames:
             return self._open[path]
         av = import_av()
         if not path.is_file():
-            raise UserError(f"video file {path} is missing.")
+            raise UserError(f"video file {path} is missing; {REPAIR}.")
         try:
             container = av.open(str(path))
         except Exception as e:
-            raise UserError(f"cannot open video {path}: {e}.") from None
+            raise UserError(f"cannot open video {path} ({_reason(e)}): the file is damaged; {REPAIR}.") from None
         # One decoder thread: parallelism comes from DataLoader workers, and a decoder that owns threads deadlocks
         # when a forked worker frees an inherited container (seen with dav1d); single-threaded was as fast here.
         codec = container.streams.video[0].codec_context
@@ -103,7 +111,7 @@ class VideoFrames:
         except UserError:
             raise
         except Exception as e:
-            raise UserError(f"cannot decode video {path} near frame {want}: {e}.") from None
+            raise UserError(f"cannot decode video {path} near frame {want} ({_reason(e)}): the file is damaged; {REPAIR}.") from None
 
     def _put(self, key: tuple, pixels: np.ndarray) -> None:
         if key in self._frames:
