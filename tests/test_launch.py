@@ -7,7 +7,10 @@ import signal
 import subprocess
 import time
 
+import json
+
 import pytest
+import yaml
 
 from conftest import EXAMPLES, REPO, opentau_bin, run_cli
 from opentau_cli.config import load_config, read_accelerate_config
@@ -44,6 +47,80 @@ def test_multi_node_settings_come_from_the_yaml(tmp_path):
                  "main_process_ip: 10.0.0.1\nmain_process_port: 29555\n")
     out = accelerate_yaml(read_accelerate_config(y), load_config(TINY), cuda=True)
     assert (out["num_machines"], out["machine_rank"], out["main_process_ip"], out["main_process_port"]) == (2, 1, "10.0.0.1", 29555)
+
+
+def reaching_accelerate_launch(launched: dict, tmp_path):
+    """The arguments `accelerate launch` runs with for a launched YAML: its own parser and config reading."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    path = tmp_path / "launched.yaml"
+    path.write_text(yaml.safe_dump(launched, sort_keys=False))
+    args, _defaults, _mp = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    return args
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("accelerate_*.yaml")))
+def test_each_example_yaml_reaches_accelerate_launch_with_its_own_keys(name, tmp_path):
+    user = yaml.safe_load((EXAMPLES / name).read_text())
+    cuda = "_cpu_" not in name
+    launched = accelerate_yaml(read_accelerate_config(EXAMPLES / name), load_config(TINY), cuda=cuda)
+    changed = {k for k in user if k != "deepspeed_config" and launched.get(k) != user[k]}
+    # Only what opentau must change: the CPU recipe (MULTI_CPU / use_cpu) and nothing else of the user's keys (the
+    # DeepSpeed section gains only the config's accumulation and clipping).
+    assert changed <= ({"distributed_type", "use_cpu"} if not cuda else set()), changed
+    for key, value in (user.get("deepspeed_config") or {}).items():
+        assert launched["deepspeed_config"][key] == value, key
+    args = reaching_accelerate_launch(launched, tmp_path)
+    assert args.num_processes == user["num_processes"] and args.mixed_precision == user["mixed_precision"]
+    assert args.cpu is False
+    if "deepspeed" in name:
+        assert args.use_deepspeed and args.zero_stage == user["deepspeed_config"]["zero_stage"]
+        assert args.offload_optimizer_device == "none" and args.gradient_accumulation_steps == 1
+    else:
+        assert args.multi_gpu and not args.use_deepspeed
+    if cuda and "gpu_ids" in user:
+        assert args.gpu_ids == user["gpu_ids"]
+
+
+def test_user_keys_reach_accelerate_launch_as_written(tmp_path):
+    y = tmp_path / "user.yaml"
+    y.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\ngpu_ids: 0,1,2,3,4,5,6,7\nmixed_precision: bf16\n"
+                 "dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_mode: max-autotune\n"
+                 "deepspeed_config:\n  zero_stage: 3\n  offload_optimizer_device: cpu\n  offload_param_device: cpu\n"
+                 "  zero3_init_flag: false\n  zero3_save_16bit_model: true\n  gradient_accumulation_steps: 4\n")
+    cfg = load_config(TINY, {"gradient_accumulation_steps": "2", "batch_size": "8"})
+    args = reaching_accelerate_launch(accelerate_yaml(read_accelerate_config(y), cfg, cuda=True), tmp_path)
+    assert (args.gpu_ids, args.dynamo_backend, args.dynamo_mode) == ("0,1,2,3,4,5,6,7", "INDUCTOR", "max-autotune")
+    assert (args.offload_optimizer_device, args.offload_param_device) == ("cpu", "cpu")
+    assert (args.zero3_init_flag, args.zero3_save_16bit_model) == (False, True)
+    assert args.gradient_accumulation_steps == 2  # the config wins (the rules warn about the YAML's 4)
+
+
+def test_deepspeed_config_file_is_read_for_the_stage_and_passed_to_accelerate_launch(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        "bf16": {"enabled": True}, "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto"}))
+    y = tmp_path / "file.yaml"
+    y.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
+                 "deepspeed_config:\n  deepspeed_config_file: ds.json\n  zero3_init_flag: true\n")
+    setup = read_accelerate_config(y)
+    assert (setup.zero_stage, setup.mixed_precision, setup.ds_offload_optimizer_device) == (3, "bf16", "cpu")
+    launched = accelerate_yaml(setup, load_config(TINY), cuda=True)
+    assert launched["deepspeed_config"] == {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": True}
+    args = reaching_accelerate_launch(launched, tmp_path)
+    assert args.deepspeed_config_file == str(tmp_path / "ds.json") and args.use_deepspeed
+    # Accelerate refuses DeepSpeed settings both in the JSON and in the YAML: none is added.
+    assert args.zero_stage is None and args.gradient_accumulation_steps is None and args.mixed_precision == "no"
+
+
+def test_unquoted_no_as_accelerate_config_writes_it_is_single_process(tmp_path):
+    y = tmp_path / "no.yaml"
+    y.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nnum_processes: 1\nmixed_precision: NO\n"
+                 "dynamo_config:\n  dynamo_backend: NO\nuse_cpu: false\n")
+    setup = read_accelerate_config(y)
+    assert (setup.backend, setup.world_size, setup.mixed_precision) == ("single", 1, "no")
+    args = reaching_accelerate_launch(accelerate_yaml(setup, load_config(TINY), cuda=False), tmp_path)
+    assert args.dynamo_backend == "NO" and not args.multi_gpu and not args.use_deepspeed
 
 
 def test_worker_env_sets_the_allocator_hint_and_deepspeed_cpu_accelerator(monkeypatch):

@@ -83,7 +83,7 @@ def test_bad_accelerate_yaml_is_one_clear_user_error(tmp_path, text, message):
 
 
 def test_zero3_rejects_gradient_checkpointing_and_names_alternatives(tmp_path):
-    with pytest.raises(UserError, match=r"ZeRO-3.*use DDP, FSDP or ZeRO-1/2"):
+    with pytest.raises(UserError, match=r"ZeRO-3.*use DDP or ZeRO-1/2"):
         validate(cfg("--policy.gradient_checkpointing=true", tmp=tmp_path), read_accelerate_config(ZERO3), GPU_BOX)
 
 
@@ -110,11 +110,13 @@ def test_more_processes_than_visible_gpus_is_refused_naming_the_count(tmp_path, 
     assert validate(cfg(tmp=tmp_path), two, Machine(cuda=True, gpus=4)).accelerate.world_size == 8
 
 
-def test_fsdp_without_cuda_is_refused_instead_of_silently_running_one_process(tmp_path):
-    fsdp = read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n"))
-    with pytest.raises(UserError, match="FSDP needs CUDA"):
-        validate(cfg(tmp=tmp_path), fsdp, CPU)
-    assert validate(cfg(tmp=tmp_path), fsdp, GPU_BOX).accelerate.backend == "fsdp"
+@pytest.mark.parametrize("machine", [CPU, GPU_BOX], ids=["cpu", "8_gpus"])
+def test_fsdp_is_refused_on_every_machine_naming_the_alternatives(tmp_path, machine):
+    fsdp = read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n"
+                                                                  "fsdp_config:\n  fsdp_version: 2\n"))
+    with pytest.raises(UserError, match="FSDP, which opentau does not support yet; use DDP, DeepSpeed ZeRO-2 or ZeRO-3") as e:
+        validate(cfg(tmp=tmp_path), fsdp, machine)
+    assert "\n" not in str(e.value)
 
 
 def test_batch_size_must_equal_micro_batch_times_accumulation(tmp_path):

@@ -54,39 +54,41 @@ def free_port() -> int:
 
 
 def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool) -> dict:
-    """The Accelerate config we hand to `accelerate launch`, with the CPU recipes of docs/ARCHITECTURE.md ("CPU recipes") applied.
+    """The Accelerate config we hand to `accelerate launch`: the user's YAML as written, changed only where it must be.
 
-    On CPU, DDP must go through the multi-GPU (torchrun) launcher: `use_cpu: true` / MULTI_CPU would make Accelerate
-    fall back to one process. The worker then creates `Accelerator(cpu=True)`, which runs MULTI_CPU over gloo.
+    What changes: the launch's shape (processes, machines, machine rank, main process address: the command line and
+    the cluster's environment may override the YAML), the CPU recipes of docs/ARCHITECTURE.md ("CPU recipes"), a free
+    port for a one-machine launch, and what the config wins over (DeepSpeed's accumulation and clipping). On CPU, DDP
+    must go through the multi-GPU (torchrun) launcher: `use_cpu: true` / MULTI_CPU would make Accelerate fall back to
+    one process; the worker then creates `Accelerator(cpu=True)`, which runs MULTI_CPU over gloo. Every other key
+    (gpu_ids, dynamo_config, DeepSpeed offload, deepspeed_config_file, ...) reaches Accelerate as the user wrote it.
     """
     multi = setup.world_size > 1
-    out: dict = {
-        "compute_environment": "LOCAL_MACHINE",
-        "num_processes": setup.num_processes,
-        "num_machines": setup.num_machines,
-        "machine_rank": setup.machine_rank,
-        "mixed_precision": setup.mixed_precision,
-        "use_cpu": False,
-        "same_network": True,
-        "rdzv_backend": "static",
-        "dynamo_config": {"dynamo_backend": "NO"},  # the worker compiles the policy itself when asked
-    }
+    out: dict = {"compute_environment": "LOCAL_MACHINE", "rdzv_backend": "static", "same_network": True, **(setup.raw or {})}
+    out.update(num_processes=setup.num_processes, num_machines=setup.num_machines, machine_rank=setup.machine_rank,
+               mixed_precision=setup.mixed_precision, use_cpu=False)
     if setup.backend == "deepspeed":
         out["distributed_type"] = "DEEPSPEED"
-        out["deepspeed_config"] = {
-            "zero_stage": setup.zero_stage,
-            # The config wins over the YAML (rules.py warned about any disagreement).
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            "gradient_clipping": cfg.optimizer.grad_clip_norm,
-            "offload_optimizer_device": setup.ds_offload_optimizer_device or "none",
-            "offload_param_device": setup.ds_offload_param_device or "none",
-            "zero3_init_flag": setup.zero_stage == 3,
-            "zero3_save_16bit_model": False,
-        }
+        ds = dict(out.get("deepspeed_config") or {})
+        if setup.ds_config_file:
+            # The JSON holds the DeepSpeed settings (Accelerate refuses them twice); the worker sets accumulation,
+            # clipping and the micro-batch from the config (train/trainer.py).
+            ds["deepspeed_config_file"] = setup.ds_config_file
+            out["mixed_precision"] = None
+        else:
+            ds.update(zero_stage=setup.zero_stage,
+                      # The config wins over the YAML (rules.py warned about any disagreement).
+                      gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                      gradient_clipping=cfg.optimizer.grad_clip_norm)
+            ds.setdefault("zero3_init_flag", setup.zero_stage == 3)
+        if setup.num_machines > 1:
+            ds.setdefault("deepspeed_multinode_launcher", "standard")  # torchrun on each machine, as srun starts it
+        out["deepspeed_config"] = ds
     elif multi:
-        out["distributed_type"] = "MULTI_GPU"
+        if not cuda or out.get("distributed_type") in (None, "NO", "MULTI_CPU"):
+            out["distributed_type"] = "MULTI_GPU"
         if cuda:
-            out["gpu_ids"] = "all"
+            out.setdefault("gpu_ids", "all")
     else:
         out["distributed_type"] = "NO"
     if multi or setup.backend == "deepspeed":

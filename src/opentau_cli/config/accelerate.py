@@ -1,8 +1,11 @@
-"""Read an Accelerate config YAML into a typed description of the launch."""
+"""Read an Accelerate config YAML into a typed description of the launch (and keep the YAML as written, so the
+launcher passes on every key it does not need to change)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +30,19 @@ _DISTRIBUTED_TYPES: dict[str, Backend] = {
     "DEEPSPEED": "deepspeed",
     "FSDP": "fsdp",
 }
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans (true / false only): `distributed_type: NO` and `dynamo_backend: NO`, as Accelerate's own
+    configs spell them unquoted, stay the string 'NO' instead of becoming false."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
 _ACCELERATE_KEYS = {"distributed_type", "compute_environment", "num_processes", "mixed_precision", "use_cpu", "num_machines"}
 
 
@@ -59,6 +75,11 @@ class AccelerateSetup:
     ds_zero3_init_flag: bool | None = None
     ds_config_file: str | None = None
     path: Path | None = None
+    raw: dict | None = None  # the YAML as the user wrote it (None: the built-in default), passed on by the launcher
+
+    @property
+    def machine_label(self) -> str:
+        return f"machine {self.machine_rank} of {self.num_machines}"
 
     @property
     def world_size(self) -> int:
@@ -96,7 +117,7 @@ def read_accelerate_config(path: str | Path) -> AccelerateSetup:
     if not path.is_file():
         raise UserError(f"Accelerate config '{path}' not found.")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_Yaml12Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -128,17 +149,19 @@ def read_accelerate_config(path: str | Path) -> AccelerateSetup:
         mixed_precision=mixed,
         use_cpu=bool(raw.get("use_cpu", False)),
         path=path,
+        raw=raw,
     )
     if backend == "deepspeed":
         ds = raw.get("deepspeed_config") or {}
         if not isinstance(ds, dict):
             raise UserError(f"Accelerate config '{path}': deepspeed_config must be a mapping.")
+        ds_file = ds.get("deepspeed_config_file")
+        if ds_file:
+            json_path = Path(ds_file) if Path(ds_file).is_absolute() or Path(ds_file).is_file() else path.parent / ds_file
+            settings, mixed = _read_deepspeed_json(path, json_path, mixed if raw.get("mixed_precision") else None)
+            ds = {**settings, "zero3_init_flag": ds.get("zero3_init_flag")}
+            fields.update(ds_config_file=str(json_path.resolve()), mixed_precision=mixed)
         stage = _int(ds, "zero_stage", None, path)
-        if ds.get("deepspeed_config_file"):
-            raise UserError(
-                f"Accelerate config '{path}': deepspeed_config_file is not supported; put zero_stage, "
-                "offload and clipping settings in deepspeed_config instead."
-            )
         if stage not in (0, 1, 2, 3):
             raise UserError(f"Accelerate config '{path}': deepspeed_config.zero_stage must be 0-3, got {ds.get('zero_stage')!r}.")
         clip = ds.get("gradient_clipping")
@@ -151,6 +174,38 @@ def read_accelerate_config(path: str | Path) -> AccelerateSetup:
             ds_zero3_init_flag=ds.get("zero3_init_flag"),
         )
     return AccelerateSetup(**fields)
+
+
+def _read_deepspeed_json(yaml_path: Path, json_path: Path, yaml_mixed: str | None) -> tuple[dict, str]:
+    """(A relative deepspeed_config_file is taken from the working directory, else next to the YAML.) The settings the rules read from a `deepspeed_config_file` JSON, in deepspeed_config's terms, and the mixed
+    precision it enables ("auto" and absent values leave them to the YAML and the config, as Accelerate does)."""
+    try:
+        data = json.loads(json_path.read_text())
+    except OSError:
+        raise UserError(f"Accelerate config '{yaml_path}': deepspeed_config_file '{json_path}' cannot be read.") from None
+    except ValueError as e:
+        raise UserError(f"Accelerate config '{yaml_path}': deepspeed_config_file '{json_path}' is not valid JSON ({e}).") from None
+    if not isinstance(data, dict) or not isinstance(data.get("zero_optimization"), dict):
+        raise UserError(f"DeepSpeed config '{json_path}' has no zero_optimization section (Accelerate needs its stage).")
+
+    def given(value):
+        return None if value == "auto" else value
+
+    zero = data["zero_optimization"]
+    offload = {k: (zero.get(f"offload_{k}") or {}).get("device") for k in ("optimizer", "param")}
+    enabled = [m for m in ("bf16", "fp16") if str((data.get(m) or {}).get("enabled")).lower() == "true"]
+    json_mixed = enabled[0] if enabled else None
+    if yaml_mixed is not None and json_mixed is not None and yaml_mixed != json_mixed:
+        raise UserError(f"Accelerate config '{yaml_path}' asks for mixed_precision '{yaml_mixed}' and its DeepSpeed config "
+                        f"'{json_path}' enables {json_mixed}: set one of them.")
+    settings = {
+        "zero_stage": given(zero.get("stage", 0)),
+        "gradient_accumulation_steps": given(data.get("gradient_accumulation_steps")),
+        "gradient_clipping": given(data.get("gradient_clipping")),
+        "offload_optimizer_device": given(offload["optimizer"]),
+        "offload_param_device": given(offload["param"]),
+    }
+    return settings, yaml_mixed or json_mixed or "no"
 
 
 def resolve_accelerate_config(path: str | Path | None) -> AccelerateSetup:
