@@ -195,6 +195,38 @@ def test_truncated_shard_is_named_and_nothing_is_written(ds_ckpts, tmp_path):
     assert not list(ckpt.glob("*.safetensors*")) and not list(ckpt.glob(".*"))
 
 
+def test_unreadable_zero_stage_in_a_shard_is_one_line_exit_2_and_nothing_is_written(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    shard = next((ckpt / DS_TAG).glob(ds_shard_glob("optim", rank=1)))
+    state = torch.load(shard, weights_only=False)
+    state["optimizer_state_dict"]["zero_stage"] = "three"
+    torch.save(state, shard)
+    res = cli(["checkpoint", "consolidate", ckpt])
+    assert res.exit_code == 2, res.output
+    assert "unreadable zero_stage 'three'" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in res.output
+    assert not list(ckpt.glob("*.safetensors*")) and not list(ckpt.glob(".*"))
+
+
+def test_a_tensor_shorter_than_its_record_found_while_writing_is_one_line_exit_2_and_nothing_is_written(ds_ckpts, tmp_path):
+    """Planning reads only the pickles; a shard whose tensor records were cut is found when its tensors are read."""
+    import zipfile
+
+    ckpt = _copy(ds_ckpts, "z2r2", tmp_path)
+    shard = next((ckpt / DS_TAG).glob(ds_shard_glob("optim", rank=1)))
+    with zipfile.ZipFile(shard) as src:
+        records = [(info.filename, src.read(info)) for info in src.infolist()]
+    with zipfile.ZipFile(shard, "w", zipfile.ZIP_STORED) as dst:
+        for name, data in records:
+            big_tensor = "/data/" in name and len(data) > 64  # the step counter (read while planning) stays whole
+            dst.writestr(name, data[: len(data) // 2] if big_tensor else data)
+    res = cli(["checkpoint", "consolidate", ckpt])
+    assert res.exit_code == 2, res.output
+    assert "runs past its storage record" in res.stderr and shard.name in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.output
+    assert not list(ckpt.glob("*.safetensors*")) and not list(ckpt.glob(".*"))
+
+
 def test_missing_rank_shard_is_named(ds_ckpts, tmp_path):
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
     next((ckpt / DS_TAG).glob(ds_shard_glob("optim", rank=1))).unlink()

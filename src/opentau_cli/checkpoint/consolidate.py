@@ -123,6 +123,13 @@ def _optimizer_step(optim_sd: dict) -> float | None:
 def read_zero_checkpoint(ckpt_dir: Path) -> ZeroCheckpoint:
     """Open a DeepSpeed ZeRO checkpoint, check that its shards belong together, and plan every output tensor."""
     tag_dir = find_tag_dir(ckpt_dir)
+    try:
+        return _read_zero_checkpoint(tag_dir)
+    except ShardFormatError as e:  # a malformed value inside a readable shard (an unreadable zero_stage, a tensor past its record)
+        raise UserError(f"{tag_dir}: {e}") from None
+
+
+def _read_zero_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
     model_files = rank_shard_files(tag_dir, "model")
     optim_files = rank_shard_files(tag_dir, "optim")
     if not optim_files:
@@ -411,6 +418,10 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
             raise RunError(f"Disk full while writing the consolidated weights to {out_dir}; nothing was left behind. "
                            f"Free {total / 1e9:.2f} GB there or pass --output on another disk.") from None
         raise RunError(f"Writing the consolidated weights to {out_dir} failed ({e.strerror or e}); nothing was left behind.") from None
+    except ShardFormatError as e:  # a tensor that reads as truncated or corrupt only when its turn to be written comes
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise UserError(f"{ckpt_dir}: {e}; nothing was written.") from None
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)
