@@ -80,11 +80,12 @@ def ok(result) -> None:
 class Run:
     """One backend: an uninterrupted run, then a resume of its middle checkpoint into the same run directory."""
 
-    def __init__(self, backend: str, tmp: Path, *extra: str):
-        self.backend, self.dir, self.env = backend, tmp / backend, env_for(tmp)
+    def __init__(self, backend: str, tmp: Path, *extra: str, name: str | None = None):
+        self.backend, self.dir, self.env = backend, tmp / (name or backend), env_for(tmp)
         ok(run_cli(train_args(backend, self.dir, *extra), env=self.env))
         self.full = losses(self.dir)
         self.full_records = records(self.dir)
+        self.full_last_state = json.loads((self.dir / CHECKPOINTS / "000006" / TRAINING_STATE).read_text())
         self.ckpt_mid = self.dir / CHECKPOINTS / "000003"
         self.resume = run_cli(["resume", str(self.ckpt_mid)], env=self.env)
         ok(self.resume)
@@ -97,6 +98,8 @@ def runs(tmp_path_factory):
     made: dict[str, Run] = {}
 
     def get(backend: str) -> Run:
+        if backend == "mixture" and backend not in made:
+            made[backend] = Run("ddp", tmp, *mixture_args(tmp), name="mixture")
         if backend not in made:
             extra = ("--validation.val_freq", str(SAVE), "--validation.max_batches", "2") if backend == "zero3" else ()
             made[backend] = Run(backend, tmp, *extra)
@@ -130,13 +133,42 @@ def test_train_saves_checkpoints_and_resume_continues_after_the_checkpoint(runs,
     assert len(list((run.dir / LOGS).iterdir())) == 2
 
 
-@pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
+def mixture_args(tmp: Path) -> list[str]:
+    """A 2-rank mixture: a v2.1 dataset of PNG cameras, its state made 6 wide, and a v3.0 one of mp4 cameras mapped
+    to the other slot, weighted 3:1, with validation on episodes held out of each."""
+    from opentau_cli.data import write_synth
+    from test_data_mixture import widen_state
+
+    png = write_synth(tmp / "mix_png", episodes=5, steps_per_episode=8, seed=1)
+    widen_state(png, 6)
+    video = write_synth(tmp / "mix_video", episodes=4, steps_per_episode=8, cameras=2, seed=2, fmt="v3.0", video=True)
+    members = [{"root": str(png), "weight": 3}, {"root": str(video), "camera_keys": {"observation.images.front": "camera1"}}]
+    return [f"--dataset.mixture={json.dumps(members)}", "--dataset.num_cameras=2", "--validation.val_split=0.25",
+            "--validation.val_freq", str(SAVE), "--validation.max_batches", "1"]
+
+
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3", "mixture"])
 def test_resumed_losses_equal_uninterrupted_losses(runs, backend):
     run = runs(backend)
     for step in range(SAVE + 1, STEPS + 1):
         assert run.resumed[step] == pytest.approx(run.full[step], rel=1e-5), f"step {step}"
     for step in range(1, SAVE + 1):
         assert run.resumed[step] == run.full[step]  # records up to the checkpoint are kept as they were
+
+
+def test_a_mixture_run_records_the_samples_drawn_from_each_dataset_and_their_own_statistics(runs):
+    run = runs("mixture")
+    resumed = json.loads((run.dir / CHECKPOINTS / "000006" / TRAINING_STATE).read_text())
+    for state in (run.full_last_state, resumed):
+        drawn = state["samples_per_dataset"]
+        assert list(drawn) == ["mix_png", "mix_video"] and sum(drawn.values()) == state["samples_seen"] == 8 * STEPS
+        assert drawn["mix_png"] > drawn["mix_video"] > 0  # weighted 3:1
+        widths = [len(d["stats"]["state"]["q01"]) for d in state["datasets"]]
+        assert widths == [6, 4] and [d["weight"] for d in state["datasets"]] == [3.0, 1.0]
+    assert resumed["samples_per_dataset"] == run.full_last_state["samples_per_dataset"]
+    mid = json.loads((run.ckpt_mid / TRAINING_STATE).read_text())["samples_per_dataset"]
+    assert sum(mid.values()) == 8 * SAVE
+    assert [r["step"] for r in run.full_records if r.get("kind") == "val"] == [SAVE, STEPS]
 
 
 def test_metrics_records_have_the_documented_keys(runs):
