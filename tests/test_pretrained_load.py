@@ -297,7 +297,10 @@ def test_train_prints_the_load_report_on_the_console_and_every_name_in_the_run_l
     log = next(out.glob("logs/*/rank0.log")).read_text()
     assert "layout: LeRobot pi05" in log and "every missing:\n    vlm.language_model.norm.weight" in log
     assert "    vlm.language_model.embed_tokens.weight <- model.paligemma_with_expert.paligemma.lm_head.weight" in log
-    assert "normalization statistics: state" in log
+    # The state statistics come from LeRobot's normalizer file; its action statistics are of another width than the
+    # demo data's, so (not strict) the dataset's are used, and the report says so.
+    assert "normalization statistics: from the checkpoint (policy_preprocessor_step_2_normalizer_processor.safetensors): state" in log
+    assert "from the dataset: action (the checkpoint's action statistics" in log
 
 
 def test_config_validate_refuses_a_missing_pretrained_path_in_one_line_and_writes_nothing(tmp_path):
