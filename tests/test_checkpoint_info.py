@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, tmp_dir,
+    CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, rank_state_file, tmp_dir,
 )
 from opentau_cli.checkpoint.manifest import write_manifest
 from opentau_cli.cli.main import app
@@ -26,6 +26,8 @@ def _ddp_checkpoint(d, step: int):
     d.mkdir(parents=True)
     save_file({"w": torch.ones(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16), "n": torch.arange(2)}, d / MODEL_WEIGHTS)
     (d / OPTIMIZER).write_bytes(b"\0" * 64)
+    for rank in (0, 1):  # each rank's RNG state: a checkpoint of 2 ranks without them would not verify
+        (d / rank_state_file(rank)).write_bytes(b"\0" * 8)
     (d / TRAIN_CONFIG).write_text(json.dumps({"policy": {"type": "pi05", "preset": "pi05_tiny"}}))
     (d / TRAINING_STATE).write_text(json.dumps({
         "step": step, "backend": "ddp", "world_size": 2, "zero_stage": None, "mixed_precision": "bf16",
@@ -94,7 +96,7 @@ def test_inspect_ddp_checkpoint_reports_state_and_safetensors_dtypes(tmp_path):
     assert (info["step"], info["backend"], info["world_size"], info["preset"]) == (10, "ddp", 2, "pi05_tiny")
     assert info["dtypes"] == {"F32": 12, "BF16": 4, "I64": 2} and info["parameters"] == 18
     assert info["consolidated"] is None and info["complete"] is True
-    assert set(info["files"]) == {MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, MANIFEST}
+    assert set(info["files"]) == {MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, MANIFEST, rank_state_file(0), rank_state_file(1)}
     text = cli(["checkpoint", "inspect", d]).stdout
     assert "step:            10" in text and "pi05 pi05_tiny" in text
 

@@ -14,6 +14,7 @@ import yaml
 
 from conftest import EXAMPLES, REPO, opentau_bin, run_cli
 from opentau_cli.config import load_config, read_accelerate_config
+from opentau_cli.errors import UserError
 from opentau_cli.launch import accelerate_yaml, build_command, failed_log, worker_env
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
@@ -171,3 +172,23 @@ def test_ctrl_c_stops_the_run_with_exit_130(tmp_path):
     log, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, log[-3000:]
     assert not (out / "checkpoints").exists() or not [p for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+
+
+def test_machine_settings_come_from_the_command_line_over_the_cluster_environment_over_the_yaml(tmp_path):
+    from opentau_cli.config import with_machine
+
+    y = tmp_path / "two.yaml"
+    y.write_text("distributed_type: MULTI_GPU\nnum_processes: 16\nnum_machines: 2\nmachine_rank: 0\n"
+                 "main_process_ip: 10.0.0.1\nmain_process_port: 29555\n")
+    setup = read_accelerate_config(y)
+    slurm = {"SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "MASTER_ADDR": "node-a", "MASTER_PORT": "29600"}
+    from_env = with_machine(setup, {}, slurm)
+    assert (from_env.machine_rank, from_env.num_machines, from_env.main_process_ip, from_env.main_process_port) == (1, 2, "node-a", 29600)
+    torchrun = with_machine(setup, {}, {**slurm, "NODE_RANK": "0"})
+    assert torchrun.machine_rank == 0
+    flags = with_machine(setup, {"machine_rank": 1, "main_process_ip": "127.0.0.1"}, {"NODE_RANK": "0"})
+    assert (flags.machine_rank, flags.main_process_ip, flags.main_process_port) == (1, "127.0.0.1", 29555)
+    out = accelerate_yaml(from_env, load_config(TINY), cuda=True)
+    assert (out["machine_rank"], out["main_process_ip"], out["main_process_port"]) == (1, "node-a", 29600)
+    with pytest.raises(UserError, match="SLURM_NODEID must be a whole number"):
+        with_machine(setup, {}, {"SLURM_NODEID": "node1"})

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
+from opentau_cli import runlock
 from opentau_cli.checkpoint.manager import clean_leftovers
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.rules import cuda_is_available
@@ -108,8 +109,10 @@ def worker_env(setup: AccelerateSetup, cuda: bool) -> dict[str, str]:
     return env
 
 
-def new_log_dir(output_dir: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+def new_log_dir(output_dir: Path, machine_rank: int = 0) -> Path:
+    """This launch's dir under logs/, named for its start time; machine 0's names the run (the ranks agree on it and
+    all write their rank<N>.log there), another machine's launcher keeps its own files in `<time>-machine<k>/`."""
+    stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-machine{machine_rank}" if machine_rank else "")
     base = output_dir / LOGS / stamp
     path, n = base, 1
     while path.exists():
@@ -201,20 +204,36 @@ def failed_log(log_dir: Path) -> tuple[Path, str]:
     return (logs[0] if logs else log_dir), ""
 
 
-def run(plan: RunPlan, *, worker: Worker = TRAIN_WORKER, echo=print) -> int:
+def run(plan: RunPlan, *, worker: Worker = TRAIN_WORKER, echo=print, break_lock: bool = False) -> int:
     """Launch `worker` on every rank and wait. Returns 0 or 130; raises UserError when a rank found a problem with
-    the input (its one line, read the same way for every worker), RunError when a rank failed (with the log path)."""
+    the input (its one line, read the same way for every worker) or another live run holds the run directory
+    (`runlock`: machine 0 holds it for the run), RunError when a rank failed (with the log path)."""
+    if plan.setup.machine_rank > 0:
+        return _run(plan, worker, echo)
+    with runlock.held(plan.config.output_dir, break_lock=break_lock):
+        return _run(plan, worker, echo)
+
+
+def _run(plan: RunPlan, worker: Worker, echo) -> int:
     cuda = cuda_is_available()
-    prepare_output_dir(plan)
-    clean_leftovers(plan.config.output_dir)
-    log_dir = new_log_dir(plan.config.output_dir)
+    setup = plan.setup
+    first = setup.machine_rank == 0
+    if first:  # the run directory is machine 0's to prepare: the others only add their launch files and rank logs
+        prepare_output_dir(plan)
+        clean_leftovers(plan.config.output_dir)
+    log_dir = new_log_dir(plan.config.output_dir, setup.machine_rank)
     cfg_path, accel_path, launch_path = write_launch_files(plan, log_dir, cuda)
     cmd = build_command(accel_path, cfg_path, launch_path, worker.module)
-    echo(f"Logs: {log_dir}/rank<N>.log")
+    if first:
+        echo(f"Logs: {log_dir}/rank<N>.log")
+    else:
+        echo(f"Machine {setup.machine_rank} of {setup.num_machines} joins the run led by machine 0 at "
+             f"{setup.main_process_ip}; its ranks' logs: {log_dir}/rank<N>.log (linked into machine 0's log dir).")
 
     # The launcher's own chatter, and its traceback when a rank fails, go to launcher.log: the user gets one line.
+    # Only global rank 0 (on machine 0) shows progress on the console.
     with (log_dir / LAUNCHER_LOG).open("w") as launcher_log:
-        proc = subprocess.Popen(cmd, env=worker_env(plan.setup, cuda), stdout=None if worker.console else launcher_log,
+        proc = subprocess.Popen(cmd, env=worker_env(setup, cuda), stdout=None if worker.console and first else launcher_log,
                                 stderr=launcher_log)
     interrupted = stopped_early = False
 
@@ -259,5 +278,5 @@ def run(plan: RunPlan, *, worker: Worker = TRAIN_WORKER, echo=print) -> int:
         if log == log_dir:  # no rank got as far as its log
             log = log_dir / LAUNCHER_LOG
         reason = f": {last}" if last else f" (exit code {rc})"
-        raise RunError(f"{worker.name} failed{reason}. Full log: {log}")
+        raise RunError(f"{worker.name} failed{reason}. Full log: {log.resolve()}")
     return 0

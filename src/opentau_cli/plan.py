@@ -15,7 +15,7 @@ from opentau_cli.checkpoint.layout import TRAIN_CONFIG
 from opentau_cli.checkpoint.manager import check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
-    validate,
+    validate, with_machine,
 )
 from opentau_cli.data.check import check_dataset
 from opentau_cli.errors import UserError
@@ -72,32 +72,36 @@ class RunPlan:
         return self.checked.accelerate
 
 
-def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None) -> RunPlan:
+def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
+               machines: dict | None = None) -> RunPlan:
     """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest).
 
-    `machine` is the one the rules check for; by default this one."""
+    `machine` is the one the rules check for; by default this one. `machines`: the command line's machine settings
+    (`config.with_machine`: they and the cluster's environment override the YAML)."""
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
     cfg = load_config(config_path, overrides)
     if not cfg.resume:
-        return RunPlan(checked=check_launch(cfg, resolve_accelerate_config(accelerate_config), machine))
+        return RunPlan(checked=check_launch(cfg, with_machine(resolve_accelerate_config(accelerate_config), machines), machine))
     source = Path(cfg.config_path).parent if cfg.config_path else None
     if source is not None and is_checkpoint_dir(source):
         ckpt = find_checkpoint(source)
     else:
         ckpt = find_checkpoint(cfg.output_dir)
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines)
 
 
-def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None) -> RunPlan:
+def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
+                machines: dict | None = None) -> RunPlan:
     """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
     ckpt = find_checkpoint(target)
     overrides = parse_overrides(args)
     cfg = load_config(ckpt / TRAIN_CONFIG, {**overrides, "resume": "true"})
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this())
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines)
 
 
-def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine) -> RunPlan:
+def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine,
+                 machines: dict | None) -> RunPlan:
     notes = []
     if "output_dir" not in overrides:
         cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
@@ -110,6 +114,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
             raise UserError(f"Checkpoint '{ckpt}' does not record its launch; pass --accelerate-config.")
         setup = setup_from_dict(saved)
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
+    setup = with_machine(setup, machines)
     checked = check_launch(cfg, setup, machine)
     state = check_resumable(ckpt, checked.config, setup)
     done = int(state.get("step", 0)) >= checked.config.steps

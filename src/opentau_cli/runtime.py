@@ -48,7 +48,7 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
 def redirect_output(log_dir: Path, rank: int) -> IO | None:
     """Send this rank's stdout/stderr (Python and C level) to its log file; return a handle on the console for rank 0."""
     console = os.fdopen(os.dup(1), "w", buffering=1) if rank == 0 else None
-    log = open(log_dir / f"rank{rank}.log", "a", buffering=1)
+    log = open(rank_log(log_dir, rank), "a", buffering=1)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log.fileno(), 1)
@@ -56,6 +56,22 @@ def redirect_output(log_dir: Path, rank: int) -> IO | None:
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     return console
+
+
+def rank_log(log_dir: Path, rank: int) -> Path:
+    return Path(log_dir) / f"rank{rank}.log"
+
+
+def join_run_logs(log_dir: Path, run_log_dir: Path, rank: int) -> None:
+    """Move this rank's log from its machine's launch dir into the run's log dir (the one global rank 0's launcher
+    made), leaving a link behind so that machine's launcher still finds it. The file keeps being written: the open
+    descriptor follows the rename. A no-op on the machine of rank 0."""
+    if Path(log_dir).resolve() == Path(run_log_dir).resolve():
+        return
+    Path(run_log_dir).mkdir(parents=True, exist_ok=True)
+    here, there = rank_log(log_dir, rank), rank_log(run_log_dir, rank)
+    os.replace(here, there)
+    os.symlink(os.path.relpath(there, log_dir), here)
 
 
 def report_failure(e: BaseException) -> int:

@@ -2,7 +2,7 @@
 
 docs/ARCHITECTURE.md, "Checkpoint contract". A run directory holds:
 
-    metrics.jsonl, tensorboard/, logs/<time>/
+    metrics.jsonl, tensorboard/, logs/<time>/, logs/run.lock (while a run lives)
     checkpoints/<step>/                 published checkpoints, the step zero-padded (step_dir_name)
     checkpoints/last                    the newest published one (point_last writes it, read_last reads it)
     checkpoints/.tmp-<step>-<run id>/   a save in progress, or left by an interrupted one
@@ -24,6 +24,7 @@ LAST = "last"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 LOGS = "logs"
+RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.runlock)
 
 # What opentau adds to a checkpoint.
 TRAIN_CONFIG = "train_config.json"
@@ -116,3 +117,18 @@ def read_last(root: Path) -> str | None:
     if link.is_file():
         return link.read_text().strip() or None
     return None
+
+
+def holds_run(path: Path) -> bool:
+    """True when a fresh run must not write into `path`: it holds a checkpoint, or anything opentau does not write.
+
+    The directory of a start that failed before its first checkpoint (logs, perhaps metrics) is not in use, so the
+    same command can be run again (`launch.prepare_output_dir` files that start's results under its logs)."""
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        return True
+    if any(entry.name not in (LOGS, METRICS, TENSORBOARD, CHECKPOINTS) for entry in path.iterdir()):
+        return True
+    ckpts = path / CHECKPOINTS
+    return ckpts.exists() and (not ckpts.is_dir() or any(leftover_of(entry.name) is None for entry in ckpts.iterdir()))

@@ -19,7 +19,7 @@ from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, step_dir_name,
     step_of, tmp_dir,
 )
-from opentau_cli.checkpoint.manifest import is_complete, verify_manifest, write_json_atomic, write_manifest
+from opentau_cli.checkpoint.manifest import MissingRankState, is_complete, verify_manifest, write_json_atomic, write_manifest
 from opentau_cli.checkpoint.pickle_scan import scan_checkpoint_pickles
 from opentau_cli.errors import RunError, UserError
 
@@ -235,6 +235,8 @@ class CheckpointManager:
         message = None
         try:
             fn()
+        except MissingRankState as e:  # publish refused: a rank's files are not in the save
+            message = str(e)
         except OSError as e:
             message = describe_os_error(e)
         except (RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap a failed write in their own types

@@ -1,8 +1,10 @@
 """The manifest of a checkpoint: size and xxhash of every file, written last, checked before anything is loaded.
 
-`manifest.json` = {"version": 1, "hash": "xxh3_128", "files": {"<relative/posix/path>": {"size": N, "hash": "<hex>"}}}.
-The manifest itself is not listed. A directory is a complete checkpoint only if its manifest vouches for exactly the
-files present, so a half-written save never passes as a checkpoint.
+`manifest.json` = {"version": 1, "hash": "xxh3_128", "files": {"<relative/posix/path>": {"size": N, "hash": "<hex>"}},
+"world_size": W, "rank_files": {"<rank>": [paths]}}. The manifest itself is not listed. A directory is a complete
+checkpoint only if its manifest vouches for exactly the files present and those hold every rank's own state (what
+training_state.json's world size and backend call for), so neither a half-written save nor one that missed a rank
+(a machine that wrote elsewhere) ever passes as a checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import xxhash
 
 from opentau_cli.checkpoint.faults import fault_point
-from opentau_cli.checkpoint.layout import MANIFEST
+from opentau_cli.checkpoint.layout import DS_SHARD_RE, DS_TAG, MANIFEST, TRAINING_STATE, rank_state_file
 
 HASH_NAME = "xxh3_128"
 _CHUNK = 8 * 1024 * 1024
@@ -33,6 +35,45 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.path}" + (f" ({self.detail})" if self.detail else "")
+
+
+class MissingRankState(Exception):
+    """A save lacks some rank's own files: it must not be published."""
+
+
+def _rank_layout(ckpt_dir: Path) -> tuple[int, int | None] | None:
+    """(world size, ZeRO stage or None) from the checkpoint's training_state.json; None when it does not say."""
+    try:
+        state = json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    world = state.get("world_size") if isinstance(state, dict) else None
+    if not isinstance(world, int) or world < 1:
+        return None
+    return world, (state.get("zero_stage") if state.get("backend") == "deepspeed" else None)
+
+
+def rank_files(files, world_size: int, zero_stage: int | None) -> tuple[dict[str, list[str]], list[tuple[int, str]]]:
+    """Each rank's own files among `files` (relative posix paths), and (rank, what) for each one a rank lacks: every
+    rank writes its RNG state; under DeepSpeed ZeRO-1/2/3 its optimizer shard, under ZeRO-3 its parameter shard too."""
+    found: dict[str, list[str]] = {str(r): [] for r in range(world_size)}
+    kinds: dict[int, set[str]] = {r: set() for r in range(world_size)}
+    states = {rank_state_file(r): r for r in range(world_size)}
+    for rel in sorted(files):
+        name = rel.rsplit("/", 1)[-1]
+        shard = DS_SHARD_RE.search(name) if rel.startswith(f"{DS_TAG}/") else None
+        if shard and int(shard.group(1)) < world_size:
+            rank, kind = int(shard.group(1)), f"DeepSpeed {shard.group(3)} shard"
+        elif rel in states:
+            rank, kind = states[rel], rel
+        else:
+            continue
+        found[str(rank)].append(rel)
+        kinds[rank].add(kind)
+    needed = ["DeepSpeed optim shard"] if zero_stage else []
+    needed += ["DeepSpeed model shard"] if zero_stage == 3 else []
+    missing = [(r, what) for r in range(world_size) for what in [rank_state_file(r), *needed] if what not in kinds[r]]
+    return found, missing
 
 
 def hash_file(path: Path, *, fsync: bool = False) -> str:
@@ -98,14 +139,27 @@ def write_manifest(ckpt_dir: Path, *, fsync: bool = False) -> Path:
     """Hash every file of ckpt_dir and write ckpt_dir/manifest.json atomically; call it after everything else is written.
 
     fsync=True makes every listed file durable before the manifest vouches for it, so a power loss after publishing
-    cannot leave a checkpoint whose manifest is complete but whose data never reached the disk.
+    cannot leave a checkpoint whose manifest is complete but whose data never reached the disk. Raises
+    MissingRankState (nothing written) when training_state.json names a world size whose ranks are not all there.
     """
     ckpt_dir = Path(ckpt_dir)
+    present = list_files(ckpt_dir)
+    manifest: dict = {"version": 1, "hash": HASH_NAME}
+    layout = _rank_layout(ckpt_dir)
+    if layout is not None:
+        found, missing = rank_files(present, *layout)
+        if missing:
+            shown = ", ".join(f"rank {r}'s {what}" for r, what in missing[:4]) + (" and more" if len(missing) > 4 else "")
+            raise MissingRankState(
+                f"{shown} missing from {ckpt_dir} (every "
+                "machine of a run must write to the same output_dir, on a filesystem they share)"
+            )
+        manifest.update(world_size=layout[0], rank_files=found)
     files = {}
-    for rel in list_files(ckpt_dir):
+    for rel in present:
         p = ckpt_dir / rel
         files[rel] = {"size": p.stat().st_size, "hash": hash_file(p, fsync=fsync)}
-    return write_json_atomic(ckpt_dir / MANIFEST, {"version": 1, "hash": HASH_NAME, "files": files})
+    return write_json_atomic(ckpt_dir / MANIFEST, {**manifest, "files": files})
 
 
 def read_manifest(ckpt_dir: Path) -> dict | None:
@@ -150,6 +204,10 @@ def verify_manifest(ckpt_dir: Path, *, rehash: bool = True) -> list[Problem]:
             problems.append(Problem("altered", rel, "content hash differs"))
     for rel in sorted(present - set(expected)):
         problems.append(Problem("extra", rel, "not in the manifest"))
+    layout = _rank_layout(ckpt_dir)
+    if layout is not None:  # also catches a manifest written over a save that missed a rank (before this check)
+        for rank, what in rank_files(expected, *layout)[1]:
+            problems.append(Problem("missing", what, f"rank {rank}'s own state; the run had {layout[0]} ranks"))
     return problems
 
 

@@ -3,30 +3,49 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
 from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, ConfigPathOpt, handle_errors, warn
 
 
-def _launch(plan) -> None:
+_MACHINE_HELP = "overrides the accelerate config (and the cluster's environment), so one YAML serves every machine"
+MachineRankOpt = Annotated[Optional[int], typer.Option("--machine_rank", "--machine-rank", help=f"This machine's rank; {_MACHINE_HELP}.")]
+NumMachinesOpt = Annotated[Optional[int], typer.Option("--num_machines", "--num-machines", help=f"Machines in the run; {_MACHINE_HELP}.")]
+MainIpOpt = Annotated[Optional[str], typer.Option("--main_process_ip", "--main-process-ip", help=f"Machine 0's address; {_MACHINE_HELP}.")]
+BreakLockOpt = Annotated[bool, typer.Option("--break-lock", "--break_lock", help=(
+    "Take over the run directory's lock held by a run on another host that is known to be dead (a lost node)."))]
+MainPortOpt = Annotated[Optional[int], typer.Option("--main_process_port", "--main-process-port", help=f"Machine 0's port; {_MACHINE_HELP}.")]
+
+
+def _machines(machine_rank, num_machines, main_process_ip, main_process_port) -> dict:
+    return {"machine_rank": machine_rank, "num_machines": num_machines, "main_process_ip": main_process_ip,
+            "main_process_port": main_process_port}
+
+
+def _launch(plan, break_lock: bool = False) -> None:
     from opentau_cli import launch
     from opentau_cli.cli.summary import summarize
 
+    first = plan.setup.machine_rank == 0  # machine 0 prints the plan and the progress; the others where their logs go
     for note in plan.checked.warnings:
         warn(note)
-    for note in plan.notes:
+    for note in plan.notes if first else ():
         typer.echo(note, err=True)
     if plan.finished:  # e.g. a scheduler re-queues a run that already completed
         return
-    typer.echo(summarize(plan, heading="Resuming" if plan.resume_from else "Training"), err=True)
-    code = launch.run(plan, echo=lambda m: typer.echo(m, err=True))
+    if first:
+        typer.echo(summarize(plan, heading="Resuming" if plan.resume_from else "Training"), err=True)
+    code = launch.run(plan, echo=lambda m: typer.echo(m, err=True), break_lock=break_lock)
     if code:
         raise typer.Exit(code)
 
 
 @handle_errors
-def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_config: AccelerateConfigOpt = None) -> None:
+def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_config: AccelerateConfigOpt = None,
+          machine_rank: MachineRankOpt = None, num_machines: NumMachinesOpt = None, main_process_ip: MainIpOpt = None,
+          main_process_port: MainPortOpt = None, break_lock: BreakLockOpt = False) -> None:
     """Train a policy under Accelerate (single process, DDP, DeepSpeed ZeRO-2/3).
 
     Examples:
@@ -37,7 +56,8 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
     """
     from opentau_cli.plan import plan_train
 
-    _launch(plan_train(config_path, accelerate_config, list(ctx.args)))
+    machines = _machines(machine_rank, num_machines, main_process_ip, main_process_port)
+    _launch(plan_train(config_path, accelerate_config, list(ctx.args), machines=machines), break_lock)
 
 
 @handle_errors
@@ -45,6 +65,11 @@ def resume(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="A run directory (newest complete checkpoint) or one checkpoint directory."),
     accelerate_config: AccelerateConfigOpt = None,
+    machine_rank: MachineRankOpt = None,
+    num_machines: NumMachinesOpt = None,
+    main_process_ip: MainIpOpt = None,
+    main_process_port: MainPortOpt = None,
+    break_lock: BreakLockOpt = False,
 ) -> None:
     """Resume a run from its newest complete checkpoint (or the checkpoint given).
 
@@ -56,7 +81,8 @@ def resume(
     """
     from opentau_cli.plan import plan_resume
 
-    _launch(plan_resume(run_dir, accelerate_config, list(ctx.args)))
+    machines = _machines(machine_rank, num_machines, main_process_ip, main_process_port)
+    _launch(plan_resume(run_dir, accelerate_config, list(ctx.args), machines=machines), break_lock)
 
 
 def register(app: typer.Typer) -> None:

@@ -3,7 +3,9 @@
 This package imports no other opentau package but `errors`: the data and policy checks are handed to the rules
 from above (`opentau_cli.plan`)."""
 
-from opentau_cli.config.accelerate import AccelerateSetup, read_accelerate_config, resolve_accelerate_config, setup_from_dict
+from opentau_cli.config.accelerate import (
+    AccelerateSetup, read_accelerate_config, resolve_accelerate_config, setup_from_dict, with_machine,
+)
 from opentau_cli.config.load import load_config, parse_overrides
 from opentau_cli.config.model import DEMO_DATASET, TrainConfig
 from opentau_cli.config.rules import Machine, Validated, validate
@@ -20,4 +22,5 @@ __all__ = [
     "resolve_accelerate_config",
     "setup_from_dict",
     "validate",
+    "with_machine",
 ]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Mapping
 
 import yaml
 
@@ -206,6 +206,38 @@ def _read_deepspeed_json(yaml_path: Path, json_path: Path, yaml_mixed: str | Non
         "offload_param_device": given(offload["param"]),
     }
     return settings, yaml_mixed or json_mixed or "no"
+
+
+# Launch-time machine settings, in the order they win: the command line, then the cluster's environment (torchrun
+# style, then SLURM's, as `srun` sets it for the command of every node), then the YAML.
+MACHINE_SETTINGS = ("machine_rank", "num_machines", "main_process_ip", "main_process_port")
+_MACHINE_ENV = {
+    "machine_rank": ("NODE_RANK", "SLURM_NODEID"),
+    "num_machines": ("NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "main_process_ip": ("MASTER_ADDR",),
+    "main_process_port": ("MASTER_PORT",),
+}
+
+
+def with_machine(setup: AccelerateSetup, flags: Mapping[str, object] | None = None,
+                 environ: Mapping[str, str] | None = None) -> AccelerateSetup:
+    """`setup` with the machine settings of `flags` (None: not given), else of the environment, else the YAML's;
+    so one YAML serves every node."""
+    environ = os.environ if environ is None else environ
+    changes: dict = {}
+    for key in MACHINE_SETTINGS:
+        value, source = (flags or {}).get(key), f"--{key}"
+        for var in _MACHINE_ENV[key]:
+            if value is None and environ.get(var):
+                value, source = environ[var], var
+        if value is None:
+            continue
+        if key != "main_process_ip":
+            if not str(value).strip().isdigit():
+                raise UserError(f"{source} must be a whole number, got {value!r}.")
+            value = int(value)
+        changes[key] = value
+    return replace(setup, **changes) if changes else setup
 
 
 def resolve_accelerate_config(path: str | Path | None) -> AccelerateSetup:

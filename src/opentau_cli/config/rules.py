@@ -154,7 +154,13 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
     if accel.mixed_precision == "fp8":
         errors.append("mixed_precision 'fp8' is not supported by opentau; use 'bf16'.")
     if accel.num_machines > 1 and not accel.main_process_ip:
-        errors.append("num_machines > 1 needs main_process_ip in the accelerate config.")
+        errors.append("num_machines > 1 needs the address of machine 0: main_process_ip in the accelerate config, "
+                      "--main_process_ip or MASTER_ADDR.")
+    if not 0 <= accel.machine_rank < accel.num_machines:
+        errors.append(f"machine_rank ({accel.machine_rank}) must be from 0 to num_machines - 1 ({accel.num_machines - 1}).")
+    if accel.num_machines > 1 and accel.num_processes % accel.num_machines:
+        errors.append(f"num_processes ({accel.num_processes}) is the total over all machines and must be a multiple of "
+                      f"num_machines ({accel.num_machines}).")
     if accel.backend == "deepspeed":
         if accel.ds_gradient_accumulation_steps is not None and accel.ds_gradient_accumulation_steps != accum:
             warnings.append(

@@ -25,6 +25,20 @@ class Preemption:
         print(f"Received {signal.Signals(signum).name}: finishing the current step, then saving.", flush=True)
 
 
+def agree_run_id(accelerator, launch: dict) -> str:
+    """The run's identity on every machine: global rank 0's launcher's run id, shared through the process group
+    (each machine's launcher started on its own clock). Names the save's temp dirs and the run's log dir, into
+    which this rank's log moves."""
+    from accelerate.utils import broadcast_object_list
+
+    from opentau_cli.runtime import join_run_logs
+
+    run_id = broadcast_object_list([launch["run_id"]], from_process=0)[0]
+    log_dir = Path(launch["log_dir"])
+    join_run_logs(log_dir, log_dir.parent / run_id, accelerator.process_index)
+    return run_id
+
+
 def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
     from opentau_cli.checkpoint.layout import METRICS, TENSORBOARD
@@ -38,9 +52,10 @@ def fit(cfg, setup, launch: dict, console) -> int:
     tb_dir = run_dir / TENSORBOARD if cfg.logging.tensorboard else None
     trainer = build_trainer(cfg, setup, tensorboard_dir=tb_dir, console=console)
     acc = trainer.accelerator
+    run_id = agree_run_id(acc, launch)
     if tb_dir is not None:
-        acc.init_trackers(launch["run_id"])
-    ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=launch["run_id"],
+        acc.init_trackers(run_id)
+    ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
                              keep_last=cfg.checkpoint.keep_last, protect=resume_from)
     if resume_from is not None:
         trainer.load_state_dict(ckpt.load(resume_from))

@@ -1,0 +1,85 @@
+"""One run at a time in a run directory: a live run's lock refuses a second launch (exit 2, naming it, nothing
+written); a lock left by a SIGKILLed run, or by another host whose heartbeat stopped, never blocks the next one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import EXAMPLES
+from opentau_cli import runlock
+from opentau_cli.checkpoint.layout import METRICS
+from opentau_cli.errors import UserError
+
+
+def test_a_live_runs_lock_refuses_a_second_launch_naming_host_and_pid(tmp_path):
+    mine = runlock.acquire(tmp_path)
+    assert json.loads(runlock.lock_path(tmp_path).read_text())["pid"] == os.getpid() == mine["pid"]
+    with pytest.raises(UserError, match=f"in use by a live run \\(pid {os.getpid()} on {socket.gethostname()}"):
+        runlock.acquire(tmp_path)
+    with pytest.raises(UserError, match="live run"):  # --break-lock never takes a lock whose holder is seen alive
+        runlock.acquire(tmp_path, break_lock=True)
+    runlock.release(tmp_path, mine)
+    assert not runlock.lock_path(tmp_path).exists()
+
+
+def test_a_lock_left_by_a_sigkilled_run_does_not_block_the_next(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from opentau_cli import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
+        "time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(UserError, match=f"pid {holder.pid}"):
+        runlock.acquire(tmp_path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert runlock.acquire(tmp_path)["pid"] == os.getpid()
+
+
+def _other_hosts_lock(tmp_path, age_s: float) -> None:
+    path = runlock.lock_path(tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"host": "node-17.cluster", "pid": 4242, "pid_started": 0, "started": "then"}))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+
+def test_another_hosts_lock_blocks_while_its_heartbeat_is_fresh_and_break_lock_takes_it(tmp_path):
+    _other_hosts_lock(tmp_path, age_s=10)
+    with pytest.raises(UserError, match="pid 4242 on node-17.cluster.*--break-lock"):
+        runlock.acquire(tmp_path)
+    assert runlock.acquire(tmp_path, break_lock=True)["host"] == socket.gethostname()
+
+
+def test_another_hosts_lock_whose_heartbeat_stopped_is_taken_over(tmp_path):
+    _other_hosts_lock(tmp_path, age_s=runlock.STALE_S + 1)
+    assert runlock.acquire(tmp_path)["pid"] == os.getpid()
+
+
+def test_release_leaves_a_lock_that_another_run_took_over(tmp_path):
+    mine = runlock.acquire(tmp_path)
+    _other_hosts_lock(tmp_path, age_s=0)
+    runlock.release(tmp_path, mine)
+    assert json.loads(runlock.lock_path(tmp_path).read_text())["host"] == "node-17.cluster"
+
+
+def test_train_overwrite_on_a_live_run_exits_2_and_deletes_nothing(tmp_path, isolated_env, monkeypatch):
+    from typer.testing import CliRunner
+
+    from opentau_cli.cli.main import app
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / METRICS).write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    mine = runlock.acquire(run)  # this test process plays the live run
+    r = CliRunner().invoke(app, ["train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}", f"--output_dir={run}",
+                                 "--overwrite=true", "--steps=2"])
+    assert r.exit_code == 2, r.output
+    assert f"in use by a live run (pid {os.getpid()}" in r.stderr and "Traceback" not in r.output
+    assert (run / METRICS).is_file() and sorted(p.name for p in run.iterdir()) == ["logs", METRICS]
+    runlock.release(run, mine)
