@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 
 from opentau_cli.config import (
     AccelerateSetup, Machine, load_config, read_accelerate_config, resolve_accelerate_config, setup_from_dict, validate,
 )
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, LOGS, METRICS, TENSORBOARD
-from opentau_cli.config.rules import output_dir_in_use
+from opentau_cli.checkpoint.layout import holds_run
+from opentau_cli.plan import check_output_dir
 from opentau_cli.errors import UserError
 from conftest import EXAMPLES
 
@@ -145,10 +148,10 @@ def test_deepspeed_yaml_disagreeing_with_config_warns_and_config_wins(tmp_path):
 
 def test_existing_output_dir_is_refused_unless_resuming_or_overwriting(tmp_path):
     (tmp_path / "run" / CHECKPOINTS / "000010").mkdir(parents=True)
-    with pytest.raises(UserError, match="already exists.*opentau resume"):
-        validate(cfg(tmp=tmp_path), AccelerateSetup(), CPU)
-    validate(cfg("--overwrite=true", tmp=tmp_path), AccelerateSetup(), CPU)
-    validate(cfg("--resume=true", tmp=tmp_path), AccelerateSetup(), CPU)
+    (refusal,) = check_output_dir(cfg(tmp=tmp_path))
+    assert re.search("already exists.*opentau resume", refusal)
+    assert check_output_dir(cfg("--overwrite=true", tmp=tmp_path)) == []
+    assert check_output_dir(cfg("--resume=true", tmp=tmp_path)) == []
 
 
 def test_the_dir_of_a_start_that_failed_before_its_first_checkpoint_can_be_started_again(tmp_path):
@@ -157,13 +160,13 @@ def test_the_dir_of_a_start_that_failed_before_its_first_checkpoint_can_be_start
     (run / METRICS).write_text("{}\n")
     (run / TENSORBOARD).mkdir()
     (run / CHECKPOINTS / ".tmp-000100-20260101-000000").mkdir(parents=True)  # a save it did not finish
-    assert not output_dir_in_use(run)
-    validate(cfg(tmp=tmp_path), AccelerateSetup(), CPU)
+    assert not holds_run(run)
+    assert check_output_dir(cfg(tmp=tmp_path)) == []
     (run / CHECKPOINTS / LAST).write_text("000100")
-    assert output_dir_in_use(run)
+    assert holds_run(run)
     (run / CHECKPOINTS / LAST).unlink()
     (run / "notes.txt").write_text("mine")  # not something opentau writes: never written into
-    assert output_dir_in_use(run)
+    assert holds_run(run)
 
 
 def test_n_action_steps_cannot_exceed_chunk_size(tmp_path):

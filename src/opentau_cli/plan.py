@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opentau_cli.checkpoint.layout import TRAIN_CONFIG
+from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run
 from opentau_cli.checkpoint.manager import check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
@@ -45,8 +45,26 @@ def check_policy(cfg: TrainConfig) -> list[str]:
     return errors
 
 
+def check_lora_resume(ckpt: Path, cfg: TrainConfig, state: dict) -> None:
+    """The same LoRA setting as the checkpoint, and for a LoRA checkpoint the same base weights (their hashes)."""
+    import json
+
+    from opentau_cli.policies.lora import check_resume
+
+    saved = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
+    check_resume(ckpt, saved.get("policy", {}), state, cfg)
+
+
+def check_output_dir(cfg: TrainConfig) -> list[str]:
+    """A fresh run never writes into another run's directory by accident (a failed start's leftovers do not count)."""
+    if cfg.resume or cfg.overwrite or not holds_run(cfg.output_dir):
+        return []
+    return [f"output_dir '{cfg.output_dir}' already exists; resume it with `opentau resume {cfg.output_dir}`, "
+            "pick another --output_dir, or pass --overwrite=true."]
+
+
 # The checks of other packages that the config rules run with their own.
-LAUNCH_CHECKS = (check_dataset, check_policy)
+LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir)
 
 
 def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:

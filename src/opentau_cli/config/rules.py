@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD, leftover_of
 from opentau_cli.config.accelerate import AccelerateSetup
 from opentau_cli.config.model import DEMO_DATASET, LOSS_TERMS, TrainConfig
 from opentau_cli.errors import UserError
@@ -68,21 +67,6 @@ def cuda_is_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def output_dir_in_use(path: Path) -> bool:
-    """True when a fresh run must not write into `path`: it holds a checkpoint, or anything opentau does not write.
-
-    The directory of a start that failed before its first checkpoint (logs, perhaps metrics) is not in use, so the
-    same command can be run again (`launch.prepare_output_dir` files that start's results under its logs)."""
-    if not path.exists():
-        return False
-    if not path.is_dir():
-        return True
-    if any(entry.name not in (LOGS, METRICS, TENSORBOARD, CHECKPOINTS) for entry in path.iterdir()):
-        return True
-    ckpts = path / CHECKPOINTS
-    return ckpts.exists() and (not ckpts.is_dir() or any(leftover_of(entry.name) is None for entry in ckpts.iterdir()))
 
 
 def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks: Sequence[Check] = ()) -> Validated:
@@ -173,13 +157,6 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
                 f"DeepSpeed gradient_clipping={accel.ds_gradient_clipping} in {accel.path} "
                 f"differs from the config's optimizer.grad_clip_norm={clip}: using {clip}."
             )
-
-    # Output directory: never clobber a run by accident.
-    if not cfg.resume and not cfg.overwrite and output_dir_in_use(cfg.output_dir):
-        errors.append(
-            f"output_dir '{cfg.output_dir}' already exists; resume it with `opentau resume {cfg.output_dir}`, "
-            "pick another --output_dir, or pass --overwrite=true."
-        )
 
     for check in checks:
         errors.extend(check(cfg))
