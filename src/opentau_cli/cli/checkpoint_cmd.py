@@ -1,4 +1,4 @@
-"""`opentau checkpoint consolidate | inspect | verify | list`."""
+"""`opentau checkpoint consolidate | export | inspect | verify | list`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 from opentau_cli.cli.common import JsonOpt, handle_errors, make_app
 from opentau_cli.units import SIZE_HELP
 
-app = make_app("Consolidate, inspect, verify and list checkpoints.")
+app = make_app("Consolidate, export, inspect, verify and list checkpoints.")
 
 
 def human(n: int | None) -> str:
@@ -59,6 +59,30 @@ def consolidate_cmd(
         return
     names = ", ".join(str(p) for p in result.files)
     typer.echo(f"Wrote {names}: {result.num_tensors} tensors, {human(result.total_bytes)} ({dtype}).")
+
+
+@app.command("export")
+@handle_errors
+def export_cmd(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint directory, or a run directory (its newest complete checkpoint)."),
+    output: Path = typer.Option(..., "--output", "-o", help="New directory for the model (must not exist, or be empty)."),
+    layout: str = typer.Option("opentau", "--layout", help="opentau (OpenTau, statistics in the weights), lerobot or openpi."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (norms, embeddings and action/time projections stay fp32, as openpi keeps them)."),
+) -> None:
+    """Write a checkpoint's policy as a plain model in a published layout, with its normalization statistics in
+    that layout's place and a config.json in its convention (DeepSpeed shards are gathered, streaming).
+
+    Examples:
+
+      opentau checkpoint export outputs/train/pi05/checkpoints/last --output exported/pi05_lerobot --layout lerobot
+
+      opentau checkpoint export outputs/train/pi05 --output exported/pi05_openpi --layout openpi --dtype bf16
+    """
+    from opentau_cli.checkpoint.export import export
+
+    result = export(checkpoint, output, layout=layout, dtype=dtype)
+    typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
+               f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
 
 
 def _stderr_console():

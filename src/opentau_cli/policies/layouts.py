@@ -212,3 +212,68 @@ def _openpi_stats(root: Path) -> tuple[dict | None, str]:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UserError(f"{files[0]}: not an openpi norm_stats.json ({exc}).") from exc
     return (stats, str(files[0].relative_to(root))) if stats else (None, f"{files[0].relative_to(root)} has no state or actions")
+
+
+# The writers: what `read_stats` reads back, in each layout's own place (an export writes these).
+LEROBOT_NORMALIZER = "policy_preprocessor_step_2_normalizer_processor.safetensors"
+LEROBOT_UNNORMALIZER = "policy_postprocessor_step_0_unnormalizer_processor.safetensors"
+_LEROBOT_NORM_MODES = {"pi05": "QUANTILES", "pi0": "MEAN_STD"}
+
+
+def opentau_stats_tensors(stats: dict) -> dict:
+    """OpenTau's statistics buffers (inside the weights): the state under normalize_inputs, the actions under both
+    normalize_targets and unnormalize_outputs."""
+    import torch
+
+    tensors = {}
+    for stat, values in stats["state"].items():
+        tensors[f"normalize_inputs.buffer_state.{stat}"] = torch.tensor(values, dtype=torch.float32)
+    for stat, values in stats["action"].items():
+        for module in ("normalize_targets", "unnormalize_outputs"):
+            tensors[f"{module}.buffer_actions.{stat}"] = torch.tensor(values, dtype=torch.float32)
+    return tensors
+
+
+def write_lerobot_stats(directory: Path, stats: dict, policy_type: str) -> list[Path]:
+    """LeRobot's processor files: policy_preprocessor.json with its normalizer step's state file (state and action
+    statistics by dataset key), and policy_postprocessor.json with the unnormalizer's (action statistics)."""
+    import torch
+    from safetensors.torch import save_file
+
+    mode = _LEROBOT_NORM_MODES[policy_type]
+    features = {_LEROBOT_FEATURES["state"]: {"type": "STATE", "shape": [len(next(iter(stats["state"].values())))]},
+                _LEROBOT_FEATURES["action"]: {"type": "ACTION", "shape": [len(next(iter(stats["action"].values())))]}}
+    norm_map = {"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode}
+
+    def flat(names):
+        return {f"{_LEROBOT_FEATURES[f]}.{stat}": torch.tensor(v, dtype=torch.float32) for f in names for stat, v in stats[f].items()}
+
+    save_file(flat(("state", "action")), str(directory / LEROBOT_NORMALIZER))
+    save_file(flat(("action",)), str(directory / LEROBOT_UNNORMALIZER))
+    pre = {"name": "policy_preprocessor", "steps": [
+        {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
+        {"registry_name": "to_batch_processor", "config": {}},
+        {"registry_name": "normalizer_processor", "config": {"eps": 1e-8, "features": features, "norm_map": norm_map},
+         "state_file": LEROBOT_NORMALIZER},
+        {"registry_name": "device_processor", "config": {"device": "cpu"}},
+    ]}
+    post = {"name": "policy_postprocessor", "steps": [
+        {"registry_name": "unnormalizer_processor",
+         "config": {"eps": 1e-8, "features": {k: v for k, v in features.items() if v["type"] == "ACTION"}, "norm_map": norm_map},
+         "state_file": LEROBOT_UNNORMALIZER},
+        {"registry_name": "device_processor", "config": {"device": "cpu"}},
+    ]}
+    written = [directory / LEROBOT_NORMALIZER, directory / LEROBOT_UNNORMALIZER]
+    for name, data in (("policy_preprocessor.json", pre), ("policy_postprocessor.json", post)):
+        (directory / name).write_text(json.dumps(data, indent=2) + "\n")
+        written.append(directory / name)
+    return written
+
+
+def write_openpi_stats(directory: Path, stats: dict, asset: str) -> Path:
+    """openpi's assets/<asset>/norm_stats.json: mean / std / q01 / q99 per key (state, actions)."""
+    path = directory / "assets" / asset / "norm_stats.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    norm = {name: stats[feature] for feature, name in _OPENPI_FEATURES.items()}
+    path.write_text(json.dumps({"norm_stats": norm}, indent=2) + "\n")
+    return path

@@ -1,0 +1,284 @@
+"""Export a training checkpoint as a plain model in a published layout (OpenTau, LeRobot or openpi): weights renamed
+through `policies.layouts`, the normalization statistics in that layout's own place, and a config file in its
+convention. DeepSpeed shards are gathered by consolidate's streaming reader; every tensor is read when its turn
+comes, and the whole output is written in a hidden sibling directory and renamed into place, so a failure leaves
+nothing behind.
+
+    opentau (OpenTau)  model.safetensors with normalize_inputs / normalize_targets / unnormalize_outputs buffers; config.json
+    lerobot            model.safetensors; policy_preprocessor.json / policy_postprocessor.json + normalizer files; config.json
+    openpi             model.safetensors; assets/<dataset>/norm_stats.json; config.json
+
+A LoRA adapter, once training has one, is merged into `weight_entries`' tensors before renaming.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
+from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
+from opentau_cli.checkpoint.shard_reader import ShardFormatError
+from opentau_cli.config.model import PolicyConfig, TrainConfig
+from opentau_cli.errors import RunError, UserError
+from opentau_cli.policies.layouts import (
+    LEROBOT, OPENPI, OPENTAU, Layout, opentau_stats_tensors, published_names, write_lerobot_stats, write_openpi_stats,
+)
+
+EXPORT_LAYOUTS = (OPENTAU, LEROBOT, OPENPI)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODEL_CONFIG = "config.json"
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+# The published variants of the full-size preset (openpi's and LeRobot's names for its two Gemma sizes).
+_VARIANTS = {"pi05": ("gemma_2b", "gemma_300m")}
+
+
+@dataclass
+class SavedPolicy:
+    """A training checkpoint: its resolved config and every tensor of the policy's state_dict, unread."""
+
+    path: Path
+    config: TrainConfig
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+
+
+@dataclass
+class ExportResult:
+    output: Path
+    files: list[Path]
+    num_tensors: int
+    total_bytes: int
+
+
+# ------------------------------------------------------------------------------------------- reading a checkpoint
+def _safetensors_entries(files: list[Path]) -> dict[str, TensorEntry]:
+    from safetensors import SafetensorError, safe_open
+
+    entries = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    entries[key] = TensorEntry(key, tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()],
+                                               lambda file=file, key=key: _read_tensor(file, key))
+        except (SafetensorError, OSError, KeyError) as exc:
+            raise UserError(f"{file}: not a readable safetensors file ({exc}).") from None
+    return entries
+
+
+def _read_tensor(file: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        return handle.get_tensor(key)
+
+
+def open_saved_policy(target: Path) -> SavedPolicy:
+    """A run directory (its newest complete checkpoint) or a checkpoint directory: its train_config.json, and its
+    weights from model.safetensors (or shards + index), else gathered from its DeepSpeed ZeRO shards."""
+    from opentau_cli.checkpoint.manager import find_checkpoint
+    from opentau_cli.config.load import load_config
+
+    ckpt = find_checkpoint(Path(target))
+    if not (ckpt / TRAIN_CONFIG).is_file():
+        raise UserError(f"{ckpt} has no {TRAIN_CONFIG}: not a checkpoint written by `opentau train`.")
+    config = load_config(ckpt / TRAIN_CONFIG, {})
+    if (ckpt / MODEL_WEIGHTS).is_file():
+        entries = _safetensors_entries([ckpt / MODEL_WEIGHTS])
+    elif (ckpt / WEIGHTS_INDEX).is_file():
+        from opentau_cli.policies.pretrained import weight_files
+
+        entries = _safetensors_entries(weight_files(ckpt))
+    else:
+        entries = {e.name: e for e in read_zero_checkpoint(ckpt).entries}
+    return SavedPolicy(ckpt, config, entries)
+
+
+def policy_layout(policy_cfg: PolicyConfig) -> tuple[dict[str, tuple], set[str]]:
+    """The policy's state_dict shapes and the names of its parameters, from a build on the meta device."""
+    from opentau_cli.policies import build_policy
+
+    with torch.device("meta"):
+        policy = build_policy(policy_cfg)
+    return {k: tuple(v.shape) for k, v in policy.state_dict().items()}, {n for n, _ in policy.named_parameters()}
+
+
+def check_entries(saved: SavedPolicy, shapes: dict[str, tuple]) -> None:
+    """The checkpoint holds exactly the tensors of the policy its config describes (else it is another preset's)."""
+    missing = sorted(set(shapes) - set(saved.entries))
+    wrong = sorted(k for k in shapes if k in saved.entries and tuple(saved.entries[k].shape) != shapes[k])
+    if missing or wrong:
+        what = "; ".join(part for part in (
+            f"{len(missing)} missing: {', '.join(missing[:3])}" if missing else "",
+            f"{len(wrong)} of another shape: {', '.join(f'{k} {list(saved.entries[k].shape)} vs {list(shapes[k])}' for k in wrong[:3])}" if wrong else "",
+        ) if part)
+        raise UserError(f"{saved.path}: its weights do not fit the {saved.config.policy.preset} policy its {TRAIN_CONFIG} "
+                        f"describes ({what}).")
+
+
+def statistics(saved: SavedPolicy) -> dict:
+    """The normalization statistics the policy holds, over its real state / action dims (all four: mean, std, q01, q99)."""
+    from opentau_cli.policies.pi05.modeling import STATS
+
+    out = {}
+    for feature in ("state", "action"):
+        width = int(saved.entries[f"{feature}_dim"].produce().reshape(-1)[0])
+        out[feature] = {stat: saved.entries[f"{feature}_{stat}"].produce().float()[:width].tolist() for stat in STATS}
+    return out
+
+
+# ------------------------------------------------------------------------------------------- config files
+def model_config(layout: str, policy_cfg: PolicyConfig, stats: dict, dtype: str) -> dict:
+    """The model's config.json in `layout`'s convention (what its own loader reads)."""
+    p = policy_cfg
+    variants = _VARIANTS.get(p.preset)
+    if layout == OPENPI:  # what openpi's PyTorch conversion writes next to model.safetensors
+        config = {"action_dim": p.max_action_dim, "action_horizon": p.chunk_size, "max_token_len": p.tokenizer_max_length,
+                  "pi05": p.type == "pi05", "precision": {"fp32": "float32", "bf16": "bfloat16"}[dtype]}
+    else:
+        config = {"type": p.type, "n_obs_steps": 1, "chunk_size": p.chunk_size, "n_action_steps": p.n_action_steps,
+                  "max_state_dim": p.max_state_dim, "max_action_dim": p.max_action_dim, "tokenizer_max_length": p.tokenizer_max_length,
+                  "freeze_vision_encoder": p.freeze_vision_encoder, "train_expert_only": p.train_expert_only}
+        if layout == LEROBOT:
+            mode = "QUANTILES" if p.type == "pi05" else "MEAN_STD"
+            config.update({
+                "image_resolution": list(p.image_resolution), "num_inference_steps": p.num_inference_steps,
+                "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode},
+                "input_features": {"observation.state": {"type": "STATE", "shape": [len(stats["state"]["q01"])]}},
+                "output_features": {"action": {"type": "ACTION", "shape": [len(stats["action"]["q01"])]}},
+            })
+        else:  # OpenTau (a LeRobot fork): images resized with padding, `num_steps` Euler steps
+            config.update({"resize_imgs_with_padding": list(p.image_resolution), "num_steps": p.num_inference_steps})
+    if variants:
+        config["paligemma_variant"], config["action_expert_variant"] = variants
+    return config
+
+
+def policy_fields(config: dict) -> dict:
+    """PolicyConfig fields read back from an exported config.json of any layout (the inverse of `model_config`)."""
+    fields = {}
+    for ours, names in (("chunk_size", ("chunk_size", "action_horizon")), ("n_action_steps", ("n_action_steps", "action_horizon")),
+                        ("max_state_dim", ("max_state_dim", "action_dim")), ("max_action_dim", ("max_action_dim", "action_dim")),
+                        ("tokenizer_max_length", ("tokenizer_max_length", "max_token_len")),
+                        ("image_resolution", ("image_resolution", "resize_imgs_with_padding")),
+                        ("num_inference_steps", ("num_inference_steps", "num_steps"))):
+        found = next((config[n] for n in names if n in config), None)
+        if found is not None:
+            fields[ours] = found
+    if config.get("type") in ("pi05", "pi0"):
+        fields["type"] = config["type"]
+    elif "pi05" in config:
+        fields["type"] = "pi05" if config["pi05"] else "pi0"
+    return fields
+
+
+# ------------------------------------------------------------------------------------------- writing
+def _asset_name(cfg: TrainConfig) -> str:
+    """openpi names a robot's assets after its dataset: the dataset folder ('demo' for the bundled one)."""
+    from opentau_cli.config.model import DEMO_DATASET
+
+    members = cfg.dataset.members()
+    root = members[0].root if len(members) == 1 else "mixture"
+    return DEMO_DATASET.lstrip("@") if root == DEMO_DATASET else (Path(root).name or "robot")
+
+
+def _output_dtype(name: str, dtype: torch.dtype, entry: TensorEntry) -> TensorEntry:
+    """bf16 as openpi lays it out: the fp32 set (patch / position embeddings, norms, action / time projections) stays fp32."""
+    from opentau_cli.policies.pi05.modeling import FP32_PARAMETERS
+
+    keep = dtype == torch.float32 or any(fragment in name for fragment in FP32_PARAMETERS)
+    target = torch.float32 if keep else dtype
+    if not entry.dtype.is_floating_point or entry.dtype == target:
+        return entry
+    produce = entry.produce
+    return TensorEntry(entry.name, entry.shape, target, lambda: produce().to(target))
+
+
+def weight_entries(saved: SavedPolicy, params: set[str], layout: Layout, dtype: torch.dtype) -> list[TensorEntry]:
+    """The policy's parameters under `layout`'s names (the tied token embedding under each of its names)."""
+    out = []
+    for name in sorted(params):
+        entry = _output_dtype(name, dtype, saved.entries[name])
+        for published in published_names(name, layout):
+            out.append(TensorEntry(published, entry.shape, entry.dtype, entry.produce))
+    return out
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and not (output.is_dir() and not any(output.iterdir())):
+        raise UserError(f"{output} already exists and is not empty: pass a new directory to --output (nothing is overwritten).")
+    parent = output.parent
+    if not parent.is_dir():
+        raise UserError(f"--output {output}: its parent directory {parent} does not exist.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--output {output}: {parent} is not writable.")
+
+
+def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "fp32", progress=None) -> ExportResult:
+    """Write the policy of a run / checkpoint directory as a plain model in `layout`. Raises UserError / RunError."""
+    if layout not in EXPORT_LAYOUTS:
+        raise UserError(f"--layout must be one of {', '.join(EXPORT_LAYOUTS)}, not '{layout}'.")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
+    output = Path(output)
+    _check_output(output)
+    saved = open_saved_policy(target)
+    shapes, params = policy_layout(saved.config.policy)
+    check_entries(saved, shapes)
+    published = Layout(layout, saved.config.policy.type)
+    try:
+        stats = statistics(saved)
+    except ShardFormatError as exc:  # a shard that reads as truncated or corrupt only when its data is read
+        raise UserError(str(exc)) from None
+    entries = weight_entries(saved, params, published, DTYPES[dtype])
+    if layout == OPENTAU:
+        for name, tensor in opentau_stats_tensors(stats).items():
+            entries.append(TensorEntry(name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t))
+    total = sum(e.nbytes for e in entries)
+    free = shutil.disk_usage(output.parent).free
+    if free < total:
+        raise UserError(f"Not enough disk space for {output}: the model needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB are free.")
+
+    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    metadata = {"format": "pt", "producer": "opentau checkpoint export", "layout": layout, "step": str(_step(saved))}
+    try:
+        staging.mkdir()
+        files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, progress)]
+        if layout == LEROBOT:
+            files += write_lerobot_stats(staging, stats, published.policy_type)
+        elif layout == OPENPI:
+            files.append(write_openpi_stats(staging, stats, _asset_name(saved.config)))
+        (staging / MODEL_CONFIG).write_text(json.dumps(model_config(layout, saved.config.policy, stats, dtype), indent=2) + "\n")
+        files.append(staging / MODEL_CONFIG)
+        if output.exists():
+            output.rmdir()  # empty, checked above
+        os.replace(staging, output)
+    except ShardFormatError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RunError(f"Writing the exported model to {output} failed ({exc.strerror or exc}); nothing was left behind.") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total)
+
+
+def _step(saved: SavedPolicy) -> int | None:
+    from opentau_cli.checkpoint.manager import read_training_state
+
+    try:
+        return read_training_state(saved.path).get("step")
+    except UserError:
+        return None

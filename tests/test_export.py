@@ -1,0 +1,154 @@
+"""`opentau checkpoint export`: published layout -> `opentau train` one step at a negligible learning rate -> export to
+the same layout gives back the original tensors and statistics (one launch per layout; the LeRobot one under
+DeepSpeed ZeRO-3, so its weights are gathered from the shards); user mistakes exit 2 in one line, nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import EXAMPLES, run_cli
+from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS, TRAIN_CONFIG
+from opentau_cli.cli.main import app
+from opentau_cli.config.load import load_config
+from opentau_cli.data import build_data
+from opentau_cli.policies import build_policy
+from opentau_cli.policies.layouts import LEROBOT, LEROBOT_NORMALIZER, OPENPI, OPENTAU
+from published import write_published
+
+pytestmark = pytest.mark.e2e
+
+TINY = str(EXAMPLES / "pi05_tiny_config.json")
+ZERO3 = str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")
+# The launch each layout's round trip goes through: the LeRobot one gathers DeepSpeed ZeRO-3 shards.
+BACKEND = {OPENPI: None, LEROBOT: ZERO3, OPENTAU: None}
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A tiny pi05 with the demo data's statistics, written in each published layout. Every weight is moved off
+    zero: one step at lr=1e-30 leaves a non-zero fp32 value exactly as it is, but would turn a 0 into 1e-30."""
+    root = tmp_path_factory.mktemp("published")
+    cfg = load_config(TINY, [f"--output_dir={root / 'unused'}"])
+    torch.manual_seed(5)
+    policy = build_policy(cfg.policy, build_data(cfg).stats)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param).abs().add_(0.01) * 0.01)
+    return {layout: write_published(policy, root / layout, layout) for layout in BACKEND}
+
+
+@pytest.fixture(scope="module")
+def round_trips(published, tmp_path_factory):
+    """layout -> (its run directory, the export of its last checkpoint in the same layout)."""
+    root = tmp_path_factory.mktemp("round_trip")
+    made = {}
+
+    def get(layout: str):
+        if layout not in made:
+            run = root / f"run_{layout}"
+            args = ["train", f"--config_path={TINY}", f"--output_dir={run}", f"--policy.pretrained_path={published[layout]}",
+                    "--steps=1", "--save_freq=1", "--optimizer.lr=1e-30", "--validation.val_freq=0"]
+            if BACKEND[layout]:
+                args += [f"--accelerate-config={BACKEND[layout]}", "--batch_size=4"]
+            trained = run_cli(args, env={"HF_HOME": str(root / "hf_home")})
+            assert trained.returncode == 0, trained.stderr[-3000:]
+            out = root / f"export_{layout}"
+            exported = run_cli(["checkpoint", "export", str(run), "--output", str(out), "--layout", layout])
+            assert exported.returncode == 0, exported.stderr[-3000:]
+            made[layout] = run, out
+        return made[layout]
+
+    return get
+
+
+def _stats_files(directory: Path, layout: str) -> dict:
+    """The statistics as each layout stores them, by their own names."""
+    if layout == OPENPI:
+        (file,) = directory.glob("assets/*/norm_stats.json")
+        return json.loads(file.read_text())["norm_stats"]
+    if layout == LEROBOT:
+        flat = load_file(str(directory / LEROBOT_NORMALIZER))
+        return {k: v for k, v in flat.items() if k.startswith(("observation.state.", "action."))}
+    weights = load_file(str(directory / MODEL_WEIGHTS))
+    return {k: v for k, v in weights.items() if "normalize" in k}
+
+
+@pytest.mark.parametrize("layout", [OPENPI, LEROBOT, OPENTAU])
+def test_published_layout_trained_one_step_at_lr_1e_30_and_exported_to_it_gives_the_original_tensors(published, round_trips, layout):
+    run, out = round_trips(layout)
+    original = load_file(str(published[layout] / MODEL_WEIGHTS))
+    exported = load_file(str(out / MODEL_WEIGHTS))
+    # OpenTau's discrete-action head is its own (opentau never loads it), so an export cannot give it back.
+    original = {k: v for k, v in original.items() if "discrete_action_embedding" not in k}
+    assert sorted(exported) == sorted(original)
+    different = [k for k in original if exported[k].dtype != original[k].dtype or not torch.equal(exported[k], original[k])]
+    assert different == []
+    theirs, ours = _stats_files(published[layout], layout), _stats_files(out, layout)
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        if isinstance(theirs[key], dict):  # openpi: {"mean": [...], ...} per key
+            assert ours[key] == theirs[key], key
+        else:
+            assert torch.equal(ours[key], theirs[key]), key
+    config = json.loads((out / "config.json").read_text())
+    assert (config.get("type") or ("pi05" if config["pi05"] else "pi0")) == "pi05"
+    assert config.get("chunk_size", config.get("action_horizon")) == 10
+
+
+def test_a_zero3_run_exports_from_its_deepspeed_shards(round_trips):
+    run, _ = round_trips(LEROBOT)
+    last = run / CHECKPOINTS / LAST
+    assert not (last / MODEL_WEIGHTS).exists() and list(last.rglob("*_optim_states.pt"))
+
+
+def test_bf16_export_keeps_openpis_fp32_set_in_fp32_and_the_rest_in_bf16(round_trips, tmp_path):
+    run, _ = round_trips(OPENPI)
+    result = runner.invoke(app, ["checkpoint", "export", str(run), "--output", str(tmp_path / "bf16"), "--layout", "openpi", "--dtype", "bf16"])
+    assert result.exit_code == 0, result.output
+    weights = load_file(str(tmp_path / "bf16" / MODEL_WEIGHTS))
+    assert weights["time_mlp_in.weight"].dtype == torch.float32
+    assert weights["paligemma_with_expert.gemma_expert.model.norm.dense.weight"].dtype == torch.float32
+    assert weights["paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["precision"] == "bfloat16"
+
+
+def _refused(result, *needles) -> None:
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_export_mistakes_exit_2_in_one_line_and_write_nothing(round_trips, published, tmp_path):
+    run, _ = round_trips(OPENPI)
+    out = tmp_path / "out"
+    _refused(runner.invoke(app, ["checkpoint", "export", str(tmp_path / "nope"), "--output", str(out)]), "does not exist")
+    _refused(runner.invoke(app, ["checkpoint", "export", str(run), "--output", str(out), "--layout", "native"]), "--layout must be one of")
+    _refused(runner.invoke(app, ["checkpoint", "export", str(run), "--output", str(out), "--dtype", "fp8"]), "--dtype must be one of")
+    _refused(runner.invoke(app, ["checkpoint", "export", str(published[OPENPI]), "--output", str(out)]), "No checkpoint found")
+    assert not out.exists()
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("mine")
+    _refused(runner.invoke(app, ["checkpoint", "export", str(run), "--output", str(used)]), "already exists and is not empty")
+    assert [p.name for p in used.iterdir()] == ["keep.txt"] and (used / "keep.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_whose_config_names_another_preset_is_refused(round_trips, tmp_path):
+    run, _ = round_trips(OPENPI)
+    ckpt = tmp_path / "run" / CHECKPOINTS / "000001"
+    shutil.copytree((run / CHECKPOINTS / LAST).resolve(), ckpt)
+    config = json.loads((ckpt / TRAIN_CONFIG).read_text())
+    config["policy"]["preset"] = "pi05_small"
+    (ckpt / TRAIN_CONFIG).write_text(json.dumps(config))
+    out = tmp_path / "out"
+    _refused(runner.invoke(app, ["checkpoint", "export", str(ckpt), "--output", str(out)]), "do not fit the pi05_small policy")
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
