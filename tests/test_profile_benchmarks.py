@@ -40,12 +40,15 @@ def test_overhead_benchmark_smoke_prints_the_median_pair_ratio_and_each_phase_of
     anchor = float(re.search(r"hand-written Accelerate loop steps/s per pair\s+(\d+\.\d+)", out).group(1))
     assert median == pytest.approx(ours / anchor, rel=5e-3)
     phases = {name: tuple(map(float, values)) for name, *values in re.findall(
-        r"phase (.+?) \(median ms\)\s+opentau (\d+\.\d), hand-written (\d+\.\d), difference ([+-]\d+\.\d)", out)}
+        r"phase (.+?) \(median ms, share of step\)\s+opentau (\d+\.\d) \((\d+\.\d)%\), "
+        r"hand-written (\d+\.\d) \((\d+\.\d)%\), difference ([+-]\d+\.\d)", out)}
     assert set(phases) >= {"data", "forward", "backward", "optimizer (clip + step)", "total step"}
-    for name, (a, b, diff) in phases.items():
+    for name, (a, _, b, _, diff) in phases.items():
         assert abs(a - b - diff) <= 0.11, name
-    assert phases["forward"][0] > 0 and phases["forward"][1] > 0
+    assert phases["forward"][0] > 0 and phases["forward"][2] > 0
     assert phases["total step"][0] >= phases["forward"][0] + phases["backward"][0]
+    assert phases["total step"][1] == phases["total step"][3] == 100.0
+    assert 0 < phases["backward"][1] < 100 and 0 < phases["backward"][3] < 100
     assert "target >= 0.97" in (tmp_path / "B.md").read_text()
 
 
