@@ -135,6 +135,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     setup = with_machine(setup, machines)
     checked = check_launch(cfg, setup, machine)
     state = check_resumable(ckpt, checked.config, setup)
+    check_lora_resume(ckpt, checked.config, state)
     done = int(state.get("step", 0)) >= checked.config.steps
     if done:
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "

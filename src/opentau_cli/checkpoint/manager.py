@@ -188,12 +188,14 @@ def describe_write_error(e: Exception) -> str:
 class CheckpointManager:
     """Saves checkpoints for one run. Every rank calls `save`; rank 0 publishes; retention runs after publishing.
 
-    `accelerator` needs save_state / load_state / wait_for_everyone / is_main_process / reduce.
+    `accelerator` needs save_state / load_state / wait_for_everyone / is_main_process / reduce. `save_kwargs` /
+    `load_kwargs` go to save_state / load_state (a LoRA run's: write and read only what trains, policies/lora.py).
     """
 
     def __init__(self, accelerator, run_dir: Path, *, total_steps: int, run_id: str, keep_last: int | None = None,
-                 protect: Path | None = None):
+                 protect: Path | None = None, save_kwargs: dict | None = None, load_kwargs: dict | None = None):
         self.accelerator = accelerator
+        self.save_kwargs, self.load_kwargs = dict(save_kwargs or {}), dict(load_kwargs or {})
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS
         self.total_steps = total_steps
@@ -222,7 +224,7 @@ class CheckpointManager:
 
     def load(self, ckpt_dir: Path) -> dict:
         """Restore model, optimizer, scheduler and RNG (every rank); returns the checkpoint's training state."""
-        self.accelerator.load_state(str(ckpt_dir))
+        self.accelerator.load_state(str(ckpt_dir), **self.load_kwargs)
         return json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
 
     # Internals.
@@ -253,7 +255,7 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp), safe_serialization=True)
+        acc.save_state(str(tmp), safe_serialization=True, **self.save_kwargs)
         fault_point("state_saved", tmp)
         if acc.is_main_process:
             cfg = dict(config)

@@ -12,18 +12,31 @@ def _human(count: int) -> str:
     return str(count)
 
 
-def parameter_row(policy_cfg) -> str:
-    """Total and trainable parameters of the configured policy (built on the meta device: no memory, no weights)."""
-    from opentau_cli.policies import count_parameters
+# AdamW keeps two fp32 moments per trainable parameter.
+ADAMW_BYTES_PER_PARAMETER = 8
 
-    counts = count_parameters(policy_cfg)
+
+def parameter_row(counts: dict[str, int]) -> str:
+    """Total and trainable parameters of the configured policy (with LoRA on, of the adapted one)."""
     return f"{_human(counts['total'])} total, {_human(counts['trainable'])} trainable ({counts['total']:,} / {counts['trainable']:,})"
+
+
+def optimizer_row(counts: dict[str, int], world_size: int, zero_stage: int | None) -> str:
+    """The AdamW state the trainable parameters imply: per process, divided among the ranks by ZeRO-1/2/3."""
+    total = ADAMW_BYTES_PER_PARAMETER * counts["trainable"]
+    shards = world_size if zero_stage else 1
+    where = f"{_human(total // shards)}B per process, ZeRO-{zero_stage} shards it over {world_size}" if zero_stage and shards > 1 \
+        else "on every process"
+    return f"{_human(total)}B AdamW state (2 fp32 moments per trainable parameter; {where})"
 
 
 def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
     checked = plan.checked
     cfg, accel = checked.config, checked.accelerate
     source = str(accel.path) if accel.path else "none (single process)"
+    from opentau_cli.policies import count_parameters  # built on the meta device: no memory, no weights
+
+    counts = count_parameters(cfg.policy)
     rows = [
         ("backend", accel.label),
         ("accelerate config", source),
@@ -37,7 +50,8 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("steps", str(cfg.steps)),
         ("output dir", str(cfg.output_dir)),
         ("policy", f"{cfg.policy.type} (preset {cfg.policy.preset})"),
-        ("parameters", parameter_row(cfg.policy)),
+        ("parameters", parameter_row(counts)),
+        ("optimizer memory", optimizer_row(counts, accel.world_size, accel.zero_stage if accel.backend == "deepspeed" else None)),
         ("dataset", cfg.dataset.root if cfg.dataset.mixture is None
          else "mixture of " + ", ".join(f"{m.label} (weight {m.weight:g})" for m in cfg.dataset.mixture)),
     ]

@@ -23,6 +23,35 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# pi05's LoRA targets: the attention and MLP projections of the language model and of the action expert.
+LORA_TARGETS = r"(vlm\.language_model|expert)\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+# Trained in full next to the adapters: the action / time projections (small, and new to every robot).
+LORA_FULL_MODULES = ("embed_suffix", "action_out_proj")
+
+
+class LoraConfig(Section):
+    """Low-rank adaptation (peft): only the adapters and `full_modules` train; every other weight stays frozen."""
+
+    rank: int = Field(0, ge=0, description="LoRA rank r; 0 = off (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: str | list[str] = Field(
+        LORA_TARGETS,
+        description="Modules that get adapters: a regex matched against the whole module name, or a list of names "
+                    "(a module matches when its name ends with one); default: attention and MLP projections of the "
+                    "language model and the action expert.",
+    )
+    full_modules: list[str] = Field(
+        list(LORA_FULL_MODULES),
+        description="Modules trained in full (a parameter trains when its name starts with '<module>.'); default: the "
+                    "action / time projections.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class PolicyConfig(Section):
     type: Literal["pi05", "pi0"] = Field("pi05", description="Policy family.")
     preset: Literal["pi05", "pi05_small", "pi05_tiny"] = Field(
@@ -54,6 +83,7 @@ class PolicyConfig(Section):
         description=f"Weight of each loss term ({', '.join(LOSS_TERMS)}) in the total; a term left out weighs 1.0.",
     )
     num_inference_steps: int = Field(10, ge=1, description="Euler steps in sample_actions.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA fine-tuning (rank 0 = off).")
 
     @field_validator("loss_weighting")
     @classmethod

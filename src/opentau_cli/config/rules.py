@@ -98,6 +98,12 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
     if zero3 and cfg.policy.use_torch_compile:
         warnings.append("policy.use_torch_compile=true is not supported under DeepSpeed ZeRO-3: running eager instead.")
         cfg.policy.use_torch_compile = False
+    if cfg.policy.lora.enabled and cfg.policy.train_expert_only:
+        errors.append(
+            "policy.train_expert_only=true conflicts with policy.lora.rank > 0, which trains only the adapters and "
+            "policy.lora.full_modules: to adapt the action expert alone set policy.lora.target_modules to "
+            "'expert\\.layers\\..*_proj' and train_expert_only=false."
+        )
     for term in cfg.policy.loss_weighting:
         if term not in LOSS_TERMS:
             errors.append(f"policy.loss_weighting has unknown term '{term}' (known: {', '.join(LOSS_TERMS)}).")

@@ -82,8 +82,13 @@ def _build_under_zero3(policy_cfg: PolicyConfig) -> torch.nn.Module:
 
 
 def count_parameters(policy_cfg: PolicyConfig) -> dict[str, int]:
-    """Total and trainable parameter counts, from a build on the meta device (no memory, about a second)."""
+    """Total and trainable parameter counts, from a build on the meta device (no memory, about a second); with
+    policy.lora on, of the adapted policy (which also checks that its targets exist)."""
+    from opentau_cli.policies.lora import apply_lora
+
     with torch.device("meta"):
         policy = build_policy(policy_cfg)
+        if policy_cfg.lora.enabled:
+            apply_lora(policy, policy_cfg.lora)
     params = list(policy.parameters())
     return {"total": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in params if p.requires_grad)}

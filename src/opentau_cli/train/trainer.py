@@ -143,6 +143,11 @@ class Trainer:
     _logged_steps: int = 0
     _grad_norm: float = float("nan")
     _train_time: float = 0.0
+    # LoRA (policies/lora.py): the record of the frozen base, and what save_state / load_state need to write and read
+    # only the trained tensors.
+    lora_base: dict | None = None
+    save_state_kwargs: dict = field(default_factory=dict)
+    load_state_kwargs: dict = field(default_factory=dict)
 
     @property
     def global_batch(self) -> int:
@@ -277,6 +282,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         from opentau_cli import __version__
+        from opentau_cli.policies.lora import BASE_KEY
 
         import accelerate
         import transformers
@@ -304,6 +310,7 @@ class Trainer:
             "seed": self.cfg.seed,
             "accelerate": self.setup.to_dict(),
             "versions": versions,
+            **({BASE_KEY: self.lora_base} if self.lora_base is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -337,11 +344,13 @@ def build_policy_model(cfg: TrainConfig, stats: dict, accelerator, console=None)
     import torch._dynamo  # noqa: F401
 
     from opentau_cli.policies import build_policy, load_pretrained
+    from opentau_cli.policies.lora import apply_lora
 
     with init_context(accelerator, cfg):
         set_seed(cfg.seed)  # seeded here, inside the context: entering zero.Init draws from the RNG
         model = build_policy(cfg.policy, stats)
-    if cfg.policy.pretrained_path is not None and cfg.resume:
+    lora = cfg.policy.lora
+    if cfg.policy.pretrained_path is not None and cfg.resume and not lora.enabled:
         print(f"Resuming: the checkpoint's weights replace policy.pretrained_path={cfg.policy.pretrained_path} (not read).", flush=True)
     elif cfg.policy.pretrained_path is not None:
         # Every rank matches the checkpoint (the same refusals everywhere); under ZeRO-3 rank 0 fills one gathered
@@ -353,6 +362,9 @@ def build_policy_model(cfg: TrainConfig, stats: dict, accelerator, console=None)
             if console is not None:
                 console.write(report.summary() + "\n")
                 console.flush()
+    if lora.enabled:
+        # On the loaded base, also when resuming: a LoRA checkpoint holds only what trains.
+        apply_lora(model, lora)
     if cfg.policy.use_torch_compile and not is_zero3(accelerator):
         model.compile()  # in place: state_dict keys stay those of the plain module
     return model
@@ -364,6 +376,7 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
     from accelerate.utils import set_seed
 
     from opentau_cli.data import build_data
+    from opentau_cli.policies.lora import base_reference, register_checkpoint_hooks
 
     accelerator = make_accelerator(cfg, setup, tensorboard_dir=tensorboard_dir)
     set_seed(cfg.seed)  # same initial weights on every rank and every backend
@@ -379,6 +392,12 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    lora = {}
+    if cfg.policy.lora.enabled:
+        save_kwargs, load_kwargs = register_checkpoint_hooks(accelerator, model)
+        base = base_reference(cfg.policy, cfg.seed) if accelerator.is_main_process else None  # rank 0 writes it
+        lora = dict(lora_base=base, save_state_kwargs=save_kwargs, load_state_kwargs=load_kwargs)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
-    return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, data=data)
+    return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, data=data,
+                   **lora)

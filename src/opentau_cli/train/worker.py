@@ -56,7 +56,8 @@ def fit(cfg, setup, launch: dict, console) -> int:
     if tb_dir is not None:
         acc.init_trackers(run_id)
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
-                             keep_last=cfg.checkpoint.keep_last, protect=resume_from)
+                             keep_last=cfg.checkpoint.keep_last, protect=resume_from,
+                             save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs)
     if resume_from is not None:
         trainer.load_state_dict(ckpt.load(resume_from))
         if acc.is_main_process:
