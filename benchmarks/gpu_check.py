@@ -1,0 +1,333 @@
+"""GPU self-check: each backend trains, checkpoints and resumes exactly, the full pi05 takes a step, profile gives MFU.
+
+On a CUDA machine, through the installed CLI (`opentau train`, `opentau resume`, `opentau profile`):
+single-GPU bf16 training of pi05_small, one step of the full pi05 preset, DDP (when more than one GPU is visible),
+DeepSpeed ZeRO-2 and ZeRO-3 on every visible GPU; under each backend a run of N steps saving at N/2 and a resume of
+that checkpoint, whose losses must equal the uninterrupted run's bit for bit; then `opentau profile` with MFU.
+Prints one table and writes it as gpu_check.json and gpu_check.md (a section to paste into BENCHMARKS.md).
+
+    scripts/gpu_check.sh                        # on a CUDA machine (a few minutes)
+    scripts/gpu_check.sh --only single,profile  # a subset: single, pi05, ddp, zero2, zero3, profile
+    scripts/gpu_check.sh --cpu-dry-run          # the same sequence on pi05_tiny with 1-2 CPU processes (tests the script)
+
+Exit 0 when nothing failed, 1 when a check failed, 2 on a usage mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, command_line, env, machine, opentau_bin  # noqa: E402
+from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, step_dir_name  # noqa: E402
+
+CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "profile")
+BACKENDS = ("single", "ddp", "zero2", "zero3")
+FULL_CONFIG = EXAMPLES / "pi05_config.json"
+
+
+@dataclass
+class Row:
+    check: str
+    backend: str
+    result: str  # PASS, FAIL or SKIP
+    key: str
+    seconds: float | None = None
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What this machine runs: the GPU sizes, or the CPU dry run's (pi05_tiny, a few steps, 2 processes)."""
+
+    cpu: bool
+    procs: int  # processes of DDP / ZeRO launches
+    precision: str
+    config: Path
+    steps: int
+    batch: int
+    profile_steps: int
+    profile_warmup: int
+    profile_batch: int
+    timeout: float
+
+    @staticmethod
+    def for_machine(cpu_dry_run: bool, gpus: int) -> "Plan":
+        if cpu_dry_run:
+            return Plan(cpu=True, procs=2, precision="no", config=TINY_CONFIG, steps=4, batch=4, profile_steps=2,
+                        profile_warmup=1, profile_batch=4, timeout=600)
+        return Plan(cpu=False, procs=gpus, precision="bf16", config=SMALL_CONFIG, steps=20, batch=8, profile_steps=20,
+                    profile_warmup=5, profile_batch=32, timeout=600)
+
+
+def accelerate_yaml(backend: str, plan: Plan) -> dict:
+    """An Accelerate config as `accelerate config` writes it (the keys of configs/examples/accelerate_*)."""
+    procs = 1 if backend == "single" else plan.procs
+    out = {"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "machine_rank": 0, "num_processes": procs,
+           "mixed_precision": plan.precision, "main_training_function": "main", "rdzv_backend": "static",
+           "same_network": True, "use_cpu": plan.cpu}
+    if backend == "single":
+        out["distributed_type"] = "NO"
+    elif backend == "ddp":
+        out["distributed_type"] = "MULTI_CPU" if plan.cpu else "MULTI_GPU"
+        if not plan.cpu:
+            out["gpu_ids"] = "all"
+    else:
+        stage = 2 if backend == "zero2" else 3
+        ds = {"zero_stage": stage, "offload_optimizer_device": "none", "offload_param_device": "none",
+              "zero3_init_flag": stage == 3}
+        if stage == 3:
+            ds["zero3_save_16bit_model"] = False
+        out.update(distributed_type="DEEPSPEED", use_cpu=False, deepspeed_config=ds)
+    return out
+
+
+def training_config(source: Path, dest: Path) -> Path:
+    """The example config made self-contained: no Hub weights or tokenizer (random init, byte-level prompts), no
+    TensorBoard, plain progress lines, in-process data loading."""
+    cfg = json.loads(source.read_text())
+    for key in ("pretrained_path", "tokenizer_path"):
+        cfg["policy"].pop(key, None)
+    cfg.setdefault("logging", {}).update(tensorboard=False, progress_bar="plain")
+    cfg["dataset"]["num_workers"] = 0
+    dest.write_text(json.dumps(cfg, indent=2))
+    return dest
+
+
+class Checker:
+    def __init__(self, plan: Plan, out: Path, keep_runs: bool, peak_tflops: float | None):
+        self.plan, self.out, self.keep_runs, self.peak_tflops = plan, out, keep_runs, peak_tflops
+        self.runs, self.logs, self.setup = out / "runs", out / "logs", out / "setup"
+        for d in (self.runs, self.logs, self.setup):
+            d.mkdir(parents=True, exist_ok=True)
+        self.config = training_config(plan.config, self.setup / plan.config.name)
+
+    def yaml_for(self, backend: str) -> Path:
+        path = self.setup / f"accelerate_{backend}.yaml"
+        path.write_text(yaml.safe_dump(accelerate_yaml(backend, self.plan), sort_keys=False))
+        return path
+
+    def opentau(self, name: str, args: list[str]) -> tuple[bool, str, float, Path]:
+        """One CLI command; its whole output goes to logs/<name>.log. Returns (ok, last line, seconds, log)."""
+        log = self.logs / f"{name}.log"
+        start = time.perf_counter()
+        with log.open("w") as f:
+            f.write("$ opentau " + " ".join(args) + "\n")
+            f.flush()
+            try:
+                rc = subprocess.run([opentau_bin(), *args], stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=REPO,
+                                    timeout=self.plan.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        seconds = time.perf_counter() - start
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        if rc is None:
+            last = f"timed out after {self.plan.timeout:.0f} s"
+        else:
+            last = lines[-1].strip() if lines else f"exit {rc}"
+        return rc == 0, last, seconds, log
+
+    def failed(self, check: str, backend: str, last: str, seconds: float, log: Path) -> Row:
+        return Row(check, backend, "FAIL", f"{last} (log: {log})", seconds)
+
+    def backend(self, backend: str) -> list[Row]:
+        """Train N steps saving at N/2, then resume a copy of the N/2 checkpoint in a run directory of its own: the
+        resumed run's metrics.jsonl then holds only what the resume logged, compared step by step with the original."""
+        steps, mid = self.plan.steps, self.plan.steps // 2
+        home = self.runs / backend
+        shutil.rmtree(home, ignore_errors=True)
+        full, resumed = home / "full", home / "resumed"
+        accel = self.yaml_for(backend)
+        ok, last, seconds, log = self.opentau(f"{backend}-train", [
+            "train", f"--config_path={self.config}", f"--accelerate-config={accel}", f"--output_dir={full}",
+            "--steps", str(steps), "--save_freq", str(mid), "--log_freq", "1", "--batch_size", str(self.plan.batch)])
+        if not ok:
+            return [self.failed("train + checkpoint", backend, last, seconds, log),
+                    Row("exact resume", backend, "SKIP", "training failed", None)]
+        records = train_records(full)
+        losses = {r["step"]: r["loss"] for r in records}
+        ckpt = full / CHECKPOINTS / step_dir_name(mid, steps)
+        if sorted(losses) != list(range(1, steps + 1)) or not all(math.isfinite(v) for v in losses.values()):
+            train = Row("train + checkpoint", backend, "FAIL", f"metrics.jsonl holds steps {sorted(losses)}, losses "
+                        f"{[losses[s] for s in sorted(losses)]} (log: {log})", seconds)
+        elif not ckpt.is_dir():
+            train = Row("train + checkpoint", backend, "FAIL", f"no checkpoint {ckpt} (log: {log})", seconds)
+        else:
+            rate = statistics.median(r["samples_per_s"] for r in records[1:] or records)
+            train = Row("train + checkpoint", backend, "PASS",
+                        f"loss {losses[1]:.4f} -> {losses[steps]:.4f}, {rate:.1f} samples/s", seconds,
+                        {"losses": losses, "samples_per_s": rate, "checkpoint": str(ckpt)})
+        if train.result != "PASS":
+            return [train, Row("exact resume", backend, "SKIP", "training failed", None)]
+        copy = resumed / CHECKPOINTS / ckpt.name
+        shutil.copytree(ckpt, copy, symlinks=True)
+        ok, last, seconds, log = self.opentau(f"{backend}-resume", ["resume", str(copy)])
+        if not ok:
+            return [train, self.failed("exact resume", backend, last, seconds, log)]
+        rows = [train, resume_row(backend, losses, {r["step"]: r["loss"] for r in train_records(resumed)},
+                                  range(mid + 1, steps + 1), seconds, log)]
+        if not self.keep_runs and all(r.result == "PASS" for r in rows):
+            shutil.rmtree(home)  # pi05_small checkpoints are about 1 GB each; a failed backend's runs stay for a look
+        return rows
+
+    def full_pi05_step(self) -> Row:
+        if self.plan.cpu:
+            return Row("one step", "pi05 (3.3B), single", "SKIP", "needs CUDA (the full preset is refused on CPU)")
+        config = training_config(FULL_CONFIG, self.setup / "pi05_full.json")
+        out = self.runs / "pi05"
+        shutil.rmtree(out, ignore_errors=True)
+        ok, last, seconds, log = self.opentau("pi05-step", [
+            "train", f"--config_path={config}", f"--accelerate-config={self.yaml_for('single')}", f"--output_dir={out}",
+            "--steps", "1", "--save_freq", "1000000", "--log_freq", "1", "--batch_size", "2"])
+        if not ok:
+            return self.failed("one step", "pi05 (3.3B), single", last, seconds, log)
+        records = train_records(out)
+        if not records or not math.isfinite(records[0]["loss"]):
+            return Row("one step", "pi05 (3.3B), single", "FAIL", f"no finite loss in {out / 'metrics.jsonl'}", seconds)
+        if not self.keep_runs:
+            shutil.rmtree(out)
+        return Row("one step", "pi05 (3.3B), single", "PASS", f"loss {records[0]['loss']:.4f}", seconds,
+                   {"loss": records[0]["loss"]})
+
+    def profile(self) -> Row:
+        report_path = self.out / "profile.json"
+        args = ["profile", f"--config_path={self.config}", f"--accelerate-config={self.yaml_for('single')}",
+                "--steps", str(self.plan.profile_steps), "--warmup", str(self.plan.profile_warmup),
+                "--json", str(report_path), "--batch_size", str(self.plan.profile_batch)]
+        if self.peak_tflops:
+            args += ["--peak-tflops", str(self.peak_tflops)]
+        ok, last, seconds, log = self.opentau("single-profile", args)
+        if not ok:
+            return self.failed("profile", "single", last, seconds, log)
+        report = json.loads(report_path.read_text())
+        if report["mfu"] is None:
+            mfu = "MFU n/a" + ("" if self.plan.cpu else f" ({report['device']} unknown: pass --peak-tflops)")
+        else:
+            mfu = f"MFU {report['mfu'] * 100:.1f}% of {report['peak_flops_per_device'] / 1e12:.0f} TFLOP/s"
+        return Row("profile", "single", "PASS", f"{report['samples_per_s']:.1f} samples/s, {mfu} ({report['device']})",
+                   seconds, {key: report[key] for key in ("samples_per_s", "step_time_s", "mfu", "flops_per_sample",
+                                                          "peak_flops_per_device", "device", "global_batch_size")})
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    path = run_dir / METRICS
+    if not path.is_file():
+        return []
+    return [rec for rec in map(json.loads, path.read_text().splitlines()) if rec.get("kind") == "train"]
+
+
+def resume_row(backend: str, full: dict[int, float], resumed: dict[int, float], steps: range, seconds: float,
+               log: Path) -> Row:
+    """Exact means equal floats: the same world size and backend replay the same computation."""
+    detail = {"steps": list(steps), "uninterrupted": [full[s] for s in steps], "resumed": [resumed.get(s) for s in steps]}
+    if sorted(resumed) != list(steps):
+        return Row("exact resume", backend, "FAIL", f"the resume logged steps {sorted(resumed)}, expected "
+                   f"{steps.start}..{steps.stop - 1} (log: {log})", seconds, detail)
+    worst = max(abs(resumed[s] - full[s]) / max(abs(full[s]), 1e-12) for s in steps)
+    if worst == 0:
+        return Row("exact resume", backend, "PASS", f"steps {steps.start}-{steps.stop - 1}: losses equal", seconds, detail)
+    return Row("exact resume", backend, "FAIL", f"steps {steps.start}-{steps.stop - 1}: losses differ, max relative "
+               f"difference {worst:.2e}", seconds, detail)
+
+
+def table(rows: list[Row]) -> list[list[str]]:
+    return [["check", "backend", "result", "key number", "seconds"]] + [
+        [r.check, r.backend, r.result, r.key, "" if r.seconds is None else f"{r.seconds:.0f}"] for r in rows]
+
+
+def print_table(rows: list[Row]) -> None:
+    cells = table(rows)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    for n, line in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def markdown(rows: list[Row], header: dict) -> str:
+    cells = table(rows)
+    lines = [f"## GPU self-check{' (CPU dry run)' if header['cpu_dry_run'] else ''} ({header['when']})", "",
+             f"- machine: {header['machine']}", f"- command: `{header['command']}`", "",
+             "| " + " | ".join(cells[0]) + " |", "| " + " | ".join("---" for _ in cells[0]) + " |",
+             *["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells[1:]], "",
+             f"- {header['sizes']}"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="Run the sequence on pi05_tiny with 1-2 CPU processes (no GPU needed): checks the script.")
+    parser.add_argument("--only", default=",".join(CHECKS), help=f"Comma-separated checks to run, of {', '.join(CHECKS)}.")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "gpu_check",
+                        help="Where gpu_check.json, gpu_check.md, the command logs and the runs go.")
+    parser.add_argument("--keep-runs", action="store_true", help="Keep every run directory (by default a backend's "
+                        "runs are deleted once its checks pass; failed ones are kept).")
+    parser.add_argument("--peak-tflops", type=float, help="Peak bf16 TFLOP/s of one GPU opentau does not know, for MFU.")
+    args = parser.parse_args(argv)
+    asked = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = [c for c in asked if c not in CHECKS]
+    if unknown or not asked:
+        parser.exit(2, f"--only takes checks of {', '.join(CHECKS)}; got '{','.join(unknown) or args.only}'.\n")
+    args.only = asked
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus and not args.cpu_dry_run:
+        print("No CUDA GPU is visible; run on a GPU machine, or pass --cpu-dry-run to check the script on CPU.",
+              file=sys.stderr)
+        return 2
+    plan = Plan.for_machine(args.cpu_dry_run, gpus)
+    checker = Checker(plan, args.out, args.keep_runs, args.peak_tflops)
+    rows: list[Row] = []
+    for check in CHECKS:
+        if check not in args.only:
+            continue
+        if check == "pi05":
+            done = [checker.full_pi05_step()]
+        elif check == "profile":
+            done = [checker.profile()]
+        elif check == "ddp" and plan.procs < 2:
+            done = [Row(name, "ddp", "SKIP", "1 GPU visible") for name in ("train + checkpoint", "exact resume")]
+        else:
+            done = checker.backend(check)
+        print(f"[gpu_check] {check}: " + ", ".join(f"{r.check} {r.result}" for r in done), flush=True)
+        rows += done
+    header = {
+        "when": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "command": command_line(),
+        "cpu_dry_run": plan.cpu,
+        "gpus": gpus,
+        "sizes": (f"{plan.config.stem}: {plan.steps} steps saving at {plan.steps // 2}, batch {plan.batch} per process, "
+                  f"mixed_precision {plan.precision}, DDP/ZeRO on {plan.procs} {'CPU processes' if plan.cpu else 'GPUs'}; "
+                  f"profile {plan.profile_warmup} warm-up + {plan.profile_steps} measured steps at batch "
+                  f"{plan.profile_batch}"),
+    }
+    (args.out / "gpu_check.json").write_text(json.dumps({**header, "rows": [asdict(r) for r in rows]}, indent=2))
+    (args.out / "gpu_check.md").write_text(markdown(rows, header))
+    print()
+    print_table(rows)
+    print(f"\nwritten: {args.out / 'gpu_check.json'}, {args.out / 'gpu_check.md'} (command logs in {args.out / 'logs'})")
+    return 1 if any(r.result == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The GPU self-check (benchmarks/gpu_check.py): its CPU dry run launches the real CLI, compares real losses of a
+resume with the uninterrupted run and writes one table; its GPU launches use the example Accelerate configs' keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import EXAMPLES, REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
+sys.path.pop(0)
+
+
+def run_check(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
+    env.pop("OPENTAU_DEBUG", None)
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=900)
+
+
+def losses(path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "train"}
+
+
+@pytest.mark.e2e
+def test_cpu_dry_run_of_single_and_ddp_resumes_with_the_uninterrupted_losses_and_writes_one_table(tmp_path):
+    out = tmp_path / "check"
+    r = run_check("--cpu-dry-run", "--only", "single,ddp", "--out", str(out), "--keep-runs", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["cpu_dry_run"] is True
+    assert [(row["check"], row["backend"], row["result"]) for row in report["rows"]] == [
+        ("train + checkpoint", "single", "PASS"), ("exact resume", "single", "PASS"),
+        ("train + checkpoint", "ddp", "PASS"), ("exact resume", "ddp", "PASS"),
+    ]
+    for backend in ("single", "ddp"):
+        full = losses(out / "runs" / backend / "full" / "metrics.jsonl")
+        resumed = losses(out / "runs" / backend / "resumed" / "metrics.jsonl")
+        assert sorted(full) == [1, 2, 3, 4]
+        assert sorted(resumed) == [3, 4]  # the resumed run directory holds only what the resume logged
+        row = next(row for row in report["rows"] if row["check"] == "exact resume" and row["backend"] == backend)
+        assert row["detail"]["steps"] == [3, 4]
+        assert row["detail"]["uninterrupted"] == [full[3], full[4]]
+        assert row["detail"]["resumed"] == [resumed[3], resumed[4]] == [full[3], full[4]]
+    assert yaml.safe_load((out / "setup" / "accelerate_ddp.yaml").read_text())["num_processes"] == 2
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("## GPU self-check (CPU dry run) (")
+    assert "| check | backend | result | key number | seconds |" in md
+    assert md.count("| PASS |") == 4 and "| exact resume | ddp | PASS | steps 3-4: losses equal |" in md
+    assert "exact resume        ddp" in r.stdout
+
+
+def test_a_resume_whose_losses_differ_or_miss_a_step_fails_the_check():
+    full = {3: 1.5, 4: 1.25}
+    assert gpu_check.resume_row("ddp", full, dict(full), range(3, 5), 1.0, REPO).result == "PASS"
+    differ = gpu_check.resume_row("ddp", full, {3: 1.5, 4: 1.25 * (1 + 1e-6)}, range(3, 5), 1.0, REPO)
+    assert differ.result == "FAIL" and "max relative difference 1.00e-06" in differ.key
+    missing = gpu_check.resume_row("ddp", full, {3: 1.5}, range(3, 5), 1.0, REPO)
+    assert missing.result == "FAIL" and "logged steps [3]" in missing.key
+
+
+@pytest.mark.parametrize("backend, example", [
+    ("ddp", "accelerate_ddp_config.yaml"),
+    ("zero2", "accelerate_deepspeed_config.yaml"),
+    ("zero3", "accelerate_deepspeed_zero3_config.yaml"),
+])
+def test_gpu_launches_use_the_example_accelerate_configs_on_every_visible_gpu(backend, example):
+    plan = gpu_check.Plan.for_machine(cpu_dry_run=False, gpus=8)
+    assert plan.precision == "bf16" and plan.config.name == "pi05_small_bench.json"
+    assert gpu_check.accelerate_yaml(backend, plan) == yaml.safe_load((EXAMPLES / example).read_text())
+    assert gpu_check.accelerate_yaml(backend, gpu_check.Plan.for_machine(False, 2))["num_processes"] == 2
+    single = gpu_check.accelerate_yaml("single", plan)
+    assert single["distributed_type"] == "NO" and single["num_processes"] == 1 and single["mixed_precision"] == "bf16"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_or_the_dry_run_flag_it_exits_2_in_one_line_and_writes_nothing(tmp_path):
+    r = run_check("--out", str(tmp_path / "check"), tmp_path=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "No CUDA GPU is visible; run on a GPU machine, or pass --cpu-dry-run to check the script on CPU."]
+    assert not (tmp_path / "check").exists()
+
+
+def test_an_unknown_check_exits_2_naming_it_and_writes_nothing(tmp_path):
+    r = run_check("--cpu-dry-run", "--only", "single,fsdp", "--out", str(tmp_path / "check"), tmp_path=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "--only takes checks of single, pi05, ddp, zero2, zero3, profile; got 'fsdp'."]
+    assert not (tmp_path / "check").exists()
