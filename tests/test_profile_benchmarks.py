@@ -67,6 +67,15 @@ def test_backends_benchmark_smoke_compares_ddp_zero2_zero3(tmp_path):
     assert "1.00x vs DDP" in text
 
 
+def test_dataloader_benchmark_smoke_sets_a_video_mixtures_decode_ceiling_against_training(tmp_path):
+    out = run_benchmark("bench_dataloader.py", tmp_path / "B.md")
+    ceiling = float(re.search(r"decode ceiling \(profile --dataloader-only\)\s+(\d+\.\d) samples/s", out).group(1))
+    consumed = float(re.search(r"training consumption \(profile\)\s+(\d+\.\d+) samples/s", out).group(1))
+    ratio = float(re.search(r"ceiling / consumption\s+(\d+\.\d)x", out).group(1))
+    assert ceiling > 0 and consumed > 0 and ratio == pytest.approx(ceiling / consumed, abs=0.06 + 0.01 * ratio)
+    assert "reach_v21_video" in out and "reach_v30_video" in out
+
+
 def test_results_are_appended_never_rewritten(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:

@@ -70,9 +70,9 @@ def _meta_of(prefix: str, member: MixtureMember, errors: list[str]) -> tuple[Dat
     if member.root == DEMO_DATASET and not (demo_root() / "meta" / "info.json").is_file():
         # Check against the info it will have rather than writing it now.
         info = demo_info()
-        meta = DatasetMeta(root=demo_root(), info=info, version=layout_version(info, demo_root()), episodes={}, tasks={}, stats=None)
-        meta.episodes = {i: None for i in range(info["total_episodes"])}  # indices only: nothing to stat yet
-        return meta, False
+        episodes = dict.fromkeys(range(info["total_episodes"]))  # indices only: nothing to stat yet
+        return DatasetMeta(root=demo_root(), info=info, version=layout_version(info, demo_root()), episodes=episodes,
+                           tasks={}, stats=None), False
     root = demo_root() if member.root == DEMO_DATASET else Path(member.root).expanduser()
     if not root.is_dir():
         if prefix != "dataset":  # rules.py reports a dataset.root that is not a directory

@@ -27,6 +27,7 @@ def profile_dataloader(cfg: TrainConfig, *, steps: int, warmup: int, rank: int =
         next(stream)
         if i >= warmup:
             waits.append(time.perf_counter() - start)
+    stream.close()
     elapsed = sum(waits)
     batch = cfg.per_device_batch_size or cfg.batch_size
     mean = elapsed / len(waits)
@@ -35,7 +36,8 @@ def profile_dataloader(cfg: TrainConfig, *, steps: int, warmup: int, rank: int =
         "model_built": False,
         # Proof for the user (and the tests) that no policy code was even imported.
         "policy_imported": POLICY_MODULE in sys.modules,
-        "dataset": cfg.dataset.root,
+        "dataset": cfg.dataset.root if cfg.dataset.mixture is None else "mixture",
+        "datasets": [{"name": name, "weight": weight} for name, weight in zip(data.names, data.weights)],
         "rank": rank,
         "world_size": world_size,
         "batch_size": batch,

@@ -103,6 +103,8 @@ def dataloader_table(report: dict) -> Table:
     table.add_row("batch wait median ms", _ms(wait["median_s"]))
     table.add_row("batch wait p95 ms", _ms(wait["p95_s"]))
     table.add_row("num_workers", str(report["num_workers"]))
+    if len(report.get("datasets", [])) > 1:
+        table.add_row("datasets (weight)", ", ".join(f"{d['name']} ({d['weight']:g})" for d in report["datasets"]))
     return table
 
 
