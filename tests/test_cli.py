@@ -28,10 +28,10 @@ def invoke(*args: str):
 def test_help_lists_every_command_group():
     result = invoke("--help")
     assert result.exit_code == 0
-    for name in ("train", "resume", "checkpoint", "config", "profile", "dataset"):
+    for name in ("train", "resume", "eval", "checkpoint", "config", "profile", "dataset"):
         assert name in result.output
     sub = invoke("checkpoint", "--help").output
-    for name in ("consolidate", "inspect", "verify", "list"):
+    for name in ("consolidate", "export", "inspect", "verify", "list"):
         assert name in sub
     sub = invoke("config", "--help").output
     for name in ("validate", "show", "schema"):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import sys
 
 from opentau_cli import __version__
-from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, profile_cmd, train_cmd
+from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, eval_cmd, profile_cmd, train_cmd
 from opentau_cli.cli.common import make_app
 
 import typer
 
 app = make_app(
     "Train pi05 robot policies with Accelerate (single process, DDP, DeepSpeed ZeRO-2/3); "
-    "checkpoint, resume, consolidate and profile them safely."
+    "checkpoint, resume, consolidate, export, evaluate and profile them safely."
 )
 
 
@@ -29,6 +29,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 train_cmd.register(app)
 profile_cmd.register(app)
+eval_cmd.register(app)
 app.add_typer(checkpoint_cmd.app, name="checkpoint")
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(dataset_cmd.app, name="dataset")
