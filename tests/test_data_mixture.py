@@ -226,3 +226,32 @@ def test_a_copy_of_a_member_with_another_name_is_a_member_of_its_own(members):
     data = build_data(cfg)
     assert [m.episodes for m in data.train_dataset.members] == [[0, 1, 2], [3, 4]]
     assert data.stream.sampler.counts.tolist() == [10, 20]
+
+
+def test_a_mixture_started_from_pretrained_weights_normalizes_with_its_members_statistics(members, tmp_path, monkeypatch):
+    """The pretrained checkpoint brings statistics of its own (same widths); the mixture's members were carried into
+    the mixture's, so the built policy must hold those."""
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import save_model
+
+    from opentau_cli.config import AccelerateSetup
+    from opentau_cli.policies import build_policy
+    from opentau_cli.train.trainer import build_trainer
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    other = {"state": {s: [v * 7.0 + 1] * 6 for s, v in IDENTITY.items()},
+             "action": {s: [v * 3.0 - 2] * 2 for s, v in IDENTITY.items()}}
+    cfg = config(members, extra=["--validation.val_split=0", "--validation.val_freq=0"])
+    save_model(build_policy(cfg.policy, other), str(tmp_path / "model.safetensors"))
+    cfg.policy.pretrained_path = tmp_path / "model.safetensors"
+    try:
+        trainer = build_trainer(cfg, AccelerateSetup())
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        for feature in ("state", "action"):
+            for stat, values in trainer.data.stats[feature].items():
+                held = getattr(model, f"{feature}_{stat}")[: len(values)]
+                assert torch.allclose(held, torch.tensor(values, dtype=torch.float32)), (feature, stat)
+        trainer.data.stream.close()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
