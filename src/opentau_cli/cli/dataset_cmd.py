@@ -100,7 +100,7 @@ def _print_mixture(config_path: str, as_json: bool) -> None:
         typer.echo(json.dumps(info, indent=2))
         return
     members = info["members"]
-    kind = f"a mixture of {len(members)} datasets" if info["mixture"] else "one dataset"
+    kind = f"a mixture of {len(members)} dataset{'s' if len(members) > 1 else ''}" if info["mixture"] else "one dataset"
     typer.echo(f"Config    {config_path}: {kind}")
     typer.echo(f"Epoch     {info['draws_per_epoch']} draws (the training frames of all datasets), order by seed {info['seed']}")
     typer.echo(f"{'dataset':<24} {'weight':>7} {'share':>7} {'draws/epoch':>12} {'passes/epoch':>13} {'episodes train/val':>19}  layout  fps")
