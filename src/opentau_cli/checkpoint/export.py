@@ -8,7 +8,8 @@ nothing behind.
     lerobot            model.safetensors; policy_preprocessor.json / policy_postprocessor.json + normalizer files; config.json
     openpi             model.safetensors; assets/<dataset>/norm_stats.json; config.json
 
-A LoRA adapter, once training has one, is merged into `weight_entries`' tensors before renaming.
+A LoRA checkpoint (policy.lora) is first merged into its base (policies/lora.py: base + (alpha / rank) * B @ A, the
+base found from its reference and checked against its hashes), in memory; from there it is a plain policy's tensors.
 """
 
 from __future__ import annotations
@@ -233,6 +234,8 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     output = Path(output)
     _check_output(output)
     saved = open_saved_policy(target)
+    if saved.config.policy.lora.enabled:
+        saved.entries = _merged_lora(saved)
     shapes, params = policy_layout(saved.config.policy)
     check_entries(saved, shapes)
     published = Layout(layout, saved.config.policy.type)
@@ -273,6 +276,16 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total)
+
+
+def _merged_lora(saved: SavedPolicy) -> dict[str, TensorEntry]:
+    """A LoRA checkpoint's tensors merged into its base: the entries of the plain policy."""
+    from opentau_cli.checkpoint.manager import read_training_state
+    from opentau_cli.policies.lora import check_base, merged_state_dict
+
+    check_base(saved.path, read_training_state(saved.path), saved.config)
+    merged = merged_state_dict(saved.config, {name: entry.produce() for name, entry in saved.entries.items()})
+    return {name: TensorEntry(name, tuple(t.shape), t.dtype, lambda t=t: t) for name, t in merged.items()}
 
 
 def _step(saved: SavedPolicy) -> int | None:

@@ -79,6 +79,7 @@ class CheckpointInfo:
     files: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
     total_bytes: int = 0
     time: str | None = None
+    lora: dict | None = None  # a LoRA checkpoint: rank, alpha and the base it does not copy ({"source", "files"|"seed"})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,6 +113,8 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
     policy = config.get("policy", {}) if isinstance(config.get("policy"), dict) else {}
     info.preset = state.get("preset") or policy.get("preset")
     info.policy_type = policy.get("type")
+    if (policy.get("lora") or {}).get("rank"):
+        info.lora = {"rank": policy["lora"]["rank"], "alpha": policy["lora"].get("alpha"), "base": state.get("lora_base")}
     for rel in mf.list_files(ckpt_dir):
         info.files[rel] = (ckpt_dir / rel).stat().st_size
     if (ckpt_dir / MANIFEST).exists():

@@ -117,6 +117,11 @@ def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint di
         ("consolidated", consolidated), ("complete", "yes (manifest matches sizes)" if info.complete else "no (manifest missing or not matching)"),
         ("saved", info.time), ("size", human(info.total_bytes)),
     ]
+    if info.lora:
+        base = info.lora.get("base") or {}
+        source = base.get("source") or f"the seeded initial policy (seed {base.get('seed')})"
+        lines.append(("lora", f"rank {info.lora['rank']}, alpha {info.lora['alpha']:g}: holds the adapters, the fully "
+                              f"trained modules and the buffers; the frozen base is not copied ({source})"))
     for k, v in lines:
         typer.echo(f"{k + ':':17}{'-' if v is None else v}")
     typer.echo("files:")

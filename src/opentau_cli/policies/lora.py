@@ -157,15 +157,20 @@ def check_resume(ckpt_dir: Path, saved_policy: dict, state: dict, cfg) -> None:
                         f"launch has {now.model_dump(mode='json')}: resume with the checkpoint's own LoRA setting.")
     if not now.enabled:
         return
+    check_base(ckpt_dir, state, cfg)
+
+
+def check_base(ckpt_dir: Path, state: dict, cfg) -> None:
+    """Refuse (UserError) a LoRA checkpoint whose base weights, as `cfg` finds them now, are not those it recorded."""
     recorded = state.get(BASE_KEY)
     if recorded is None:
         raise UserError(f"Checkpoint '{ckpt_dir}' is a LoRA checkpoint without a record of its base weights in its "
-                        "training_state.json; it cannot be resumed.")
+                        "training_state.json; its adapters cannot be used.")
     current = base_reference(cfg.policy, cfg.seed)
     if _content(current) != _content(recorded):  # the content decides: a moved or re-downloaded base is the same
         raise UserError(f"Checkpoint '{ckpt_dir}' holds LoRA adapters of the base weights {_described(recorded)} and "
-                        f"this launch's base ({_described(current)}) is not the same content: resume with the base "
-                        "weights it was trained on.")
+                        f"this launch's base ({_described(current)}) is not the same content: use the base weights it "
+                        "was trained on.")
 
 
 def _content(ref: dict) -> tuple:
@@ -202,3 +207,30 @@ def merge_adapter(state: dict[str, torch.Tensor], lora_cfg: LoraConfig) -> dict[
         delta = pair["B"].to(torch.float32) @ pair["A"].to(torch.float32)
         merged[weight] = (base.to(torch.float32) + scale * delta.to(base.device)).to(base.dtype)
     return merged
+
+
+def restore_policy(cfg, trained: dict[str, torch.Tensor]) -> nn.Module:
+    """The adapted policy of a LoRA checkpoint, in memory (CPU, fp32): the base built and loaded as training did
+    (the seeded initial policy, then policy.pretrained_path), the adapters, full modules and buffers from `trained`
+    (the checkpoint's tensors; check_base first). Under DeepSpeed bf16 the run saw its base rounded to bf16."""
+    from accelerate.utils import set_seed
+
+    from opentau_cli.policies import build_policy, load_pretrained
+
+    set_seed(cfg.seed)
+    policy = build_policy(cfg.policy)
+    if cfg.policy.pretrained_path is not None:
+        load_pretrained(policy, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict)
+    apply_lora(policy, cfg.policy.lora)
+    keep = checkpoint_keys(policy)
+    if set(trained) != keep:
+        missing, extra = sorted(keep - set(trained)), sorted(set(trained) - keep)
+        raise UserError(f"The checkpoint's tensors are not those of its LoRA policy (missing {missing[:3]}, unexpected "
+                        f"{extra[:3]}).")
+    policy.load_state_dict(trained, strict=False)
+    return policy
+
+
+def merged_state_dict(cfg, trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's policy as a plain state dict (the names of a policy without LoRA), adapters merged."""
+    return merge_adapter(restore_policy(cfg, trained).state_dict(), cfg.policy.lora)

@@ -1,0 +1,186 @@
+"""LoRA end to end through the installed CLI: real `accelerate launch` on 2 CPU processes (DDP, ZeRO-2) with exact
+resume, single process and ZeRO-3 training, the checkpoint's contents, a changed base refused, export's merge.
+
+Launches are shared (module-scoped): per resumed backend one uninterrupted run and one resume of its middle checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import EXAMPLES, run_cli
+from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE
+from opentau_cli.checkpoint.manifest import hash_file
+from opentau_cli.config import load_config
+from opentau_cli.policies import build_policy, load_pretrained
+from opentau_cli.policies.lora import apply_lora, checkpoint_keys, restore_policy
+
+pytestmark = pytest.mark.e2e
+
+TINY = EXAMPLES / "pi05_tiny_config.json"
+YAML = {"single": None, "ddp": EXAMPLES / "accelerate_cpu_ddp_config.yaml",
+        "zero2": EXAMPLES / "accelerate_cpu_deepspeed_config.yaml", "zero3": EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"}
+STEPS, SAVE, RANK, ALPHA = 4, 2, 4, 8
+LORA = [f"--policy.lora.rank={RANK}", f"--policy.lora.alpha={ALPHA}"]
+COMMON = ["--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "1",
+          "--validation.val_freq=0", "--logging.tensorboard=false", *LORA]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lora")
+
+
+def env_for(home: Path) -> dict:
+    # This module's own demo data (runs compared with each other read the same), no user Accelerate default.
+    return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def base(home) -> Path:
+    """Published-like base weights: a pi05_tiny policy of another seed, in opentau's own layout, with statistics of
+    the demo robot's widths (4 state, 2 action dims)."""
+    cfg = load_config(TINY, {})
+    torch.manual_seed(7)
+    policy = build_policy(cfg.policy, stats={"state": {"q01": [-1.0] * 4, "q99": [1.0] * 4, "mean": [0.0] * 4, "std": [1.0] * 4},
+                                             "action": {"q01": [-2.0] * 2, "q99": [2.0] * 2, "mean": [0.0] * 2, "std": [1.0] * 2}})
+    folder = home / "base"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in policy.state_dict().items()}, str(folder / MODEL_WEIGHTS))
+    return folder
+
+
+def train(home: Path, backend: str, out: Path, base: Path, *extra: str):
+    args = ["train", f"--config_path={TINY}", f"--output_dir={out}", *COMMON, f"--policy.pretrained_path={base}",
+            "--batch_size", "8" if backend == "single" else "4", *extra]
+    if YAML[backend]:
+        args.append(f"--accelerate-config={YAML[backend]}")
+    return run_cli(args, env=env_for(home))
+
+
+def ok(result) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / METRICS).read_text().splitlines()) if r.get("kind") == "train"}
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"{step:06d}"
+
+
+@pytest.fixture(scope="module")
+def runs(home, base):
+    made: dict[str, Path] = {}
+
+    def get(backend: str, resumed: bool = False) -> Path:
+        key = f"{backend}{'-resumed' if resumed else ''}"
+        if key not in made:
+            if resumed:
+                full = get(backend)
+                out = home / key
+                (out / CHECKPOINTS).mkdir(parents=True)
+                shutil.copytree(ckpt(full, SAVE), ckpt(out, SAVE))
+                ok(run_cli(["resume", str(out)], env=env_for(home)))
+            else:
+                out = home / key
+                ok(train(home, backend, out, base))
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def expected_keys() -> set[str]:
+    """What a LoRA checkpoint of this config holds: the trained parameters and the buffers (from a meta build)."""
+    cfg = load_config(TINY, {"policy.lora.rank": str(RANK)})
+    with torch.device("meta"):
+        return checkpoint_keys(apply_lora(build_policy(cfg.policy), cfg.policy.lora))
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_a_resumed_lora_run_logs_the_same_losses_as_the_uninterrupted_one(runs, backend):
+    full, resumed = losses(runs(backend)), losses(runs(backend, resumed=True))
+    assert sorted(full) == list(range(1, STEPS + 1)) and sorted(resumed) == list(range(SAVE + 1, STEPS + 1))
+    assert all(resumed[s] == full[s] for s in resumed), (full, resumed)
+
+
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
+def test_a_lora_checkpoint_holds_the_trained_tensors_and_buffers_and_the_base_s_hash_never_the_base(runs, base, backend):
+    step_dir = ckpt(runs(backend), STEPS)
+    if backend in ("single", "ddp"):
+        names = set(load_file(str(step_dir / MODEL_WEIGHTS)))
+    else:
+        names = {e.name for e in read_zero_checkpoint(step_dir).entries}
+    assert names == expected_keys()
+    assert not any(".base_layer." in n for n in names)
+    state = json.loads((step_dir / TRAINING_STATE).read_text())
+    assert state["lora_base"] == {"source": str(base), "files": {MODEL_WEIGHTS: hash_file(base / MODEL_WEIGHTS)}}
+
+
+def test_checkpoint_inspect_reports_a_lora_checkpoint_under_10_percent_of_a_full_one(runs):
+    step_dir = ckpt(runs("ddp"), STEPS)
+    r = run_cli(["checkpoint", "inspect", str(step_dir), "--json"])
+    ok(r)
+    info = json.loads(r.stdout)
+    assert info["lora"]["rank"] == RANK and info["lora"]["base"]["files"]
+    cfg = load_config(TINY, {})
+    with torch.device("meta"):
+        policy = build_policy(cfg.policy)
+    full = 4 * sum(t.numel() for t in policy.state_dict().values()) + 8 * sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    assert info["total_bytes"] < 0.1 * full, (info["total_bytes"], full)
+    text = run_cli(["checkpoint", "inspect", str(step_dir)]).stdout
+    assert f"rank {RANK}, alpha {ALPHA}: holds the adapters" in text and "the frozen base is not copied" in text
+
+
+def test_resuming_on_a_changed_base_exits_2_in_one_line_and_writes_nothing(runs, base, home, tmp_path):
+    run = tmp_path / "run"
+    (run / CHECKPOINTS).mkdir(parents=True)
+    shutil.copytree(ckpt(runs("ddp"), SAVE), ckpt(run, SAVE))
+    changed = tmp_path / "changed"
+    shutil.copytree(base, changed)
+    tensors = load_file(str(changed / MODEL_WEIGHTS))
+    tensors["expert.layers.0.mlp.down_proj.weight"] += 1e-3
+    save_file(tensors, str(changed / MODEL_WEIGHTS))
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    r = run_cli(["resume", str(run), f"--policy.pretrained_path={changed}"], env=env_for(home))
+    assert r.returncode == 2, r.stderr[-3000:]
+    message = r.stderr.strip()
+    assert "\n" not in message and "Traceback" not in r.stderr
+    assert "holds LoRA adapters of the base weights" in message and "is not the same content" in message
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_export_merges_base_plus_scaled_b_a_and_the_merged_model_loads_strictly_with_the_lora_policy_s_actions(runs, base, tmp_path):
+    step_dir = ckpt(runs("ddp"), STEPS)
+    out = tmp_path / "exported"
+    ok(run_cli(["checkpoint", "export", str(step_dir), "--output", str(out)]))
+    trained = load_file(str(step_dir / MODEL_WEIGHTS))
+    base_weights = load_file(str(base / MODEL_WEIGHTS))
+
+    cfg = load_config(step_dir / "train_config.json", {})
+    plain = build_policy(cfg.policy.model_copy(update={"lora": {"rank": 0}}))
+    load_pretrained(plain, out, strict=True)
+    module = "vlm.language_model.layers.0.self_attn.v_proj"
+    a, b = trained[f"{module}.lora_A.default.weight"], trained[f"{module}.lora_B.default.weight"]
+    assert b.abs().sum() > 0  # trained: the merge changes the weight
+    merged = plain.state_dict()[f"{module}.weight"]
+    assert torch.allclose(merged, base_weights[f"{module}.weight"] + (ALPHA / RANK) * b @ a, atol=1e-6)
+    assert torch.equal(plain.state_dict()["action_out_proj.weight"], trained["action_out_proj.weight"])
+
+    adapted = restore_policy(cfg, trained)
+    g = torch.Generator().manual_seed(0)
+    batch = {"images": torch.rand(2, 1, 3, 32, 32, generator=g), "image_masks": torch.ones(2, 1, dtype=torch.bool),
+             "state": torch.randn(2, cfg.policy.max_state_dim, generator=g), "task": ["pick"] * 2}
+    noise = torch.randn(2, cfg.policy.chunk_size, cfg.policy.max_action_dim, generator=g)
+    adapted.eval(), plain.eval()
+    with torch.no_grad():
+        assert torch.allclose(adapted.sample_actions(batch, noise=noise), plain.sample_actions(batch, noise=noise), atol=1e-4)
