@@ -159,7 +159,7 @@ def test_resuming_on_a_changed_base_exits_2_in_one_line_and_writes_nothing(runs,
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
 
-def test_export_merges_base_plus_scaled_b_a_and_the_merged_model_loads_strictly_with_the_lora_policy_s_actions(runs, base, tmp_path):
+def test_export_merges_base_plus_scaled_b_a_and_the_merged_model_loads_strictly_with_the_lora_policy_s_actions(runs, base, home, tmp_path):
     step_dir = ckpt(runs("ddp"), STEPS)
     out = tmp_path / "exported"
     ok(run_cli(["checkpoint", "export", str(step_dir), "--output", str(out)]))
@@ -184,3 +184,15 @@ def test_export_merges_base_plus_scaled_b_a_and_the_merged_model_loads_strictly_
     adapted.eval(), plain.eval()
     with torch.no_grad():
         assert torch.allclose(adapted.sample_actions(batch, noise=noise), plain.sample_actions(batch, noise=noise), atol=1e-4)
+
+    # `opentau eval` of the LoRA checkpoint (adapters on their base) and of the merged export: the same actions on the
+    # same episodes (the same seed draws the same noise), so the same errors within float tolerance.
+    reports = []
+    for source, name in ((step_dir, "eval-lora"), (out, "eval-merged")):
+        ok(run_cli(["eval", str(source), "--dataset.root=@demo", "--episodes", "0,1", "--output", str(tmp_path / name),
+                    "--stride", "4", "--plot-episodes", "0"], env=env_for(home)))
+        reports.append(json.loads((tmp_path / name / "eval.json").read_text()))
+    lora_report, merged_report = reports
+    assert lora_report["episodes"] == merged_report["episodes"] == [0, 1]
+    assert lora_report["policy"]["mse"] == pytest.approx(merged_report["policy"]["mse"], rel=1e-4, abs=1e-7)
+    assert lora_report["policy"]["per_joint"]["mse"] == pytest.approx(merged_report["policy"]["per_joint"]["mse"], rel=1e-4, abs=1e-7)

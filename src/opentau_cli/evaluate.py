@@ -50,6 +50,14 @@ def _from_checkpoint(path: Path, overrides: dict) -> tuple[TrainConfig, torch.nn
 
     saved = open_saved_policy(path)
     cfg = load_config(saved.path / TRAIN_CONFIG, overrides)
+    if cfg.policy.lora.enabled:  # the adapted policy as it trained (base, then adapters), not a merge of it
+        from opentau_cli.checkpoint.manager import read_training_state
+        from opentau_cli.policies.lora import check_base, restore_policy
+
+        check_base(saved.path, read_training_state(saved.path), cfg)
+        policy = restore_policy(cfg, {name: entry.produce() for name, entry in saved.entries.items()})
+        return cfg, policy, {"checkpoint": str(saved.path), "statistics": "from the checkpoint (the policy's statistics buffers)",
+                             "lora": f"rank {cfg.policy.lora.rank} adapters on their base weights"}
     shapes, _ = policy_layout(cfg.policy)
     check_entries(saved, shapes)
     policy = build_policy(cfg.policy)
