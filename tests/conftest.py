@@ -52,3 +52,37 @@ def isolated_env(tmp_path, monkeypatch):
         if name.startswith("OPENTAU_") and name != "OPENTAU_CACHE_DIR":
             monkeypatch.delenv(name)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def published_pi05_cache(tmp_path_factory) -> Path:
+    """A Hugging Face cache holding what configs/examples/pi05_config.json starts from, laid out as `hf download`
+    leaves it: lerobot/pi05_base with the full-size LeRobot headers over sparse data (no disk used, never read) and
+    a small word-level tokenizer standing in for google/paligemma-3b-pt-224."""
+    from published import hub_cache, hub_cache_header_only, published_keys, save_word_tokenizer
+
+    cache = tmp_path_factory.mktemp("hf_cache")
+    hub_cache_header_only(cache, "lerobot/pi05_base", published_keys("pi05", "model.", embed_tokens=False))
+    tokenizer = tmp_path_factory.mktemp("paligemma_tokenizer")
+    save_word_tokenizer(tokenizer)
+    hub_cache(cache, "google/paligemma-3b-pt-224", tokenizer)
+    return cache
+
+
+def offline_hub(monkeypatch, cache: Path) -> dict[str, str]:
+    """HF_HUB_OFFLINE=1 over `cache` in this process (huggingface_hub reads both at import: patched there too); returns
+    the same as environment variables for a subprocess."""
+    from huggingface_hub import constants
+
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return env
+
+
+@pytest.fixture
+def published_pi05_hub(published_pi05_cache, monkeypatch) -> dict[str, str]:
+    """The example pi05 config's sources offline from `published_pi05_cache`, never the network."""
+    return offline_hub(monkeypatch, published_pi05_cache)

@@ -16,6 +16,72 @@ from safetensors.torch import save_file
 from opentau_cli.policies.layouts import LEROBOT, OPENPI, OPENTAU, Layout, published_names
 
 
+# Written out from the published layouts (the tree of openpi's PyTorch conversion) for the real pi05 dimensions:
+# SigLIP 1152 x 27 layers, MLP 4304, patch 14 at 224 px (16 x 16 = 256 positions); Gemma 2048 x 18 layers,
+# 8 heads / 1 KV head / head dim 256, MLP 16384, vocab 257152; expert 1024 x 18, MLP 4096; action dim 32.
+SIGLIP, SIGLIP_MLP, SIGLIP_LAYERS, PATCH, POSITIONS = 1152, 4304, 27, 14, 256
+GEMMA, GEMMA_MLP, GEMMA_LAYERS, VOCAB = 2048, 16384, 18, 257152
+EXPERT, EXPERT_MLP, EXPERT_LAYERS = 1024, 4096, 18
+HEADS, KV_HEADS, HEAD_DIM, ACTION_DIM = 8, 1, 256, 32
+
+
+def published_keys(policy_type: str, prefix: str, *, embed_tokens: bool, expert_lm_head: bool = False) -> dict[str, tuple]:
+    keys: dict[str, tuple] = {}
+    vision = f"{prefix}paligemma_with_expert.paligemma.model.vision_tower.vision_model."
+    keys[vision + "embeddings.patch_embedding.weight"] = (SIGLIP, 3, PATCH, PATCH)
+    keys[vision + "embeddings.patch_embedding.bias"] = (SIGLIP,)
+    keys[vision + "embeddings.position_embedding.weight"] = (POSITIONS, SIGLIP)
+    for i in range(SIGLIP_LAYERS):
+        layer = f"{vision}encoder.layers.{i}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            keys[f"{layer}{norm}.weight"] = keys[f"{layer}{norm}.bias"] = (SIGLIP,)
+        keys[f"{layer}mlp.fc1.weight"], keys[f"{layer}mlp.fc1.bias"] = (SIGLIP_MLP, SIGLIP), (SIGLIP_MLP,)
+        keys[f"{layer}mlp.fc2.weight"], keys[f"{layer}mlp.fc2.bias"] = (SIGLIP, SIGLIP_MLP), (SIGLIP,)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            keys[f"{layer}self_attn.{proj}.weight"], keys[f"{layer}self_attn.{proj}.bias"] = (SIGLIP, SIGLIP), (SIGLIP,)
+    keys[vision + "post_layernorm.weight"] = keys[vision + "post_layernorm.bias"] = (SIGLIP,)
+    projector = f"{prefix}paligemma_with_expert.paligemma.model.multi_modal_projector.linear."
+    keys[projector + "weight"], keys[projector + "bias"] = (GEMMA, SIGLIP), (GEMMA,)
+    language = f"{prefix}paligemma_with_expert.paligemma.model.language_model."
+    if embed_tokens:
+        keys[language + "embed_tokens.weight"] = (VOCAB, GEMMA)
+    keys[f"{prefix}paligemma_with_expert.paligemma.lm_head.weight"] = (VOCAB, GEMMA)
+
+    def gemma_layer(layer: str, width: int, mlp: int) -> None:
+        keys[f"{layer}self_attn.q_proj.weight"] = (HEADS * HEAD_DIM, width)
+        keys[f"{layer}self_attn.k_proj.weight"] = keys[f"{layer}self_attn.v_proj.weight"] = (KV_HEADS * HEAD_DIM, width)
+        keys[f"{layer}self_attn.o_proj.weight"] = (width, HEADS * HEAD_DIM)
+        keys[f"{layer}mlp.gate_proj.weight"] = keys[f"{layer}mlp.up_proj.weight"] = (mlp, width)
+        keys[f"{layer}mlp.down_proj.weight"] = (width, mlp)
+
+    for i in range(GEMMA_LAYERS):
+        gemma_layer(f"{language}layers.{i}.", GEMMA, GEMMA_MLP)
+        keys[f"{language}layers.{i}.input_layernorm.weight"] = keys[f"{language}layers.{i}.post_attention_layernorm.weight"] = (GEMMA,)
+    keys[language + "norm.weight"] = (GEMMA,)
+    expert = f"{prefix}paligemma_with_expert.gemma_expert.model."
+    for i in range(EXPERT_LAYERS):
+        gemma_layer(f"{expert}layers.{i}.", EXPERT, EXPERT_MLP)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if policy_type == "pi05":  # adaRMS: Linear(1024 -> 3 * 1024) for scale, shift, gate
+                keys[f"{expert}layers.{i}.{norm}.dense.weight"], keys[f"{expert}layers.{i}.{norm}.dense.bias"] = (3 * EXPERT, EXPERT), (3 * EXPERT,)
+            else:
+                keys[f"{expert}layers.{i}.{norm}.weight"] = (EXPERT,)
+    if policy_type == "pi05":
+        keys[expert + "norm.dense.weight"], keys[expert + "norm.dense.bias"] = (3 * EXPERT, EXPERT), (3 * EXPERT,)
+    else:
+        keys[expert + "norm.weight"] = (EXPERT,)
+    if expert_lm_head:
+        keys[f"{prefix}paligemma_with_expert.gemma_expert.lm_head.weight"] = (VOCAB, EXPERT)
+    head = {"action_in_proj": (EXPERT, ACTION_DIM), "action_out_proj": (ACTION_DIM, EXPERT)}
+    if policy_type == "pi05":
+        head.update(time_mlp_in=(EXPERT, EXPERT), time_mlp_out=(EXPERT, EXPERT))
+    else:
+        head.update(state_proj=(EXPERT, ACTION_DIM), action_time_mlp_in=(EXPERT, 2 * EXPERT), action_time_mlp_out=(EXPERT, EXPERT))
+    for name, shape in head.items():
+        keys[f"{prefix}{name}.weight"], keys[f"{prefix}{name}.bias"] = shape, (shape[0],)
+    return keys
+
+
 def stats_of(policy, feature: str) -> dict[str, list[float]]:
     """A policy's statistics of `feature` ("state" / "action") over its real dims, by statistic name."""
     width = int(getattr(policy, f"{feature}_dim").item())
@@ -85,29 +151,72 @@ def _git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def _cache_blob(storage: Path, commit: str, rel: str, blob: Path, etag: str) -> None:
+    """`blob` moved to `blobs/<etag>`, and `snapshots/<commit>/<rel>` a relative symlink to it."""
+    target = storage / "blobs" / etag
+    target.parent.mkdir(parents=True, exist_ok=True)
+    blob.replace(target)
+    link = storage / "snapshots" / commit / rel
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(target, link.parent))
+
+
+def _cache_refs(storage: Path, commit: str, revision: str, files: dict) -> None:
+    """`refs/<revision>` holding the commit, and the commit's tree listing under `trees/`."""
+    (storage / "refs").mkdir(parents=True, exist_ok=True)
+    (storage / "refs" / revision).write_text(commit)
+    (storage / "trees").mkdir(exist_ok=True)
+    (storage / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": files}, indent=1))
+
+
+def _storage(cache: Path, repo_id: str, revision: str) -> tuple[Path, str]:
+    return cache / f"models--{repo_id.replace('/', '--')}", hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+
+
 def hub_cache(cache: Path, repo_id: str, folder: Path, *, revision: str = "main") -> str:
     """Put `folder`'s files into a Hugging Face cache the way huggingface_hub's downloads leave it:
     `models--org--name/blobs/<etag>`, `snapshots/<commit>/<file>` as relative symlinks to the blobs,
     `refs/<revision>` holding the commit, and the commit's tree listing under `trees/`. Returns the commit."""
-    storage = cache / f"models--{repo_id.replace('/', '--')}"
-    commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+    storage, commit = _storage(cache, repo_id, revision)
     files = {}
     for file in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = file.relative_to(folder).as_posix()
         data = file.read_bytes()
         lfs = rel.endswith(".safetensors")
         etag = hashlib.sha256(data).hexdigest() if lfs else _git_blob_id(data)  # LFS files are named by sha256
-        blob = storage / "blobs" / etag
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = storage / "snapshots" / commit / rel
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
+        staged = storage / "blobs" / f"{etag}.incomplete"
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        staged.write_bytes(data)
+        _cache_blob(storage, commit, rel, staged, etag)
         files[rel] = {"size": len(data), "blob_id": _git_blob_id(data), **({"lfs_sha256": etag, "lfs_size": len(data)} if lfs else {})}
-    (storage / "refs").mkdir(parents=True, exist_ok=True)
-    (storage / "refs" / revision).write_text(commit)
-    (storage / "trees").mkdir(exist_ok=True)
-    (storage / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": files}, indent=1))
+    _cache_refs(storage, commit, revision, files)
     return commit
 
 
+def hub_cache_header_only(cache: Path, repo_id: str, shapes: dict[str, tuple[int, ...]], *, revision: str = "main") -> Path:
+    """A repo holding a full-size `model.safetensors` with real headers and sparse data (`write_header_only`), written
+    in place in the cache as `hub_cache` lays it out; never read back. Its blob is named by a hash of its header, not
+    of its contents (hashing gigabytes of holes would read them), which no offline lookup checks. Returns the blob."""
+    storage, commit = _storage(cache, repo_id, revision)
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    staged = write_header_only(storage / "blobs" / "model.safetensors.incomplete", shapes)
+    with open(staged, "rb") as f:
+        header = f.read(8 + struct.unpack("<Q", f.read(8))[0])
+    etag, size = hashlib.sha256(header).hexdigest(), staged.stat().st_size
+    _cache_blob(storage, commit, "model.safetensors", staged, etag)
+    _cache_refs(storage, commit, revision, {"model.safetensors": {"size": size, "blob_id": etag[:40], "lfs_sha256": etag, "lfs_size": size}})
+    return storage / "blobs" / etag
+
+
+def save_word_tokenizer(path: Path) -> dict[str, int]:
+    """A small word-level Hugging Face tokenizer directory (pad id 0, a BOS token) that AutoTokenizer loads offline:
+    the shape of PaliGemma's tokenizer files, not its vocabulary. Returns the vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[BOS]", "[UNK]", "Task", "State", "Action", ":", ";", ",", "pick", "up", "the", "cube"] + [str(i) for i in range(256)]
+    vocab = {w: i for i, w in enumerate(words)}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]", bos_token="[BOS]", unk_token="[UNK]").save_pretrained(str(path))
+    return vocab

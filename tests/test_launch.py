@@ -146,10 +146,10 @@ def test_failed_log_names_the_rank_that_failed_first_not_the_one_that_lost_its_p
     assert log.name == "rank1.log" and last == "ValueError: bad shape"
 
 
-def test_full_pi05_preset_on_a_machine_without_gpu_exits_2_and_suggests_the_tiny_config(tmp_path):
+def test_full_pi05_preset_on_a_machine_without_gpu_exits_2_and_suggests_the_tiny_config(tmp_path, published_pi05_hub):
     """The seed line `opentau-train --config_path=configs/examples/pi05_config.json` on CPU: refused, nothing written."""
     r = run_cli(["--config_path=configs/examples/pi05_config.json", f"--output_dir={tmp_path / 'out'}"],
-                cwd=REPO, env={"HF_HOME": str(tmp_path / "hf")}, script="opentau-train")
+                cwd=REPO, env={"HF_HOME": str(tmp_path / "hf"), **published_pi05_hub}, script="opentau-train")
     assert r.returncode == 2, r.stderr
     assert "pi05_tiny_config.json" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()

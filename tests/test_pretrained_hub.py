@@ -13,7 +13,7 @@ from opentau_cli.errors import UserError
 from opentau_cli.policies import build_policy, load_pretrained
 from opentau_cli.policies.hub import check_weights_source, parse_repo_id, resolve
 from opentau_cli.policies.layouts import LEROBOT, Layout
-from published import hub_cache, write_published
+from published import hub_cache, save_word_tokenizer, write_published
 
 
 @pytest.fixture
@@ -106,18 +106,6 @@ def test_an_incomplete_cached_snapshot_is_refused_offline(tmp_path, offline_cach
     (offline_cache / "models--org--partial" / "snapshots" / commit / "model.safetensors").unlink()  # interrupted download
     with pytest.raises(UserError, match="not in the Hugging Face cache"):
         resolve("org/partial")
-
-
-def save_word_tokenizer(path: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["[PAD]", "[BOS]", "[UNK]", "Task", "State", "Action", ":", ";", ",", "pick", "up", "the", "cube"] + [str(i) for i in range(256)]
-    vocab = {w: i for i, w in enumerate(words)}
-    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="[PAD]", bos_token="[BOS]", unk_token="[UNK]").save_pretrained(str(path))
-    return vocab
 
 
 def test_a_tokenizer_repo_id_resolves_to_its_cached_snapshot(tmp_path, offline_cache):

@@ -11,75 +11,10 @@ from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 from opentau_cli.policies import build_policy, check_pretrained, load_pretrained
 from opentau_cli.policies.layouts import LEROBOT, NATIVE, OPENPI, OPENTAU, Layout, detect_layout, our_name, published_names
-from published import stats_of, write_header_only, write_published
+from published import GEMMA, published_keys, stats_of, write_header_only, write_published
 
 # ------------------------------------------------------------------------------------ the published key lists
-# Written out from the published layouts (the tree of openpi's PyTorch conversion) for the real pi05 dimensions:
-# SigLIP 1152 x 27 layers, MLP 4304, patch 14 at 224 px (16 x 16 = 256 positions); Gemma 2048 x 18 layers,
-# 8 heads / 1 KV head / head dim 256, MLP 16384, vocab 257152; expert 1024 x 18, MLP 4096; action dim 32.
-SIGLIP, SIGLIP_MLP, SIGLIP_LAYERS, PATCH, POSITIONS = 1152, 4304, 27, 14, 256
-GEMMA, GEMMA_MLP, GEMMA_LAYERS, VOCAB = 2048, 16384, 18, 257152
-EXPERT, EXPERT_MLP, EXPERT_LAYERS = 1024, 4096, 18
-HEADS, KV_HEADS, HEAD_DIM, ACTION_DIM = 8, 1, 256, 32
-
-
-def published_keys(policy_type: str, prefix: str, *, embed_tokens: bool, expert_lm_head: bool = False) -> dict[str, tuple]:
-    keys: dict[str, tuple] = {}
-    vision = f"{prefix}paligemma_with_expert.paligemma.model.vision_tower.vision_model."
-    keys[vision + "embeddings.patch_embedding.weight"] = (SIGLIP, 3, PATCH, PATCH)
-    keys[vision + "embeddings.patch_embedding.bias"] = (SIGLIP,)
-    keys[vision + "embeddings.position_embedding.weight"] = (POSITIONS, SIGLIP)
-    for i in range(SIGLIP_LAYERS):
-        layer = f"{vision}encoder.layers.{i}."
-        for norm in ("layer_norm1", "layer_norm2"):
-            keys[f"{layer}{norm}.weight"] = keys[f"{layer}{norm}.bias"] = (SIGLIP,)
-        keys[f"{layer}mlp.fc1.weight"], keys[f"{layer}mlp.fc1.bias"] = (SIGLIP_MLP, SIGLIP), (SIGLIP_MLP,)
-        keys[f"{layer}mlp.fc2.weight"], keys[f"{layer}mlp.fc2.bias"] = (SIGLIP, SIGLIP_MLP), (SIGLIP,)
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            keys[f"{layer}self_attn.{proj}.weight"], keys[f"{layer}self_attn.{proj}.bias"] = (SIGLIP, SIGLIP), (SIGLIP,)
-    keys[vision + "post_layernorm.weight"] = keys[vision + "post_layernorm.bias"] = (SIGLIP,)
-    projector = f"{prefix}paligemma_with_expert.paligemma.model.multi_modal_projector.linear."
-    keys[projector + "weight"], keys[projector + "bias"] = (GEMMA, SIGLIP), (GEMMA,)
-    language = f"{prefix}paligemma_with_expert.paligemma.model.language_model."
-    if embed_tokens:
-        keys[language + "embed_tokens.weight"] = (VOCAB, GEMMA)
-    keys[f"{prefix}paligemma_with_expert.paligemma.lm_head.weight"] = (VOCAB, GEMMA)
-
-    def gemma_layer(layer: str, width: int, mlp: int) -> None:
-        keys[f"{layer}self_attn.q_proj.weight"] = (HEADS * HEAD_DIM, width)
-        keys[f"{layer}self_attn.k_proj.weight"] = keys[f"{layer}self_attn.v_proj.weight"] = (KV_HEADS * HEAD_DIM, width)
-        keys[f"{layer}self_attn.o_proj.weight"] = (width, HEADS * HEAD_DIM)
-        keys[f"{layer}mlp.gate_proj.weight"] = keys[f"{layer}mlp.up_proj.weight"] = (mlp, width)
-        keys[f"{layer}mlp.down_proj.weight"] = (width, mlp)
-
-    for i in range(GEMMA_LAYERS):
-        gemma_layer(f"{language}layers.{i}.", GEMMA, GEMMA_MLP)
-        keys[f"{language}layers.{i}.input_layernorm.weight"] = keys[f"{language}layers.{i}.post_attention_layernorm.weight"] = (GEMMA,)
-    keys[language + "norm.weight"] = (GEMMA,)
-    expert = f"{prefix}paligemma_with_expert.gemma_expert.model."
-    for i in range(EXPERT_LAYERS):
-        gemma_layer(f"{expert}layers.{i}.", EXPERT, EXPERT_MLP)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            if policy_type == "pi05":  # adaRMS: Linear(1024 -> 3 * 1024) for scale, shift, gate
-                keys[f"{expert}layers.{i}.{norm}.dense.weight"], keys[f"{expert}layers.{i}.{norm}.dense.bias"] = (3 * EXPERT, EXPERT), (3 * EXPERT,)
-            else:
-                keys[f"{expert}layers.{i}.{norm}.weight"] = (EXPERT,)
-    if policy_type == "pi05":
-        keys[expert + "norm.dense.weight"], keys[expert + "norm.dense.bias"] = (3 * EXPERT, EXPERT), (3 * EXPERT,)
-    else:
-        keys[expert + "norm.weight"] = (EXPERT,)
-    if expert_lm_head:
-        keys[f"{prefix}paligemma_with_expert.gemma_expert.lm_head.weight"] = (VOCAB, EXPERT)
-    head = {"action_in_proj": (EXPERT, ACTION_DIM), "action_out_proj": (ACTION_DIM, EXPERT)}
-    if policy_type == "pi05":
-        head.update(time_mlp_in=(EXPERT, EXPERT), time_mlp_out=(EXPERT, EXPERT))
-    else:
-        head.update(state_proj=(EXPERT, ACTION_DIM), action_time_mlp_in=(EXPERT, 2 * EXPERT), action_time_mlp_out=(EXPERT, EXPERT))
-    for name, shape in head.items():
-        keys[f"{prefix}{name}.weight"], keys[f"{prefix}{name}.bias"] = shape, (shape[0],)
-    return keys
-
-
+# published_keys (tests/published.py): every published pi05 / pi0 tensor with its shape at the real dimensions.
 OPENTAU_EXTRAS = {  # inside OpenTau's weights: its normalization buffers and its discrete-action head
     "normalize_inputs.buffer_state.min": (32,), "normalize_inputs.buffer_state.max": (32,),
     "normalize_targets.buffer_actions.mean": (32,), "normalize_targets.buffer_actions.std": (32,),

@@ -28,17 +28,15 @@ def check_policy(cfg: TrainConfig) -> list[str]:
     fit it (read from their headers only). A resume loads the checkpoint's weights, not pretrained_path."""
     # torch, transformers and huggingface_hub: only once the config itself loaded.
     from opentau_cli.policies import check_pretrained, count_parameters
-    from opentau_cli.policies.hub import check_weights_source
+    from opentau_cli.policies.hub import check_sources
 
-    errors = []
-    for name in ("pretrained_path", "tokenizer_path"):
-        source = getattr(cfg.policy, name)
-        problem = check_weights_source(source, f"policy.{name}") if source is not None else None
-        if problem:
-            errors.append(problem)
+    sources = {f"policy.{name}": getattr(cfg.policy, name) for name in ("pretrained_path", "tokenizer_path")}
+    errors = check_sources({name: source for name, source in sources.items() if source is not None})
+    if errors:  # building the policy loads the same tokenizer and would say the same again
+        return errors
     try:
         count_parameters(cfg.policy)
-        if cfg.policy.pretrained_path is not None and not cfg.resume and not errors:
+        if cfg.policy.pretrained_path is not None and not cfg.resume:
             check_pretrained(cfg.policy)
     except UserError as e:
         errors.append(str(e))

@@ -2,12 +2,14 @@
 repo id `org/name[@revision]` resolved through `huggingface_hub` (downloaded when online; with `HF_HUB_OFFLINE=1`
 only the local Hugging Face cache is read).
 
-`check_weights_source` is what the config rules run before anything is spawned; `resolve` is what loading runs.
+`check_sources` is what the config rules run before anything is spawned; `resolve` is what loading runs.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import NamedTuple
 
 from opentau_cli.errors import UserError
 
@@ -32,6 +34,24 @@ def parse_repo_id(text: str) -> tuple[str, str | None] | None:
     return repo_id, revision or None
 
 
+# One quick request says whether the Hub answers at all: without network, checks and loads go straight to the cache
+# instead of waiting out the hub client's timeouts and retries (tens of seconds) for each repo.
+HUB_PROBE_TIMEOUT = 3.0  # seconds
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub answers one HEAD request (asked once per process)."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT)
+    except Exception:  # the HTTP client's connection, proxy and timeout errors
+        return False
+    return True
+
+
 def _patterns(field: str) -> list[str]:
     return TOKENIZER_FILES if field.endswith("tokenizer_path") else WEIGHT_FILES
 
@@ -48,6 +68,31 @@ def _cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
+class NotCached(NamedTuple):
+    """A repo id that neither the Hugging Face cache nor (offline or unreachable) the Hub can provide."""
+
+    field: str
+    text: str
+    repo_id: str
+    revision: str | None
+
+
+def _not_cached(missing: list[NotCached]) -> str:
+    """One sentence for every repo the cache lacks while the Hub cannot be asked: what, where, and the ways out."""
+    fields = " and ".join(f"{m.field}={m.text}" for m in missing)
+    repos = " and ".join(m.repo_id + (f"@{m.revision}" if m.revision else "") for m in missing)
+    downloads = " and ".join(f"`hf download {m.repo_id}" + (f" --revision {m.revision}`" if m.revision else "`") for m in missing)
+    one = len(missing) == 1
+    paths = "a local path" if one else "local paths"
+    fill = f"fill the cache once with {downloads} on a machine with network (same HF_HUB_CACHE)"
+    if _offline():
+        how = f"HF_HUB_OFFLINE is set: unset it to download {'it' if one else 'them'} from the Hub, {fill}, or give {paths}."
+    else:
+        how = f"the Hugging Face Hub cannot be reached: {fill}, or give {paths}."
+    return (f"{fields}: {'not a local path' if one else 'not local paths'}, and {repos} {'is' if one else 'are'} not in "
+            f"the Hugging Face cache ({_cache_dir()}) while {how}")
+
+
 def _hub_error(field: str, text: str, repo_id: str, revision: str | None, exc: Exception) -> UserError:
     """One sentence saying why the hub could not provide `repo_id`, and what to do."""
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
@@ -61,10 +106,7 @@ def _hub_error(field: str, text: str, repo_id: str, revision: str | None, exc: E
     if isinstance(exc, RevisionNotFoundError):
         return UserError(f"{where}, and the Hugging Face repo {repo_id} has no revision '{revision}'.")
     if isinstance(exc, LocalEntryNotFoundError):
-        reason = "HF_HUB_OFFLINE is set" if _offline() else "the Hugging Face Hub cannot be reached"
-        return UserError(f"{where}, and {repo_id}{'@' + revision if revision else ''} is not in the Hugging Face cache "
-                         f"({_cache_dir()}) while {reason}: download it once with `hf download {repo_id}` on a machine "
-                         "with network (same HF_HUB_CACHE), or give a local path.")
+        return UserError(_not_cached([NotCached(field, text, repo_id, revision)]))
     return UserError(f"{where}, and downloading {repo_id} from the Hugging Face Hub failed ({type(exc).__name__}: {exc}).")
 
 
@@ -84,15 +126,17 @@ def resolve(text: str | Path, field: str = "policy.pretrained_path") -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=_patterns(field), local_files_only=_offline())
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=_patterns(field),
+                                   local_files_only=_offline() or not hub_reachable())
     except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
         raise _hub_error(field, text, repo_id, revision, exc) from exc
     return Path(folder)
 
 
-def check_weights_source(text: str | Path, field: str = "policy.pretrained_path") -> str | None:
-    """Why `text` cannot serve as `field` (one sentence), or None when it can. Downloads nothing: a local path must
-    exist; a repo id must be in the Hugging Face cache, or (online only) exist on the Hub."""
+def check_source(text: str | Path, field: str = "policy.pretrained_path") -> str | NotCached | None:
+    """Why `text` cannot serve as `field`: one sentence, or NotCached for a repo id that neither the cache nor the Hub
+    can provide; None when it can. Downloads nothing: a local path must exist; a repo id must be in the Hugging Face
+    cache, or (online only) exist on the Hub."""
     text = str(text)
     if Path(text).expanduser().exists():
         return None
@@ -100,19 +144,33 @@ def check_weights_source(text: str | Path, field: str = "policy.pretrained_path"
     if parsed is None:
         return f"{field} '{text}' does not exist."
     repo_id, revision = parsed
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
         snapshot_download(repo_id, revision=revision, allow_patterns=_patterns(field), local_files_only=True)
         return None
-    except LocalEntryNotFoundError as exc:
-        if _offline():
-            return str(_hub_error(field, text, repo_id, revision, exc))
+    except LocalEntryNotFoundError:
+        if _offline() or not hub_reachable():
+            return NotCached(field, text, repo_id, revision)
     try:
-        HfApi().repo_info(repo_id, revision=revision)
+        HfApi().repo_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
         return None
     except HfHubHTTPError as exc:
         return str(_hub_error(field, text, repo_id, revision, exc))
-    except Exception as exc:  # the HTTP client's connection errors: neither the cache nor the Hub can provide it
-        return str(_hub_error(field, text, repo_id, revision, LocalEntryNotFoundError(str(exc))))
+    except Exception:  # the HTTP client's connection errors: neither the cache nor the Hub can provide it
+        return NotCached(field, text, repo_id, revision)
+
+
+def check_weights_source(text: str | Path, field: str = "policy.pretrained_path") -> str | None:
+    """Why `text` cannot serve as `field` (one sentence, the one loading it would raise), or None when it can."""
+    problem = check_source(text, field)
+    return _not_cached([problem]) if isinstance(problem, NotCached) else problem
+
+
+def check_sources(sources: dict[str, str | Path]) -> list[str]:
+    """Why each of `sources` (field -> path or repo id) cannot serve, one sentence each; the repos that neither the
+    cache nor the Hub can provide are named together in one sentence, with one remedy."""
+    problems = [check_source(text, field) for field, text in sources.items()]
+    missing = [p for p in problems if isinstance(p, NotCached)]
+    return [p for p in problems if isinstance(p, str)] + ([_not_cached(missing)] if missing else [])
