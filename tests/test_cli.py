@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from opentau_cli.cli.main import app
@@ -56,7 +57,10 @@ def example_datasets(tmp_path_factory):
 def test_every_example_config_validates_with_every_accelerate_config_for_an_8_gpu_machine(isolated_env, example_datasets,
                                                                                         monkeypatch, accel, config):
     monkeypatch.chdir(example_datasets)
-    result = invoke("config", "validate", str(config), "--accelerate-config", str(accel), "--gpus", "8", f"--output_dir={isolated_env / 'run'}")
+    # A multi-machine YAML leaves machine 0's address to the launch (the SLURM script passes it), as a user does.
+    address = ["--main_process_ip", "127.0.0.1"] if yaml.safe_load(accel.read_text()).get("num_machines", 1) > 1 else []
+    result = invoke("config", "validate", str(config), "--accelerate-config", str(accel), "--gpus", "8", *address,
+                    f"--output_dir={isolated_env / 'run'}")
     assert result.exit_code == 0, result.output
     assert "Config OK" in result.output and "checked for        a machine with 8 CUDA GPUs (--gpus 8)" in result.output
 

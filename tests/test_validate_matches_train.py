@@ -36,6 +36,7 @@ YAMLS = {
     "fp16.yaml": "distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: fp16\n",
     "fp8.yaml": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n",
     "two_machines.yaml": "distributed_type: MULTI_GPU\nnum_processes: 4\nnum_machines: 2\n",
+    "three_on_two.yaml": "distributed_type: MULTI_GPU\nnum_processes: 3\nnum_machines: 2\nmain_process_ip: 127.0.0.1\n",
     "bad.yaml": "distributed_type: [unclosed\n",
 }
 
@@ -90,6 +91,10 @@ CASES = [
     Case("fp8", TINY, ["--accelerate-config={tmp}/fp8.yaml"], TWO_GPUS),
     Case("more processes than gpus", TINY, [f"--accelerate-config={DDP8}"], TWO_GPUS),
     Case("two machines without main_process_ip", TINY, ["--accelerate-config={tmp}/two_machines.yaml"], TWO_GPUS),
+    Case("machine rank past the last machine", TINY,
+         ["--accelerate-config={tmp}/two_machines.yaml", "--main_process_ip=127.0.0.1", "--machine_rank=2"], TWO_GPUS),
+    Case("processes that machines cannot share", TINY, ["--accelerate-config={tmp}/three_on_two.yaml"], TWO_GPUS),
+    Case("lora with train_expert_only", TINY, ["--policy.lora.rank=4", "--policy.train_expert_only=true"]),
     Case("data file missing", TINY, ["--dataset.root={tmp}/data/no_data_file"]),
     Case("video file missing", TINY, ["--dataset.root={tmp}/data/no_video_file"]),
     Case("video file empty", TINY, ["--dataset.root={tmp}/data/empty_video"]),

@@ -70,3 +70,17 @@ def handle_errors(fn: Callable) -> Callable:
 
     return wrapper
 
+
+_MACHINE_HELP = "overrides the accelerate config (and the cluster's environment), so one YAML serves every machine"
+MachineRankOpt = Annotated[Optional[int], typer.Option("--machine_rank", "--machine-rank", help=f"This machine's rank; {_MACHINE_HELP}.")]
+NumMachinesOpt = Annotated[Optional[int], typer.Option("--num_machines", "--num-machines", help=f"Machines in the run; {_MACHINE_HELP}.")]
+MainIpOpt = Annotated[Optional[str], typer.Option("--main_process_ip", "--main-process-ip", help=f"Machine 0's address; {_MACHINE_HELP}.")]
+BreakLockOpt = Annotated[bool, typer.Option("--break-lock", "--break_lock", help=(
+    "Take over the run directory's lock held by a run on another host that is known to be dead (a lost node)."))]
+MainPortOpt = Annotated[Optional[int], typer.Option("--main_process_port", "--main-process-port", help=f"Machine 0's port; {_MACHINE_HELP}.")]
+
+
+def machine_settings(machine_rank, num_machines, main_process_ip, main_process_port) -> dict:
+    """The machine flags of train / resume / config validate, for plan.with_machine (None: not given)."""
+    return {"machine_rank": machine_rank, "num_machines": num_machines, "main_process_ip": main_process_ip,
+            "main_process_port": main_process_port}

@@ -8,7 +8,10 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, handle_errors, make_app, warn
+from opentau_cli.cli.common import (
+    OVERRIDES_CONTEXT, AccelerateConfigOpt, MachineRankOpt, MainIpOpt, MainPortOpt, NumMachinesOpt, handle_errors, make_app,
+    machine_settings, warn,
+)
 from opentau_cli.config import Machine, TrainConfig, load_config
 
 app = make_app("Validate, show and describe the training config.")
@@ -23,6 +26,10 @@ def validate_cmd(
     gpus: Optional[int] = typer.Option(
         None, "--gpus", help="Check for a target machine with this many visible CUDA GPUs (0: none) instead of this machine."
     ),
+    machine_rank: MachineRankOpt = None,
+    num_machines: NumMachinesOpt = None,
+    main_process_ip: MainIpOpt = None,
+    main_process_port: MainPortOpt = None,
 ) -> None:
     """Run every check `train` runs before launching (with --resume=true, also the checkpoint's), without launching.
 
@@ -35,12 +42,15 @@ def validate_cmd(
         opentau config validate configs/examples/pi05_config.json --accelerate-config configs/examples/accelerate_deepspeed_zero3_config.yaml --gpus 8
 
         opentau config validate outputs/train/pi05/checkpoints/000040/train_config.json --resume=true --steps=100
+
+        opentau config validate configs/examples/pi05_config.json --accelerate-config configs/examples/accelerate_2nodes_deepspeed_config.yaml --main_process_ip 10.1.0.7 --machine_rank 1 --gpus 8
     """
     from opentau_cli.cli.summary import summarize
     from opentau_cli.plan import plan_train
 
     machine = Machine.with_gpus(gpus) if gpus is not None else None
-    plan = plan_train(config, accelerate_config, list(ctx.args), machine)
+    machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
+    plan = plan_train(config, accelerate_config, list(ctx.args), machine, machines=machines)
     for w in plan.checked.warnings:
         warn(w)
     for note in plan.notes:

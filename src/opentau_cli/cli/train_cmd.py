@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, AccelerateConfigOpt, ConfigPathOpt, handle_errors, warn
-
-
-_MACHINE_HELP = "overrides the accelerate config (and the cluster's environment), so one YAML serves every machine"
-MachineRankOpt = Annotated[Optional[int], typer.Option("--machine_rank", "--machine-rank", help=f"This machine's rank; {_MACHINE_HELP}.")]
-NumMachinesOpt = Annotated[Optional[int], typer.Option("--num_machines", "--num-machines", help=f"Machines in the run; {_MACHINE_HELP}.")]
-MainIpOpt = Annotated[Optional[str], typer.Option("--main_process_ip", "--main-process-ip", help=f"Machine 0's address; {_MACHINE_HELP}.")]
-BreakLockOpt = Annotated[bool, typer.Option("--break-lock", "--break_lock", help=(
-    "Take over the run directory's lock held by a run on another host that is known to be dead (a lost node)."))]
-MainPortOpt = Annotated[Optional[int], typer.Option("--main_process_port", "--main-process-port", help=f"Machine 0's port; {_MACHINE_HELP}.")]
-
-
-def _machines(machine_rank, num_machines, main_process_ip, main_process_port) -> dict:
-    return {"machine_rank": machine_rank, "num_machines": num_machines, "main_process_ip": main_process_ip,
-            "main_process_port": main_process_port}
+from opentau_cli.cli.common import (
+    OVERRIDES_CONTEXT, AccelerateConfigOpt, BreakLockOpt, ConfigPathOpt, MachineRankOpt, MainIpOpt, MainPortOpt,
+    NumMachinesOpt, handle_errors, machine_settings, warn,
+)
 
 
 def _launch(plan, break_lock: bool = False) -> None:
@@ -56,7 +44,7 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
     """
     from opentau_cli.plan import plan_train
 
-    machines = _machines(machine_rank, num_machines, main_process_ip, main_process_port)
+    machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_train(config_path, accelerate_config, list(ctx.args), machines=machines), break_lock)
 
 
@@ -81,7 +69,7 @@ def resume(
     """
     from opentau_cli.plan import plan_resume
 
-    machines = _machines(machine_rank, num_machines, main_process_ip, main_process_port)
+    machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_resume(run_dir, accelerate_config, list(ctx.args), machines=machines), break_lock)
 
 
