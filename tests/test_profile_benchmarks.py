@@ -89,3 +89,25 @@ def test_results_are_appended_never_rewritten(tmp_path):
     assert text.count("# Benchmarks") == 1
     assert text.index("## first") < text.index("## second")
     assert "| a | 1 |" in text and "| b | 2 |" in text
+
+
+def test_lora_benchmark_smoke_tabulates_both_sides_and_their_ratios(tmp_path):
+    results = tmp_path / "B.md"
+    run_benchmark("bench_lora.py", results)
+    table = dict(re.findall(r"^\| (.+?) \| (.+?) \|$", results.read_text(), re.M))
+    full_params, lora_params = (int(n.replace(",", "")) for n in re.fullmatch(
+        r"full ([\d,]+); LoRA rank 16 ([\d,]+) \(\d+\.\d%\)", table["trainable parameters"]).groups())
+    assert 0 < lora_params < full_params
+
+    def side(name):
+        m = re.fullmatch(r"(\d+\.\d{3}) samples/s; peak memory rank 0 (\d+) MiB, rank 1 (\d+) MiB", table[name])
+        assert m, table[name]
+        speed, *peaks = map(float, m.groups())
+        assert speed > 0 and min(peaks) > 0
+        return speed, max(peaks)
+
+    (full_speed, full_peak), (lora_speed, lora_peak) = side("DDP full fine-tuning"), side("DDP LoRA rank 16")
+    memory, speed = map(float, re.fullmatch(r"peak memory (\d+\.\d{3})x, samples/s (\d+\.\d{3})x", table["DDP LoRA / full"]).groups())
+    assert memory == pytest.approx(lora_peak / full_peak, rel=5e-3)
+    assert speed == pytest.approx(lora_speed / full_speed, rel=5e-3)
+    assert "ZeRO-2 LoRA / full" not in table  # the smoke run is one DDP pair
