@@ -14,9 +14,8 @@ from typer.testing import CliRunner
 from conftest import EXAMPLES
 from opentau_cli.config.load import load_config
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, build_data, write_synth
-from opentau_cli.data.mixture import (
-    IDENTITY, MixtureSampler, draw_counts, normalization_mode, normalize, unnormalize,
-)
+from opentau_cli.data.mixture import MixtureSampler, draw_counts
+from opentau_cli.normalization import IDENTITY, mode_of, normalize, unnormalize
 
 pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
 
@@ -122,7 +121,7 @@ def test_samples_per_dataset_follow_from_the_stream_position_and_a_resumed_strea
 
 
 def test_each_member_reaches_the_policy_normalized_with_its_own_statistics_and_padded(members):
-    from opentau_cli.policies.pi05.normalization import normalize as policy_normalize
+    from opentau_cli.normalization import normalize as policy_normalize
 
     cfg = config(members)
     data = build_data(cfg)
@@ -145,20 +144,19 @@ def test_each_member_reaches_the_policy_normalized_with_its_own_statistics_and_p
     assert max(abs(v) for v in data.member_stats[1]["state"]["q99"]) > 10  # the wide member really is on another scale
 
 
-def test_the_data_layers_normalization_is_the_policys():
-    from opentau_cli.config.model import PolicyConfig
-    from opentau_cli.policies.pi05 import normalization as policy
+def test_one_normalization_serves_the_data_layers_numpy_arrays_and_the_policys_tensors():
+    """opentau_cli.normalization is the one formula: the data layer calls it on numpy arrays, the policy on tensors."""
+    from opentau_cli.normalization import MEAN_STD, QUANTILE
 
     rng = np.random.default_rng(0)
     stats = {"mean": rng.normal(size=5), "std": rng.uniform(0.1, 2, 5), "q01": rng.uniform(-3, -1, 5), "q99": rng.uniform(1, 3, 5)}
+    torch_stats = {k: torch.tensor(v) for k, v in stats.items()}
     x = rng.normal(size=(7, 3)) * 3
-    for mode in (policy.QUANTILE, policy.MEAN_STD):
-        torch_stats = {k: torch.tensor(v) for k, v in stats.items()}
-        assert np.allclose(normalize(x, stats, mode), policy.normalize(torch.tensor(x), torch_stats, mode).numpy(), rtol=0, atol=1e-12)
-        assert np.allclose(unnormalize(x, stats, mode), policy.unnormalize(torch.tensor(x), torch_stats, mode).numpy(), rtol=0, atol=1e-12)
-    assert IDENTITY == policy.IDENTITY
-    for policy_type in PolicyConfig.model_fields["type"].annotation.__args__:
-        assert normalization_mode(policy_type) == policy.mode_of(policy_type)
+    for mode in (QUANTILE, MEAN_STD):
+        on_arrays = normalize(x, stats, mode)
+        assert isinstance(on_arrays, np.ndarray)
+        assert np.allclose(on_arrays, normalize(torch.tensor(x), torch_stats, mode).numpy(), rtol=0, atol=1e-12)
+        assert np.allclose(unnormalize(on_arrays, stats, mode), x, rtol=0, atol=1e-9)  # the exact inverse on arrays too
 
 
 def test_v21_and_v30_members_with_their_own_camera_mappings_make_one_batch_format(members):

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader
 from opentau_cli.config.model import MixtureMember, TrainConfig
 from opentau_cli.data.dataset import LeRobotDataset
 from opentau_cli.data.meta import read_meta
-from opentau_cli.data.mixture import MixtureDataset, MixtureSampler, into_policy_space, mixture_stats, normalization_mode
+from opentau_cli.data.mixture import MixtureDataset, MixtureSampler, into_policy_space, mixture_stats
+from opentau_cli.normalization import mode_of
 from opentau_cli.data.sampler import BatchStream, ResumableSampler, collate
 from opentau_cli.data.synth import resolve_dataset_root
 from opentau_cli.data.video import VideoFrames
@@ -88,7 +89,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
 
     if mixture:
         stats = mixture_stats(member_stats)
-        mode = normalization_mode(cfg.policy.type)
+        mode = mode_of(cfg.policy.type)
         for own, datasets in zip(member_stats, zip(trains, vals)):
             for ds in (d for d in datasets if d is not None):
                 ds.map_numbers(lambda x, own=own: into_policy_space(x, own["state"], stats["state"], mode),

@@ -19,34 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# The policy's normalization (policies/pi05/normalization.py), in numpy for the arrays of a dataset; a test holds the
-# two to the same numbers. The data layer does not import the policy package (it would load transformers into every
-# data worker and into `profile --dataloader-only`).
-EPS = 1e-6
-QUANTILE, MEAN_STD = "quantile", "mean_std"
-STATS = ("mean", "std", "q01", "q99")
-IDENTITY = {"mean": 0.0, "std": 1.0, "q01": -1.0, "q99": 1.0}
-
-
-def normalization_mode(policy_type: str) -> str:
-    """pi05 normalizes with quantiles (q01/q99), pi0 with mean/std."""
-    return MEAN_STD if policy_type == "pi0" else QUANTILE
-
-
-def normalize(x: np.ndarray, stats: dict[str, np.ndarray], mode: str) -> np.ndarray:
-    width = x.shape[-1]
-    if mode == QUANTILE:
-        q01, q99 = stats["q01"][:width], stats["q99"][:width]
-        return (x - q01) / (q99 - q01 + EPS) * 2.0 - 1.0
-    return (x - stats["mean"][:width]) / (stats["std"][:width] + EPS)
-
-
-def unnormalize(x: np.ndarray, stats: dict[str, np.ndarray], mode: str) -> np.ndarray:
-    width = x.shape[-1]
-    if mode == QUANTILE:
-        q01, q99 = stats["q01"][:width], stats["q99"][:width]
-        return (x + 1.0) / 2.0 * (q99 - q01 + EPS) + q01
-    return x * (stats["std"][:width] + EPS) + stats["mean"][:width]
+from opentau_cli.normalization import IDENTITY, STATS, normalize, unnormalize
 
 
 def widen(stats: dict, width: int) -> dict:

@@ -33,7 +33,7 @@ from transformers.models.paligemma.modeling_paligemma import PaliGemmaModel
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 from opentau_cli.policies.pi05.configuration import arch_config
-from opentau_cli.policies.pi05.normalization import IDENTITY, MEAN_STD, QUANTILE, STATS_OF, mode_of, normalize, unnormalize
+from opentau_cli.normalization import IDENTITY, MEAN_STD, QUANTILE, STATS, STATS_OF, mode_of, normalize, unnormalize
 from opentau_cli.policies.pi05.tokenization import action_token_id, encode_prompts, load_tokenizer, state_bins
 
 # Parameters that openpi keeps in fp32 when the rest of the model is bf16 (matched as name fragments): SigLIP's patch
@@ -45,7 +45,6 @@ FP32_PARAMETERS = (
     "input_layernorm.", "post_attention_layernorm.", "language_model.norm.", "expert.norm.",
     "embed_suffix.", "action_out_proj.",
 )
-STATS = ("mean", "std", "q01", "q99")
 # Bins of the optional discrete action tokens span the normalized range holding nearly every value.
 DISCRETE_RANGE = {QUANTILE: 1.0, MEAN_STD: 3.0}
 
