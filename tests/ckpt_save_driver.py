@@ -4,10 +4,11 @@ moments of a save, then resume each killed run through the functions `opentau re
 Imports and model setup happen once; each killed run and each resume is a forked child (single-threaded torch, so
 forking is safe), which keeps a many-moment fault test within seconds.
 
-    python tests/ckpt_save_driver.py ROOT --moments before_metadata,mid_file,... [--steps 4]
+    python tests/ckpt_save_driver.py ROOT --moments before_metadata,mid_file,... [--steps 4] [--async-save]
 
 For each moment M: ROOT/M is a run that saved steps 1 and 2 (keep_last=2) and was SIGKILLed at moment M of the
 save of step 3; it is copied to ROOT/M.killed, then resumed to --steps. ROOT/reference is the uninterrupted run.
+With --async-save every save is checkpoint.async_save's (the moments then strike in the background writer).
 Prints one JSON line per run: {"run", "killed", "resumed_from", "weights"}.
 """
 
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,7 +53,8 @@ def _arm(moment: str) -> None:
         raise SystemExit(f"unknown moment {moment}")
 
 
-def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None, resume: bool = False) -> dict:
+def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None, resume: bool = False,
+           async_save: bool = False) -> dict:
     from opentau_cli.checkpoint.manager import CheckpointManager, check_resumable, clean_leftovers, find_checkpoint
     from opentau_cli.config import AccelerateSetup, TrainConfig
 
@@ -62,7 +65,8 @@ def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None
         protect = find_checkpoint(run_dir)
         check_resumable(protect, cfg, setup)
         clean_leftovers(run_dir)
-    manager = CheckpointManager(acc, run_dir, total_steps=steps, run_id="drv", keep_last=2, protect=protect)
+    manager = CheckpointManager(acc, run_dir, total_steps=steps, run_id="drv", keep_last=2, protect=protect,
+                                async_save=async_save)
     if protect is not None:
         start = manager.load(protect)["step"]
     gen = torch.Generator().manual_seed(1)
@@ -74,10 +78,13 @@ def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None
         acc.backward(loss)
         opt.step()
         opt.zero_grad()
+        manager.poll()  # what the train loop does after each step
         if arm and step == KILL_AT_STEP:
+            manager.wait()  # the disk fills up once the previous save is complete (async_save: it may be in flight)
             _arm(arm)
         manager.save(step, config=cfg.to_json_dict(),
                      state={"step": step, "world_size": setup.world_size, "backend": setup.backend})
+    manager.wait()
     weights = sum(p.detach().double().sum().item() for p in model.parameters())
     return {"run": run_dir.name, "resumed_from": protect.name if protect else None, "weights": repr(weights)}
 
@@ -109,7 +116,9 @@ def main() -> int:
     parser.add_argument("root", type=Path)
     parser.add_argument("--moments", default=",".join(MOMENTS))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
+    train = partial(_train, async_save=args.async_save)
 
     torch.set_num_threads(1)  # no intra-op thread pool: forking below is safe
     from accelerate import Accelerator
@@ -120,17 +129,17 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
 
-    _, ref = _in_child(lambda: _train(acc, model, opt, args.root / "reference", args.steps))
+    _, ref = _in_child(lambda: train(acc, model, opt, args.root / "reference", args.steps))
     print(json.dumps(ref), flush=True)
     for moment in args.moments.split(","):
         run = args.root / moment
-        status, _ = _in_child(lambda: _train(acc, model, opt, run, args.steps, arm=moment))
+        status, _ = _in_child(lambda: train(acc, model, opt, run, args.steps, arm=moment))
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         shutil.copytree(run, args.root / f"{moment}.killed", symlinks=True)
-        _, res = _in_child(lambda: _train(acc, model, opt, run, args.steps, resume=True))
+        _, res = _in_child(lambda: train(acc, model, opt, run, args.steps, resume=True))
         print(json.dumps({**(res or {}), "run": moment, "killed": killed}), flush=True)
     for variant in DISK_FULL:
-        _, res = _in_child(lambda: _train(acc, model, opt, args.root / variant, args.steps, arm=variant))
+        _, res = _in_child(lambda: train(acc, model, opt, args.root / variant, args.steps, arm=variant))
         print(json.dumps({**(res or {}), "run": variant}), flush=True)
     return 0
 

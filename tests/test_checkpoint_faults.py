@@ -1,6 +1,7 @@
 """SIGKILL at six moments of a save (real CheckpointManager, real Accelerator; the moments strike at the save's named
 fault points, tests/save_faults.py): the previous checkpoint stays complete and verifiable, nothing incomplete passes
-as a checkpoint, and resuming gives the uninterrupted weights."""
+as a checkpoint, and resuming gives the uninterrupted weights. Every test runs for synchronous saves and for
+checkpoint.async_save's (where the moments strike in the background writer and a failure surfaces at a later step)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_save_driver import MOMENTS  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def killed_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sync", "async"])
+def killed_runs(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("faults")
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "ckpt_save_driver.py"), str(root)],
+    mode = ["--async-save"] if request.param == "async" else []
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "ckpt_save_driver.py"), str(root), *mode],
                           capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {r["run"]: r for r in map(json.loads, proc.stdout.splitlines())}

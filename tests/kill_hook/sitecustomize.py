@@ -2,9 +2,11 @@
 
 Put this directory on PYTHONPATH and set TEST_KILL_AT=MOMENT@STEP (a moment of tests/save_faults.py; TEST_KILL_RANK=N
 picks the rank that acts, default 0). When that rank reaches MOMENT during the save of STEP, it SIGKILLs the launcher,
-Accelerate's agent, every other rank and itself, as a node failure would. The launcher must lead its own session (the
-test starts it with start_new_session=True): that is how the hook finds the top of the run. Python processes without
-the variable are untouched; with it, the strike is registered as a hook on the save's named fault points.
+Accelerate's agent, every other rank and itself, as a node failure would. TEST_KILL_SIGNAL=SIGTERM (or another
+signal's name) instead sends that signal to the launcher alone, as a scheduler preempting the job does, and the run
+goes on. The launcher must lead its own session (the test starts it with start_new_session=True): that is how the
+hook finds the top of the run. Python processes without the variable are untouched; with it, the strike is
+registered as a hook on the save's named fault points.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def kill_the_run() -> None:
     import psutil
 
     me = psutil.Process()
-    top = next((p for p in me.parents() if os.getpgid(p.pid) == p.pid), None)
+    top = _launcher(me)
     victims = ([top] + top.children(recursive=True)) if top else []
     for p in [p for p in victims if p.pid != me.pid]:
         try:
@@ -27,6 +29,17 @@ def kill_the_run() -> None:
         except psutil.NoSuchProcess:
             pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_the_launcher(signum: int) -> None:
+    """Send signum to the launcher only (it forwards it to the ranks)."""
+    import psutil
+
+    _launcher(psutil.Process()).send_signal(signum)
+
+
+def _launcher(me):
+    return next((p for p in me.parents() if os.getpgid(p.pid) == p.pid), None)
 
 
 def _install(spec_text: str) -> None:
@@ -40,7 +53,11 @@ def _install(spec_text: str) -> None:
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for save_faults
     from save_faults import arm
 
-    arm(moment, int(step), kill_the_run, rank=int(rank))
+    import signal
+    from functools import partial
+
+    name = os.environ.get("TEST_KILL_SIGNAL")
+    arm(moment, int(step), partial(signal_the_launcher, signal.Signals[name]) if name else kill_the_run, rank=int(rank))
 
 
 if os.environ.get("TEST_KILL_AT"):

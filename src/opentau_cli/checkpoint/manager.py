@@ -2,7 +2,8 @@
 
 docs/ARCHITECTURE.md, "Checkpoint contract" (names: `layout`). A save goes to a hidden temp sibling of its step
 directory, every rank finishes, rank 0 writes the manifest and renames the temp dir into place, then repoints
-`checkpoints/last`. A kill at any instant leaves either the old set of checkpoints or the new one.
+`checkpoints/last`. A kill at any instant leaves either the old set of checkpoints or the new one. With async_save
+the same steps run in a background thread of every rank, from a copy of the state in host memory (async_save.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 from opentau_cli.checkpoint.faults import fault_point
 from opentau_cli.checkpoint.layout import (
@@ -190,10 +192,13 @@ class CheckpointManager:
 
     `accelerator` needs save_state / load_state / wait_for_everyone / is_main_process / reduce. `save_kwargs` /
     `load_kwargs` go to save_state / load_state (a LoRA run's: write and read only what trains, policies/lora.py).
+    With `async_save`, `save` returns once the state is copied to host memory; every rank then calls `poll` after
+    each step and `wait` before leaving. `report` receives "Saved checkpoint ..." when one is published.
     """
 
     def __init__(self, accelerator, run_dir: Path, *, total_steps: int, run_id: str, keep_last: int | None = None,
-                 protect: Path | None = None, save_kwargs: dict | None = None, load_kwargs: dict | None = None):
+                 protect: Path | None = None, save_kwargs: dict | None = None, load_kwargs: dict | None = None,
+                 async_save: bool = False, report: Callable[[str], None] | None = None):
         self.accelerator = accelerator
         self.save_kwargs, self.load_kwargs = dict(save_kwargs or {}), dict(load_kwargs or {})
         self.run_dir = Path(run_dir)
@@ -202,9 +207,18 @@ class CheckpointManager:
         self.run_id = run_id
         self.keep_last = keep_last
         self.protect = Path(protect).resolve() if protect else None
+        self.async_save = async_save
+        self.report = report or (lambda text: None)
+        self._staging = None  # async_save's host copy of the state, made by the first save
+        self._in_flight = None  # async_save's BackgroundSave
 
     def save(self, step: int, *, config: dict, state: dict) -> Path:
-        """Write checkpoint `step` atomically. Raises RunError (on every rank) when it cannot be written."""
+        """Write checkpoint `step` atomically. Raises RunError (on every rank) when it cannot be written.
+
+        With async_save it returns the directory the checkpoint will be published as, once the state is in host
+        memory; a failure of the write is raised by a later `poll`, `wait` or `save`."""
+        if self.async_save:
+            return self._save_async(step, config, state)
         acc = self.accelerator
         name = step_dir_name(step, self.total_steps)
         tmp = tmp_dir(self.root, name, self.run_id)
@@ -215,12 +229,50 @@ class CheckpointManager:
         if error:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
-            previous = latest(self.run_dir)
-            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-            raise RunError(f"Could not save the checkpoint of step {step} under {self.root}: {error}; {kept}.")
+            raise self._failed(step, error)
         if acc.is_main_process:
             self._retain()
+        self.report(f"Saved checkpoint {final}")
         return final
+
+    def poll(self, *, wait: bool = False) -> None:
+        """Move the save in flight on (async_save; nothing to do otherwise). A collective: every rank calls it at the
+        same points, after each step and through `wait`. Once every rank's part is written, rank 0's thread
+        publishes; a failure on any rank raises RunError on every rank, the previous checkpoint left as it was."""
+        import torch
+
+        job = self._in_flight
+        while job is not None:
+            if wait:
+                job.wait_for_milestone()
+            error = self._all_ranks(job.raise_error)
+            if error:
+                self._in_flight = None
+                job.abandon()
+                self.accelerator.wait_for_everyone()  # every thread is done with the temp dir before it goes
+                if self.accelerator.is_main_process:
+                    shutil.rmtree(job.tmp, ignore_errors=True)
+                raise self._failed(job.step, error)
+            done = self.accelerator.reduce(torch.tensor(job.progress(), device=self.accelerator.device), reduction="sum")
+            written, published = done.tolist()
+            if published:
+                self._in_flight = None
+                self.report(f"Saved checkpoint {job.final}")
+                return
+            if not job.publishing and written == self.accelerator.num_processes:
+                job.start_publishing()
+            if not wait:
+                return
+            job = self._in_flight
+
+    def wait(self) -> None:
+        """Block until the save in flight is published (async_save); raises RunError on every rank if it failed."""
+        self.poll(wait=True)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory async_save's copy of the state holds on this rank (0 before the first save)."""
+        return self._staging.nbytes if self._staging is not None else 0
 
     def load(self, ckpt_dir: Path) -> dict:
         """Restore model, optimizer, scheduler and RNG (every rank); returns the checkpoint's training state."""
@@ -228,6 +280,61 @@ class CheckpointManager:
         return json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
 
     # Internals.
+
+    def _save_async(self, step: int, config: dict, state: dict) -> Path:
+        """Copy the state to host memory (all ranks, main thread), then write and publish it in the background."""
+        from opentau_cli.checkpoint.async_save import BackgroundSave, HostStaging, snapshot
+
+        self.wait()  # at most one save in flight: the next one waits for it
+        acc = self.accelerator
+        name = step_dir_name(step, self.total_steps)
+        tmp = tmp_dir(self.root, name, self.run_id)
+        final = self.root / name
+        config, state = json.loads(json.dumps(config)), json.loads(json.dumps(state))  # as they are now
+        first = self._staging is None
+        self._staging = self._staging or HostStaging()
+        writes = []
+
+        def copy_state() -> None:
+            if acc.is_main_process:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+            acc.wait_for_everyone()
+            writes.extend(snapshot(acc, tmp, self._staging, self.save_kwargs))
+
+        error = self._all_ranks(copy_state)
+        if error:
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._failed(step, error)
+        if first:
+            self.report(f"Asynchronous saves: the state is copied into {self.snapshot_bytes / 2**20:.0f} MiB of host "
+                        f"memory on rank {acc.process_index}, kept for the next saves.")
+
+        hashed = {}  # relative path -> (size, hash) of the files this rank's writer wrote, synced
+
+        def write_part() -> None:
+            for write in writes:
+                path, size, digest = write()
+                hashed[path.relative_to(tmp).as_posix()] = (size, digest)
+            fault_point("state_saved", tmp)
+            if acc.is_main_process:
+                self._write_records(tmp, config, state, final)
+
+        def publish() -> None:
+            self._publish(tmp, final, name, hashed)
+            self._retain()
+
+        self._in_flight = BackgroundSave(step, tmp, final, write_part, publish if acc.is_main_process else None)
+        if acc.num_processes == 1:
+            self._in_flight.start_publishing()  # no other rank to wait for: publish as soon as it is written
+        return final
+
+    def _failed(self, step: int, error: str) -> RunError:
+        previous = latest(self.run_dir)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        return RunError(f"Could not save the checkpoint of step {step} under {self.root}: {error}; {kept}.")
 
     def _all_ranks(self, fn) -> str | None:
         """Run fn on this rank; every rank learns whether any rank failed (no rank is left waiting in a barrier)."""
@@ -258,14 +365,18 @@ class CheckpointManager:
         acc.save_state(str(tmp), safe_serialization=True, **self.save_kwargs)
         fault_point("state_saved", tmp)
         if acc.is_main_process:
-            cfg = dict(config)
-            cfg["config_path"] = str(final / TRAIN_CONFIG)  # the config points at itself once published
-            write_json_atomic(tmp / TRAIN_CONFIG, cfg)
-            write_json_atomic(tmp / TRAINING_STATE, dict(state, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+            self._write_records(tmp, config, state, final)
         acc.wait_for_everyone()
 
-    def _publish(self, tmp: Path, final: Path, name: str) -> None:
-        write_manifest(tmp, fsync=True)  # last: its presence says every other file is complete and on disk
+    def _write_records(self, tmp: Path, config: dict, state: dict, final: Path) -> None:
+        cfg = dict(config)
+        cfg["config_path"] = str(final / TRAIN_CONFIG)  # the config points at itself once published
+        write_json_atomic(tmp / TRAIN_CONFIG, cfg)
+        write_json_atomic(tmp / TRAINING_STATE, dict(state, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+
+    def _publish(self, tmp: Path, final: Path, name: str, hashed: dict | None = None) -> None:
+        # Last: its presence says every other file is complete and on disk (`hashed`: by async_save's writer).
+        write_manifest(tmp, fsync=True, hashed=hashed)
         for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
             _fsync_dir(sub)
         old = None

@@ -135,12 +135,14 @@ def write_json_atomic(path: Path, data: dict) -> Path:
     return path
 
 
-def write_manifest(ckpt_dir: Path, *, fsync: bool = False) -> Path:
+def write_manifest(ckpt_dir: Path, *, fsync: bool = False, hashed: dict[str, tuple[int, str]] | None = None) -> Path:
     """Hash every file of ckpt_dir and write ckpt_dir/manifest.json atomically; call it after everything else is written.
 
     fsync=True makes every listed file durable before the manifest vouches for it, so a power loss after publishing
     cannot leave a checkpoint whose manifest is complete but whose data never reached the disk. Raises
     MissingRankState (nothing written) when training_state.json names a world size whose ranks are not all there.
+    `hashed`: files their writer hashed as it wrote them (and synced, where fsync is asked), relative path -> (size,
+    hash); those are not read again while they have that size.
     """
     ckpt_dir = Path(ckpt_dir)
     present = list_files(ckpt_dir)
@@ -158,7 +160,8 @@ def write_manifest(ckpt_dir: Path, *, fsync: bool = False) -> Path:
     files = {}
     for rel in present:
         p = ckpt_dir / rel
-        files[rel] = {"size": p.stat().st_size, "hash": hash_file(p, fsync=fsync)}
+        size, known = p.stat().st_size, (hashed or {}).get(rel)
+        files[rel] = {"size": size, "hash": known[1] if known and known[0] == size else hash_file(p, fsync=fsync)}
     return write_json_atomic(ckpt_dir / MANIFEST, {**manifest, "files": files})
 
 

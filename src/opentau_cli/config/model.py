@@ -155,6 +155,11 @@ class SchedulerConfig(Section):
 class CheckpointConfig(Section):
     keep_last: int | None = Field(None, ge=1, description="Keep only the newest N complete checkpoints (None = all).")
     save_on_preemption: bool = Field(True, description="On SIGTERM/SIGUSR1 finish the step, save, exit 0.")
+    async_save: bool = Field(
+        False,
+        description="Write checkpoints in the background: a save blocks training only while the state is copied to "
+                    "host memory, which holds one such copy per process for the rest of the run.",
+    )
 
 
 class LoggingConfig(Section):

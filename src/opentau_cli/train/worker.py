@@ -57,7 +57,9 @@ def fit(cfg, setup, launch: dict, console) -> int:
         acc.init_trackers(run_id)
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
                              keep_last=cfg.checkpoint.keep_last, protect=resume_from,
-                             save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs)
+                             save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs,
+                             async_save=cfg.checkpoint.async_save,
+                             report=lambda text: progress.message(text))  # progress exists before the first save
     if resume_from is not None:
         trainer.load_state_dict(ckpt.load(resume_from))
         if acc.is_main_process:
@@ -71,6 +73,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     try:
         while trainer.step < cfg.steps:
             result = trainer.train_step(stop_requested=preemption.requested)
+            ckpt.poll()  # async_save: publishes the save in flight once written; raises if it failed
             step = trainer.step
             if result.record is not None:
                 metrics.log(result.record)
@@ -82,11 +85,12 @@ def fit(cfg, setup, launch: dict, console) -> int:
                     metrics.log(record)
                     progress.message(f"step {step}: val_loss {record.get('val_loss', float('nan')):.4f}")
             if step % cfg.save_freq == 0 or step == cfg.steps or result.stop:
-                path = ckpt.save(step, config=config, state=trainer.state_dict())
-                progress.message(f"Saved checkpoint {path}")
+                ckpt.save(step, config=config, state=trainer.state_dict())
             if result.stop:
+                ckpt.wait()
                 progress.message(f"Preempted: saved step {step}; continue with `opentau resume {run_dir}`.")
                 break
+        ckpt.wait()  # async_save: the last save is published before the run ends
     finally:
         progress.close()
         metrics.close()
