@@ -111,3 +111,20 @@ def test_lora_benchmark_smoke_tabulates_both_sides_and_their_ratios(tmp_path):
     assert memory == pytest.approx(lora_peak / full_peak, rel=5e-3)
     assert speed == pytest.approx(lora_speed / full_speed, rel=5e-3)
     assert "ZeRO-2 LoRA / full" not in table  # the smoke run is one DDP pair
+
+
+def test_async_save_benchmark_smoke_gives_the_time_lost_per_save_of_both_modes_and_their_ratio(tmp_path):
+    out = run_benchmark("bench_async_save.py", tmp_path / "B.md")
+    seconds = {kind: float(re.search(rf"segment, {label} \(median s\)\s+(\d+\.\d+)", out).group(1))
+               for kind, label in (("none", "no save"), ("sync", "starts with a sync save"),
+                                   ("async", "starts with an async save, ends when it is published"))}
+    lost = {mode: float(re.search(rf"training time lost per save, {mode}\s+(-?\d+\.\d+) s", out).group(1))
+            for mode in ("sync", "async")}
+    for mode in lost:  # one round: the median of one paired difference
+        assert lost[mode] == pytest.approx(seconds[mode] - seconds["none"], abs=0.011)
+    assert re.search(r"async / sync\s+(-?\d+\.\d\d|nan)x \(target", out)  # nan when sync lost nothing (tiny, noisy)
+    snapshot = int(re.search(r"async snapshot in host memory\s+(\d+) MiB", out).group(1))
+    assert snapshot > 16  # the tiny preset's weights and AdamW state, and the 16 MiB write buffer
+    peaks = re.search(r"peak host memory \(process RSS\)\s+sync saves (\d+) MiB, async saves (\d+) MiB", out)
+    assert peaks and min(map(int, peaks.groups())) > 0
+    assert "target <= 0.25x" in (tmp_path / "B.md").read_text()
