@@ -6,9 +6,9 @@ segment without a save, one that starts with a synchronous save, one that starts
 once that save is published. Segments rotate round by round, so a load that rises or falls favours none. The time
 lost per save is the median over rounds of (segment with that save - the same round's segment without): segments of
 a round run back to back, so they share the machine's load. The asynchronous one includes the copy into host memory,
-what the background writer takes from training and any wait for it. Host memory: the
-snapshot async_save holds, and the process's peak RSS (sampled) with synchronous saves only, before the first
-asynchronous save, and then with asynchronous saves.
+what the background writer takes from training and any wait for it. Host memory: the snapshot async_save holds, and
+the process's peak RSS (sampled) with synchronous saves only, before the first asynchronous save, and then with
+asynchronous saves.
 Target: async loses <= 0.25x of what sync loses on a 2-core CPU machine (there the snapshot is a memory copy and the
 writer competes with training for the cores), <= 0.05x on a GPU (a device-to-host copy).
 
