@@ -106,6 +106,16 @@ def close_process_group() -> None:
         dist.destroy_process_group()
 
 
+# Objects a rank keeps until os._exit: freeing a DDP model runs its Reducer's native destructor, which can deadlock
+# with a gloo thread that is releasing a finished collective and waits for the GIL (seen: a finished demo run hung).
+_KEPT: list = []
+
+
+def keep_until_exit(obj) -> None:
+    """Never free `obj` (e.g. the trainer, which holds the DDP model and the process group) before the rank exits."""
+    _KEPT.append(obj)
+
+
 def exit_rank(code: int) -> NoReturn:
     """Close the process group, flush, and leave without native teardown: with the work done and the logs flushed,
     gloo / DeepSpeed threads torn down at interpreter exit sometimes abort a rank, failing a finished run."""

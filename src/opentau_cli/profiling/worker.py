@@ -70,6 +70,7 @@ def profile(cfg, setup, request: dict) -> dict | None:
     import torch
 
     from opentau_cli.profiling.stats import rank_result
+    from opentau_cli.runtime import keep_until_exit
     from opentau_cli.train.trainer import build_trainer
 
     warmup, steps = request["warmup"], request["steps"]
@@ -77,6 +78,7 @@ def profile(cfg, setup, request: dict) -> dict | None:
     count_step = 0 if request.get("count_flops") and warmup > 0 else None
     timer = FlopCountingTimer(sync=torch.cuda.synchronize if cuda else None, count_step=count_step)
     trainer = build_trainer(cfg, setup)
+    keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:

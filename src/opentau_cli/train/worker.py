@@ -43,6 +43,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
     from opentau_cli.checkpoint.layout import METRICS, TENSORBOARD
     from opentau_cli.checkpoint.manager import CheckpointManager
+    from opentau_cli.runtime import keep_until_exit
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
     from opentau_cli.train.trainer import build_trainer
 
@@ -51,6 +52,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     preemption = Preemption(cfg.checkpoint.save_on_preemption)
     tb_dir = run_dir / TENSORBOARD if cfg.logging.tensorboard else None
     trainer = build_trainer(cfg, setup, tensorboard_dir=tb_dir, console=console)
+    keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
     acc = trainer.accelerator
     run_id = agree_run_id(acc, launch)
     if tb_dir is not None:
