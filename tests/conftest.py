@@ -86,3 +86,15 @@ def offline_hub(monkeypatch, cache: Path) -> dict[str, str]:
 def published_pi05_hub(published_pi05_cache, monkeypatch) -> dict[str, str]:
     """The example pi05 config's sources offline from `published_pi05_cache`, never the network."""
     return offline_hub(monkeypatch, published_pi05_cache)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op torch thread: other jobs share the CPU, and two threads on two loaded cores thrash (10x slower
+    for the tiny matmuls of the policy tests)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -32,11 +32,8 @@ CHUNK, MAX_DIM = 10, 8
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (conftest.one_thread says why)."""
 
 
 def tiny_cfg(**overrides) -> PolicyConfig:

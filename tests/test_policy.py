@@ -20,12 +20,8 @@ STATS = {
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    # Other jobs share the CPU: two intra-op threads on two loaded cores thrash (10x slower for these tiny matmuls).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (conftest.one_thread says why)."""
 
 
 def tiny_cfg(**overrides) -> PolicyConfig:
