@@ -55,7 +55,7 @@ def test_restored_position_reproduces_the_remaining_batches_exactly(dataset, num
     for _ in range(7):
         next(first)
     saved = first.state_dict()
-    assert saved == {"epoch": 1, "batch": 2}  # counts delivered batches, not what workers prefetched
+    assert saved == {"epoch": 1, "batch": 2, "position": 16}  # counts delivered batches, not what workers prefetched
     first.close()
 
     resumed = stream()

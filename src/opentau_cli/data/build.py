@@ -104,7 +104,8 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
 
     micro = cfg.per_device_batch_size or cfg.batch_size
     pin = torch.cuda.is_available()
-    stream = BatchStream(train_ds, sampler, micro, num_workers=cfg.dataset.num_workers, pin_memory=pin)
+    stream = BatchStream(train_ds, sampler, micro, accumulation=cfg.gradient_accumulation_steps,
+                         num_workers=cfg.dataset.num_workers, pin_memory=pin)
     val_loader = None
     if val_ds is not None:
         val_sampler = ResumableSampler(len(val_ds), seed=cfg.seed, rank=rank, world_size=world_size, shuffle=False)

@@ -55,17 +55,17 @@ class _EpochBatches:
     while persistent workers stay alive.
     """
 
-    def __init__(self, sampler: ResumableSampler, batch_size: int):
-        self.sampler, self.batch_size = sampler, batch_size
+    def __init__(self, sampler: ResumableSampler, batch_size: int, batches_per_epoch: int):
+        self.sampler, self.batch_size, self.batches_per_epoch = sampler, batch_size, batches_per_epoch
         self.epoch, self.start = 0, 0
 
     def __len__(self) -> int:
-        return len(self.sampler) // self.batch_size - self.start
+        return self.batches_per_epoch - self.start
 
     def __iter__(self):
         self.sampler.set_epoch(self.epoch)
         idx = self.sampler.indices()
-        for b in range(self.start, len(idx) // self.batch_size):
+        for b in range(self.start, self.batches_per_epoch):
             yield idx[b * self.batch_size : (b + 1) * self.batch_size]
 
 
@@ -88,19 +88,31 @@ def collate(samples: list[dict]) -> dict:
     return out
 
 
-class BatchStream:
-    """Endless batches across epochs; `state_dict()` counts batches handed to the caller (not prefetched ones)."""
+def epoch_steps(num_samples: int, global_batch: int) -> int:
+    """Optimizer steps in one epoch: the epoch's usable length is `num_samples` rounded down to a multiple of the
+    global batch (per-device batch x processes x accumulation), so two launches with the same global batch split
+    every epoch at the same positions whatever their topology (docs/ARCHITECTURE.md, "Data order")."""
+    return num_samples // global_batch
 
-    def __init__(self, dataset, sampler: ResumableSampler, batch_size: int, *, num_workers: int = 0, pin_memory: bool = False,
-                 start_epoch: int = 0, start_batch: int = 0):
+
+class BatchStream:
+    """Endless batches across epochs; `state_dict()` counts batches handed to the caller (not prefetched ones).
+
+    `accumulation` micro-batches of `batch_size` per rank make one optimizer step; an epoch holds whole steps only.
+    """
+
+    def __init__(self, dataset, sampler: ResumableSampler, batch_size: int, *, accumulation: int = 1, num_workers: int = 0,
+                 pin_memory: bool = False, start_epoch: int = 0, start_batch: int = 0):
         self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
-        self.batches_per_epoch = len(sampler) // batch_size
+        self.global_micro_batch = batch_size * sampler.world_size
+        self.batches_per_epoch = epoch_steps(sampler.num_samples, self.global_micro_batch * accumulation) * accumulation
         if self.batches_per_epoch == 0:
             raise UserError(
-                f"one rank's share of the data ({len(sampler)} samples) is smaller than the batch size ({batch_size}): "
-                "use a smaller batch, fewer processes or more episodes."
+                f"one rank's share of the data ({len(sampler)} samples) is smaller than the batch size ({batch_size}"
+                + (f" x {accumulation} accumulation steps" if accumulation > 1 else "")
+                + "): use a smaller batch, fewer processes or more episodes."
             )
-        self._batches = _EpochBatches(sampler, batch_size)
+        self._batches = _EpochBatches(sampler, batch_size, self.batches_per_epoch)
         self._loader = DataLoader(
             dataset,
             batch_sampler=self._batches,
@@ -118,23 +130,31 @@ class BatchStream:
         self.load_state_dict({"epoch": start_epoch, "batch": start_batch})
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch}
+        """`position`: samples of the epoch's global order that all ranks together have consumed, the topology-free
+        form of `batch` that a launch with another number of processes or batch size resumes from."""
+        return {"epoch": self.epoch, "batch": self.batch, "position": self.batch * self.global_micro_batch}
 
     def samples_per_dataset(self) -> list[int]:
         """Samples drawn from each dataset so far by all ranks together: the first batch x batch_size x world_size
         positions of each epoch's global order (docs/ARCHITECTURE.md, "Data order"), so no collective is needed."""
-        world = self.sampler.world_size
-        per_epoch = self.batches_per_epoch * self.batch_size * world
+        per_epoch = self.batches_per_epoch * self.global_micro_batch
         total = np.zeros(self.sampler.num_datasets, dtype=np.int64)
         for epoch in range(self.epoch):
             if epoch not in self._drawn_in_epoch:
                 self._drawn_in_epoch[epoch] = self.sampler.drawn(epoch, per_epoch)
             total += self._drawn_in_epoch[epoch]
-        total += self.sampler.drawn(self.epoch, self.batch * self.batch_size * world)
+        total += self.sampler.drawn(self.epoch, self.batch * self.global_micro_batch)
         return [int(n) for n in total]
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue at a saved position; with `position` (any topology's state) at that global sample position."""
         epoch, batch = int(state["epoch"]), int(state["batch"])
+        if "position" in state:
+            position = int(state["position"])
+            if position % self.global_micro_batch:
+                raise ValueError(f"data position {position} is not a multiple of this launch's global micro-batch "
+                                 f"({self.batch_size} x {self.sampler.world_size} processes)")
+            batch = position // self.global_micro_batch
         epoch, batch = epoch + batch // self.batches_per_epoch, batch % self.batches_per_epoch
         self.epoch, self.batch = epoch, batch
         self._batches.epoch, self._batches.start = epoch, batch
