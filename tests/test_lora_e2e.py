@@ -1,5 +1,5 @@
-"""LoRA end to end through the installed CLI: real `accelerate launch` on 2 CPU processes (DDP, ZeRO-2) with exact
-resume, single process and ZeRO-3 training, the checkpoint's contents, a changed base refused, export's merge.
+"""LoRA end to end through the installed CLI: single process and real `accelerate launch` on 2 CPU processes (DDP,
+ZeRO-2, ZeRO-3), each with exact resume; the checkpoint's contents, a changed base refused, export's merge.
 
 Launches are shared (module-scoped): per resumed backend one uninterrupted run and one resume of its middle checkpoint.
 """
@@ -106,7 +106,7 @@ def expected_keys() -> set[str]:
         return checkpoint_keys(apply_lora(build_policy(cfg.policy), cfg.policy.lora))
 
 
-@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
 def test_a_resumed_lora_run_logs_the_same_losses_as_the_uninterrupted_one(runs, backend):
     full, resumed = losses(runs(backend)), losses(runs(backend, resumed=True))
     assert sorted(full) == list(range(1, STEPS + 1)) and sorted(resumed) == list(range(SAVE + 1, STEPS + 1))
