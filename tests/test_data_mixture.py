@@ -253,3 +253,19 @@ def test_a_mixture_started_from_pretrained_weights_normalizes_with_its_members_s
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_the_changes_between_two_mixtures_are_named_member_and_field():
+    from opentau_cli.data.mixture import mixture_changes
+
+    saved = config(("a", "b", None)).dataset.model_dump(mode="json")["mixture"]
+    assert mixture_changes(saved, [dict(m) for m in saved]) == []
+    reweighted = [dict(saved[0]), {**saved[1], "weight": 2.0, "state_key": "observation.joints"}]
+    assert mixture_changes(saved, reweighted) == [
+        "dataset.mixture[1] (wide).state_key: checkpoint 'observation.state', now 'observation.joints'",
+        "dataset.mixture[1] (wide).weight: checkpoint 1.0, now 2.0"]
+    assert mixture_changes(saved, [saved[0], {**saved[1], "root": "elsewhere/b"}]) == [
+        "dataset.mixture[1] (wide).root: checkpoint 'b', now 'elsewhere/b'"]
+    assert mixture_changes(saved, saved[:1]) == ["dataset.mixture datasets: checkpoint a, wide, now a"]
+    assert mixture_changes(saved, None) == ["dataset.mixture: checkpoint 2 datasets, now none"]
+    assert mixture_changes(None, saved) == ["dataset.mixture: checkpoint none, now 2 datasets"]

@@ -171,6 +171,119 @@ def test_a_mixture_run_records_the_samples_drawn_from_each_dataset_and_their_own
     assert [r["step"] for r in run.full_records if r.get("kind") == "val"] == [SAVE, STEPS]
 
 
+def _by_hand_action_mse(ckpt: Path, member_index: int, stats: dict, stride: int) -> float:
+    """The action MSE on a mixture member's held-out episodes of the checkpoint's policy given `stats` by hand, with
+    eval's noise (one seeded generator, a chunk every `stride` frames, 8 per batch)."""
+    import torch
+
+    from opentau_cli.config import load_config
+    from opentau_cli.data.build import make_dataset, split_episodes
+    from opentau_cli.data.sampler import collate
+    from opentau_cli.policies import build_policy
+
+    cfg = load_config(ckpt / TRAIN_CONFIG, {})
+    policy = build_policy(cfg.policy)
+    policy.load_state_dict(load_file(str(ckpt / MODEL_WEIGHTS)))
+    policy.set_stats(stats)
+    policy.eval()
+    member = cfg.dataset.mixture[member_index]
+    _, held_out = split_episodes(member.root, cfg.validation.val_split, cfg.seed, member.episodes)
+    data = make_dataset(cfg, member, Path(member.root), held_out)
+    generator, steps, joints = torch.Generator().manual_seed(0), cfg.policy.n_action_steps, len(stats["action"]["q01"])
+    indices = list(range(0, len(data), stride))
+    squared, count = 0.0, 0.0
+    for start in range(0, len(indices), 8):
+        batch = collate([data[i] for i in indices[start : start + 8]])
+        noise = torch.randn(len(batch["task"]), cfg.policy.chunk_size, cfg.policy.max_action_dim, generator=generator)
+        with torch.no_grad():
+            predicted = policy.sample_actions(batch, noise=noise)
+        valid = (~batch["action_is_pad"][:, :steps]).double()
+        squared += (((predicted.double() - batch["actions"][:, :steps, :joints].double()) ** 2) * valid[..., None]).sum().item()
+        count += valid.sum().item() * joints
+    return squared / count
+
+
+def test_a_mixture_run_exports_and_evaluates_its_second_dataset_with_that_dataset_s_own_statistics(runs, tmp_path):
+    """--dataset picks the member: the export holds its own statistics (its widths, not the first member's widened
+    ones the policy carries), and eval on its held-out episodes gives the actions of the policy given them by hand."""
+    from typer.testing import CliRunner
+
+    from opentau_cli.cli.main import app
+
+    run = runs("mixture")
+    final = run.dir / CHECKPOINTS / "000006"
+    own = {d["name"]: d["stats"] for d in json.loads((final / TRAINING_STATE).read_text())["datasets"]}
+    exported = tmp_path / "mix_video"
+    r = CliRunner().invoke(app, ["checkpoint", "export", str(run.dir), "--output", str(exported), "--dataset", "mix_video"])
+    assert r.exit_code == 0, r.output
+    weights, held = load_file(str(exported / MODEL_WEIGHTS)), load_file(str(final / MODEL_WEIGHTS))
+    for stat in ("q01", "q99", "mean", "std"):
+        assert weights[f"normalize_inputs.buffer_state.{stat}"].tolist() == pytest.approx(own["mix_video"]["state"][stat])
+        assert weights[f"unnormalize_outputs.buffer_actions.{stat}"].tolist() == pytest.approx(own["mix_video"]["action"][stat])
+    assert len(own["mix_video"]["state"]["q01"]) == 4 and int(held["state_dim"]) == 6  # the policy holds the first's
+    assert weights["normalize_inputs.buffer_state.q99"].tolist() != held["state_q99"][:4].tolist()
+
+    def evaluated(source: Path, name: str, *extra: str) -> dict:
+        r = CliRunner().invoke(app, ["eval", str(source), "--output", str(tmp_path / name), "--stride", "2",
+                                     "--plot-episodes", "0", *extra])
+        assert r.exit_code == 0, r.output
+        return json.loads((tmp_path / name / "eval.json").read_text())
+
+    by_checkpoint = evaluated(run.dir, "eval_checkpoint", "--dataset", "mix_video")
+    assert by_checkpoint["dataset_name"] == "mix_video" and by_checkpoint["held_out"] is True
+    assert by_checkpoint["policy"]["mse"] == pytest.approx(_by_hand_action_mse(final, 1, own["mix_video"], stride=2), rel=1e-5)
+    # The export, evaluated as a model on the same episodes of the same data, mapped as the member maps it.
+    member = json.loads((final / TRAIN_CONFIG).read_text())["dataset"]["mixture"][1]
+    by_export = evaluated(exported, "eval_export", f"--dataset.root={member['root']}", "--dataset.num_cameras=2",
+                          f"--dataset.camera_keys={json.dumps(member['camera_keys'])}",
+                          "--episodes", ",".join(map(str, by_checkpoint["episodes"])))
+    assert by_export["policy"]["mse"] == pytest.approx(by_checkpoint["policy"]["mse"], rel=1e-5)
+    assert by_export["mean_action"]["mse"] == pytest.approx(by_checkpoint["mean_action"]["mse"], rel=1e-5)
+
+
+def test_export_and_eval_refuse_a_dataset_the_run_did_not_train_on_naming_its_datasets(runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from opentau_cli.cli.main import app
+
+    for run, named in ((runs("mixture").dir, "mix_png, mix_video"), (runs("ddp").dir, "demo")):
+        for command in (["checkpoint", "export", str(run), "--output", str(tmp_path / "out")],
+                        ["eval", str(run), "--output", str(tmp_path / "out")]):
+            r = CliRunner().invoke(app, [*command, "--dataset", "mix_vidoe"])
+            assert r.exit_code == 2 and r.stderr.strip().count("\n") == 0 and "Traceback" not in r.output, r.output
+            assert f"--dataset mix_vidoe: no dataset of that name; the datasets are {named}." in r.stderr
+    r = CliRunner().invoke(app, ["eval", str(runs("mixture").dir), "--dataset.root=@demo", "--output", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--dataset.root: the run trained on a mixture" in r.stderr and "--dataset NAME" in r.stderr, r.output
+    assert not (tmp_path / "out").exists()
+    # A single-dataset run takes its own dataset's name: the policy's statistics are that dataset's.
+    r = CliRunner().invoke(app, ["checkpoint", "export", str(runs("ddp").dir), "--output", str(tmp_path / "demo"), "--dataset", "demo"])
+    assert r.exit_code == 0, r.output
+
+
+def test_resuming_a_mixture_with_another_mixture_exits_2_naming_what_changed(runs, tmp_path, monkeypatch):
+    """Planned in-process like the other resume refusals: nothing launched or written."""
+    from typer.testing import CliRunner
+
+    from opentau_cli import launch
+    from opentau_cli.cli.main import app
+    from opentau_cli.config import Machine
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setattr(Machine, "this", classmethod(lambda cls: Machine(cuda=False, gpus=0)))
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("the resume got past its checks"))
+    ckpt = _copy_ckpt(runs("mixture").ckpt_mid, tmp_path / "run")
+    mixture = json.loads((ckpt / TRAIN_CONFIG).read_text())["dataset"]["mixture"]
+    reweighted = json.dumps([mixture[0], {**mixture[1], "weight": 2.0}])
+    before = _tree(tmp_path / "run")
+    for command in (["resume", str(ckpt)], ["train", f"--config_path={ckpt / TRAIN_CONFIG}", "--resume=true"]):
+        r = CliRunner().invoke(app, [*command, f"--dataset.mixture={reweighted}"])
+        assert r.exit_code == 2 and r.stderr.strip().count("\n") == 0, r.output
+        assert "trained on another mixture (dataset.mixture[1] (mix_video).weight: checkpoint 1.0, now 2.0)" in r.stderr
+    r = CliRunner().invoke(app, ["resume", str(ckpt), f"--dataset.mixture={json.dumps(mixture[:1])}"])
+    assert r.exit_code == 2 and "datasets: checkpoint mix_png, mix_video, now mix_png" in r.stderr, r.output
+    assert _tree(tmp_path / "run") == before
+
+
 def test_metrics_records_have_the_documented_keys(runs):
     rec = runs("ddp").full_records[0]
     for key in ("step", "loss", "mse_loss", "lr", "grad_norm", "samples_per_s"):

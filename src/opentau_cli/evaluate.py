@@ -19,7 +19,8 @@ import torch
 
 from opentau_cli.checkpoint.layout import TRAIN_CONFIG
 from opentau_cli.config.load import load_config
-from opentau_cli.config.model import TrainConfig
+from opentau_cli.config.model import DatasetSource, MixtureMember, TrainConfig
+from opentau_cli.data.mixture import member_statistics, select_member
 from opentau_cli.errors import UserError
 
 EVAL_JSON = "eval.json"
@@ -44,20 +45,44 @@ def _is_training_checkpoint(path: Path) -> bool:
     return path.is_dir() and (is_checkpoint_dir(path) or (path / CHECKPOINTS).is_dir() or path.name == CHECKPOINTS)
 
 
-def _from_checkpoint(path: Path, overrides: dict) -> tuple[TrainConfig, torch.nn.Module, dict]:
-    from opentau_cli.checkpoint.export import check_entries, open_saved_policy, policy_layout
-    from opentau_cli.policies import build_policy
+def _from_checkpoint(path: Path, overrides: dict, dataset: str | None) -> tuple[TrainConfig, MixtureMember, torch.nn.Module, dict]:
+    """The run's config, the dataset evaluated and the policy normalizing with that dataset's statistics."""
+    from opentau_cli.checkpoint.export import open_saved_policy
+    from opentau_cli.checkpoint.manager import read_training_state
 
     saved = open_saved_policy(path)
     cfg = load_config(saved.path / TRAIN_CONFIG, overrides)
+    member = _run_member(cfg, overrides, dataset)
+    policy, origin = _policy_of_checkpoint(saved, cfg)
+    if cfg.dataset.mixture is not None:  # the policy holds the first member's statistics, widened: serve this one's
+        policy.set_stats(member_statistics(read_training_state(saved.path), member))
+        origin["statistics"] = f"dataset {member.label}'s own, from the checkpoint's training_state.json"
+    return cfg, member, policy, origin
+
+
+def _run_member(cfg: TrainConfig, overrides: dict, dataset: str | None) -> MixtureMember:
+    """The dataset `--dataset` picks; a mixture reads its members' own fields, so a top-level one would be ignored."""
+    if cfg.dataset.mixture is not None:
+        for key in overrides:
+            if key.startswith("dataset.") and key[len("dataset."):] in DatasetSource.model_fields:
+                raise UserError(f"--{key}: the run trained on a mixture, whose members carry their own; evaluate a "
+                                "member with --dataset NAME, or export it (`checkpoint export --dataset NAME`) and "
+                                "evaluate the model on other data with --dataset.root.")
+    return select_member(cfg, dataset)
+
+
+def _policy_of_checkpoint(saved, cfg: TrainConfig) -> tuple[torch.nn.Module, dict]:
+    from opentau_cli.checkpoint.export import check_entries, policy_layout
+    from opentau_cli.policies import build_policy
+
     if cfg.policy.lora.enabled:  # the adapted policy as it trained (base, then adapters), not a merge of it
         from opentau_cli.checkpoint.manager import read_training_state
         from opentau_cli.policies.lora import check_base, restore_policy
 
         check_base(saved.path, read_training_state(saved.path), cfg)
         policy = restore_policy(cfg, {name: entry.produce() for name, entry in saved.entries.items()})
-        return cfg, policy, {"checkpoint": str(saved.path), "statistics": "from the checkpoint (the policy's statistics buffers)",
-                             "lora": f"rank {cfg.policy.lora.rank} adapters on their base weights"}
+        return policy, {"checkpoint": str(saved.path), "statistics": "from the checkpoint (the policy's statistics buffers)",
+                        "lora": f"rank {cfg.policy.lora.rank} adapters on their base weights"}
     shapes, _ = policy_layout(cfg.policy)
     check_entries(saved, shapes)
     policy = build_policy(cfg.policy)
@@ -65,7 +90,7 @@ def _from_checkpoint(path: Path, overrides: dict) -> tuple[TrainConfig, torch.nn
     with torch.no_grad():
         for name in shapes:  # one tensor at a time: the state_dict's tensors are the policy's own storage
             own[name].copy_(saved.entries[name].produce())
-    return cfg, policy, {"checkpoint": str(saved.path), "statistics": "from the checkpoint (the policy's statistics buffers)"}
+    return policy, {"checkpoint": str(saved.path), "statistics": "from the checkpoint (the policy's statistics buffers)"}
 
 
 def _model_config(cfg: TrainConfig, ckpt, overrides: dict) -> TrainConfig:
@@ -139,15 +164,11 @@ def _from_model(cfg: TrainConfig, source: str, dataset_stats: dict) -> tuple[tor
 
 
 # ------------------------------------------------------------------------------------------- the data
-def _dataset(cfg: TrainConfig, episodes: list[int] | None, from_run: bool):
+def _dataset(cfg: TrainConfig, member: MixtureMember, episodes: list[int] | None, from_run: bool):
     """The evaluated dataset and whether its episodes are the run's held-out ones."""
     from opentau_cli.data.build import make_dataset, split_episodes
     from opentau_cli.data.synth import resolve_dataset_root
 
-    members = cfg.dataset.members()
-    if len(members) > 1:
-        raise UserError("eval reads one dataset: pass --dataset.root=DIR (the run trained on a mixture).")
-    member = members[0]
     root = resolve_dataset_root(member.root)
     held_out = False
     if episodes is None and from_run and cfg.validation.val_split > 0:
@@ -219,12 +240,11 @@ def _check_widths(policy, dataset) -> None:
                             "evaluate it on its own robot's data.")
 
 
-def _trajectories(policy, cfg, dataset, episodes: list[int], device, generator) -> list[dict]:
+def _trajectories(policy, cfg, member: MixtureMember, episodes: list[int], device, generator) -> list[dict]:
     """For a few episodes: the recorded actions, and the chunks sampled every n_action_steps frames laid end to end."""
     from opentau_cli.data.build import make_dataset
     from opentau_cli.data.synth import resolve_dataset_root
 
-    member = cfg.dataset.members()[0]
     root = resolve_dataset_root(member.root)
     out = []
     for episode in episodes:
@@ -277,8 +297,9 @@ def _device(name: str | None) -> torch.device:
 
 def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: list[int] | None = None,
              output: Path | None = None, batch_size: int = 8, stride: int = 1, plot_episodes: int = 3,
-             device: str | None = None, seed: int = 0, echo=print) -> Evaluated:
-    """Evaluate `source` (a training checkpoint / run, or a model) and write eval.json and eval.png into `output`."""
+             device: str | None = None, seed: int = 0, dataset: str | None = None, echo=print) -> Evaluated:
+    """Evaluate `source` (a training checkpoint / run, or a model) on `dataset` (a name of its config's datasets;
+    default: the first) and write eval.json and eval.png into `output`."""
     overrides = dict(overrides or {})
     if batch_size < 1 or stride < 1 or plot_episodes < 0:
         raise UserError("--batch-size and --stride must be at least 1, --plot-episodes at least 0.")
@@ -286,25 +307,26 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     path = Path(str(source)).expanduser()
     from_run = _is_training_checkpoint(path)
     if from_run:
-        cfg, policy, origin = _from_checkpoint(path, overrides)
-        dataset, held_out = _dataset(cfg, episodes, from_run=True)
+        cfg, member, policy, origin = _from_checkpoint(path, overrides, dataset)
+        data, held_out = _dataset(cfg, member, episodes, from_run=True)
     else:
         cfg = _model_policy_config(str(source), overrides)
-        dataset, held_out = _dataset(cfg, episodes, from_run=False)
-        policy, origin = _from_model(cfg, str(source), dataset.stats)
-    _check_widths(policy, dataset)
+        member = select_member(cfg, dataset)
+        data, held_out = _dataset(cfg, member, episodes, from_run=False)
+        policy, origin = _from_model(cfg, str(source), data.stats)
+    _check_widths(policy, data)
     output = Path(output) if output is not None else Path("outputs") / "eval" / (path.name or "model")
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file, not a directory.")
 
     policy.to(dev).eval()
-    steps, joints = policy.cfg.n_action_steps, dataset.action_dim
+    steps, joints = policy.cfg.n_action_steps, data.action_dim
     mean = policy.action_mean[:joints].float().cpu()
     ours, baseline = _Errors(steps, joints), _Errors(steps, joints)
     generator = torch.Generator().manual_seed(seed)
-    indices = list(range(0, len(dataset), stride))
-    echo(f"Evaluating {len(indices)} action chunks of {len(dataset.episodes)} episodes on {dev}...")
-    for batch in _batches(dataset, indices, batch_size):
+    indices = list(range(0, len(data), stride))
+    echo(f"Evaluating {len(indices)} action chunks of {len(data.episodes)} episodes on {dev}...")
+    for batch in _batches(data, indices, batch_size):
         predicted = _sample(policy, batch, dev, generator)
         target = batch["actions"][:, :steps, :joints]
         valid = (~batch["action_is_pad"][:, :steps]).double()
@@ -313,7 +335,7 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     report = {
         **origin,
         "policy_type": policy.cfg.type, "preset": policy.cfg.preset,
-        "dataset": cfg.dataset.members()[0].root, "episodes": list(dataset.episodes), "held_out": held_out,
+        "dataset": member.root, "dataset_name": member.label, "episodes": list(data.episodes), "held_out": held_out,
         "samples": len(indices), "stride": stride, "n_action_steps": steps, "action_dim": joints, "seed": seed,
         "baseline": "the mean action of the policy's normalization statistics, at every step",
         "policy": ours.summary(), "mean_action": baseline.summary(),
@@ -325,9 +347,9 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     from opentau_cli.checkpoint.manifest import write_json_atomic
 
     json_path = write_json_atomic(output / EVAL_JSON, report)
-    shown = list(dataset.episodes)[:plot_episodes]
+    shown = list(data.episodes)[:plot_episodes]
     plot_path = output / EVAL_PLOT if shown else None
     if shown:
-        _plot(plot_path, _trajectories(policy, cfg, dataset, shown, dev, generator),
+        _plot(plot_path, _trajectories(policy, cfg, member, shown, dev, generator),
               f"{path.name}: predicted (chunks every {steps} frames) vs recorded actions")
     return Evaluated(report, json_path, plot_path)

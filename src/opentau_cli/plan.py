@@ -53,6 +53,19 @@ def check_lora_resume(ckpt: Path, cfg: TrainConfig, state: dict) -> None:
     check_resume(ckpt, saved.get("policy", {}), state, cfg)
 
 
+def check_mixture_resume(ckpt: Path, cfg: TrainConfig) -> None:
+    """The checkpoint's dataset.mixture: another one would not continue its data order, nor fit its statistics."""
+    import json
+
+    from opentau_cli.data.mixture import mixture_changes
+
+    saved = json.loads((ckpt / TRAIN_CONFIG).read_text()).get("dataset", {}).get("mixture")  # read by check_resumable
+    changes = mixture_changes(saved, cfg.dataset.model_dump(mode="json")["mixture"])
+    if changes:
+        raise UserError(f"Checkpoint '{ckpt}' trained on another mixture ({'; '.join(changes)}): resume with the "
+                        "checkpoint's dataset.mixture, or start a new run with --policy.pretrained_path.")
+
+
 def check_output_dir(cfg: TrainConfig) -> list[str]:
     """A fresh run never writes into another run's directory by accident (a failed start's leftovers do not count)."""
     if cfg.resume or cfg.overwrite or not holds_run(cfg.output_dir):
@@ -134,6 +147,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     checked = check_launch(cfg, setup, machine)
     state = check_resumable(ckpt, checked.config, setup)
     check_lora_resume(ckpt, checked.config, state)
+    check_mixture_resume(ckpt, checked.config)
     done = int(state.get("step", 0)) >= checked.config.steps
     if done:
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "

@@ -26,7 +26,8 @@ from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
 from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import ShardFormatError
-from opentau_cli.config.model import PolicyConfig, TrainConfig
+from opentau_cli.config.model import MixtureMember, PolicyConfig, TrainConfig
+from opentau_cli.data.mixture import member_statistics, select_member
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.policies.layouts import (
     LEROBOT, OPENPI, OPENTAU, Layout, opentau_stats_tensors, published_names, write_lerobot_stats, write_openpi_stats,
@@ -184,13 +185,9 @@ def policy_fields(config: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- writing
-def _asset_name(cfg: TrainConfig) -> str:
-    """openpi names a robot's assets after its dataset: the dataset folder ('demo' for the bundled one)."""
-    from opentau_cli.config.model import DEMO_DATASET
-
-    members = cfg.dataset.members()
-    root = members[0].root if len(members) == 1 else "mixture"
-    return DEMO_DATASET.lstrip("@") if root == DEMO_DATASET else (Path(root).name or "robot")
+def _asset_name(member: MixtureMember) -> str:
+    """openpi names a robot's assets after its dataset: the served dataset's name ('demo' for the bundled one)."""
+    return member.label.strip("/").replace("/", "_") or "robot"
 
 
 def _output_dtype(name: str, dtype: torch.dtype, entry: TensorEntry) -> TensorEntry:
@@ -225,8 +222,10 @@ def _check_output(output: Path) -> None:
         raise UserError(f"--output {output}: {parent} is not writable.")
 
 
-def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "fp32", progress=None) -> ExportResult:
-    """Write the policy of a run / checkpoint directory as a plain model in `layout`. Raises UserError / RunError."""
+def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "fp32", dataset: str | None = None,
+           progress=None) -> ExportResult:
+    """Write the policy of a run / checkpoint directory as a plain model in `layout`, serving `dataset` (a name of the
+    run's datasets; default: the first) with that dataset's statistics. Raises UserError / RunError."""
     if layout not in EXPORT_LAYOUTS:
         raise UserError(f"--layout must be one of {', '.join(EXPORT_LAYOUTS)}, not '{layout}'.")
     if dtype not in DTYPES:
@@ -234,13 +233,14 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     output = Path(output)
     _check_output(output)
     saved = open_saved_policy(target)
+    member = select_member(saved.config, dataset)
     if saved.config.policy.lora.enabled:
         saved.entries = _merged_lora(saved)
     shapes, params = policy_layout(saved.config.policy)
     check_entries(saved, shapes)
     published = Layout(layout, saved.config.policy.type)
     try:
-        stats = statistics(saved)
+        stats = _served_statistics(saved, member)
     except ShardFormatError as exc:  # a shard that reads as truncated or corrupt only when its data is read
         raise UserError(str(exc)) from None
     entries = weight_entries(saved, params, published, DTYPES[dtype])
@@ -253,14 +253,15 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
         raise UserError(f"Not enough disk space for {output}: the model needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB are free.")
 
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    metadata = {"format": "pt", "producer": "opentau checkpoint export", "layout": layout, "step": str(_step(saved))}
+    metadata = {"format": "pt", "producer": "opentau checkpoint export", "layout": layout, "step": str(_step(saved)),
+                "dataset": member.label}
     try:
         staging.mkdir()
         files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, progress)]
         if layout == LEROBOT:
             files += write_lerobot_stats(staging, stats, published.policy_type)
         elif layout == OPENPI:
-            files.append(write_openpi_stats(staging, stats, _asset_name(saved.config)))
+            files.append(write_openpi_stats(staging, stats, _asset_name(member)))
         (staging / MODEL_CONFIG).write_text(json.dumps(model_config(layout, saved.config.policy, stats, dtype), indent=2) + "\n")
         files.append(staging / MODEL_CONFIG)
         if output.exists():
@@ -276,6 +277,15 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total)
+
+
+def _served_statistics(saved: SavedPolicy, member: MixtureMember) -> dict:
+    """A mixture member's own statistics (the policy holds the first member's, widened), else the policy's own."""
+    from opentau_cli.checkpoint.manager import read_training_state
+
+    if saved.config.dataset.mixture is None:
+        return statistics(saved)
+    return member_statistics(read_training_state(saved.path), member)
 
 
 def _merged_lora(saved: SavedPolicy) -> dict[str, TensorEntry]:

@@ -68,6 +68,8 @@ def export_cmd(
     output: Path = typer.Option(..., "--output", "-o", help="New directory for the model (must not exist, or be empty)."),
     layout: str = typer.Option("opentau", "--layout", help="opentau (OpenTau, statistics in the weights), lerobot or openpi."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (norms, embeddings and action/time projections stay fp32, as openpi keeps them)."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run whose robot the model serves, "
+                                                                 "by its name (default: the first): its statistics and widths."),
 ) -> None:
     """Write a checkpoint's policy as a plain model in a published layout, with its normalization statistics in
     that layout's place and a config.json in its convention (DeepSpeed shards are gathered, streaming).
@@ -77,10 +79,12 @@ def export_cmd(
       opentau checkpoint export outputs/train/pi05/checkpoints/last --output exported/pi05_lerobot --layout lerobot
 
       opentau checkpoint export outputs/train/pi05 --output exported/pi05_openpi --layout openpi --dtype bf16
+
+      opentau checkpoint export outputs/train/mixture --output exported/reach_video --dataset reach_video
     """
     from opentau_cli.checkpoint.export import export
 
-    result = export(checkpoint, output, layout=layout, dtype=dtype)
+    result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset)
     typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
                f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
 

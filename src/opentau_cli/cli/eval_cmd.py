@@ -23,6 +23,8 @@ def eval_cmd(
     plot_episodes: int = typer.Option(3, "--plot-episodes", help="Episodes drawn in eval.png."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 (default: cuda when there is a GPU)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling noise."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run to evaluate on, by its name "
+                                                                 "(default: the first), with its own statistics."),
 ) -> None:
     """Sample action chunks on held-out episodes and report the action error (per joint and per chunk position)
     against the recorded actions and against the mean-action baseline; writes eval.json and eval.png.
@@ -34,13 +36,15 @@ def eval_cmd(
       opentau eval outputs/train/pi05_tiny
 
       opentau eval exported/pi05_lerobot --dataset.root=data/my_robot --episodes 40,41,42 --output outputs/eval/mine
+
+      opentau eval outputs/train/mixture --dataset reach_video
     """
     from opentau_cli.config.load import parse_overrides
     from opentau_cli.evaluate import evaluate, parse_episodes
 
     result = evaluate(source, overrides=parse_overrides(list(ctx.args)), episodes=parse_episodes(episodes), output=output,
                       batch_size=batch_size, stride=stride, plot_episodes=plot_episodes, device=device, seed=seed,
-                      echo=lambda m: typer.echo(m, err=True))
+                      dataset=dataset, echo=lambda m: typer.echo(m, err=True))
     r = result.report
     ours, mean = r["policy"], r["mean_action"]
     typer.echo(f"{'':14}{'policy':>12}{'mean action':>14}")

@@ -44,6 +44,40 @@ def mixture_stats(member_stats: list[dict]) -> dict:
     return out
 
 
+def select_member(cfg, name: str | None):
+    """The dataset of a config (a run's mixture, or its one dataset) that `--dataset NAME` picks (default: the
+    first); another name is refused naming the datasets."""
+    from opentau_cli.errors import UserError
+
+    members = cfg.dataset.members()
+    labels = [m.label for m in members]
+    if name is not None and name not in labels:
+        raise UserError(f"--dataset {name}: no dataset of that name; the datasets are {', '.join(labels)}.")
+    return members[labels.index(name) if name is not None else 0]
+
+
+def member_statistics(state: dict, member) -> dict:
+    """A mixture member's own statistics (its widths) as training_state.json records them: what serves its robot."""
+    return next(d["stats"] for d in state["datasets"] if d["name"] == member.label)
+
+
+def mixture_changes(saved: list[dict] | None, now: list[dict] | None) -> list[str]:
+    """What differs between a checkpoint's dataset.mixture and a launch's (both as train_config.json holds them)."""
+    from opentau_cli.config.model import MixtureMember
+
+    if saved == now:
+        return []
+    if saved is None or now is None:
+        sizes = ["none" if members is None else f"{len(members)} datasets" for members in (saved, now)]
+        return [f"dataset.mixture: checkpoint {sizes[0]}, now {sizes[1]}"]
+    labels = [[MixtureMember.model_validate(m).label for m in members] for members in (saved, now)]
+    if labels[0] != labels[1]:
+        return [f"dataset.mixture datasets: checkpoint {', '.join(labels[0])}, now {', '.join(labels[1])}"]
+    return [f"dataset.mixture[{i}] ({label}).{key}: checkpoint {old.get(key)!r}, now {new.get(key)!r}"
+            for i, (label, old, new) in enumerate(zip(labels[0], saved, now))
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
 def into_policy_space(values: np.ndarray, own: dict, target: dict, mode: str) -> np.ndarray:
     """A member's (frames, w) values -> (frames, W) values that the policy, normalizing with `target` (W wide),
     sees exactly as normalized with the member's `own` statistics; dims past w normalize to 0."""
