@@ -43,6 +43,10 @@ class ZeroCheckpoint:
     world_size: int
     step: int | None
     entries: list[TensorEntry] = field(default_factory=list)  # source dtype (before output casting)
+    # AdamW's moments of every trainable parameter, by name ("exp_avg" / "exp_avg_sq" -> name -> entry), and the
+    # optimizer's step count: what an elastic resume carries into another topology (checkpoint/reshard.py).
+    moments: dict[str, dict[str, TensorEntry]] = field(default_factory=dict)
+    optimizer_step: float | None = None
 
 
 @dataclass
@@ -109,14 +113,27 @@ def _scalar(t) -> float | None:
     return float(t.read().reshape(-1)[0]) if isinstance(t, LazyTensor) and t.numel() == 1 else None
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _base_optimizer_states(optim_sd: dict) -> list[dict]:
+    """The wrapped (torch) optimizer's state of each flat fp32 group in an optim-states file, in group order: ZeRO-3
+    keeps its state_dict under optimizer_state_dict, ZeRO-1/2 under base_optimizer_state (a state_dict, or with
+    elastic checkpoints a list of per-group states); empty before the first optimizer step."""
+    base = optim_sd.get("optimizer_state_dict") if "fp32_flat_groups" in optim_sd else optim_sd.get("base_optimizer_state")
+    if isinstance(base, list):
+        return [s for s in base if isinstance(s, dict)]
+    state = base.get("state") if isinstance(base, dict) else None
+    if not isinstance(state, dict):
+        return []
+    return [state[k] for k in sorted(state) if isinstance(state[k], dict)]
+
+
 def _optimizer_step(optim_sd: dict) -> float | None:
     """The optimizer's step count in an optim-states file (same on every rank of one save)."""
-    base = optim_sd.get("optimizer_state_dict")
-    state = base.get("state") if isinstance(base, dict) else None
-    if isinstance(state, dict):
-        for s in state.values():
-            if isinstance(s, dict) and "step" in s:
-                return _scalar(s["step"]) if isinstance(s["step"], LazyTensor) else float(s["step"])
+    for s in _base_optimizer_states(optim_sd):
+        if "step" in s:
+            return _scalar(s["step"]) if isinstance(s["step"], LazyTensor) else float(s["step"])
     return None
 
 
@@ -184,8 +201,9 @@ def _read_zero_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
         raise UserError(f"{optim_files[r]} is from another save: its optimizer is at step {steps[r]:g}, "
                         f"rank 0's at {steps[0]:g}.")
 
-    ckpt = ZeroCheckpoint(tag_dir, stage, world, global_steps.get(0))
+    ckpt = ZeroCheckpoint(tag_dir, stage, world, global_steps.get(0), optimizer_step=steps[0])
     ckpt.entries = _plan(stage, world, models, optim, optim_files)
+    ckpt.moments = _plan_moments(stage, world, models, optim, optim_files)
     return ckpt
 
 
@@ -229,6 +247,28 @@ def _plan(stage, world, models, optim, optim_files) -> list[TensorEntry]:
             src = entries[source]
             entries[alias] = TensorEntry(alias, src.shape, src.dtype, src.produce)
     return list(entries.values())
+
+
+def _plan_moments(stage, world, models, optim, optim_files) -> dict[str, dict[str, TensorEntry]]:
+    """AdamW's moments by parameter name: their flat per-group partitions have the layout of the fp32 master
+    partitions, so they are cut exactly like them (ZeRO-1/2's padding lies past the last parameter)."""
+    states = [_base_optimizer_states(optim[r]["optimizer_state_dict"]) for r in range(world)]
+    if not all(states) or any(m not in s for rank in states for s in rank for m in MOMENTS):
+        return {}  # saved before the first optimizer step, or another optimizer
+    param_shapes = models[0]["param_shapes"]
+    out = {}
+    for moment in MOMENTS:
+        groups = [[s[moment] for s in states[r]] for r in range(world)]
+        entries: dict[str, TensorEntry] = {}
+        if stage <= 2:
+            paddings = optim[0]["optimizer_state_dict"].get("param_alignment_paddings")
+            for g, shapes in enumerate(param_shapes):
+                _plan_zero2_group(entries, shapes, [groups[r][g] for r in range(world)],
+                                  paddings[g] if paddings is not None else None, world, optim_files)
+        else:
+            _plan_zero3(entries, param_shapes, groups, world, optim_files)
+        out[moment] = entries
+    return out
 
 
 def _reader_whole(t: LazyTensor):

@@ -1,0 +1,373 @@
+"""Elastic resume: continue a checkpoint under another number of processes or machines, or another backend
+(docs/ARCHITECTURE.md, "Resume contract").
+
+A checkpoint is first read into a topology-free form: for every parameter name its full fp32 weight (the fp32
+master weight where DeepSpeed keeps one), AdamW's exp_avg / exp_avg_sq and step count, plus buffers, frozen
+parameters and the scheduler. DeepSpeed ZeRO-1/2/3 shards are read with the safe shard reader and cut by the
+consolidator's plan (checkpoint/consolidate.py); a single / DDP checkpoint's optimizer.bin and scheduler.bin with
+`weights_only` loads after the pickle scan. That state is then put into the freshly prepared launch: plain torch
+parameters and optimizer state for single / DDP, DeepSpeed's own `safe_set_full_fp32_param` /
+`safe_set_full_optimizer_state` for ZeRO, and read back with `safe_get_*` to check it arrived exactly.
+
+The data position is topology-free already (data/sampler.py); the global batch is kept by `fit_global_batch`.
+The random streams of the new ranks are derived from (seed, step, rank): an old rank's state is never reused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAINING_STATE
+from opentau_cli.errors import RunError, UserError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+# Topology: what the launch was, as training_state.json records it.
+
+def topology(state: dict) -> dict:
+    """The launch a checkpoint was saved by (`topologies`' last entry; older checkpoints: their own fields)."""
+    history = topologies(state)
+    return history[-1]
+
+
+def topologies(state: dict) -> list[dict]:
+    """Every launch the run went through, oldest first: {step, world_size, backend, zero_stage, per_device_batch,
+    grad_accum, machines}. A checkpoint written before the history existed gives one entry from its own fields."""
+    if state.get("topologies"):
+        return list(state["topologies"])
+    acc = state.get("accelerate") or {}
+    return [{"step": 0, "world_size": state.get("world_size"), "backend": state.get("backend"),
+             "zero_stage": state.get("zero_stage"), "per_device_batch": None, "grad_accum": None,
+             "machines": acc.get("num_machines", 1)}]
+
+
+def topology_entry(step: int, setup, cfg) -> dict:
+    return {"step": step, "world_size": setup.world_size, "backend": setup.backend,
+            "zero_stage": setup.zero_stage if setup.backend == "deepspeed" else None,
+            "per_device_batch": cfg.per_device_batch_size, "grad_accum": cfg.gradient_accumulation_steps,
+            "machines": setup.num_machines}
+
+
+def with_topology(history: list[dict], entry: dict) -> list[dict]:
+    """The history with this launch appended (once: later saves of the same launch do not repeat it)."""
+    last = history[-1] if history else None
+    same = last is not None and all(last.get(k) == entry[k] for k in entry if k != "step")
+    return list(history) if same else [*history, entry]
+
+
+def is_reshard(state: dict, setup) -> bool:
+    """Whether resuming `state` into `setup` changes the topology (processes, backend or ZeRO stage)."""
+    saved_ds = state.get("backend") == "deepspeed"
+    now_ds = setup.backend == "deepspeed"
+    return (state.get("world_size") != setup.world_size or saved_ds != now_ds
+            or (saved_ds and state.get("zero_stage") != setup.zero_stage))
+
+
+def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, overrides: dict) -> dict:
+    """Per-process batch, per-device batch and accumulation for `world` processes that keep the checkpoint's global
+    batch (batch_size x processes): accumulation is kept where the new per-process batch divides by it, else the
+    per-device batch, else accumulation goes to 1. Values given on the command line are kept and checked.
+    Raises UserError naming the process counts that work when none does."""
+    batch, accum = int(saved_cfg["batch_size"]), int(saved_cfg.get("gradient_accumulation_steps") or 1)
+    micro = int(saved_cfg.get("per_device_batch_size") or batch // accum)
+    global_batch = batch * saved_world
+    if global_batch % world:
+        fits = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        raise UserError(
+            f"The checkpoint's global batch ({global_batch} = {batch} per process x {saved_world} processes) does not "
+            f"divide over {world} processes: resume with one of {', '.join(map(str, fits))} processes, or start a new "
+            "run from its weights with --policy.pretrained_path.")
+    per_process = global_batch // world
+    given_accum = overrides.get("gradient_accumulation_steps")
+    given_micro = overrides.get("per_device_batch_size")
+    if given_accum is not None or given_micro is not None:
+        accum = int(given_accum) if given_accum is not None else (per_process // int(given_micro) if int(given_micro) else 0)
+        micro = int(given_micro) if given_micro is not None else (per_process // accum if accum else 0)
+        if micro * accum != per_process:
+            raise UserError(
+                f"Keeping the checkpoint's global batch of {global_batch} on {world} processes needs per-device batch x "
+                f"accumulation = {per_process}; --per_device_batch_size={micro} x --gradient_accumulation_steps={accum} "
+                "is not: drop them to let resume choose, or pick a pair whose product is that.")
+    elif per_process % accum == 0:
+        micro = per_process // accum
+    elif per_process % micro == 0:
+        accum = per_process // micro
+    else:
+        micro, accum = per_process, 1
+    return {"batch_size": per_process, "per_device_batch_size": micro, "gradient_accumulation_steps": accum}
+
+
+def describe_change(before: dict, after: dict) -> str:
+    """One line: what changed between two topology entries."""
+    def launch(t):
+        backend = f"ZeRO-{t['zero_stage']}" if t.get("backend") == "deepspeed" else t.get("backend")
+        return f"{t.get('world_size')} processes on {t.get('machines') or 1} machine(s) under {backend}"
+
+    def batch(t):
+        if t.get("per_device_batch") is None:
+            return "?"
+        return f"per-device batch {t['per_device_batch']} x accumulation {t['grad_accum']}"
+
+    return (f"Elastic resume: {launch(before)} -> {launch(after)}; {batch(before)} -> {batch(after)} "
+            f"(global batch kept); the data continues at its global sample position.")
+
+
+# The topology-free state.
+
+@dataclass
+class CanonicalState:
+    """Full tensors by parameter / buffer name, each read only when asked (a callable), plus the optimizer's step
+    count per trainable parameter and the scheduler's state."""
+
+    weights: dict[str, Callable] = field(default_factory=dict)
+    moments: dict[str, dict[str, Callable]] = field(default_factory=dict)  # "exp_avg" -> name -> tensor
+    steps: dict[str, float] = field(default_factory=dict)
+    scheduler: dict | None = None
+
+
+def read_canonical(ckpt_dir: Path, trainable: list[str]) -> CanonicalState:
+    """The state of checkpoint `ckpt_dir` by name; `trainable`: the trainable parameter names in the optimizer's
+    order (single / DDP optimizer state is saved by index). The checkpoint's pickles were scanned by check_resumable."""
+    import torch
+
+    ckpt_dir = Path(ckpt_dir)
+    state = json.loads((ckpt_dir / TRAINING_STATE).read_text())
+    canon = CanonicalState()
+    if state.get("backend") == "deepspeed":
+        from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+
+        zero = read_zero_checkpoint(ckpt_dir)
+        canon.weights = {e.name: e.produce for e in zero.entries}
+        canon.moments = {m: {name: e.produce for name, e in zero.moments.get(m, {}).items()} for m in MOMENTS}
+        if zero.optimizer_step is not None:
+            canon.steps = {name: float(zero.optimizer_step) for name in canon.moments["exp_avg"]}
+    else:
+        from safetensors import safe_open
+
+        weights = safe_open(str(ckpt_dir / MODEL_WEIGHTS), framework="pt")
+        canon.weights = {name: (lambda name=name: weights.get_tensor(name)) for name in weights.keys()}
+        optim = torch.load(ckpt_dir / OPTIMIZER, map_location="cpu", weights_only=True, mmap=True)
+        order = [i for group in optim["param_groups"] for i in group["params"]]
+        if len(order) != len(trainable):
+            raise UserError(f"Checkpoint '{ckpt_dir}' holds optimizer state for {len(order)} parameters and this "
+                            f"policy trains {len(trainable)}: it does not fit this config.")
+        canon.moments = {m: {} for m in MOMENTS}
+        for index, name in zip(order, trainable):
+            s = optim["state"].get(index)
+            if not s:
+                continue  # never stepped
+            for m in MOMENTS:
+                canon.moments[m][name] = lambda t=s[m]: t
+            canon.steps[name] = float(s["step"])
+    if (ckpt_dir / SCHEDULER).is_file():
+        canon.scheduler = torch.load(ckpt_dir / SCHEDULER, map_location="cpu", weights_only=True)
+    return canon
+
+
+# Putting it into a prepared launch.
+
+def _zero(accelerator):
+    """DeepSpeed's ZeRO optimizer of a prepared launch (None for single / DDP) and its stage."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is None:
+        return None, None
+    engine = wrapped.engine
+    return engine.optimizer, engine.zero_optimization_stage()
+
+
+def _named(module) -> tuple[dict, dict]:
+    """name -> parameter for every name a parameter has (tied ones too), and parameter id -> its first name."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    first = {}
+    for name, p in module.named_parameters():
+        first[id(p)] = name
+    return params, first
+
+
+def _weight(canon: CanonicalState, module_params: dict, p, name: str):
+    """A parameter's saved full tensor under its own name or the name of a parameter tied to it."""
+    if name in canon.weights:
+        return canon.weights[name]()
+    for other, q in module_params.items():
+        if q is p and other in canon.weights:
+            return canon.weights[other]()
+    raise UserError(f"the checkpoint holds no tensor for parameter '{name}': it does not fit this config.")
+
+
+def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, scheduler) -> None:
+    """Put `canon` into a freshly prepared model / optimizer / scheduler (every rank calls it; a collective under
+    ZeRO). Trainable weights, AdamW's moments and steps, frozen parameters, buffers and the scheduler."""
+    import torch
+
+    module = accelerator.unwrap_model(model)
+    zero_opt, stage = _zero(accelerator)
+    params, first = _named(module)
+    trainable = [(first[id(p)], p) for p in _unique(module.parameters()) if p.requires_grad]
+    missing = [n for n, _ in trainable if n not in canon.moments.get("exp_avg", {})]
+    if missing:
+        raise UserError(f"the checkpoint holds no optimizer state for '{missing[0]}' ({len(missing)} parameters): "
+                        "it does not fit this config.")
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            if name in canon.weights:
+                buf.copy_(canon.weights[name]())
+        if zero_opt is None:
+            base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+            for name, p in _unique_named(module):
+                p.copy_(_weight(canon, params, p, name))
+            for name, p in trainable:
+                base.state[p] = {"step": torch.tensor(canon.steps[name], dtype=torch.float32),
+                                 **{m: canon.moments[m][name]().to(p.device, torch.float32).clone() for m in MOMENTS}}
+        else:
+            _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable)
+    if canon.scheduler is not None:
+        inner = scheduler.scheduler if hasattr(scheduler, "scheduler") else scheduler
+        inner.load_state_dict(canon.scheduler)
+        for group, lr in zip(inner.optimizer.param_groups, inner.get_last_lr()):
+            group["lr"] = lr  # load_state would restore it with the optimizer's param_groups
+
+
+def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable) -> None:
+    import deepspeed
+    import torch
+    from deepspeed.utils import (
+        safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_optimizer_state,
+    )
+
+    flats = zero_opt.fp32_partitioned_groups_flat if stage == 3 else zero_opt.single_partition_of_fp32_groups
+    step = next(iter(canon.steps.values()))
+    if any(s != step for s in canon.steps.values()):
+        raise RunError("the checkpoint's parameters are at different optimizer steps; ZeRO keeps one per group.")
+    base = zero_opt.optimizer
+    for flat in flats:  # AdamW creates its state at the first step; give every flat partition one to fill
+        base.state[flat] = {"step": torch.tensor(step, dtype=torch.float32),
+                            **{m: torch.zeros_like(flat) for m in MOMENTS}}
+    if stage < 3:
+        zero_opt._hp_optimizer_states_linked = False  # link each parameter's fragments to that state (as step does)
+        zero_opt._lazy_init_hp_params_optimizer_state()
+    device = accelerator.device
+    for name, p in trainable:
+        values = {None: _weight(canon, params, p, name), **{m: canon.moments[m][name]() for m in MOMENTS}}
+        for key, value in values.items():
+            value = value.to(device, torch.float32)
+            if stage == 3:
+                # This rank's slice; DeepSpeed's full setter cuts the last rank's slice past the end of a tensor
+                # whose size does not divide by the world size (its partitions are zero-padded).
+                safe_set_local_fp32_param(p, _zero3_slice(value, p.ds_tensor.numel(), accelerator.process_index)) \
+                    if key is None else safe_set_local_optimizer_state(
+                        p, _zero3_slice(value, p.ds_tensor.numel(), accelerator.process_index), key)
+            elif key is None:
+                safe_set_full_fp32_param(p, value)
+            else:
+                safe_set_full_optimizer_state(p, value, key)
+    if stage < 3:
+        zero_opt.update_lp_params()  # the model's own (bit16) weights from the fp32 partitions, gathered
+        for name, p in _unique_named(module):
+            if not p.requires_grad:
+                p.copy_(_weight(canon, params, p, name))
+    else:
+        rank0 = accelerator.is_main_process
+        for name, p in _unique_named(module):  # partitioned: set the full tensor through a gather, one at a time
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if rank0:
+                    p.copy_(_weight(canon, params, p, name))
+
+
+def _zero3_slice(value, part: int, rank: int):
+    """Rank `rank`'s `part` values of a full tensor under ZeRO-3's partitioning (zero-padded at the end)."""
+    import torch
+
+    flat = value.flatten()
+    out = torch.zeros(part, dtype=flat.dtype, device=flat.device)
+    piece = flat[rank * part : (rank + 1) * part]
+    out[: piece.numel()] = piece
+    return out
+
+
+def _unique(params):
+    seen = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def _unique_named(module):
+    return list(module.named_parameters())
+
+
+def live_state(accelerator, model, optimizer) -> dict[str, dict]:
+    """The full fp32 weight, moments and step of every trainable parameter as the launch holds them now (a
+    collective under ZeRO): {"weight" | "exp_avg" | "exp_avg_sq": {name: tensor}, "step": {name: float}}."""
+    import torch
+
+    module = accelerator.unwrap_model(model)
+    zero_opt, stage = _zero(accelerator)
+    _, first = _named(module)
+    out = {"weight": {}, **{m: {} for m in MOMENTS}, "step": {}}
+    if zero_opt is None:
+        base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    else:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        flats = zero_opt.fp32_partitioned_groups_flat if stage == 3 else zero_opt.single_partition_of_fp32_groups
+        steps = [float(zero_opt.optimizer.state.get(f, {}).get("step", 0)) for f in flats]
+    for p in _unique(module.parameters()):
+        if not p.requires_grad:
+            continue
+        name = first[id(p)]
+        if zero_opt is None:
+            s = base.state.get(p, {})
+            out["weight"][name] = p.detach().float().cpu().clone()
+            for m in MOMENTS:
+                if m in s:
+                    out[m][name] = s[m].detach().float().cpu().clone()
+            if "step" in s:
+                out["step"][name] = float(s["step"])
+        else:
+            out["weight"][name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
+            for m in MOMENTS:
+                value = safe_get_full_optimizer_state(p, m)
+                if value is not None:
+                    out[m][name] = value.detach().float().cpu().clone()
+            out["step"][name] = steps[0]
+    return out
+
+
+def check_applied(canon: CanonicalState, live: dict) -> None:
+    """Every trainable tensor and step the launch now holds equals the checkpoint's, bit for bit (else RunError)."""
+    import torch
+
+    for name, value in live["weight"].items():
+        checks = [("weight", value, canon.weights.get(name))] + [(m, live[m].get(name), canon.moments[m].get(name)) for m in MOMENTS]
+        for what, have, want in checks:
+            if have is None or want is None or not torch.equal(have, want().float().view_as(have)):
+                raise RunError(f"Elastic resume: the {what} of '{name}' did not arrive exactly in the new launch.")
+        if live["step"].get(name) != canon.steps.get(name):
+            raise RunError(f"Elastic resume: the optimizer step of '{name}' did not arrive in the new launch.")
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """A new rank's random stream after an elastic resume: from (seed, step, rank), never an old rank's state."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+
+
+def load_resharded(ckpt_dir: Path, accelerator, model, optimizer, scheduler, *, seed: int) -> dict:
+    """Restore checkpoint `ckpt_dir` into a launch of another topology (every rank); returns its training state."""
+    from accelerate.utils import set_seed
+
+    state = json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
+    module = accelerator.unwrap_model(model)
+    _, first = _named(module)
+    trainable = [first[id(p)] for p in _unique(module.parameters()) if p.requires_grad]
+    canon = read_canonical(ckpt_dir, trainable)
+    apply_canonical(canon, accelerator, model, optimizer, scheduler)
+    check_applied(canon, live_state(accelerator, model, optimizer))
+    set_seed(derived_seed(seed, int(state["step"]), accelerator.process_index))
+    return state
