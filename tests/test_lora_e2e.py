@@ -7,16 +7,20 @@ Launches are shared (module-scoped): per resumed backend one uninterrupted run a
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, opentau_bin, run_cli
 from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE
+from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, step_of
 from opentau_cli.checkpoint.manifest import hash_file
 from opentau_cli.config import load_config
 from opentau_cli.policies import build_policy, load_pretrained
@@ -57,12 +61,16 @@ def base(home) -> Path:
     return folder
 
 
-def train(home: Path, backend: str, out: Path, base: Path, *extra: str):
+def train_args(backend: str, out: Path, base: Path, *extra: str) -> list[str]:
     args = ["train", f"--config_path={TINY}", f"--output_dir={out}", *COMMON, f"--policy.pretrained_path={base}",
             "--batch_size", "8" if backend == "single" else "4", *extra]
     if YAML[backend]:
         args.append(f"--accelerate-config={YAML[backend]}")
-    return run_cli(args, env=env_for(home))
+    return args
+
+
+def train(home: Path, backend: str, out: Path, base: Path, *extra: str):
+    return run_cli(train_args(backend, out, base, *extra), env=env_for(home))
 
 
 def ok(result) -> None:
@@ -126,17 +134,71 @@ def test_a_lora_checkpoint_holds_the_trained_tensors_and_buffers_and_the_base_s_
     assert state["lora_base"] == {"source": str(base), "files": {MODEL_WEIGHTS: hash_file(base / MODEL_WEIGHTS)}}
 
 
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
+def test_checkpoint_verify_passes_on_every_lora_checkpoint_of_each_backend(runs, backend):
+    run = runs(backend)
+    r = run_cli(["checkpoint", "verify", str(run), "--json"])
+    ok(r)
+    report = json.loads(r.stdout)
+    assert report["ok"] is True and report["problems"] == []
+    assert sorted(Path(c).name for c in report["checkpoints"]) == [f"{SAVE:06d}", f"{STEPS:06d}"]
+    assert all(problems == [] for problems in report["checkpoints"].values())
+
+
+def full_checkpoint_bytes() -> int:
+    """What a full fine-tuning checkpoint of pi05_tiny holds at least: fp32 weights and buffers, AdamW's two moments."""
+    cfg = load_config(TINY, {})
+    with torch.device("meta"):
+        policy = build_policy(cfg.policy)
+    return 4 * sum(t.numel() for t in policy.state_dict().values()) + 8 * sum(p.numel() for p in policy.parameters() if p.requires_grad)
+
+
+def saved_steps(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / CHECKPOINTS).iterdir() if step_of(p.name) is not None)
+
+
+def test_sigterm_saves_a_resumable_lora_checkpoint_and_retention_keeps_the_resume_source_and_only_adapters(runs, base, home):
+    """As for full fine-tuning: SIGTERM finishes the step, saves and exits 0; the resume (saving every step, keep_last=1)
+    logs the uninterrupted run's losses, deletes each older checkpoint but the one it resumed from, and every
+    checkpoint left holds only the LoRA tensors (adapter-sized)."""
+    reference = losses(runs("ddp"))
+    out = home / "sigterm"
+    env = {**os.environ, **env_for(home)}
+    env.pop("OPENTAU_DEBUG", None)
+    proc = subprocess.Popen([opentau_bin(), *train_args("ddp", out, base, "--save_freq", "100", "--checkpoint.keep_last", "1")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / METRICS).is_file() and losses(out):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert "Preempted" in log
+    (preempted,) = saved_steps(out)
+    assert 1 <= int(preempted) < STEPS
+
+    ok(run_cli(["checkpoint", "verify", str(out)]))
+    ok(run_cli(["resume", str(out), "--save_freq", "1"], env=env_for(home)))
+    resumed = losses(out)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+    assert saved_steps(out) == sorted({preempted, f"{STEPS:06d}"})
+    for name in saved_steps(out):
+        step_dir = out / CHECKPOINTS / name
+        assert set(load_file(str(step_dir / MODEL_WEIGHTS))) == expected_keys()
+        assert sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file()) < 0.1 * full_checkpoint_bytes()
+
+
 def test_checkpoint_inspect_reports_a_lora_checkpoint_under_10_percent_of_a_full_one(runs):
     step_dir = ckpt(runs("ddp"), STEPS)
     r = run_cli(["checkpoint", "inspect", str(step_dir), "--json"])
     ok(r)
     info = json.loads(r.stdout)
     assert info["lora"]["rank"] == RANK and info["lora"]["base"]["files"]
-    cfg = load_config(TINY, {})
-    with torch.device("meta"):
-        policy = build_policy(cfg.policy)
-    full = 4 * sum(t.numel() for t in policy.state_dict().values()) + 8 * sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    assert info["total_bytes"] < 0.1 * full, (info["total_bytes"], full)
+    assert info["total_bytes"] < 0.1 * full_checkpoint_bytes(), info["total_bytes"]
     text = run_cli(["checkpoint", "inspect", str(step_dir)]).stdout
     assert f"rank {RANK}, alpha {ALPHA}: holds the adapters" in text and "the frozen base is not copied" in text
 
