@@ -18,7 +18,7 @@ from typing import Callable
 
 from opentau_cli.checkpoint.faults import fault_point
 from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, step_dir_name,
+    CHECKPOINTS, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, step_dir_name,
     step_of, tmp_dir,
 )
 from opentau_cli.checkpoint.manifest import MissingRankState, is_complete, verify_manifest, write_json_atomic, write_manifest
@@ -89,8 +89,39 @@ def read_training_state(ckpt_dir: Path) -> dict:
         raise UserError(f"Checkpoint '{ckpt_dir}' has no readable {TRAINING_STATE}; it was not written by opentau train.") from None
 
 
-def check_resumable(ckpt_dir: Path, cfg, setup) -> dict:
+RESHARD_FLAG = "--reshard=true"
+
+
+def _check_same_topology(ckpt_dir: Path, state: dict, setup) -> None:
+    """A plain resume continues bit for bit only under the backend, ZeRO stage and world size it was saved by."""
+    saved_backend, saved_stage = state.get("backend"), state.get("zero_stage")
+    saved_ds = saved_backend == "deepspeed"
+    if saved_ds and setup.backend != "deepspeed":
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' holds DeepSpeed ZeRO-{saved_stage} shards and this launch is {setup.label}: resume "
+            f"with the same DeepSpeed accelerate config, or pass {RESHARD_FLAG} to continue it under this launch."
+        )
+    if not saved_ds and setup.backend == "deepspeed":
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' was saved by {saved_backend} training and this launch is {setup.label}: resume with "
+            f"the same backend, or pass {RESHARD_FLAG} to continue it under this launch."
+        )
+    if saved_ds and saved_stage != setup.zero_stage:
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' was saved under ZeRO-{saved_stage} and this launch is ZeRO-{setup.zero_stage}: "
+            f"resume with the same ZeRO stage, or pass {RESHARD_FLAG} to continue it under this launch."
+        )
+    if state.get("world_size") != setup.world_size:
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' was saved by {state.get('world_size')} processes and this launch has "
+            f"{setup.world_size}: resume with {state.get('world_size')} processes, or pass {RESHARD_FLAG} to continue it "
+            "on these (the global batch is kept; losses then match the uninterrupted run within noise, not bit for bit)."
+        )
+
+
+def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dict:
     """Refuse (UserError, nothing loaded) a checkpoint that is damaged or does not fit this launch; returns its state.
+    With `reshard` another backend, ZeRO stage or world size is allowed (checkpoint/reshard.py).
 
     The manifest is checked first, so library loaders that unpickle (Accelerate's RNG .pkl, optimizer.bin,
     DeepSpeed's .pt) only ever see files it vouches for.
@@ -107,30 +138,8 @@ def check_resumable(ckpt_dir: Path, cfg, setup) -> dict:
     if unsafe:
         raise UserError(f"Refusing to resume from '{ckpt_dir}': {unsafe[0]}; nothing was loaded.")
     state = read_training_state(ckpt_dir)
-    saved_backend, saved_stage = state.get("backend"), state.get("zero_stage")
-    saved_ds = saved_backend == "deepspeed"
-    if saved_ds and setup.backend != "deepspeed":
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' holds DeepSpeed ZeRO-{saved_stage} shards and this launch is {setup.label}: resume "
-            "with the same DeepSpeed accelerate config, or run `opentau checkpoint consolidate` on it and start a new run "
-            f"with --policy.pretrained_path=<ckpt>/{MODEL_WEIGHTS}."
-        )
-    if not saved_ds and setup.backend == "deepspeed":
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' was saved by {saved_backend} training and this launch is {setup.label}: resume with "
-            f"the same backend, or start a new run with --policy.pretrained_path={ckpt_dir / MODEL_WEIGHTS}."
-        )
-    if saved_ds and saved_stage != setup.zero_stage:
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' was saved under ZeRO-{saved_stage} and this launch is ZeRO-{setup.zero_stage}: "
-            "resume with the same ZeRO stage."
-        )
-    if state.get("world_size") != setup.world_size:
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' was saved by {state.get('world_size')} processes and this launch has "
-            f"{setup.world_size}: the data order and per-rank random state would not continue the run. Resume with "
-            f"{state.get('world_size')} processes, or start a new run from its weights with --policy.pretrained_path."
-        )
+    if not reshard:
+        _check_same_topology(ckpt_dir, state, setup)
     try:
         saved_cfg = json.loads((ckpt_dir / TRAIN_CONFIG).read_text())
     except (OSError, ValueError):
@@ -187,6 +196,15 @@ def describe_write_error(e: Exception) -> str:
     return f"writing failed ({type(e).__name__}: {text[:200]})"
 
 
+def skip_zip_crcs() -> None:
+    """torch.save of this process writes its zip records without CRC-32s: computing them took about half the CPU time
+    of writing an optimizer state, and no loader checks them (torch.load does not); a checkpoint's integrity is the
+    manifest's hash of every file, checked by verify and before resume (docs/ARCHITECTURE.md, "Checkpoint contract")."""
+    import torch.utils.serialization.config as serialization
+
+    serialization.save.compute_crc32 = False
+
+
 class CheckpointManager:
     """Saves checkpoints for one run. Every rank calls `save`; rank 0 publishes; retention runs after publishing.
 
@@ -211,6 +229,7 @@ class CheckpointManager:
         self.report = report or (lambda text: None)
         self._staging = None  # async_save's host copy of the state, made by the first save
         self._in_flight = None  # async_save's BackgroundSave
+        skip_zip_crcs()
 
     def save(self, step: int, *, config: dict, state: dict) -> Path:
         """Write checkpoint `step` atomically. Raises RunError (on every rank) when it cannot be written.

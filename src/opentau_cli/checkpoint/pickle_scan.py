@@ -90,9 +90,28 @@ def _pickle_bytes(path: Path) -> bytes:
             names = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
             if len(names) != 1:
                 raise UnsafePickleError(f"{path} is a zip file without a single data.pkl: not a torch checkpoint file")
-            return zf.read(names[0])
+            info = zf.getinfo(names[0])
+        return _stored_record(path, info)
     except (zipfile.BadZipFile, OSError, struct.error, ValueError) as e:
         raise UnsafePickleError(f"{path} is truncated or corrupt ({e})") from None
+
+
+def _stored_record(path: Path, info: zipfile.ZipInfo) -> bytes:
+    """A record's bytes read at its offset, without zipfile's CRC check: checkpoints are written without zip CRCs
+    (their integrity is the manifest's hash, docs/ARCHITECTURE.md "Checkpoint contract")."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise UnsafePickleError(f"{path}: compressed record {info.filename} (not written by torch.save)")
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise UnsafePickleError(f"{path} is truncated or corrupt (bad local header)")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        data = f.read(info.file_size)
+    if len(data) != info.file_size:
+        raise UnsafePickleError(f"{path} is truncated")
+    return data
 
 
 def scan_pickle_file(path: Path) -> None:
