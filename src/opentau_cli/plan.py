@@ -13,6 +13,7 @@ from pathlib import Path
 
 from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run
 from opentau_cli.checkpoint.manager import check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of
+from opentau_cli.checkpoint.reshard import describe_change, fit_global_batch, is_reshard, topology, topology_entry
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
     validate, with_machine,
@@ -102,11 +103,12 @@ class RunPlan:
 
 
 def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
-               machines: dict | None = None) -> RunPlan:
+               machines: dict | None = None, reshard: bool = False) -> RunPlan:
     """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest).
 
     `machine` is the one the rules check for; by default this one. `machines`: the command line's machine settings
-    (`config.with_machine`: they and the cluster's environment override the YAML)."""
+    (`config.with_machine`: they and the cluster's environment override the YAML). `reshard`: a resume may change
+    the number of processes, the backend or the ZeRO stage (checkpoint/reshard.py)."""
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
     cfg = load_config(config_path, overrides)
@@ -117,20 +119,20 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
         ckpt = find_checkpoint(source)
     else:
         ckpt = find_checkpoint(cfg.output_dir)
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard)
 
 
 def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
-                machines: dict | None = None) -> RunPlan:
+                machines: dict | None = None, reshard: bool = False) -> RunPlan:
     """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
     ckpt = find_checkpoint(target)
     overrides = parse_overrides(args)
     cfg = load_config(ckpt / TRAIN_CONFIG, {**overrides, "resume": "true"})
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines, reshard)
 
 
 def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine,
-                 machines: dict | None) -> RunPlan:
+                 machines: dict | None, reshard: bool = False) -> RunPlan:
     notes = []
     if "output_dir" not in overrides:
         cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
@@ -144,8 +146,11 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         setup = setup_from_dict(saved)
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
     setup = with_machine(setup, machines)
+    saved = read_training_state(ckpt)
+    if reshard and is_reshard(saved, setup):
+        notes.append(_keep_global_batch(cfg, ckpt, saved, setup, overrides))
     checked = check_launch(cfg, setup, machine)
-    state = check_resumable(ckpt, checked.config, setup)
+    state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
     check_lora_resume(ckpt, checked.config, state)
     check_mixture_resume(ckpt, checked.config)
     done = int(state.get("step", 0)) >= checked.config.steps
@@ -153,3 +158,24 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
                      "(pass a larger --steps to train further).")
     return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done)
+
+
+def _keep_global_batch(cfg: TrainConfig, ckpt: Path, saved: dict, setup: AccelerateSetup, overrides: dict) -> str:
+    """An elastic resume: set the per-process batch, per-device batch and accumulation that keep the checkpoint's
+    global batch on this launch; returns the line that says what changed."""
+    import json
+
+    if cfg.policy.lora.enabled:
+        raise UserError(f"Checkpoint '{ckpt}' is a LoRA run: --reshard=true continues full fine-tuning runs only; "
+                        "resume it with the backend and number of processes it was saved by.")
+    try:
+        saved_cfg = json.loads((ckpt / TRAIN_CONFIG).read_text())
+    except (OSError, ValueError):
+        raise UserError(f"Checkpoint '{ckpt}' has no readable {TRAIN_CONFIG}.") from None
+    batch = fit_global_batch(saved_cfg, int(saved["world_size"]), setup.world_size, overrides)
+    for key, value in batch.items():
+        setattr(cfg, key, value)
+    before = dict(topology(saved))
+    if before.get("per_device_batch") is None:  # a checkpoint from before the history: its config says
+        before.update(per_device_batch=saved_cfg.get("per_device_batch_size"), grad_accum=saved_cfg.get("gradient_accumulation_steps"))
+    return describe_change(before, topology_entry(int(saved.get("step", 0)), setup, cfg))

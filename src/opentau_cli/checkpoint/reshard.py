@@ -53,9 +53,11 @@ def topology_entry(step: int, setup, cfg) -> dict:
 
 
 def with_topology(history: list[dict], entry: dict) -> list[dict]:
-    """The history with this launch appended (once: later saves of the same launch do not repeat it)."""
+    """The history with this launch appended, unless the last entry is the same launch (a plain resume, or a later
+    save of this launch; an entry from before the history lacks the batch fields, which then do not count)."""
     last = history[-1] if history else None
-    same = last is not None and all(last.get(k) == entry[k] for k in entry if k != "step")
+    same = last is not None and all(last.get(k) in (entry[k], None) if k in ("per_device_batch", "grad_accum")
+                                    else last.get(k) == entry[k] for k in entry if k != "step")
     return list(history) if same else [*history, entry]
 
 
@@ -82,6 +84,10 @@ def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, overrides: d
             f"divide over {world} processes: resume with one of {', '.join(map(str, fits))} processes, or start a new "
             "run from its weights with --policy.pretrained_path.")
     per_process = global_batch // world
+    if overrides.get("batch_size") is not None and int(overrides["batch_size"]) != per_process:
+        raise UserError(
+            f"--batch_size={overrides['batch_size']} would change the checkpoint's global batch of {global_batch}: on "
+            f"{world} processes it is {per_process} per process; drop --batch_size to keep it.")
     given_accum = overrides.get("gradient_accumulation_steps")
     given_micro = overrides.get("per_device_batch_size")
     if given_accum is not None or given_micro is not None:

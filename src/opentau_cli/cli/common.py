@@ -77,6 +77,20 @@ NumMachinesOpt = Annotated[Optional[int], typer.Option("--num_machines", "--num-
 MainIpOpt = Annotated[Optional[str], typer.Option("--main_process_ip", "--main-process-ip", help=f"Machine 0's address; {_MACHINE_HELP}.")]
 BreakLockOpt = Annotated[bool, typer.Option("--break-lock", "--break_lock", help=(
     "Take over the run directory's lock held by a run on another host that is known to be dead (a lost node)."))]
+ReshardOpt = Annotated[str, typer.Option("--reshard", metavar="BOOL", help=(
+    "true: resume on another number of processes or machines, or under another backend / ZeRO stage; the global "
+    "batch, model, optimizer and data position carry over exactly (README, \"Elastic resume\")."))]
+
+
+def parse_bool_flag(name: str, value: str) -> bool:
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise UserError(f"{name} takes true or false, not '{value}'.")
+
+
 MainPortOpt = Annotated[Optional[int], typer.Option("--main_process_port", "--main-process-port", help=f"Machine 0's port; {_MACHINE_HELP}.")]
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opentau_cli.checkpoint.reshard import topologies, topology_entry, with_topology
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.train.timing import NO_TIMER, StepTimer
 
@@ -148,6 +149,10 @@ class Trainer:
     lora_base: dict | None = None
     save_state_kwargs: dict = field(default_factory=dict)
     load_state_kwargs: dict = field(default_factory=dict)
+    # The launches the run went through before this one (training_state.json "topologies"), and the step this one
+    # started at.
+    topologies: list = field(default_factory=list)
+    launch_step: int = 0
 
     @property
     def global_batch(self) -> int:
@@ -309,14 +314,28 @@ class Trainer:
             "preset": self.cfg.policy.preset,
             "seed": self.cfg.seed,
             "accelerate": self.setup.to_dict(),
+            "topologies": with_topology(self.topologies, topology_entry(self.launch_step, self.setup, self.cfg)),
             "versions": versions,
             **({BASE_KEY: self.lora_base} if self.lora_base is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step = self.launch_step = int(state["step"])
         self.samples_seen = int(state.get("samples_seen", 0))
+        self.topologies = topologies(state)
         self.data.stream.load_state_dict(state["sampler"])
+
+    def restore(self, checkpoints, ckpt_dir) -> None:
+        """Resume from `ckpt_dir`: Accelerate's load_state under the topology it was saved by (`checkpoints`: the
+        run's CheckpointManager), else an elastic resume (checkpoint/reshard.py)."""
+        from opentau_cli.checkpoint.manager import read_training_state
+        from opentau_cli.checkpoint.reshard import is_reshard, load_resharded
+
+        if is_reshard(read_training_state(ckpt_dir), self.setup):
+            state = load_resharded(ckpt_dir, self.accelerator, self.model, self.optimizer, self.scheduler, seed=self.cfg.seed)
+        else:
+            state = checkpoints.load(ckpt_dir)
+        self.load_state_dict(state)
 
 
 def min_over_ranks(accelerator, value: int) -> int:

@@ -63,7 +63,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
                              async_save=cfg.checkpoint.async_save,
                              report=lambda text: progress.message(text))  # progress exists before the first save
     if resume_from is not None:
-        trainer.load_state_dict(ckpt.load(resume_from))
+        trainer.restore(ckpt, resume_from)
         if acc.is_main_process:
             truncate_metrics(run_dir / METRICS, trainer.step)
     metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None)
