@@ -57,9 +57,12 @@ def _build(backend: str, seed: int):
 
 
 def _dump(path: Path, acc, model, optimizer, scheduler) -> None:
-    from opentau_cli.checkpoint.reshard import live_state
+    from opentau_cli.checkpoint.reshard import MOMENTS, live_parameters
 
-    live = live_state(acc, model, optimizer)
+    live = {"weight": {}, **{m: {} for m in MOMENTS}, "step": {}}
+    for name, values in live_parameters(acc, model, optimizer):
+        for key, value in values.items():
+            live[key][name] = value.clone() if key != "step" else value
     module = acc.unwrap_model(model)
     live["buffers"] = {n: b.detach().cpu().clone() for n, b in module.named_buffers()}
     live["frozen"] = {}

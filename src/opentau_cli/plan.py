@@ -112,6 +112,9 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
     cfg = load_config(config_path, overrides)
+    if reshard and not cfg.resume:
+        raise UserError("--reshard=true continues a checkpoint on another launch: pass it with --resume=true, or use "
+                        "`opentau resume RUN --reshard=true`.")
     if not cfg.resume:
         return RunPlan(checked=check_launch(cfg, with_machine(resolve_accelerate_config(accelerate_config), machines), machine))
     source = Path(cfg.config_path).parent if cfg.config_path else None

@@ -185,6 +185,11 @@ def _zero(accelerator):
     return engine.optimizer, engine.zero_optimization_stage()
 
 
+def _flat_partitions(zero_opt, stage: int) -> list:
+    """This rank's flat fp32 master partitions, one per parameter group: what the wrapped AdamW steps."""
+    return zero_opt.fp32_partitioned_groups_flat if stage == 3 else zero_opt.single_partition_of_fp32_groups
+
+
 def _named(module) -> tuple[dict, dict]:
     """name -> parameter for every name a parameter has (tied ones too), and parameter id -> its first name."""
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -223,7 +228,7 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
                 buf.copy_(canon.weights[name]())
         if zero_opt is None:
             base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-            for name, p in _unique_named(module):
+            for name, p in module.named_parameters():
                 p.copy_(_weight(canon, params, p, name))
             for name, p in trainable:
                 base.state[p] = {"step": torch.tensor(canon.steps[name], dtype=torch.float32),
@@ -244,7 +249,7 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable) 
         safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_optimizer_state,
     )
 
-    flats = zero_opt.fp32_partitioned_groups_flat if stage == 3 else zero_opt.single_partition_of_fp32_groups
+    flats = _flat_partitions(zero_opt, stage)
     step = next(iter(canon.steps.values()))
     if any(s != step for s in canon.steps.values()):
         raise RunError("the checkpoint's parameters are at different optimizer steps; ZeRO keeps one per group.")
@@ -272,12 +277,12 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable) 
                 safe_set_full_optimizer_state(p, value, key)
     if stage < 3:
         zero_opt.update_lp_params()  # the model's own (bit16) weights from the fp32 partitions, gathered
-        for name, p in _unique_named(module):
+        for name, p in module.named_parameters():
             if not p.requires_grad:
                 p.copy_(_weight(canon, params, p, name))
     else:
         rank0 = accelerator.is_main_process
-        for name, p in _unique_named(module):  # partitioned: set the full tensor through a gather, one at a time
+        for name, p in module.named_parameters():  # partitioned: set the full tensor through a gather, one at a time
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 if rank0:
                     p.copy_(_weight(canon, params, p, name))
@@ -302,58 +307,42 @@ def _unique(params):
             yield p
 
 
-def _unique_named(module):
-    return list(module.named_parameters())
-
-
-def live_state(accelerator, model, optimizer) -> dict[str, dict]:
-    """The full fp32 weight, moments and step of every trainable parameter as the launch holds them now (a
-    collective under ZeRO): {"weight" | "exp_avg" | "exp_avg_sq": {name: tensor}, "step": {name: float}}."""
-    import torch
-
+def live_parameters(accelerator, model, optimizer):
+    """Yield (name, {"weight", "exp_avg", "exp_avg_sq": full fp32 tensor or None, "step": float or None}) for every
+    trainable parameter as the launch holds it now, one parameter at a time (a collective under ZeRO: every rank
+    iterates)."""
     module = accelerator.unwrap_model(model)
     zero_opt, stage = _zero(accelerator)
     _, first = _named(module)
-    out = {"weight": {}, **{m: {} for m in MOMENTS}, "step": {}}
     if zero_opt is None:
         base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     else:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        flats = zero_opt.fp32_partitioned_groups_flat if stage == 3 else zero_opt.single_partition_of_fp32_groups
-        steps = [float(zero_opt.optimizer.state.get(f, {}).get("step", 0)) for f in flats]
+        step = zero_opt.optimizer.state.get(_flat_partitions(zero_opt, stage)[0], {}).get("step")
     for p in _unique(module.parameters()):
         if not p.requires_grad:
             continue
-        name = first[id(p)]
         if zero_opt is None:
             s = base.state.get(p, {})
-            out["weight"][name] = p.detach().float().cpu().clone()
-            for m in MOMENTS:
-                if m in s:
-                    out[m][name] = s[m].detach().float().cpu().clone()
-            if "step" in s:
-                out["step"][name] = float(s["step"])
+            values = {"weight": p.detach(), **{m: s.get(m) for m in MOMENTS}, "step": s.get("step")}
         else:
-            out["weight"][name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
-            for m in MOMENTS:
-                value = safe_get_full_optimizer_state(p, m)
-                if value is not None:
-                    out[m][name] = value.detach().float().cpu().clone()
-            out["step"][name] = steps[0]
-    return out
+            values = {"weight": safe_get_full_fp32_param(p), **{m: safe_get_full_optimizer_state(p, m) for m in MOMENTS},
+                      "step": step}
+        yield first[id(p)], {k: (None if v is None else float(v) if k == "step" else v.detach().float().cpu())
+                             for k, v in values.items()}
 
 
-def check_applied(canon: CanonicalState, live: dict) -> None:
+def check_applied(canon: CanonicalState, accelerator, model, optimizer) -> None:
     """Every trainable tensor and step the launch now holds equals the checkpoint's, bit for bit (else RunError)."""
     import torch
 
-    for name, value in live["weight"].items():
-        checks = [("weight", value, canon.weights.get(name))] + [(m, live[m].get(name), canon.moments[m].get(name)) for m in MOMENTS]
-        for what, have, want in checks:
-            if have is None or want is None or not torch.equal(have, want().float().view_as(have)):
+    for name, have in live_parameters(accelerator, model, optimizer):
+        want = {"weight": canon.weights.get(name), **{m: canon.moments[m].get(name) for m in MOMENTS}}
+        for what, produce in want.items():
+            if have[what] is None or produce is None or not torch.equal(have[what], produce().float().view_as(have[what])):
                 raise RunError(f"Elastic resume: the {what} of '{name}' did not arrive exactly in the new launch.")
-        if live["step"].get(name) != canon.steps.get(name):
+        if have["step"] != canon.steps.get(name):
             raise RunError(f"Elastic resume: the optimizer step of '{name}' did not arrive in the new launch.")
 
 
@@ -374,6 +363,6 @@ def load_resharded(ckpt_dir: Path, accelerator, model, optimizer, scheduler, *, 
     trainable = [first[id(p)] for p in _unique(module.parameters()) if p.requires_grad]
     canon = read_canonical(ckpt_dir, trainable)
     apply_canonical(canon, accelerator, model, optimizer, scheduler)
-    check_applied(canon, live_state(accelerator, model, optimizer))
+    check_applied(canon, accelerator, model, optimizer)
     set_seed(derived_seed(seed, int(state["step"]), accelerator.process_index))
     return state
