@@ -144,6 +144,37 @@ def test_each_member_reaches_the_policy_normalized_with_its_own_statistics_and_p
     assert max(abs(v) for v in data.member_stats[1]["state"]["q99"]) > 10  # the wide member really is on another scale
 
 
+def test_each_members_prompt_holds_its_own_number_of_state_tokens_as_when_it_is_served_alone(members):
+    """Training on the mixture and serving one member (export / eval --dataset: its own statistics and rows) build
+    the same pi05 prompt: the narrow member's 4 state dims, not the 6 its rows are padded to."""
+    import copy
+
+    from opentau_cli.data.build import make_dataset
+    from opentau_cli.data.sampler import collate
+    from opentau_cli.policies import build_policy
+    from opentau_cli.policies.pi05.tokenization import STATE_BINS, ByteTokenizer
+
+    cfg = config(members)
+    data = build_data(cfg)
+    mixture = data.train_dataset
+    trained = build_policy(cfg.policy, data.stats)
+    for k, (member, width) in enumerate(zip(cfg.dataset.members(), (4, 6))):
+        own = mixture.members[k]
+        locals_ = [0, 3, len(own) - 1]
+        batch = collate([mixture[int(mixture.offsets[k]) + i] for i in locals_])
+        assert batch["state"].shape == (3, 6) and batch["state_dim"].tolist() == [width] * 3
+        assert batch["action_dim"].tolist() == [2] * 3
+        served = copy.deepcopy(trained)
+        served.set_stats(data.member_stats[k])
+        alone = make_dataset(cfg, member, own.root, own.episodes)
+        alone_batch = collate([alone[i] for i in locals_])
+        assert alone_batch["state"].shape == (3, width) and "state_dim" not in alone_batch
+        ids = trained._prepare(batch, with_actions=False)["input_ids"]
+        assert torch.equal(ids, served._prepare(alone_batch, with_actions=False)["input_ids"]), member.label
+        state_tokens = ((ids >= ByteTokenizer.reserved - STATE_BINS) & (ids < ByteTokenizer.reserved)).sum(dim=1)  # its last ids
+        assert state_tokens.tolist() == [width] * 3, member.label
+
+
 def test_one_normalization_serves_the_data_layers_numpy_arrays_and_the_policys_tensors():
     """opentau_cli.normalization is the one formula: the data layer calls it on numpy arrays, the policy on tensors."""
     from opentau_cli.normalization import MEAN_STD, QUANTILE

@@ -186,6 +186,49 @@ def test_byte_tokenizer_state_ids_follow_openpis_bins_clamped_to_its_256_ids():
     assert (ids - 259).tolist() == np.clip(bins, 0, 255).tolist()
 
 
+def carried_as_a_mixture_member(batch: dict, own: dict, policy_stats: dict) -> dict:
+    """`batch` as a mixture delivers a narrower member: its rows carried into the policy's (wider) statistics and
+    padded, each sample saying its own widths (data/mixture.py)."""
+    from opentau_cli.data.mixture import into_policy_space
+
+    size, steps, action_width = batch["actions"].shape
+    actions = into_policy_space(batch["actions"].reshape(-1, action_width).numpy(), own["action"], policy_stats["action"], "quantile")
+    return {**batch, "state": torch.from_numpy(into_policy_space(batch["state"].numpy(), own["state"], policy_stats["state"], "quantile")),
+            "actions": torch.from_numpy(actions).reshape(size, steps, -1),
+            "state_dim": torch.full((size,), batch["state"].shape[1]), "action_dim": torch.full((size,), action_width)}
+
+
+def test_a_narrower_mixture_member_trains_on_the_prompt_and_loss_it_is_served_with_at_its_own_width(tmp_path):
+    from opentau_cli.data.mixture import mixture_stats
+
+    tok = byte_level_tokenizer(tmp_path / "tok")
+    # The first member (whose statistics the policy holds, widened) has 6 state and 5 action dims; STATS' member 4 and 3.
+    wide = {"state": {"mean": [0.0] * 6, "std": [2.0] * 6, "q01": [-5.0, -4.0, -3.0, -2.0, -1.0, 0.0], "q99": [5.0] * 6},
+            "action": {"mean": [0.0] * 5, "std": [1.0] * 5, "q01": [-3.0] * 5, "q99": [1.0, 2.0, 3.0, 4.0, 5.0]}}
+    trained = perturbed_policy(tokenizer_path=tmp_path / "tok", tokenizer_max_length=200)
+    policy_stats = mixture_stats([wide, STATS])
+    trained.set_stats(policy_stats)
+    served = copy.deepcopy(trained)
+    served.set_stats(STATS)  # as export / eval --dataset serve the member: its own statistics and widths
+    batch = make_batch()
+    mixed = carried_as_a_mixture_member(batch, STATS, policy_stats)
+    assert mixed["state"].shape == (3, 6) and mixed["actions"].shape == (3, CHUNK, 5)
+
+    seen, served_inputs = trained._prepare(mixed, with_actions=True), served._prepare(batch, with_actions=True)
+    assert torch.equal(seen["input_ids"], served_inputs["input_ids"]) and torch.equal(seen["text_valid"], served_inputs["text_valid"])
+    for row in range(3):
+        state_tokens = re.search(r"State: ([-0-9 ]+);", tok.decode(seen["input_ids"][row].tolist(), skip_special_tokens=True))
+        assert len(state_tokens.group(1).split()) == 4
+    torch.testing.assert_close(seen["state"], served_inputs["state"], rtol=0, atol=1e-5)  # padded dims normalize to 0
+
+    noise, time = torch.randn(3, CHUNK, MAX_DIM, generator=torch.Generator().manual_seed(3)), torch.tensor([0.2, 0.5, 0.9])
+    loss = trained(mixed, noise=noise, time=time)["mse_loss"]
+    torch.testing.assert_close(loss, served(batch, noise=noise, time=time)["mse_loss"], rtol=1e-5, atol=1e-6)
+    # Without the widths the member's two padded action dims would be trained toward 0 as well.
+    unmasked = {k: v for k, v in mixed.items() if k not in ("state_dim", "action_dim")}
+    assert abs(trained(unmasked, noise=noise, time=time)["mse_loss"].item() - loss.item()) > 1e-3
+
+
 # ------------------------------------------------------------------------------------------------ images
 def openpi_resize_with_pad(img: Image.Image, height: int, width: int) -> np.ndarray:
     cur_w, cur_h = img.size

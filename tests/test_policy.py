@@ -184,6 +184,27 @@ def test_padded_action_steps_and_padded_dims_get_no_loss_gradient():
     assert (grad[0, :6, :3] != 0).all() and (grad[1:, :, :3] != 0).all()
 
 
+def test_dims_past_a_samples_own_action_dim_get_no_loss_gradient():
+    """A mixture's narrower member arrives padded to the widest member; its samples' `action_dim` keeps the padding
+    out of the loss as a single dataset's zero padding is."""
+    policy = build_policy(tiny_cfg())
+    seen, run_expert = {}, policy._run_expert
+
+    def keep(*args):
+        seen["velocity"] = run_expert(*args)
+        seen["velocity"].retain_grad()
+        return seen["velocity"]
+
+    policy._run_expert = keep
+    batch = {**make_batch(), "action_dim": torch.tensor([3, 2, 1, 3])}
+    policy(batch)["loss"].backward()
+    grad = seen["velocity"].grad
+    for row, width in enumerate((3, 2, 1, 3)):
+        assert grad[row, :, width:].abs().sum() == 0, row
+        steps = 6 if row == 0 else 10  # sample 0's episode ends after 6 steps
+        assert (grad[row, :steps, :width] != 0).all(), row
+
+
 def test_state_dict_round_trips_through_safetensors_bit_exactly_with_its_stats(tmp_path):
     torch.manual_seed(0)
     policy = build_policy(tiny_cfg(discrete_action_loss=True), stats=STATS)

@@ -148,11 +148,18 @@ class MixtureSampler(torch.utils.data.Sampler):
 
 
 class MixtureDataset(torch.utils.data.Dataset):
-    """The members one after the other: index i is frame i - offsets[k] of member k."""
+    """The members one after the other: index i is frame i - offsets[k] of member k.
+
+    Each sample carries its member's own widths (`state_dim`, `action_dim`: docs/ARCHITECTURE.md, "Batch format"),
+    so that the policy bins only the member's real state dims into the prompt and trains only its real action dims,
+    as when the member is served on its own.
+    """
 
     def __init__(self, members: list):
         self.members = members
         self.offsets = np.concatenate([[0], np.cumsum([len(m) for m in members])]).astype(np.int64)
+        # A member's `stats` are of its own values (its rows may have been widened into the policy's space).
+        self.widths = [(len(m.stats["state"]["mean"]), len(m.stats["action"]["mean"])) for m in members]
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -162,4 +169,6 @@ class MixtureDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> dict:
         k = self.member_of(int(idx))
-        return self.members[k][int(idx) - int(self.offsets[k])]
+        state_dim, action_dim = self.widths[k]
+        return {**self.members[k][int(idx) - int(self.offsets[k])],
+                "state_dim": torch.tensor(state_dim, dtype=torch.int64), "action_dim": torch.tensor(action_dim, dtype=torch.int64)}

@@ -55,6 +55,13 @@ def discretize(x: torch.Tensor, bins: int, limit: float) -> torch.Tensor:
     return (scaled * bins).long().clamp(0, bins - 1)
 
 
+def real_widths(batch: dict, key: str, width: int, device) -> torch.Tensor:
+    """Each sample's real state / action dims (`batch[key]`, docs/ARCHITECTURE.md "Batch format"); absent: all `width`."""
+    if key not in batch:
+        return torch.full((len(batch["state"]),), width, dtype=torch.int64, device=device)
+    return torch.as_tensor(batch[key], dtype=torch.int64, device=device).reshape(-1)
+
+
 def no_autocast(like: torch.Tensor):
     return torch.autocast(like.device.type, enabled=False)
 
@@ -331,8 +338,11 @@ class Pi05Policy(nn.Module):
         if state_dim > self.cfg.max_state_dim:
             raise UserError(f"The batch state has {state_dim} dims but policy.max_state_dim={self.cfg.max_state_dim}.")
         state = normalize(state, self._stats("state"), self.norm_mode)
-        # openpi bins the real dims only, before padding; pi0 reads the state through its own token instead.
-        bins = state_bins(state) if self.cfg.type == "pi05" else None
+        # openpi bins the real dims only, before padding: a mixture's narrower member arrives padded and its samples
+        # say their own width. pi0 reads the state through its own token instead.
+        bins = None
+        if self.cfg.type == "pi05":
+            bins = [row[:width] for row, width in zip(state_bins(state), real_widths(batch, "state_dim", state_dim, "cpu").tolist())]
         ids, lengths = encode_prompts(self.tokenizer, list(batch["task"]), bins, self.cfg.tokenizer_max_length)
         out = {
             "images": batch["images"].to(device=device, dtype=torch.float32) * 2 - 1,  # [0, 1] -> SigLIP's [-1, 1]
@@ -353,6 +363,9 @@ class Pi05Policy(nn.Module):
             out["actions"] = F.pad(actions, (0, self.cfg.max_action_dim - action_dim))
             out["action_valid"] = ~batch["action_is_pad"].to(device=device, dtype=torch.bool)
             out["action_dim"] = action_dim
+            # (batch, max_action_dim): the dims the loss reads, each sample's real ones (zero padding is not trained).
+            widths = real_widths(batch, "action_dim", action_dim, device)
+            out["action_dim_valid"] = torch.arange(self.cfg.max_action_dim, device=device)[None] < widths[:, None]
         return out
 
     def _vision_features(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -489,7 +502,7 @@ class Pi05Policy(nn.Module):
         tokens, cond, blocks = self._embed_suffix(inputs["state"], noisy, time)
         velocity = self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end)
 
-        weight = inputs["action_valid"][:, :, None].float() * (torch.arange(actions.shape[-1], device=actions.device) < inputs["action_dim"]).float()
+        weight = (inputs["action_valid"][:, :, None] & inputs["action_dim_valid"][:, None, :]).float()
         mse = ((velocity - target) ** 2 * weight).sum() / weight.sum().clamp_min(1)
         weights = self.cfg.loss_weighting  # every term present: config/model.py fills the defaults
         out = {"mse_loss": mse}
@@ -500,7 +513,7 @@ class Pi05Policy(nn.Module):
             head = self.language_model.embed_tokens.weight[self.vocab_size - bins :]
             logits = F.linear(prefix_out[:, context_length:], head).float()  # row r = token vocab-bins+r = bin bins-1-r
             target_rows = bins - 1 - target_bins
-            token_valid = inputs["action_valid"].repeat_interleave(inputs["action_dim"], dim=1)
+            token_valid = (inputs["action_valid"][:, :, None] & inputs["action_dim_valid"][:, None, : inputs["action_dim"]]).flatten(1)
             ce = F.cross_entropy(logits.flatten(0, 1), target_rows.flatten(), reduction="none")
             ce = (ce * token_valid.flatten()).sum() / token_valid.sum().clamp_min(1)
             out["ce_loss"] = ce
