@@ -175,7 +175,9 @@ def _keep_global_batch(cfg: TrainConfig, ckpt: Path, saved: dict, setup: Acceler
         saved_cfg = json.loads((ckpt / TRAIN_CONFIG).read_text())
     except (OSError, ValueError):
         raise UserError(f"Checkpoint '{ckpt}' has no readable {TRAIN_CONFIG}.") from None
-    batch = fit_global_batch(saved_cfg, int(saved["world_size"]), setup.world_size, overrides)
+    given = {key: getattr(cfg, key) for key in ("batch_size", "per_device_batch_size", "gradient_accumulation_steps")
+             if key in overrides}  # parsed and typed by load_config
+    batch = fit_global_batch(saved_cfg, int(saved["world_size"]), setup.world_size, given)
     for key, value in batch.items():
         setattr(cfg, key, value)
     before = dict(topology(saved))

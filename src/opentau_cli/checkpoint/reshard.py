@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAINING_STATE
+from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAIN_CONFIG, TRAINING_STATE
 from opentau_cli.errors import RunError, UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -69,10 +69,10 @@ def is_reshard(state: dict, setup) -> bool:
             or (saved_ds and state.get("zero_stage") != setup.zero_stage))
 
 
-def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, overrides: dict) -> dict:
+def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, given: dict) -> dict:
     """Per-process batch, per-device batch and accumulation for `world` processes that keep the checkpoint's global
     batch (batch_size x processes): accumulation is kept where the new per-process batch divides by it, else the
-    per-device batch, else accumulation goes to 1. Values given on the command line are kept and checked.
+    per-device batch, else accumulation goes to 1. `given`: the values the command line set (ints), kept and checked.
     Raises UserError naming the process counts that work when none does."""
     batch, accum = int(saved_cfg["batch_size"]), int(saved_cfg.get("gradient_accumulation_steps") or 1)
     micro = int(saved_cfg.get("per_device_batch_size") or batch // accum)
@@ -84,15 +84,14 @@ def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, overrides: d
             f"divide over {world} processes: resume with one of {', '.join(map(str, fits))} processes, or start a new "
             "run from its weights with --policy.pretrained_path.")
     per_process = global_batch // world
-    if overrides.get("batch_size") is not None and int(overrides["batch_size"]) != per_process:
+    if given.get("batch_size") is not None and given["batch_size"] != per_process:
         raise UserError(
-            f"--batch_size={overrides['batch_size']} would change the checkpoint's global batch of {global_batch}: on "
+            f"--batch_size={given['batch_size']} would change the checkpoint's global batch of {global_batch}: on "
             f"{world} processes it is {per_process} per process; drop --batch_size to keep it.")
-    given_accum = overrides.get("gradient_accumulation_steps")
-    given_micro = overrides.get("per_device_batch_size")
+    given_accum, given_micro = given.get("gradient_accumulation_steps"), given.get("per_device_batch_size")
     if given_accum is not None or given_micro is not None:
-        accum = int(given_accum) if given_accum is not None else (per_process // int(given_micro) if int(given_micro) else 0)
-        micro = int(given_micro) if given_micro is not None else (per_process // accum if accum else 0)
+        accum = given_accum if given_accum is not None else per_process // given_micro
+        micro = given_micro if given_micro is not None else per_process // accum
         if micro * accum != per_process:
             raise UserError(
                 f"Keeping the checkpoint's global batch of {global_batch} on {world} processes needs per-device batch x "
@@ -365,4 +364,9 @@ def load_resharded(ckpt_dir: Path, accelerator, model, optimizer, scheduler, *, 
     apply_canonical(canon, accelerator, model, optimizer, scheduler)
     check_applied(canon, accelerator, model, optimizer)
     set_seed(derived_seed(seed, int(state["step"]), accelerator.process_index))
+    sampler = state["sampler"]
+    if "position" not in sampler:  # saved before the stream recorded it: batches x that launch's global micro-batch
+        saved_cfg = json.loads((Path(ckpt_dir) / TRAIN_CONFIG).read_text())
+        micro = saved_cfg.get("per_device_batch_size") or saved_cfg["batch_size"] // saved_cfg.get("gradient_accumulation_steps", 1)
+        state["sampler"] = dict(sampler, position=int(sampler["batch"]) * int(micro) * int(state["world_size"]))
     return state
