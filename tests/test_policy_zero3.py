@@ -1,4 +1,6 @@
-"""The policy builds inside DeepSpeed's zero.Init (how TRAIN builds it for ZeRO-3) with correct initial values."""
+"""The policy builds inside DeepSpeed's zero.Init (how TRAIN builds it for ZeRO-3) with correct initial values, and trains
+a step with every parameter released between uses (the discrete-action loss reads the tied embedding's rows outside
+the embedding's own forward: DeepSpeed gathers them as an external parameter)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from opentau_cli.config.model import PolicyConfig
 from opentau_cli.policies import build_policy
 
 cfg = PolicyConfig(preset="pi05_tiny", chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8,
-                   image_resolution=(32, 32), tokenizer_max_length=48, freeze_vision_encoder=False)
+                   image_resolution=(32, 32), tokenizer_max_length=48, freeze_vision_encoder=False,
+                   discrete_action_loss=True)
 stats = {"state": {"mean": [0.5] * 4, "std": [2.0] * 4, "q01": [-1.0] * 4, "q99": [2.0] * 4},
          "action": {"mean": [0.1] * 2, "std": [3.0] * 2, "q01": [-3.0] * 2, "q99": [3.0] * 2}}
-ds_config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}}
+# persistence threshold 0: no parameter stays gathered for being small, as pi05's embedding would not
+ds_config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}}
 with deepspeed.zero.Init(config_dict_or_path=ds_config):
     policy = build_policy(cfg, stats)
 params = dict(policy.named_parameters())
@@ -51,7 +55,9 @@ for name, module in {"time_mlp_out": policy.embed_suffix.time_mlp_out, "final_no
     module.register_forward_hook(note_dtype(name))
 batch = dict(images=torch.rand(4, 1, 3, 32, 32), image_masks=torch.ones(4, 1, dtype=torch.bool), state=torch.randn(4, 4),
              actions=torch.randn(4, 10, 2), action_is_pad=torch.zeros(4, 10, dtype=torch.bool), task=["reach"] * 4)
-loss = engine(batch)["loss"]
+losses = engine(batch)
+loss = losses["loss"]
+out["ce_loss"] = losses["ce_loss"].item()
 engine.backward(loss)
 engine.step()
 out["loss"] = loss.item()
@@ -89,6 +95,7 @@ def test_pi05_builds_inside_zero_init_with_its_initial_values_and_trains_a_step(
     assert out["rope_dtype"] == "torch.float32" and out["stats_dtype"] == "torch.float32"
     assert out["action_std"] == [3.0, 3.0] and out["action_q99"] == [3.0, 3.0]
     assert out["loss"] == out["loss"] and out["sample_shape"] == [4, 10, 2]  # finite loss (not NaN), real action dims
+    assert 0 < out["ce_loss"] < out["loss"]  # the discrete-action term ran on the gathered embedding rows
     assert out["weight_dtype"] == "torch.bfloat16"
     assert out["output_dtypes"] == {"patch_embedding": "torch.float32", "time_mlp_out": "torch.float32",
                                     "final_norm": "torch.bfloat16", "expert_mlp": "torch.bfloat16"}
