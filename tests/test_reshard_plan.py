@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opentau_cli.checkpoint.reshard import fit_global_batch, topologies, with_topology
+from opentau_cli.checkpoint.reshard import fit_global_batch, sampler_position, topologies, with_topology
 from opentau_cli.errors import UserError
 
 
@@ -65,3 +65,8 @@ def test_reshard_flag_needs_a_resume_and_a_boolean(tmp_path):
     bad = run_cli([*base, "--reshard=maybe"], env=env)
     assert bad.returncode == 2 and "--reshard takes true or false, not 'maybe'" in bad.stderr, bad.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_without_a_recorded_position_resumes_at_its_batches_times_its_global_micro_batch():
+    state = {"world_size": 2, "sampler": {"epoch": 1, "batch": 6}}
+    assert sampler_position(state, saved(8, accum=2)) == {"epoch": 1, "batch": 6, "position": 6 * 4 * 2}

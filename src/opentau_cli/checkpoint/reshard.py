@@ -189,13 +189,9 @@ def _flat_partitions(zero_opt, stage: int) -> list:
     return zero_opt.fp32_partitioned_groups_flat if stage == 3 else zero_opt.single_partition_of_fp32_groups
 
 
-def _named(module) -> tuple[dict, dict]:
-    """name -> parameter for every name a parameter has (tied ones too), and parameter id -> its first name."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    first = {}
-    for name, p in module.named_parameters():
-        first[id(p)] = name
-    return params, first
+def _trainable(module) -> list:
+    """(name, parameter) of every trainable parameter, in the optimizer's order (a tied one once, by its first name)."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
 def _weight(canon: CanonicalState, module_params: dict, p, name: str):
@@ -215,8 +211,8 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
 
     module = accelerator.unwrap_model(model)
     zero_opt, stage = _zero(accelerator)
-    params, first = _named(module)
-    trainable = [(first[id(p)], p) for p in _unique(module.parameters()) if p.requires_grad]
+    params = dict(module.named_parameters(remove_duplicate=False))  # every name, tied ones too
+    trainable = _trainable(module)
     missing = [n for n, _ in trainable if n not in canon.moments.get("exp_avg", {})]
     if missing:
         raise UserError(f"the checkpoint holds no optimizer state for '{missing[0]}' ({len(missing)} parameters): "
@@ -265,11 +261,13 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable) 
         for key, value in values.items():
             value = value.to(device, torch.float32)
             if stage == 3:
-                # This rank's slice; DeepSpeed's full setter cuts the last rank's slice past the end of a tensor
+                # This rank's slice: DeepSpeed's full setter cuts the last rank's slice past the end of a tensor
                 # whose size does not divide by the world size (its partitions are zero-padded).
-                safe_set_local_fp32_param(p, _zero3_slice(value, p.ds_tensor.numel(), accelerator.process_index)) \
-                    if key is None else safe_set_local_optimizer_state(
-                        p, _zero3_slice(value, p.ds_tensor.numel(), accelerator.process_index), key)
+                local = _zero3_slice(value, p.ds_tensor.numel(), accelerator.process_index)
+                if key is None:
+                    safe_set_local_fp32_param(p, local)
+                else:
+                    safe_set_local_optimizer_state(p, local, key)
             elif key is None:
                 safe_set_full_fp32_param(p, value)
             else:
@@ -298,37 +296,26 @@ def _zero3_slice(value, part: int, rank: int):
     return out
 
 
-def _unique(params):
-    seen = set()
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
-
-
 def live_parameters(accelerator, model, optimizer):
     """Yield (name, {"weight", "exp_avg", "exp_avg_sq": full fp32 tensor or None, "step": float or None}) for every
     trainable parameter as the launch holds it now, one parameter at a time (a collective under ZeRO: every rank
     iterates)."""
     module = accelerator.unwrap_model(model)
     zero_opt, stage = _zero(accelerator)
-    _, first = _named(module)
     if zero_opt is None:
         base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     else:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         step = zero_opt.optimizer.state.get(_flat_partitions(zero_opt, stage)[0], {}).get("step")
-    for p in _unique(module.parameters()):
-        if not p.requires_grad:
-            continue
+    for name, p in _trainable(module):
         if zero_opt is None:
             s = base.state.get(p, {})
             values = {"weight": p.detach(), **{m: s.get(m) for m in MOMENTS}, "step": s.get("step")}
         else:
             values = {"weight": safe_get_full_fp32_param(p), **{m: safe_get_full_optimizer_state(p, m) for m in MOMENTS},
                       "step": step}
-        yield first[id(p)], {k: (None if v is None else float(v) if k == "step" else v.detach().float().cpu())
+        yield name, {k: (None if v is None else float(v) if k == "step" else v.detach().float().cpu())
                              for k, v in values.items()}
 
 
@@ -357,16 +344,19 @@ def load_resharded(ckpt_dir: Path, accelerator, model, optimizer, scheduler, *, 
     from accelerate.utils import set_seed
 
     state = json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
-    module = accelerator.unwrap_model(model)
-    _, first = _named(module)
-    trainable = [first[id(p)] for p in _unique(module.parameters()) if p.requires_grad]
+    trainable = [name for name, _ in _trainable(accelerator.unwrap_model(model))]
     canon = read_canonical(ckpt_dir, trainable)
     apply_canonical(canon, accelerator, model, optimizer, scheduler)
     check_applied(canon, accelerator, model, optimizer)
     set_seed(derived_seed(seed, int(state["step"]), accelerator.process_index))
-    sampler = state["sampler"]
-    if "position" not in sampler:  # saved before the stream recorded it: batches x that launch's global micro-batch
-        saved_cfg = json.loads((Path(ckpt_dir) / TRAIN_CONFIG).read_text())
-        micro = saved_cfg.get("per_device_batch_size") or saved_cfg["batch_size"] // saved_cfg.get("gradient_accumulation_steps", 1)
-        state["sampler"] = dict(sampler, position=int(sampler["batch"]) * int(micro) * int(state["world_size"]))
+    if "sampler" in state and "position" not in state["sampler"]:
+        state["sampler"] = sampler_position(state, json.loads((Path(ckpt_dir) / TRAIN_CONFIG).read_text()))
     return state
+
+
+def sampler_position(state: dict, saved_cfg: dict) -> dict:
+    """The data stream's state with its global sample position, for a checkpoint saved before the stream recorded
+    it: the batches each rank delivered x that launch's global micro-batch."""
+    sampler = state["sampler"]
+    micro = saved_cfg.get("per_device_batch_size") or saved_cfg["batch_size"] // saved_cfg.get("gradient_accumulation_steps", 1)
+    return dict(sampler, position=int(sampler["batch"]) * int(micro) * int(state["world_size"]))
