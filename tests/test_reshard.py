@@ -3,8 +3,8 @@ through opentau_cli.checkpoint.reshard, holds exactly the saved state there, par
 
 Each transition compares the state the saving launch held (DeepSpeed's safe_get_* / the torch optimizer, dumped
 before the save: not read back from the files) with the state the new launch holds after the load. Three launches
-(tests/reshard_driver.py) chain them: DDP -> ZeRO-2 -> ZeRO-3 -> DDP on 2 processes, ZeRO-2 on 2 -> one process,
-one process -> ZeRO-3 on 2.
+(tests/reshard_driver.py) chain them: DDP -> ZeRO-2 -> ZeRO-3 -> DDP and ZeRO-3 -> ZeRO-1 on 2 processes, ZeRO-2 on
+2 -> one process, one process -> ZeRO-3 on 2.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import reshard_driver
 
 pytestmark = pytest.mark.e2e
 
-TRANSITIONS = [("ddpr2", "zero2r2"), ("zero2r2", "zero3r2"), ("zero3r2", "ddpr2"), ("zero2r2", "ddpr1"), ("ddpr1", "zero3r2")]
+TRANSITIONS = [("ddpr2", "zero2r2"), ("zero2r2", "zero3r2"), ("zero3r2", "ddpr2"), ("zero3r2", "zero1r2"),
+               ("zero2r2", "ddpr1"), ("ddpr1", "zero3r2")]
 
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
-    reshard_driver.launch(out, "ddp:save,zero2:load+save,zero3:load+save,ddp:load", num_processes=2)
+    reshard_driver.launch(out, "ddp:save,zero2:load+save,zero3:load+save,ddp:load,zero1:load", num_processes=2)
     reshard_driver.launch(out, "ddp:load+save", num_processes=1, load_from=f"zero2r2={out / 'zero2r2'}")
     reshard_driver.launch(out, "zero3:load", num_processes=2, load_from=f"ddpr1={out / 'ddpr1'}")
     return out
