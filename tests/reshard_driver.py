@@ -1,7 +1,7 @@
 """Drive elastic resume (opentau_cli.checkpoint.reshard) through real launches (run under `accelerate launch`).
 
 A chain of phases in one set of processes, each with a fresh Accelerator over the same gloo process group:
-`--phases ddp:save,zero2:load+save,...`. A phase builds the tiny model (a frozen layer, buffers, a tied weight,
+`--phases ddp:save,zero2:load+save,...`. A phase (ddp, zero1/2/3, zero2bf16: bf16 weights over fp32 master weights) builds the tiny model (a frozen layer, buffers, a tied weight,
 sizes that make ZeRO pad), AdamW and a LambdaLR schedule under its backend; `load` restores the previous phase's
 checkpoint (or --load-from) through `load_resharded` and dumps the state the launch then holds to
 OUT/<prev>_to_<name>.pt; `save` trains two steps, dumps the live state to OUT/<name>_ref.pt and saves the
@@ -40,10 +40,16 @@ def _accelerator(backend: str):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
         return Accelerator(cpu=True)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    plugin = DeepSpeedPlugin(zero_stage=int(backend[-1]), gradient_accumulation_steps=1, zero3_init_flag=False)
-    acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    plugin = DeepSpeedPlugin(zero_stage=_stage(backend), gradient_accumulation_steps=1, zero3_init_flag=False)
+    acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+                      mixed_precision="bf16" if backend.endswith("bf16") else "no")
     acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 2
     return acc
+
+
+def _stage(backend: str) -> int | None:
+    """"zero2" -> 2, "zero2bf16" (bf16 weights, fp32 master weights) -> 2, "ddp" -> None."""
+    return int(backend[4]) if backend.startswith("zero") else None
 
 
 def _build(backend: str, seed: int):
@@ -118,7 +124,7 @@ def main() -> None:
             ckpt = out / name
             acc.save_state(str(ckpt), safe_serialization=True)
             if acc.is_main_process:
-                stage = int(backend[-1]) if backend != "ddp" else None
+                stage = _stage(backend)
                 state = {"step": 2 * (i + 1), "world_size": acc.num_processes,
                          "backend": "deepspeed" if stage else "ddp", "zero_stage": stage}
                 (ckpt / "training_state.json").write_text(json.dumps(state))
