@@ -99,7 +99,8 @@ def _check_same_topology(ckpt_dir: Path, state: dict, setup) -> None:
     if saved_ds and setup.backend != "deepspeed":
         raise UserError(
             f"Checkpoint '{ckpt_dir}' holds DeepSpeed ZeRO-{saved_stage} shards and this launch is {setup.label}: resume "
-            f"with the same DeepSpeed accelerate config, or pass {RESHARD_FLAG} to continue it under this launch."
+            f"with the same DeepSpeed accelerate config, pass {RESHARD_FLAG} to continue it under this launch, or run "
+            "`opentau checkpoint consolidate` on it to start a new run from its weights."
         )
     if not saved_ds and setup.backend == "deepspeed":
         raise UserError(
