@@ -141,3 +141,16 @@ def test_the_resharded_runs_checkpoints_are_ordinary_checkpoints_with_their_topo
     assert consolidated.returncode == 0 and (last / "model.safetensors").is_file(), consolidated.stderr
     verify = run_cli(["checkpoint", "verify", str(last)], env={"HF_HOME": str(runs.tmp / "hf_home")})
     assert verify.returncode == 0, verify.stdout + verify.stderr  # consolidate listed its output in the manifest
+
+
+def test_config_validate_checks_an_elastic_resume_without_launching(runs):
+    ckpt = runs.ref / CHECKPOINTS / "000003"
+    args = ["config", "validate", str(ckpt / "train_config.json"), "--resume=true", f"--accelerate-config={runs.tmp / 'single.yaml'}"]
+    env = {"HF_HOME": str(runs.tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(runs.cache)}
+    plain = run_cli(args, env=env)
+    assert plain.returncode == 2 and "--reshard=true" in plain.stderr, plain.stderr
+    elastic = run_cli([*args, "--reshard=true"], env=env)
+    assert elastic.returncode == 0 and "8 = 8 per device x 1 accumulation x 1 processes" in elastic.stdout, elastic.stderr
+    assert "per-device batch 4 x accumulation 1 -> per-device batch 8 x accumulation 1" in elastic.stderr
+    odd = run_cli([*args, "--reshard=true", "--gradient_accumulation_steps=3"], env=env)
+    assert odd.returncode == 2 and "--gradient_accumulation_steps=3 does not fit it" in odd.stderr, odd.stderr

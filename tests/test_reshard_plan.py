@@ -36,8 +36,10 @@ def test_a_global_batch_that_does_not_divide_is_refused_naming_the_process_count
 def test_explicit_batch_flags_are_kept_or_refused():
     got = fit_global_batch(saved(4), 2, 1, {"gradient_accumulation_steps": 4})
     assert (got["per_device_batch_size"], got["gradient_accumulation_steps"]) == (2, 4)
-    with pytest.raises(UserError, match="per-device batch x accumulation = 8"):
+    with pytest.raises(UserError, match="accumulation = 8; --per_device_batch_size=3 does not fit it"):
         fit_global_batch(saved(4), 2, 1, {"per_device_batch_size": 3})
+    with pytest.raises(UserError, match="accumulation = 8; --per_device_batch_size=2 x --gradient_accumulation_steps=2 "):
+        fit_global_batch(saved(4), 2, 1, {"per_device_batch_size": 2, "gradient_accumulation_steps": 2})
     with pytest.raises(UserError, match="--batch_size=4 would change the checkpoint's global batch of 8"):
         fit_global_batch(saved(4), 2, 1, {"batch_size": 4})
 

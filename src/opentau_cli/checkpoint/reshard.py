@@ -90,13 +90,17 @@ def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, given: dict)
             f"{world} processes it is {per_process} per process; drop --batch_size to keep it.")
     given_accum, given_micro = given.get("gradient_accumulation_steps"), given.get("per_device_batch_size")
     if given_accum is not None or given_micro is not None:
-        accum = given_accum if given_accum is not None else per_process // given_micro
-        micro = given_micro if given_micro is not None else per_process // accum
-        if micro * accum != per_process:
+        fits = (given_accum * given_micro == per_process if given_accum is not None and given_micro is not None
+                else per_process % (given_accum or given_micro) == 0)
+        if not fits:
+            flags = " x ".join(f"--{k}={v}" for k, v in (("per_device_batch_size", given_micro),
+                                                         ("gradient_accumulation_steps", given_accum)) if v is not None)
             raise UserError(
                 f"Keeping the checkpoint's global batch of {global_batch} on {world} processes needs per-device batch x "
-                f"accumulation = {per_process}; --per_device_batch_size={micro} x --gradient_accumulation_steps={accum} "
-                "is not: drop them to let resume choose, or pick a pair whose product is that.")
+                f"accumulation = {per_process}; {flags} does not fit it: drop it to let resume choose, or pick values "
+                f"whose product is {per_process}.")
+        accum = given_accum or per_process // given_micro
+        micro = given_micro or per_process // accum
     elif per_process % accum == 0:
         micro = per_process // accum
     elif per_process % micro == 0:
