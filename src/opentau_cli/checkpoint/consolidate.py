@@ -137,16 +137,17 @@ def _optimizer_step(optim_sd: dict) -> float | None:
     return None
 
 
-def read_zero_checkpoint(ckpt_dir: Path) -> ZeroCheckpoint:
-    """Open a DeepSpeed ZeRO checkpoint, check that its shards belong together, and plan every output tensor."""
+def read_zero_checkpoint(ckpt_dir: Path, *, moments: bool = False) -> ZeroCheckpoint:
+    """Open a DeepSpeed ZeRO checkpoint, check that its shards belong together, and plan every output tensor (with
+    `moments`, AdamW's moments too)."""
     tag_dir = find_tag_dir(ckpt_dir)
     try:
-        return _read_zero_checkpoint(tag_dir)
+        return _read_zero_checkpoint(tag_dir, moments)
     except ShardFormatError as e:  # a malformed value inside a readable shard (an unreadable zero_stage, a tensor past its record)
         raise UserError(f"{tag_dir}: {e}") from None
 
 
-def _read_zero_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
+def _read_zero_checkpoint(tag_dir: Path, moments: bool) -> ZeroCheckpoint:
     model_files = rank_shard_files(tag_dir, "model")
     optim_files = rank_shard_files(tag_dir, "optim")
     if not optim_files:
@@ -203,7 +204,8 @@ def _read_zero_checkpoint(tag_dir: Path) -> ZeroCheckpoint:
 
     ckpt = ZeroCheckpoint(tag_dir, stage, world, global_steps.get(0), optimizer_step=steps[0])
     ckpt.entries = _plan(stage, world, models, optim, optim_files)
-    ckpt.moments = _plan_moments(stage, world, models, optim, optim_files)
+    if moments:
+        ckpt.moments = _plan_moments(stage, world, models, optim, optim_files)
     return ckpt
 
 

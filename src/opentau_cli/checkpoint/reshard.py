@@ -149,7 +149,7 @@ def read_canonical(ckpt_dir: Path, trainable: list[str]) -> CanonicalState:
     if state.get("backend") == "deepspeed":
         from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
 
-        zero = read_zero_checkpoint(ckpt_dir)
+        zero = read_zero_checkpoint(ckpt_dir, moments=True)
         canon.weights = {e.name: e.produce for e in zero.entries}
         canon.moments = {m: {name: e.produce for name, e in zero.moments.get(m, {}).items()} for m in MOMENTS}
         if zero.optimizer_step is not None:
