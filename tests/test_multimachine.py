@@ -62,18 +62,24 @@ def ok(result) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """A 1-machine 2-process run; the same run on 2 machines, whose machine 1 is SIGKILLed in its last save (step 6);
+    what was on disk then; and the 2-machine resume of its step-3 checkpoint, which runs to the end."""
     tmp = tmp_path_factory.mktemp("multimachine")
     one = tmp / "one_machine"
     ok(run_cli(["train", f"--config_path={TINY}", f"--output_dir={one}", *COMMON], env=env_for(tmp)))
     two = tmp / "two_machines"
-    trained = two_machines(["train", f"--config_path={TINY}", f"--output_dir={two}", *COMMON], tmp)
-    for r in trained:
-        ok(r)
-    full = losses(two)
-    resumed = two_machines(["resume", str(two / CHECKPOINTS / "000003")], tmp)
+    kill = {"PYTHONPATH": str(KILL_HOOK), "TEST_KILL_AT": f"before_metadata@{STEPS}", "TEST_KILL_RANK": "1"}
+    killed = two_machines(["train", f"--config_path={TINY}", f"--output_dir={two}", *COMMON], tmp, env1=kill)
+    ckpts = two / CHECKPOINTS
+    after_kill = {"published": sorted(p.name for p in ckpts.iterdir() if step_of(p.name) is not None),
+                  "latest": latest(two), "sound": verify_manifest(ckpts / "000003") == [],
+                  "verify": run_cli(["checkpoint", "verify", str(two)], env=env_for(tmp)).returncode}
+    full = losses(two)  # every step was logged before the kill
+    resumed = two_machines(["resume", str(ckpts / "000003")], tmp)
     for r in resumed:
         ok(r)
-    return {"tmp": tmp, "one": losses(one), "dir": two, "full": full, "trained": trained, "resumed": losses(two)}
+    return {"tmp": tmp, "one": losses(one), "dir": two, "full": full, "killed": killed, "after_kill": after_kill,
+            "resume": resumed, "resumed": losses(two)}
 
 
 pytestmark = pytest.mark.e2e
@@ -102,7 +108,7 @@ def test_a_two_machine_resume_continues_with_the_losses_of_the_uninterrupted_run
 
 
 def test_every_rank_logs_into_the_run_log_dir_and_machine_1_prints_one_line(runs):
-    machine0, machine1 = runs["trained"]
+    machine0, machine1 = runs["resume"]  # machine 0 prints the plan and progress, machine 1 one line
     logs = runs["dir"] / LOGS
     run_logs = [d for d in logs.iterdir() if (d / "rank0.log").is_file() and not (d / "rank0.log").is_symlink()]
     assert len(run_logs) == 2  # the training and the resume
@@ -112,22 +118,16 @@ def test_every_rank_logs_into_the_run_log_dir_and_machine_1_prints_one_line(runs
     assert len(joined) == 2 and all((d / "rank1.log").is_symlink() and (d / "launcher.log").is_file() for d in joined)
     assert [line for line in machine1.stderr.splitlines() if line.strip()] == [
         next(line for line in machine1.stderr.splitlines() if line.startswith("Machine 1 of 2 joins the run"))]
-    assert "Training" in machine0.stderr and "Machine 1" not in machine0.stderr
+    assert "Resuming" in machine0.stderr and "Machine 1" not in machine0.stderr
 
 
 def test_a_kill_of_machine_1_during_a_save_keeps_the_previous_checkpoint_and_publishes_nothing(runs):
-    tmp = runs["tmp"]
-    run = tmp / "killed"
-    kill = {"PYTHONPATH": str(KILL_HOOK), "TEST_KILL_AT": "before_metadata@2", "TEST_KILL_RANK": "1"}
-    machine0, machine1 = two_machines(["train", f"--config_path={TINY}", f"--output_dir={run}", *COMMON,
-                                       "--save_freq", "1"], tmp, env1=kill)
+    machine0, machine1 = runs["killed"]
     assert machine1.returncode == -signal.SIGKILL, machine1.stderr[-3000:]
     assert machine0.returncode == 1 and "Full log:" in machine0.stderr and "Traceback" not in machine0.stderr, machine0.stderr
-    ckpts = run / CHECKPOINTS
-    published = sorted(p.name for p in ckpts.iterdir() if step_of(p.name) is not None)
-    assert published == ["000001"] and latest(run) == ckpts / "000001"
-    assert verify_manifest(ckpts / "000001") == []
-    assert run_cli(["checkpoint", "verify", str(run)], env=env_for(tmp)).returncode == 0
+    after = runs["after_kill"]
+    assert after["published"] == ["000003"] and after["latest"] == runs["dir"] / CHECKPOINTS / "000003"
+    assert after["sound"] and after["verify"] == 0
 
 
 # A save that misses a rank (the files of a machine that wrote somewhere else): never published, never verified.
