@@ -114,7 +114,8 @@ def expected_keys() -> set[str]:
         return checkpoint_keys(apply_lora(build_policy(cfg.policy), cfg.policy.lora))
 
 
-@pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
+# DDP's exact resume is the SIGTERM test's: its preempted run resumes to the uninterrupted DDP losses.
+@pytest.mark.parametrize("backend", ["single", "zero2", "zero3"])
 def test_a_resumed_lora_run_logs_the_same_losses_as_the_uninterrupted_one(runs, backend):
     full, resumed = losses(runs(backend)), losses(runs(backend, resumed=True))
     assert sorted(full) == list(range(1, STEPS + 1)) and sorted(resumed) == list(range(SAVE + 1, STEPS + 1))
