@@ -107,9 +107,9 @@ def test_resharded_runs_read_exactly_the_uninterrupted_runs_samples(runs):
 
 def test_resume_prints_what_changed(runs):
     text = runs.to_one.stderr
-    assert "Elastic resume: 2 processes on 1 machine(s) under ddp -> 1 processes on 1 machine(s) under single" in text
+    assert "Elastic resume: 2 processes on 1 machine under ddp -> 1 process on 1 machine under single" in text
     assert "per-device batch 4 x accumulation 1 -> per-device batch 8 x accumulation 1" in text
-    assert "under single -> 2 processes on 1 machine(s) under ZeRO-2" in runs.to_zero2.stderr
+    assert "under single -> 2 processes on 1 machine under ZeRO-2" in runs.to_zero2.stderr
 
 
 def test_resharded_losses_match_the_uninterrupted_run_within_noise(runs):

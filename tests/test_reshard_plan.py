@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opentau_cli.checkpoint.reshard import fit_global_batch, sampler_position, topologies, with_topology
+from opentau_cli.checkpoint.reshard import describe_change, fit_global_batch, sampler_position, topologies, with_topology
 from opentau_cli.errors import UserError
 
 
@@ -72,3 +72,12 @@ def test_reshard_flag_needs_a_resume_and_a_boolean(tmp_path):
 def test_a_checkpoint_without_a_recorded_position_resumes_at_its_batches_times_its_global_micro_batch():
     state = {"world_size": 2, "sampler": {"epoch": 1, "batch": 6}}
     assert sampler_position(state, saved(8, accum=2)) == {"epoch": 1, "batch": 6, "position": 6 * 4 * 2}
+
+
+def test_the_change_is_described_in_one_line():
+    before = {"world_size": 16, "backend": "deepspeed", "zero_stage": 3, "per_device_batch": 2, "grad_accum": 1, "machines": 2}
+    after = {"world_size": 8, "backend": "ddp", "zero_stage": None, "per_device_batch": 2, "grad_accum": 2, "machines": 1}
+    assert describe_change(before, after) == (
+        "Elastic resume: 16 processes on 2 machines under ZeRO-3 -> 8 processes on 1 machine under ddp; per-device batch "
+        "2 x accumulation 1 -> per-device batch 2 x accumulation 2 (global batch kept); the data continues at its "
+        "global sample position.")

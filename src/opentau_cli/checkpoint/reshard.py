@@ -112,9 +112,12 @@ def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, given: dict)
 
 def describe_change(before: dict, after: dict) -> str:
     """One line: what changed between two topology entries."""
+    def count(n, what):
+        return f"{n} {what}" + ("" if n == 1 else "es" if what.endswith("s") else "s")
+
     def launch(t):
         backend = f"ZeRO-{t['zero_stage']}" if t.get("backend") == "deepspeed" else t.get("backend")
-        return f"{t.get('world_size')} processes on {t.get('machines') or 1} machine(s) under {backend}"
+        return f"{count(t.get('world_size'), 'process')} on {count(t.get('machines') or 1, 'machine')} under {backend}"
 
     def batch(t):
         if t.get("per_device_batch") is None:
