@@ -1,5 +1,5 @@
 """LoRA end to end through the installed CLI: single process and real `accelerate launch` on 2 CPU processes (DDP,
-ZeRO-2, ZeRO-3), each with exact resume; the checkpoint's contents, a changed base refused, export's merge.
+ZeRO-2, ZeRO-3 in bf16), each with exact resume; the checkpoint's contents, a changed base refused, export's merge.
 
 Launches are shared (module-scoped): per resumed backend one uninterrupted run and one resume of its middle checkpoint.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import EXAMPLES, opentau_bin, run_cli
@@ -61,11 +62,22 @@ def base(home) -> Path:
     return folder
 
 
+def accelerate_yaml(backend: str, out: Path) -> Path | None:
+    """The example YAML of the backend; ZeRO-3's with mixed_precision bf16 (DeepSpeed's bf16 runs on CPU too: bf16
+    weights, fp32 master weights and moments), written beside the run."""
+    if backend != "zero3":
+        return YAML[backend]
+    config = yaml.safe_load(YAML["zero3"].read_text())
+    path = out.parent / f"{out.name}-zero3-bf16.yaml"
+    path.write_text(yaml.safe_dump({**config, "mixed_precision": "bf16"}))
+    return path
+
+
 def train_args(backend: str, out: Path, base: Path, *extra: str) -> list[str]:
     args = ["train", f"--config_path={TINY}", f"--output_dir={out}", *COMMON, f"--policy.pretrained_path={base}",
             "--batch_size", "8" if backend == "single" else "4", *extra]
     if YAML[backend]:
-        args.append(f"--accelerate-config={YAML[backend]}")
+        args.append(f"--accelerate-config={accelerate_yaml(backend, out)}")
     return args
 
 
@@ -133,6 +145,7 @@ def test_a_lora_checkpoint_holds_the_trained_tensors_and_buffers_and_the_base_s_
     assert not any(".base_layer." in n for n in names)
     state = json.loads((step_dir / TRAINING_STATE).read_text())
     assert state["lora_base"] == {"source": str(base), "files": {MODEL_WEIGHTS: hash_file(base / MODEL_WEIGHTS)}}
+    assert state["mixed_precision"] == ("bf16" if backend == "zero3" else "no")
 
 
 @pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
