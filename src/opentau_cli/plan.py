@@ -44,24 +44,20 @@ def check_policy(cfg: TrainConfig) -> list[str]:
     return errors
 
 
-def check_lora_resume(ckpt: Path, cfg: TrainConfig, state: dict) -> None:
-    """The same LoRA setting as the checkpoint, and for a LoRA checkpoint the same base weights (their hashes)."""
-    import json
-
+def check_lora_resume(ckpt: Path, cfg: TrainConfig, state: dict, saved: dict) -> None:
+    """The same LoRA setting as the checkpoint (`saved`: its train_config.json), and for a LoRA checkpoint the same
+    base weights (their hashes)."""
     from opentau_cli.policies.lora import check_resume
 
-    saved = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
     check_resume(ckpt, saved.get("policy", {}), state, cfg)
 
 
-def check_mixture_resume(ckpt: Path, cfg: TrainConfig) -> None:
-    """The checkpoint's dataset.mixture: another one would not continue its data order, nor fit its statistics."""
-    import json
-
+def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict) -> None:
+    """The checkpoint's dataset.mixture (`saved`: its train_config.json): another one would not continue its data
+    order, nor fit its statistics."""
     from opentau_cli.data.mixture import mixture_changes
 
-    saved = json.loads((ckpt / TRAIN_CONFIG).read_text()).get("dataset", {}).get("mixture")  # read by check_resumable
-    changes = mixture_changes(saved, cfg.dataset.model_dump(mode="json")["mixture"])
+    changes = mixture_changes(saved.get("dataset", {}).get("mixture"), cfg.dataset.model_dump(mode="json")["mixture"])
     if changes:
         raise UserError(f"Checkpoint '{ckpt}' trained on another mixture ({'; '.join(changes)}): resume with the "
                         "checkpoint's dataset.mixture, or start a new run with --policy.pretrained_path.")
@@ -136,26 +132,28 @@ def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], m
 
 def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine,
                  machines: dict | None, reshard: bool = False) -> RunPlan:
+    import json
+
     notes = []
     if "output_dir" not in overrides:
         cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
+    saved = read_training_state(ckpt)
     if accelerate_config is not None:
         setup = resolve_accelerate_config(accelerate_config)
     else:
         # The launch the checkpoint was saved under, so `opentau resume RUN` needs no flags.
-        saved = read_training_state(ckpt).get("accelerate")
-        if not saved:
+        if not saved.get("accelerate"):
             raise UserError(f"Checkpoint '{ckpt}' does not record its launch; pass --accelerate-config.")
-        setup = setup_from_dict(saved)
+        setup = setup_from_dict(saved["accelerate"])
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
     setup = with_machine(setup, machines)
-    saved = read_training_state(ckpt)
     if reshard and is_reshard(saved, setup):
         notes.append(_keep_global_batch(cfg, ckpt, saved, setup, overrides))
     checked = check_launch(cfg, setup, machine)
     state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
-    check_lora_resume(ckpt, checked.config, state)
-    check_mixture_resume(ckpt, checked.config)
+    saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
+    check_lora_resume(ckpt, checked.config, state, saved_config)
+    check_mixture_resume(ckpt, checked.config, saved_config)
     done = int(state.get("step", 0)) >= checked.config.steps
     if done:
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "

@@ -96,22 +96,33 @@ def _pickle_bytes(path: Path) -> bytes:
         raise UnsafePickleError(f"{path} is truncated or corrupt ({e})") from None
 
 
-def _stored_record(path: Path, info: zipfile.ZipInfo) -> bytes:
-    """A record's bytes read at its offset, without zipfile's CRC check: checkpoints are written without zip CRCs
-    (their integrity is the manifest's hash, docs/ARCHITECTURE.md "Checkpoint contract")."""
+def record_data_start(path: Path, info: zipfile.ZipInfo, size: int) -> int:
+    """Offset of a stored record's bytes in a `size`-byte torch.save zip, from its local header; ValueError naming
+    the file if the record is compressed, the header is not one, or the file ends before the record does."""
     if info.compress_type != zipfile.ZIP_STORED:
-        raise UnsafePickleError(f"{path}: compressed record {info.filename} (not written by torch.save)")
+        raise ValueError(f"{path}: compressed record {info.filename} (not written by torch.save)")
     with open(path, "rb") as f:
         f.seek(info.header_offset)
         header = f.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise UnsafePickleError(f"{path} is truncated or corrupt (bad local header)")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        f.seek(info.header_offset + 30 + name_len + extra_len)
-        data = f.read(info.file_size)
-    if len(data) != info.file_size:
-        raise UnsafePickleError(f"{path} is truncated")
-    return data
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"{path} is truncated or corrupt (bad local header)")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > size:
+        raise ValueError(f"{path} is truncated")
+    return start
+
+
+def _stored_record(path: Path, info: zipfile.ZipInfo) -> bytes:
+    """A record's bytes read at its offset, without zipfile's CRC check: checkpoints are written without zip CRCs
+    (their integrity is the manifest's hash, docs/ARCHITECTURE.md "Checkpoint contract")."""
+    try:
+        start = record_data_start(path, info, path.stat().st_size)
+    except ValueError as e:
+        raise UnsafePickleError(str(e)) from None
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(info.file_size)
 
 
 def scan_pickle_file(path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import struct
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from opentau_cli.checkpoint.pickle_scan import record_data_start
 from opentau_cli.errors import UserError
 
 
@@ -222,18 +222,10 @@ class ShardFile:
         self._offsets: dict[str, tuple[int, int]] = {}
 
     def _data_start(self, info: zipfile.ZipInfo) -> int:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise ShardFormatError(f"{self.path}: compressed record {info.filename} (not written by torch.save)")
-        with open(self.path, "rb") as f:
-            f.seek(info.header_offset)
-            header = f.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise ShardFormatError(f"{self.path} is truncated or corrupt (bad local header)")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.file_size > self._size:
-            raise ShardFormatError(f"{self.path} is truncated")
-        return start
+        try:
+            return record_data_start(self.path, info, self._size)
+        except ValueError as e:
+            raise ShardFormatError(str(e)) from None
 
     def _read_record(self, info: zipfile.ZipInfo) -> bytes:
         start = self._data_start(info)
