@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite.
+# Set up (if needed) and run the whole test suite. Prints what explains a slow run: the set-up time, the machine's
+# load before and after (a busy machine stretches every launch), and pytest's 15 slowest tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "load before: $(cat /proc/loadavg 2>/dev/null || uptime) on $(nproc) cores"
+setup_start=$SECONDS
 ./scripts/setup.sh
+echo "set-up: $((SECONDS - setup_start)) s"
 export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"
-.venv/bin/python -m pytest -q "$@"
+tests_start=$SECONDS
+status=0
+.venv/bin/python -m pytest -q --durations=15 "$@" || status=$?
+echo "tests: $((SECONDS - tests_start)) s"
+echo "load after: $(cat /proc/loadavg 2>/dev/null || uptime)"
+exit $status
