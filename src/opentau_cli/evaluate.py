@@ -229,7 +229,7 @@ def _sample(policy, batch: dict, device, generator: torch.Generator) -> torch.Te
     from opentau_cli.train.trainer import to_device
 
     noise = torch.randn(len(batch["task"]), policy.cfg.chunk_size, policy.cfg.max_action_dim, generator=generator)
-    return policy.sample_actions(to_device(batch, device, None), noise=noise.to(device)).cpu()
+    return policy.sample_actions(to_device(batch, device), noise=noise.to(device)).cpu()
 
 
 def _check_widths(policy, dataset) -> None:

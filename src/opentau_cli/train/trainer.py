@@ -100,22 +100,13 @@ def _zero3_build(config: dict):
         yield
 
 
-def model_dtype(accelerator) -> torch.dtype | None:
-    """DeepSpeed holds bf16 weights under bf16, so float inputs must be cast; DDP uses autocast (fp32 weights)."""
-    if accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "bf16":
-        return torch.bfloat16
-    return None
+def to_device(batch: dict, device) -> dict:
+    """The batch on `device` exactly as the data pipeline made it: no dtype cast, whatever the backend's precision.
 
-
-def to_device(batch: dict, device, dtype: torch.dtype | None) -> dict:
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor):
-            v = v.to(device, non_blocking=True)
-            if dtype is not None and v.is_floating_point():
-                v = v.to(dtype)
-        out[k] = v
-    return out
+    The policy normalizes raw states / actions in fp32 and casts to its compute dtype itself (docs/ARCHITECTURE.md,
+    "Precision"); a bf16 cast here would round a raw reading near 1000 by up to 4 before normalization.
+    """
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass
@@ -163,7 +154,7 @@ class Trainer:
         # after a resume); forking keeps those draws out of the model's random stream so a resumed run matches.
         with torch.random.fork_rng(devices=[]):
             batch = next(self.data.stream)
-        return to_device(batch, self.accelerator.device, model_dtype(self.accelerator))
+        return to_device(batch, self.accelerator.device)
 
     def train_step(self, timer: StepTimer = NO_TIMER, *, stop_requested: bool = False) -> StepResult:
         """One optimizer step, then the collectives every rank runs after it: the metrics gather on log steps and the
@@ -273,7 +264,7 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + 7 * acc.process_index + 1)
             it = iter(loader)
             for _ in range(n):
-                batch = to_device(next(it), acc.device, model_dtype(acc))
+                batch = to_device(next(it), acc.device)
                 out = self.model(batch)
                 for k, v in out.items():
                     if isinstance(v, torch.Tensor) and v.dim() == 0:

@@ -55,6 +55,15 @@ def discretize(x: torch.Tensor, bins: int, limit: float) -> torch.Tensor:
     return (scaled * bins).long().clamp(0, bins - 1)
 
 
+def flow_matching_pair(actions: torch.Tensor, noise: torch.Tensor, time: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The noisy actions x_t = t * noise + (1 - t) * actions and the target velocity u = noise - actions, in fp32
+    whatever the surrounding autocast or the weights' dtype (docs/ARCHITECTURE.md, "Precision")."""
+    actions, noise, time = actions.float(), noise.float(), time.float()
+    with no_autocast(actions):
+        noisy = time[:, None, None] * noise + (1 - time[:, None, None]) * actions
+        return noisy, noise - actions
+
+
 def real_widths(batch: dict, key: str, width: int, device) -> torch.Tensor:
     """Each sample's real state / action dims (`batch[key]`, docs/ARCHITECTURE.md "Batch format"); absent: all `width`."""
     if key not in batch:
@@ -331,8 +340,15 @@ class Pi05Policy(nn.Module):
 
     # ------------------------------------------------------------------------------------------ inputs
     def _prepare(self, batch: dict, with_actions: bool) -> dict:
-        """Normalize, zero-pad to max dims, tokenize the prompt (with the binned state for pi05); floats stay fp32."""
+        """Normalize, zero-pad to max dims, tokenize the prompt (with the binned state for pi05); floats stay fp32.
+
+        The batch's raw floats arrive as the data pipeline made them: everything here computes in fp32, outside any
+        autocast, whatever the weights' dtype (docs/ARCHITECTURE.md, "Precision")."""
         device = self.action_out_proj.weight.device
+        with torch.autocast(device.type, enabled=False):
+            return self._prepare_fp32(batch, with_actions, device)
+
+    def _prepare_fp32(self, batch: dict, with_actions: bool, device) -> dict:
         state = batch["state"].to(device=device, dtype=torch.float32)
         batch_size, state_dim = state.shape
         if state_dim > self.cfg.max_state_dim:
@@ -484,9 +500,7 @@ class Pi05Policy(nn.Module):
             time = sample_time(batch_size, actions.device)
         if noise is None:
             noise = torch.randn_like(actions)
-        time, noise = time.to(actions.device, torch.float32), noise.to(actions.device, torch.float32)
-        noisy = time[:, None, None] * noise + (1 - time[:, None, None]) * actions
-        target = noise - actions
+        noisy, target = flow_matching_pair(actions, noise.to(actions.device), time.to(actions.device))
 
         use_ce = self.cfg.discrete_action_loss
         action_tokens = target_bins = None
