@@ -46,8 +46,9 @@ def test_dashes_in_override_keys_are_accepted():
 
 def test_text_fields_keep_numeric_looking_values_as_text():
     cfg = load_config(None, ["--output_dir=123", "--dataset.root=007"], environ={})
-    assert cfg.output_dir == Path("123")
-    assert cfg.dataset.root == "007"
+    # Text, made absolute against the working directory (config/paths.py), never the number 123.
+    assert cfg.output_dir == Path.cwd() / "123"
+    assert cfg.dataset.root == str(Path.cwd() / "007")
 
 
 def test_list_and_optional_values_parse_from_the_command_line():

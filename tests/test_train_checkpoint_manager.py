@@ -69,7 +69,8 @@ def test_save_publishes_a_complete_checkpoint_and_points_last_at_it(tmp_path):
     path = save(m, 40)
     assert path == tmp_path / "run" / CHECKPOINTS / "000040"
     assert verify_manifest(path) == []
-    assert json.loads((path / TRAIN_CONFIG).read_text())["config_path"] == str(path / TRAIN_CONFIG)
+    # Recorded relative to the run directory, so the record stays true when the run is moved.
+    assert json.loads((path / TRAIN_CONFIG).read_text())["config_path"] == "checkpoints/000040/train_config.json"
     assert json.loads((path / TRAINING_STATE).read_text())["step"] == 40
     assert os.readlink(tmp_path / "run" / CHECKPOINTS / LAST) == "000040" == read_last(path.parent)
     assert names(tmp_path) == ["000040", LAST]  # no temp dir left behind

@@ -2,7 +2,8 @@
 
 docs/ARCHITECTURE.md, "Checkpoint contract". A run directory holds:
 
-    metrics.jsonl, tensorboard/, logs/<time>/, logs/run.lock (while a run lives)
+    metrics.jsonl, tensorboard/train/, logs/<time>/, logs/run.lock (while a run lives)
+    rolled_back/<time>/                 checkpoints/ and metrics.jsonl a rollback moved aside (lineage.py)
     checkpoints/<step>/                 published checkpoints, the step zero-padded (step_dir_name)
     checkpoints/last                    the newest published one (point_last writes it, read_last reads it)
     checkpoints/.tmp-<step>-<run id>/   a save in progress, or left by an interrupted one
@@ -23,6 +24,7 @@ CHECKPOINTS = "checkpoints"
 LAST = "last"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+TB_RUN = "train"  # tensorboard/train/: every launch of a run writes there (a resume with purge_step)
 LOGS = "logs"
 RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.runlock)
 

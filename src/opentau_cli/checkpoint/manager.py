@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Callable
 
 from opentau_cli.checkpoint.faults import fault_point
+from opentau_cli.checkpoint.format import check_readable, migrate_training_state, stamp
 from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, step_dir_name,
+    CHECKPOINTS, LAST, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, step_dir_name,
     step_of, tmp_dir,
 )
+from opentau_cli.checkpoint.lineage import LINEAGE, lineage_record, resume_point
 from opentau_cli.checkpoint.manifest import MissingRankState, is_complete, verify_manifest, write_json_atomic, write_manifest
 from opentau_cli.checkpoint.pickle_scan import scan_checkpoint_pickles
+from opentau_cli.config.paths import record_paths
 from opentau_cli.errors import RunError, UserError
 
 # Policy fields that change the shape of the weights: a checkpoint only resumes into the same values.
@@ -42,11 +45,9 @@ def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
 
 
 def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run (manifest present and matching), or None."""
-    for _, path in reversed(checkpoint_steps(Path(run_dir) / CHECKPOINTS)):
-        if is_complete(path):
-            return path
-    return None
+    """The checkpoint a run continues from: `checkpoints/last` when complete, else its newest complete ancestor
+    (checkpoint/lineage.py), or None."""
+    return resume_point(Path(run_dir))
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -54,7 +55,8 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def find_checkpoint(target: Path) -> Path:
-    """A checkpoint dir given a run dir (its newest complete checkpoint), its checkpoints/ dir, or a checkpoint dir."""
+    """A checkpoint dir given a run dir (what `last` designates, or its newest complete ancestor), its checkpoints/
+    dir, or a checkpoint dir."""
     target = Path(target)
     if not target.exists():
         raise UserError(f"'{target}' does not exist: pass a run directory (e.g. outputs/train/pi05) or one of its checkpoints.")
@@ -67,8 +69,8 @@ def find_checkpoint(target: Path) -> Path:
     if found is None:
         if checkpoint_steps(run_dir / CHECKPOINTS):
             raise UserError(
-                f"No complete checkpoint in '{run_dir / CHECKPOINTS}' (every one fails its manifest); "
-                f"see `opentau checkpoint list {run_dir}`."
+                f"No complete checkpoint on the branch `{run_dir / CHECKPOINTS / LAST}` designates (each fails its "
+                f"manifest); see `opentau checkpoint list {run_dir} --verify`, and resume one of them by its directory."
             )
         raise UserError(
             f"No checkpoint found in '{target}': expected {run_dir / CHECKPOINTS}/<step>/; "
@@ -83,8 +85,10 @@ def run_dir_of(ckpt_dir: Path) -> Path:
 
 
 def read_training_state(ckpt_dir: Path) -> dict:
+    """The checkpoint's training state in the current format (checkpoint/format.py); refuses a newer format."""
+    check_readable(ckpt_dir)
     try:
-        return json.loads((ckpt_dir / TRAINING_STATE).read_text())
+        return migrate_training_state(json.loads((ckpt_dir / TRAINING_STATE).read_text()))
     except (OSError, ValueError):
         raise UserError(f"Checkpoint '{ckpt_dir}' has no readable {TRAINING_STATE}; it was not written by opentau train.") from None
 
@@ -216,7 +220,7 @@ class CheckpointManager:
     """
 
     def __init__(self, accelerator, run_dir: Path, *, total_steps: int, run_id: str, keep_last: int | None = None,
-                 protect: Path | None = None, save_kwargs: dict | None = None, load_kwargs: dict | None = None,
+                 protect: Path | None = None, parent: Path | None = None, save_kwargs: dict | None = None, load_kwargs: dict | None = None,
                  async_save: bool = False, report: Callable[[str], None] | None = None):
         self.accelerator = accelerator
         self.save_kwargs, self.load_kwargs = dict(save_kwargs or {}), dict(load_kwargs or {})
@@ -226,6 +230,7 @@ class CheckpointManager:
         self.run_id = run_id
         self.keep_last = keep_last
         self.protect = Path(protect).resolve() if protect else None
+        self.parent = Path(parent) if parent else None  # what the next save continues (lineage.py)
         self.async_save = async_save
         self.report = report or (lambda text: None)
         self._staging = None  # async_save's host copy of the state, made by the first save
@@ -238,7 +243,12 @@ class CheckpointManager:
         With async_save it returns the directory the checkpoint will be published as, once the state is in host
         memory; a failure of the write is raised by a later `poll`, `wait` or `save`."""
         if self.async_save:
-            return self._save_async(step, config, state)
+            self.wait()  # at most one save in flight: the parent is published before its child is recorded
+        if self.accelerator.is_main_process:
+            state = dict(state, **{LINEAGE: lineage_record(self.parent, self.run_id)})
+        if self.async_save:
+            self.parent = self._save_async(step, config, state)  # a failed write stops the run (poll raises)
+            return self.parent
         acc = self.accelerator
         name = step_dir_name(step, self.total_steps)
         tmp = tmp_dir(self.root, name, self.run_id)
@@ -252,6 +262,7 @@ class CheckpointManager:
             raise self._failed(step, error)
         if acc.is_main_process:
             self._retain()
+        self.parent = final
         self.report(f"Saved checkpoint {final}")
         return final
 
@@ -297,7 +308,7 @@ class CheckpointManager:
     def load(self, ckpt_dir: Path) -> dict:
         """Restore model, optimizer, scheduler and RNG (every rank); returns the checkpoint's training state."""
         self.accelerator.load_state(str(ckpt_dir), **self.load_kwargs)
-        return json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
+        return read_training_state(Path(ckpt_dir))
 
     # Internals.
 
@@ -389,10 +400,11 @@ class CheckpointManager:
         acc.wait_for_everyone()
 
     def _write_records(self, tmp: Path, config: dict, state: dict, final: Path) -> None:
-        cfg = dict(config)
-        cfg["config_path"] = str(final / TRAIN_CONFIG)  # the config points at itself once published
+        # Paths inside the run directory relative to it, so a moved or copied run resumes (config/paths.py).
+        cfg = record_paths(config, self.run_dir)
+        cfg["config_path"] = (final / TRAIN_CONFIG).relative_to(self.run_dir).as_posix()  # itself, once published
         write_json_atomic(tmp / TRAIN_CONFIG, cfg)
-        write_json_atomic(tmp / TRAINING_STATE, dict(state, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+        write_json_atomic(tmp / TRAINING_STATE, dict(stamp(state), time=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
 
     def _publish(self, tmp: Path, final: Path, name: str, hashed: dict | None = None) -> None:
         # Last: its presence says every other file is complete and on disk (`hashed`: by async_save's writer).

@@ -15,6 +15,7 @@ from pydantic_settings import EnvSettingsSource
 
 from opentau_cli.errors import UserError
 from opentau_cli.config.model import TrainConfig
+from opentau_cli.config.paths import is_path_key, paths_base, resolve_paths, resolve_value
 
 # OPENTAU_* variables that are not config keys.
 NON_CONFIG_ENV = {"OPENTAU_DEBUG", "OPENTAU_CACHE_DIR", "OPENTAU_LOG_LEVEL"}
@@ -47,19 +48,34 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
+def _list_item_section(annotation: Any) -> type[BaseModel] | None:
+    """The section type of a `list[Section] | None` field (e.g. dataset.mixture), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(candidate) is list:
+            args = typing.get_args(candidate)
+            return _section_type(args[0]) if args else None
+    return None
+
+
 def _field_annotation(key: str) -> Any:
+    """The annotation of a dotted key; a number after a list of sections picks an item (`dataset.mixture.0.root`)."""
     model: type[BaseModel] = TrainConfig
     parts = key.split(".")
-    for i, part in enumerate(parts):
-        field = model.model_fields.get(part)
+    i = 0
+    while i < len(parts):
+        field = model.model_fields.get(parts[i])
         if field is None:
             raise UserError(f"Unknown config key '{key}'{suggest(key)}.")
         if i == len(parts) - 1:
             return field.annotation
         sub = _section_type(field.annotation)
+        item = _list_item_section(field.annotation)
+        if sub is None and item is not None and parts[i + 1].isdigit() and i + 2 < len(parts):
+            sub, i = item, i + 1
         if sub is None:
             raise UserError(f"Unknown config key '{key}': '{'.'.join(parts[: i + 1])}' is not a section{suggest(key)}.")
         model = sub
+        i += 1
     raise AssertionError("unreachable")
 
 
@@ -112,10 +128,18 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 def _set_dotted(data: dict, key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
+    node: Any = data
+    for i, part in enumerate(parents):
+        if isinstance(node, list):  # an item of a list of sections, by its number (checked by _field_annotation)
+            index = int(part)
+            if index >= len(node):
+                raise UserError(f"--{key}: '{'.'.join(parents[:i])}' has {len(node)} item(s), numbered from 0.")
+            node = node[index]
+            continue
         child = node.get(part)
-        if not isinstance(child, dict):
+        if not isinstance(child, (dict, list)):
+            if parents[i + 1:i + 2] and parents[i + 1].isdigit():
+                raise UserError(f"--{key}: the config has no '{'.'.join(parents[:i + 1])}' list to index.")
             child = {}
             node[part] = child
         node = child
@@ -192,15 +216,18 @@ def load_config(
     data: dict = {}
     origin = ""
     found: Path | None = None
+    cwd = Path.cwd()
     if config_path is not None:
         found = find_config_file(config_path)
-        data = read_json(found)
+        # Relative paths mean where they were given (config/paths.py): the file's own base, then this command's cwd.
+        data = resolve_paths(read_json(found), paths_base(found))
         origin = f" in {found}"
-    data = _deep_merge(data, env_values(environ))
+    data = _deep_merge(data, resolve_paths(env_values(environ), cwd))
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     for key, raw in (overrides or {}).items():
-        _set_dotted(data, key, coerce_value(key, raw))
+        value = coerce_value(key, raw)
+        _set_dotted(data, key, resolve_value(key, value, cwd) if is_path_key(key) else value)
     if found is not None:
         data["config_path"] = str(found)
     try:

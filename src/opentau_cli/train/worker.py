@@ -41,7 +41,7 @@ def agree_run_id(accelerator, launch: dict) -> str:
 
 def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
-    from opentau_cli.checkpoint.layout import METRICS, TENSORBOARD
+    from opentau_cli.checkpoint.layout import METRICS, TB_RUN, TENSORBOARD
     from opentau_cli.checkpoint.manager import CheckpointManager
     from opentau_cli.runtime import keep_until_exit
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
@@ -55,10 +55,8 @@ def fit(cfg, setup, launch: dict, console) -> int:
     keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
     acc = trainer.accelerator
     run_id = agree_run_id(acc, launch)
-    if tb_dir is not None:
-        acc.init_trackers(run_id)
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
-                             keep_last=cfg.checkpoint.keep_last, protect=resume_from,
+                             keep_last=cfg.checkpoint.keep_last, protect=resume_from, parent=resume_from,
                              save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs,
                              async_save=cfg.checkpoint.async_save,
                              report=lambda text: progress.message(text))  # progress exists before the first save
@@ -66,6 +64,9 @@ def fit(cfg, setup, launch: dict, console) -> int:
         trainer.restore(ckpt, resume_from)
         if acc.is_main_process:
             truncate_metrics(run_dir / METRICS, trainer.step)
+    if tb_dir is not None:
+        # One TensorBoard run per run directory; a resume purges what a dead or rolled-back launch logged past its step.
+        acc.init_trackers(TB_RUN, init_kwargs={"tensorboard": {"purge_step": trainer.step + 1}} if resume_from else {})
     metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None)
     progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar)
     if resume_from is not None:
