@@ -24,7 +24,8 @@ import yaml
 
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
 from opentau_cli import runlock
-from opentau_cli.checkpoint.manager import clean_leftovers
+from opentau_cli.checkpoint.lineage import ROLLED_BACK, roll_back, span
+from opentau_cli.checkpoint.manager import checkpoint_steps, clean_leftovers, latest, run_dir_of
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
@@ -121,17 +122,21 @@ def new_log_dir(output_dir: Path, machine_rank: int = 0) -> Path:
     return path
 
 
-def prepare_output_dir(plan: RunPlan) -> None:
-    """Create the run dir; with --overwrite on a fresh run, drop the old run's results so they never mix. A fresh run
-    into the dir of a start that failed before its first checkpoint (the only kind the rules let through) moves that
-    start's metrics and TensorBoard events into its own log dir: kept, and never mixed with this run's."""
+def prepare_output_dir(plan: RunPlan, echo=print) -> None:
+    """Create the run dir; with --overwrite on a fresh run, drop the old run's results (named first) so they never
+    mix. A fresh run into the dir of a start that failed before its first checkpoint (the only kind the rules let
+    through) moves that start's metrics and TensorBoard events into its own log dir: kept, and never mixed with this
+    run's. A resume with --rollback moves the checkpoints newer than its source aside (lineage.py)."""
     cfg = plan.config
     if cfg.overwrite and not cfg.resume and cfg.output_dir.is_dir():
-        for name in (CHECKPOINTS, METRICS, TENSORBOARD):
-            p = cfg.output_dir / name
+        doomed = [cfg.output_dir / name for name in (CHECKPOINTS, METRICS, TENSORBOARD, ROLLED_BACK)
+                  if (cfg.output_dir / name).exists() or (cfg.output_dir / name).is_symlink()]
+        if doomed:
+            echo(f"--overwrite=true: removing {describe_removal(doomed)} of the earlier run in {cfg.output_dir}.")
+        for p in doomed:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)
-            elif p.exists() or p.is_symlink():
+            else:
                 p.unlink()
     elif not cfg.resume and cfg.output_dir.is_dir():
         results = [cfg.output_dir / name for name in (METRICS, TENSORBOARD) if (cfg.output_dir / name).exists()]
@@ -142,6 +147,42 @@ def prepare_output_dir(plan: RunPlan) -> None:
             for p in results:
                 p.rename(failed_start / p.name)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    if plan.rollback and plan.resume_from is not None:
+        echo(roll_back(run_dir_of(plan.resume_from), plan.resume_from).line())
+
+
+def describe_removal(paths: list[Path]) -> str:
+    """'checkpoints/ (000020, 000040), metrics.jsonl and tensorboard/' for the overwrite line."""
+    parts = []
+    for p in paths:
+        if p.name == CHECKPOINTS and p.is_dir():
+            steps = [c for _, c in checkpoint_steps(p)]
+            parts.append(f"{CHECKPOINTS}/ ({span(steps)})" if steps else f"{CHECKPOINTS}/")
+        else:
+            parts.append(p.name + ("/" if p.is_dir() else ""))
+    return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+
+
+def deepspeed_op_note(setup: AccelerateSetup, cuda: bool) -> str | None:
+    """DeepSpeed compiles its CPU communication op with the C++ compiler on first use, silently: say so once."""
+    if setup.backend != "deepspeed" or cuda:
+        return None
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    built = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
+    if any(built.glob("*.so")):
+        return None
+    return ("DeepSpeed builds its CPU communication op (deepspeed_shm_comm) with the C++ compiler on this first launch: "
+            "usually 30-60 s on 2 cores, once; later launches reuse it.")
+
+
+def interrupted_line(plan: RunPlan) -> str:
+    """What Ctrl-C kept and how to continue."""
+    run_dir = plan.config.output_dir
+    kept = latest(run_dir)
+    if kept is None:
+        return f"Interrupted: no checkpoint was saved; run the same command again to start over ({run_dir})."
+    return (f"Interrupted: nothing was saved after checkpoint {kept}; continue with `opentau resume {run_dir}` "
+            "(Ctrl-C does not save: send SIGTERM to save first).")
 
 
 def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, Path, Path]:
@@ -219,8 +260,11 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     setup = plan.setup
     first = setup.machine_rank == 0
     if first:  # the run directory is machine 0's to prepare: the others only add their launch files and rank logs
-        prepare_output_dir(plan)
         clean_leftovers(plan.config.output_dir)
+        prepare_output_dir(plan, echo)
+        note = deepspeed_op_note(setup, cuda)
+        if note:
+            echo(note)
     log_dir = new_log_dir(plan.config.output_dir, setup.machine_rank)
     cfg_path, accel_path, launch_path = write_launch_files(plan, log_dir, cuda)
     cmd = build_command(accel_path, cfg_path, launch_path, worker.module)
@@ -266,6 +310,8 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
     if interrupted:
+        if first:
+            echo(interrupted_line(plan))
         return 130
     if stopped_early:
         echo("Stopped by a signal before training started; nothing to save.")

@@ -12,12 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run
-from opentau_cli.checkpoint.manager import check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of
+from opentau_cli.checkpoint.manager import (
+    RESHARD_FLAG, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
+)
+from opentau_cli.checkpoint.lineage import newer_checkpoints
 from opentau_cli.checkpoint.reshard import describe_change, fit_global_batch, is_reshard, topology, topology_entry
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
     validate, with_machine,
 )
+from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
 from opentau_cli.errors import UserError
 
@@ -52,12 +56,23 @@ def check_lora_resume(ckpt: Path, cfg: TrainConfig, state: dict, saved: dict) ->
     check_resume(ckpt, saved.get("policy", {}), state, cfg)
 
 
-def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict) -> None:
-    """The checkpoint's dataset.mixture (`saved`: its train_config.json): another one would not continue its data
-    order, nor fit its statistics."""
+def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict, overrides: dict | None = None) -> None:
+    """The checkpoint's dataset.mixture (`saved`: its train_config.json, paths resolved as load_config resolves
+    them): another one would not continue its data order, nor fit its statistics. A member's root given on the
+    command line (`--dataset.mixture.N.root`) says where the same data is now (a moved run) and is not a change."""
+    import copy
+
+    from opentau_cli.config.paths import paths_base, resolve_paths
     from opentau_cli.data.mixture import mixture_changes
 
-    changes = mixture_changes(saved.get("dataset", {}).get("mixture"), cfg.dataset.model_dump(mode="json")["mixture"])
+    saved = resolve_paths(copy.deepcopy(saved), paths_base(ckpt / TRAIN_CONFIG))
+    before = saved.get("dataset", {}).get("mixture")
+    now = cfg.dataset.model_dump(mode="json")["mixture"]
+    for key in overrides or {}:
+        parts = key.split(".")
+        if before and now and parts[:2] == ["dataset", "mixture"] and parts[3:] == ["root"] and int(parts[2]) < min(len(before), len(now)):
+            before[int(parts[2])]["root"] = now[int(parts[2])]["root"]
+    changes = mixture_changes(before, now)
     if changes:
         raise UserError(f"Checkpoint '{ckpt}' trained on another mixture ({'; '.join(changes)}): resume with the "
                         "checkpoint's dataset.mixture, or start a new run with --policy.pretrained_path.")
@@ -88,6 +103,7 @@ class RunPlan:
     resume_from: Path | None = None
     notes: list[str] = field(default_factory=list)
     finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
+    rollback: bool = False  # the launcher first moves the checkpoints newer than resume_from aside (lineage.py)
 
     @property
     def config(self) -> TrainConfig:
@@ -99,18 +115,19 @@ class RunPlan:
 
 
 def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
-               machines: dict | None = None, reshard: bool = False) -> RunPlan:
+               machines: dict | None = None, reshard: bool = False, rollback: bool = False) -> RunPlan:
     """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest).
 
     `machine` is the one the rules check for; by default this one. `machines`: the command line's machine settings
     (`config.with_machine`: they and the cluster's environment override the YAML). `reshard`: a resume may change
-    the number of processes, the backend or the ZeRO stage (checkpoint/reshard.py)."""
+    the number of processes, the backend or the ZeRO stage (checkpoint/reshard.py). `rollback`: a resume from a
+    checkpoint older than the run's newest moves the newer ones aside instead of being refused (lineage.py)."""
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
     cfg = load_config(config_path, overrides)
-    if reshard and not cfg.resume:
-        raise UserError("--reshard=true continues a checkpoint on another launch: pass it with --resume=true, or use "
-                        "`opentau resume RUN --reshard=true`.")
+    for flag, given in ((RESHARD_FLAG, reshard), (ROLLBACK_FLAG, rollback)):
+        if given and not cfg.resume:
+            raise UserError(f"{flag} applies to a resume: pass it with --resume=true, or use `opentau resume RUN {flag}`.")
     if not cfg.resume:
         return RunPlan(checked=check_launch(cfg, with_machine(resolve_accelerate_config(accelerate_config), machines), machine))
     source = Path(cfg.config_path).parent if cfg.config_path else None
@@ -118,25 +135,29 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
         ckpt = find_checkpoint(source)
     else:
         ckpt = find_checkpoint(cfg.output_dir)
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard, rollback)
 
 
 def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
-                machines: dict | None = None, reshard: bool = False) -> RunPlan:
+                machines: dict | None = None, reshard: bool = False, rollback: bool = False) -> RunPlan:
     """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
     ckpt = find_checkpoint(target)
     overrides = parse_overrides(args)
     cfg = load_config(ckpt / TRAIN_CONFIG, {**overrides, "resume": "true"})
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines, reshard)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines, reshard, rollback)
 
 
 def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine,
-                 machines: dict | None, reshard: bool = False) -> RunPlan:
+                 machines: dict | None, reshard: bool = False, rollback: bool = False) -> RunPlan:
     import json
 
     notes = []
     if "output_dir" not in overrides:
         cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
+    missing = missing_paths(cfg.model_dump(mode="json"), origin=ckpt / TRAIN_CONFIG, overridden=set(overrides),
+                            lora=cfg.policy.lora.enabled)
+    if missing:
+        raise UserError("\n".join(missing) if len(missing) > 1 else missing[0])
     saved = read_training_state(ckpt)
     if accelerate_config is not None:
         setup = resolve_accelerate_config(accelerate_config)
@@ -153,12 +174,58 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
     saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
     check_lora_resume(ckpt, checked.config, state, saved_config)
-    check_mixture_resume(ckpt, checked.config, saved_config)
+    check_mixture_resume(ckpt, checked.config, saved_config, overrides)
+    notes.extend(check_history(ckpt, rollback))
+    schedule = describe_schedule_change(saved_config, checked.config, int(state.get("step", 0)))
+    if schedule:
+        notes.append(schedule)
     done = int(state.get("step", 0)) >= checked.config.steps
     if done:
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
                      "(pass a larger --steps to train further).")
-    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done)
+    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done,
+                   rollback=bool(rollback and newer_checkpoints(run_dir_of(ckpt), ckpt)))
+
+
+ROLLBACK_FLAG = "--rollback=true"
+
+
+def check_history(ckpt: Path, rollback: bool) -> list[str]:
+    """A resume writes its checkpoints after `ckpt`'s step: newer checkpoints of the run would be overwritten or mixed
+    into another branch's history. Refused unless `rollback` (then the launcher moves them aside: lineage.py)."""
+    from opentau_cli.checkpoint.lineage import ROLLED_BACK, newer_checkpoints, span
+
+    run_dir = run_dir_of(ckpt)
+    newer = newer_checkpoints(run_dir, ckpt)
+    if not newer:
+        return []
+    if not rollback:
+        raise UserError(
+            f"Checkpoint {ckpt.name} is older than the run's newest checkpoints ({span(newer)}): resuming from it would "
+            f"overwrite them and mix two histories. Resume the newest with `opentau resume {run_dir}`, or pass "
+            f"{ROLLBACK_FLAG} to move the newer checkpoints and their metrics into {run_dir / ROLLED_BACK}/<time>/ "
+            f"and continue from step {ckpt.name.lstrip('0') or 0}."
+        )
+    return [f"Rollback: {span(newer)} and their metrics records will move into {run_dir / ROLLED_BACK}/<time>/ "
+            f"(nothing is deleted); the run continues from {ckpt}."]
+
+
+def describe_schedule_change(saved: dict, cfg: TrainConfig, step: int) -> str | None:
+    """The line that says what a new --steps does to the learning-rate schedule at the resume step (`saved`: the
+    checkpoint's train_config.json)."""
+    from opentau_cli.train.schedule import lr_at
+
+    saved_steps = saved.get("steps")
+    if saved_steps is None or saved_steps == cfg.steps or cfg.scheduler.type == "constant":
+        return None
+    if cfg.scheduler.decay_steps is not None:
+        return (f"Schedule unchanged: scheduler.decay_steps={cfg.scheduler.decay_steps} fixes the cosine decay, "
+                f"so --steps {saved_steps} -> {cfg.steps} only changes where the run stops.")
+    before = lr_at(step, cfg.optimizer.lr, cfg.scheduler, saved_steps)
+    after = lr_at(step, cfg.optimizer.lr, cfg.scheduler, cfg.steps)
+    return (f"Schedule: --steps {saved_steps} -> {cfg.steps} re-plans the cosine decay over {cfg.steps} steps: the "
+            f"learning rate at step {step} goes from {before:.3g} to {after:.3g}. To keep the original schedule, "
+            f"pass --scheduler.decay_steps={saved_steps} (the rate then stays at decay_lr past step {saved_steps}).")
 
 
 def _keep_global_batch(cfg: TrainConfig, ckpt: Path, saved: dict, setup: AccelerateSetup, overrides: dict) -> str:

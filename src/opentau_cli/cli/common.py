@@ -29,6 +29,8 @@ AccelerateConfigOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help=(
+    "Replace an existing, non-empty output (the old one is removed only once the new one is complete; opentau_cli/outputs.py)."))]
 
 
 def make_app(help_text: str) -> typer.Typer:
@@ -80,6 +82,10 @@ BreakLockOpt = Annotated[bool, typer.Option("--break-lock", "--break_lock", help
 ReshardOpt = Annotated[str, typer.Option("--reshard", metavar="BOOL", help=(
     "true: resume on another number of processes or machines, or under another backend / ZeRO stage; the global "
     "batch, model, optimizer and data position carry over exactly (README, \"Elastic resume\")."))]
+
+RollbackOpt = Annotated[str, typer.Option("--rollback", metavar="BOOL", help=(
+    "true: resume from a checkpoint older than the run's newest; the newer checkpoints and their metrics move into "
+    "RUN/rolled_back/<time>/ (nothing is deleted) and the run continues from the one given (README, \"Resume\")."))]
 
 
 def parse_bool_flag(name: str, value: str) -> bool:

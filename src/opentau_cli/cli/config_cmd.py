@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from opentau_cli.cli.common import (
-    OVERRIDES_CONTEXT, AccelerateConfigOpt, MachineRankOpt, MainIpOpt, MainPortOpt, NumMachinesOpt, ReshardOpt, handle_errors,
+    OVERRIDES_CONTEXT, AccelerateConfigOpt, MachineRankOpt, MainIpOpt, MainPortOpt, NumMachinesOpt, ReshardOpt, RollbackOpt, handle_errors,
     make_app, machine_settings, parse_bool_flag, warn,
 )
 from opentau_cli.config import Machine, TrainConfig, load_config
@@ -31,6 +31,7 @@ def validate_cmd(
     main_process_ip: MainIpOpt = None,
     main_process_port: MainPortOpt = None,
     reshard: ReshardOpt = "false",
+    rollback: RollbackOpt = "false",
 ) -> None:
     """Run every check `train` runs before launching (with --resume=true, also the checkpoint's), without launching.
 
@@ -52,7 +53,7 @@ def validate_cmd(
     machine = Machine.with_gpus(gpus) if gpus is not None else None
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     plan = plan_train(config, accelerate_config, list(ctx.args), machine, machines=machines,
-                      reshard=parse_bool_flag("--reshard", reshard))
+                      reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback))
     for w in plan.checked.warnings:
         warn(w)
     for note in plan.notes:

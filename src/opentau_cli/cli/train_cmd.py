@@ -8,7 +8,7 @@ import typer
 
 from opentau_cli.cli.common import (
     OVERRIDES_CONTEXT, AccelerateConfigOpt, BreakLockOpt, ConfigPathOpt, MachineRankOpt, MainIpOpt, MainPortOpt,
-    NumMachinesOpt, ReshardOpt, handle_errors, machine_settings, parse_bool_flag, warn,
+    NumMachinesOpt, ReshardOpt, RollbackOpt, handle_errors, machine_settings, parse_bool_flag, warn,
 )
 
 
@@ -33,7 +33,8 @@ def _launch(plan, break_lock: bool = False) -> None:
 @handle_errors
 def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_config: AccelerateConfigOpt = None,
           machine_rank: MachineRankOpt = None, num_machines: NumMachinesOpt = None, main_process_ip: MainIpOpt = None,
-          main_process_port: MainPortOpt = None, break_lock: BreakLockOpt = False, reshard: ReshardOpt = "false") -> None:
+          main_process_port: MainPortOpt = None, break_lock: BreakLockOpt = False, reshard: ReshardOpt = "false",
+          rollback: RollbackOpt = "false") -> None:
     """Train a policy under Accelerate (single process, DDP, DeepSpeed ZeRO-2/3).
 
     Examples:
@@ -46,7 +47,8 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
 
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_train(config_path, accelerate_config, list(ctx.args), machines=machines,
-                       reshard=parse_bool_flag("--reshard", reshard)), break_lock)
+                       reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback)),
+            break_lock)
 
 
 @handle_errors
@@ -60,14 +62,15 @@ def resume(
     main_process_port: MainPortOpt = None,
     break_lock: BreakLockOpt = False,
     reshard: ReshardOpt = "false",
+    rollback: RollbackOpt = "false",
 ) -> None:
-    """Resume a run from its newest complete checkpoint (or the checkpoint given).
+    """Resume a run from the checkpoint `last` designates (or the checkpoint given; an older one needs --rollback=true).
 
     Examples:
 
         opentau resume outputs/train/pi05 --steps=100
 
-        opentau resume outputs/train/pi05/checkpoints/000040
+        opentau resume outputs/train/pi05/checkpoints/000040 --rollback=true
 
         opentau resume outputs/train/pi05 --reshard=true --accelerate-config=configs/examples/accelerate_deepspeed_zero3_config.yaml
     """
@@ -75,7 +78,8 @@ def resume(
 
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_resume(run_dir, accelerate_config, list(ctx.args), machines=machines,
-                        reshard=parse_bool_flag("--reshard", reshard)), break_lock)
+                        reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback)),
+            break_lock)
 
 
 def register(app: typer.Typer) -> None:
