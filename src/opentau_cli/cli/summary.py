@@ -42,6 +42,7 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("accelerate config", source),
         ("world size", f"{accel.world_size} ({accel.num_machines} machine{'s' if accel.num_machines > 1 else ''})"),
         ("mixed precision", accel.mixed_precision),
+        ("distributed", f"process group timeout {cfg.distributed.timeout_minutes} min (distributed.timeout_minutes)"),
         (
             "global batch",
             f"{checked.global_batch_size} = {cfg.per_device_batch_size} per device x {cfg.gradient_accumulation_steps} "

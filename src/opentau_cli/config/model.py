@@ -173,6 +173,14 @@ class ValidationConfig(Section):
     max_batches: int | None = Field(None, ge=1, description="Cap on validation batches per rank.")
 
 
+class DistributedConfig(Section):
+    timeout_minutes: int = Field(
+        60, ge=1,
+        description="Process-group timeout: how long a rank waits in a collective (e.g. while rank 0 writes a large "
+                    "checkpoint) before the job is aborted. Applied to every backend; NCCL's own default is 10.",
+    )
+
+
 class TrainConfig(BaseSettings):
     """Everything a training run needs. `train_config.json` in each checkpoint is this, resolved."""
 
@@ -199,6 +207,7 @@ class TrainConfig(BaseSettings):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _fill_micro_batch(self) -> "TrainConfig":

@@ -35,10 +35,36 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
+def process_group_kwargs(cfg: TrainConfig, setup: AccelerateSetup, cuda: bool):
+    """How Accelerate initializes the process group: `distributed.timeout_minutes` on every backend, CUDA or not (a
+    rank waits that long in a collective while rank 0 saves), and gloo for DeepSpeed without CUDA ("CPU recipes")."""
+    from datetime import timedelta
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    timeout = timedelta(minutes=cfg.distributed.timeout_minutes)
+    if setup.backend == "deepspeed" and not cuda:
+        return InitProcessGroupKwargs(backend="gloo", timeout=timeout)
+    # Accelerate picks the backend itself (nccl on CUDA, gloo for MULTI_CPU); the default field is not passed on.
+    return InitProcessGroupKwargs(timeout=timeout)
+
+
+def process_group_timeout():
+    """The timeout the default process group was created with (None without one), read from torch's own backend
+    object: what the GPU self-check and the tests compare with `distributed.timeout_minutes`."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if torch.device("cuda") in group._device_types else "cpu")
+    return group._get_backend(device).options._timeout
+
+
 def make_accelerator(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=None):
     """An Accelerator for this backend, with the CPU recipes of docs/ARCHITECTURE.md ("CPU recipes") when CUDA is absent."""
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate.utils import ProjectConfiguration
 
     cuda = torch.cuda.is_available()
     kwargs: dict = dict(
@@ -46,13 +72,11 @@ def make_accelerator(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_di
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         # One scheduler step per optimizer step (Accelerate would otherwise step it num_processes times).
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=[process_group_kwargs(cfg, setup, cuda)],
     )
     if tensorboard_dir is not None:
         kwargs.update(log_with="tensorboard", project_config=ProjectConfiguration(project_dir=str(cfg.output_dir), logging_dir=str(tensorboard_dir)))
-    if setup.backend == "deepspeed":
-        if not cuda:
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-    else:
+    if setup.backend != "deepspeed":
         kwargs["cpu"] = not cuda  # under torchrun this is MULTI_CPU over gloo, with the launcher's world size
     accelerator = Accelerator(**kwargs)
     if setup.backend == "deepspeed":
