@@ -278,7 +278,7 @@ def test_unwritable_output_dir_is_refused_before_writing(ds_ckpts, tmp_path):
         if not mounted:
             pytest.skip("cannot make an unwritable directory here")
     try:
-        _fails_cleanly(cli(["checkpoint", "consolidate", ckpt, "--output", ro]), "not writable")
+        _fails_cleanly(cli(["checkpoint", "consolidate", ckpt, "--output", ro / "out"]), "not writable")
         assert not list(ro.iterdir())
     finally:
         if mounted:
@@ -306,7 +306,7 @@ def test_not_enough_free_space_is_refused_before_writing(ds_ckpts, tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(small)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        _fails_cleanly(cli(["checkpoint", "consolidate", ckpt, "--output", small]), "Not enough disk space")
+        _fails_cleanly(cli(["checkpoint", "consolidate", ckpt, "--output", small / "out"]), "Not enough disk space")
         assert not list(small.iterdir())
     finally:
         subprocess.run(["umount", str(small)])

@@ -22,6 +22,7 @@ from opentau_cli.config.load import load_config
 from opentau_cli.config.model import DatasetSource, MixtureMember, TrainConfig
 from opentau_cli.data.mixture import member_statistics, select_member
 from opentau_cli.errors import UserError
+from opentau_cli.outputs import check_target, publishing, writable_parent
 
 EVAL_JSON = "eval.json"
 EVAL_PLOT = "eval.png"
@@ -297,7 +298,8 @@ def _device(name: str | None) -> torch.device:
 
 def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: list[int] | None = None,
              output: Path | None = None, batch_size: int = 8, stride: int = 1, plot_episodes: int = 3,
-             device: str | None = None, seed: int = 0, dataset: str | None = None, echo=print) -> Evaluated:
+             device: str | None = None, seed: int = 0, dataset: str | None = None, echo=print,
+             force: bool = False) -> Evaluated:
     """Evaluate `source` (a training checkpoint / run, or a model) on `dataset` (a name of its config's datasets;
     default: the first) and write eval.json and eval.png into `output`."""
     overrides = dict(overrides or {})
@@ -305,6 +307,9 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
         raise UserError("--batch-size and --stride must be at least 1, --plot-episodes at least 0.")
     dev = _device(device)
     path = Path(str(source)).expanduser()
+    output = Path(output) if output is not None else Path("outputs") / "eval" / (path.name or "model")
+    check_target(output, force=force)  # the output convention: opentau_cli/outputs.py
+    writable_parent(output)
     from_run = _is_training_checkpoint(path)
     if from_run:
         cfg, member, policy, origin = _from_checkpoint(path, overrides, dataset)
@@ -315,9 +320,6 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
         data, held_out = _dataset(cfg, member, episodes, from_run=False)
         policy, origin = _from_model(cfg, str(source), data.stats)
     _check_widths(policy, data)
-    output = Path(output) if output is not None else Path("outputs") / "eval" / (path.name or "model")
-    if output.exists() and not output.is_dir():
-        raise UserError(f"--output {output} is a file, not a directory.")
 
     policy.to(dev).eval()
     steps, joints = policy.cfg.n_action_steps, data.action_dim
@@ -343,13 +345,13 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     report["mse_ratio"] = report["policy"]["mse"] / max(report["mean_action"]["mse"], 1e-12)
     report["beats_mean_action"] = report["policy"]["mse"] < report["mean_action"]["mse"]
 
-    output.mkdir(parents=True, exist_ok=True)
     from opentau_cli.checkpoint.manifest import write_json_atomic
 
-    json_path = write_json_atomic(output / EVAL_JSON, report)
     shown = list(data.episodes)[:plot_episodes]
-    plot_path = output / EVAL_PLOT if shown else None
-    if shown:
-        _plot(plot_path, _trajectories(policy, cfg, member, shown, dev, generator),
-              f"{path.name}: predicted (chunks every {steps} frames) vs recorded actions")
-    return Evaluated(report, json_path, plot_path)
+    with publishing(output, force=force) as staging:
+        staging.mkdir()
+        write_json_atomic(staging / EVAL_JSON, report)
+        if shown:
+            _plot(staging / EVAL_PLOT, _trajectories(policy, cfg, member, shown, dev, generator),
+                  f"{path.name}: predicted (chunks every {steps} frames) vs recorded actions")
+    return Evaluated(report, output / EVAL_JSON, output / EVAL_PLOT if shown else None)

@@ -29,6 +29,7 @@ from opentau_cli.checkpoint.layout import (
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.outputs import check_target, make_parents, publishing, remove_made, writable_parent
 from opentau_cli.units import parse_size
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -421,7 +422,10 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     ckpt_dir = Path(ckpt_dir)
     single = output_paths(ckpt_dir, output)
     find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
-    if is_consolidated(single) and not force:
+    if output is not None:  # the output convention (opentau_cli/outputs.py): a non-empty target needs --force
+        check_target(Path(output), force=force)
+        check_target(weights_index_path(single), force=force)
+    elif is_consolidated(single) and not force:  # its own place in the checkpoint: done already, nothing to refuse
         existing = single if single.is_file() else weights_index_path(single)
         return ConsolidateResult([existing], 0, existing.stat().st_size, already=True)
 
@@ -434,12 +438,33 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     ckpt = read_zero_checkpoint(ckpt_dir)
     entries = [_cast(e, DTYPES[dtype]) for e in ckpt.entries]
     total = sum(e.nbytes for e in entries)
-    out_dir = single.parent
-    _check_writable(out_dir, total)
+    _check_writable(ckpt_dir if output is None else writable_parent(Path(output)), total)
 
     metadata = {"format": "pt", "producer": "opentau checkpoint consolidate", "zero_stage": str(ckpt.zero_stage),
                 "world_size": str(ckpt.world_size), "step": str(ckpt.step)}
     shards = _split_shards(entries, max_bytes)
+    if output is None or single == Path(output):
+        # Its own place in the checkpoint, or a FILE.safetensors target: each file written to a hidden sibling and
+        # renamed (write_safetensors), shards before the index that makes them a model.
+        made = make_parents(single.parent)
+        try:
+            written = _write_weights(single, shards, metadata, ckpt_dir, progress, total)
+        except BaseException:
+            remove_made(made)
+            raise
+    else:  # a directory target: written whole into a hidden sibling, renamed into place
+        with publishing(Path(output), force=force) as staging:
+            staging.mkdir()
+            written = [Path(output) / p.name for p in _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total)]
+    removed = _remove_stale_layout(single, written)
+    _vouch(ckpt_dir, written, removed)
+    return ConsolidateResult(written, len(entries), total)
+
+
+def _write_weights(single: Path, shards: list[list[TensorEntry]], metadata: dict, ckpt_dir: Path, progress,
+                   total: int) -> list[Path]:
+    """`single`, or above the shard size its shards and then the index; on failure nothing is left."""
+    out_dir = single.parent
     written: list[Path] = []
     try:
         if len(shards) == 1:
@@ -468,9 +493,7 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
         for p in written:
             p.unlink(missing_ok=True)
         raise
-    removed = _remove_stale_layout(single, written)
-    _vouch(ckpt_dir, written, removed)
-    return ConsolidateResult(written, len(entries), total)
+    return written
 
 
 def _check_writable(out_dir: Path, total: int) -> None:

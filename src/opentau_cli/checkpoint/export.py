@@ -15,7 +15,6 @@ base found from its reference and checked against its hashes), in memory; from t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from opentau_cli.checkpoint.shard_reader import ShardFormatError
 from opentau_cli.config.model import MixtureMember, PolicyConfig, TrainConfig
 from opentau_cli.data.mixture import member_statistics, select_member
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.outputs import check_target, publishing, writable_parent
 from opentau_cli.policies.layouts import (
     LEROBOT, OPENPI, OPENTAU, Layout, opentau_stats_tensors, published_names, write_lerobot_stats, write_openpi_stats,
 )
@@ -212,18 +212,8 @@ def weight_entries(saved: SavedPolicy, params: set[str], layout: Layout, dtype: 
     return out
 
 
-def _check_output(output: Path) -> None:
-    if output.exists() and not (output.is_dir() and not any(output.iterdir())):
-        raise UserError(f"{output} already exists and is not empty: pass a new directory to --output (nothing is overwritten).")
-    parent = output.parent
-    if not parent.is_dir():
-        raise UserError(f"--output {output}: its parent directory {parent} does not exist.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"--output {output}: {parent} is not writable.")
-
-
 def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "fp32", dataset: str | None = None,
-           progress=None) -> ExportResult:
+           progress=None, force: bool = False) -> ExportResult:
     """Write the policy of a run / checkpoint directory as a plain model in `layout`, serving `dataset` (a name of the
     run's datasets; default: the first) with that dataset's statistics. Raises UserError / RunError."""
     if layout not in EXPORT_LAYOUTS:
@@ -231,7 +221,8 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
     output = Path(output)
-    _check_output(output)
+    check_target(output, force=force)  # the output convention: opentau_cli/outputs.py
+    where = writable_parent(output)
     saved = open_saved_policy(target)
     member = select_member(saved.config, dataset)
     if saved.config.policy.lora.enabled:
@@ -248,34 +239,26 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
         for name, tensor in opentau_stats_tensors(stats).items():
             entries.append(TensorEntry(name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t))
     total = sum(e.nbytes for e in entries)
-    free = shutil.disk_usage(output.parent).free
+    free = shutil.disk_usage(where).free
     if free < total:
         raise UserError(f"Not enough disk space for {output}: the model needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB are free.")
 
-    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     metadata = {"format": "pt", "producer": "opentau checkpoint export", "layout": layout, "step": str(_step(saved)),
                 "dataset": member.label}
     try:
-        staging.mkdir()
-        files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, progress)]
-        if layout == LEROBOT:
-            files += write_lerobot_stats(staging, stats, published.policy_type)
-        elif layout == OPENPI:
-            files.append(write_openpi_stats(staging, stats, _asset_name(member)))
-        (staging / MODEL_CONFIG).write_text(json.dumps(model_config(layout, saved.config.policy, stats, dtype), indent=2) + "\n")
-        files.append(staging / MODEL_CONFIG)
-        if output.exists():
-            output.rmdir()  # empty, checked above
-        os.replace(staging, output)
+        with publishing(output, force=force) as staging:
+            staging.mkdir()
+            files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, progress)]
+            if layout == LEROBOT:
+                files += write_lerobot_stats(staging, stats, published.policy_type)
+            elif layout == OPENPI:
+                files.append(write_openpi_stats(staging, stats, _asset_name(member)))
+            (staging / MODEL_CONFIG).write_text(json.dumps(model_config(layout, saved.config.policy, stats, dtype), indent=2) + "\n")
+            files.append(staging / MODEL_CONFIG)
     except ShardFormatError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
         raise UserError(str(exc)) from None
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
         raise RunError(f"Writing the exported model to {output} failed ({exc.strerror or exc}); nothing was left behind.") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total)
 
 

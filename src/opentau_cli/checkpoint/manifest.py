@@ -1,7 +1,9 @@
 """The manifest of a checkpoint: size and xxhash of every file, written last, checked before anything is loaded.
 
-`manifest.json` = {"version": 1, "hash": "xxh3_128", "files": {"<relative/posix/path>": {"size": N, "hash": "<hex>"}},
-"world_size": W, "rank_files": {"<rank>": [paths]}}. The manifest itself is not listed. A directory is a complete
+`manifest.json` = {"version": 1, "format_version": F, "opentau_version": "X.Y.Z", "hash": "xxh3_128",
+"files": {"<relative/posix/path>": {"size": N, "hash": "<hex>"}}, "world_size": W, "rank_files": {"<rank>": [paths]}}.
+"version" is the manifest's own layout; "format_version" the checkpoint's (checkpoint/format.py; absent before
+format 2), "opentau_version" the release that wrote it. The manifest itself is not listed. A directory is a complete
 checkpoint only if its manifest vouches for exactly the files present and those hold every rank's own state (what
 training_state.json's world size and backend call for), so neither a half-written save nor one that missed a rank
 (a machine that wrote elsewhere) ever passes as a checkpoint.
@@ -18,7 +20,9 @@ from pathlib import Path
 import xxhash
 
 from opentau_cli.checkpoint.faults import fault_point
+from opentau_cli.checkpoint.format import FIELD as FORMAT_FIELD, FORMAT_VERSION
 from opentau_cli.checkpoint.layout import DS_SHARD_RE, DS_TAG, MANIFEST, TRAINING_STATE, rank_state_file
+from opentau_cli.outputs import file_mode, follow_umask
 
 HASH_NAME = "xxh3_128"
 _CHUNK = 8 * 1024 * 1024
@@ -110,18 +114,12 @@ def list_files(ckpt_dir: Path) -> list[str]:
     return out
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def write_json_atomic(path: Path, data: dict) -> Path:
     """Write JSON via a temp file in the same directory, fsync, then rename (readers never see half a file)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path.name), suffix=_TEMP_SUFFIX)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the published file gets the usual mode
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; the published file gets the usual mode
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
@@ -145,8 +143,11 @@ def write_manifest(ckpt_dir: Path, *, fsync: bool = False, hashed: dict[str, tup
     hash); those are not read again while they have that size.
     """
     ckpt_dir = Path(ckpt_dir)
+    follow_umask(ckpt_dir)  # Accelerate's model.safetensors comes from safetensors' save_file: 0600 otherwise
     present = list_files(ckpt_dir)
-    manifest: dict = {"version": 1, "hash": HASH_NAME}
+    from opentau_cli import __version__
+
+    manifest: dict = {"version": 1, FORMAT_FIELD: FORMAT_VERSION, "opentau_version": __version__, "hash": HASH_NAME}
     layout = _rank_layout(ckpt_dir)
     if layout is not None:
         found, missing = rank_files(present, *layout)

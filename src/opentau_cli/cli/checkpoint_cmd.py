@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import JsonOpt, handle_errors, make_app
+from opentau_cli.cli.common import ForceOpt, JsonOpt, handle_errors, make_app
 from opentau_cli.units import SIZE_HELP
 
 app = make_app("Consolidate, export, inspect, verify and list checkpoints.")
@@ -30,8 +30,10 @@ def consolidate_cmd(
     checkpoint_dir: Path = typer.Argument(..., help="A DeepSpeed checkpoint directory (or the dir holding its tag dirs)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (default, like zero_to_fp32.py) or bf16."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help=f"Above this, write HF shards + model.safetensors.index.json ({SIZE_HELP})."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output .safetensors file or directory (default: CHECKPOINT_DIR/model.safetensors)."),
-    force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory, or a .safetensors file (default: "
+                                                                      "CHECKPOINT_DIR/model.safetensors); missing parents are made."),
+    force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated; with --output, "
+                                                      "replace a non-empty target."),
 ) -> None:
     """Turn DeepSpeed ZeRO-2/3 shards of any number of ranks into model.safetensors, streaming.
 
@@ -65,11 +67,12 @@ def consolidate_cmd(
 @handle_errors
 def export_cmd(
     checkpoint: Path = typer.Argument(..., help="A checkpoint directory, or a run directory (its newest complete checkpoint)."),
-    output: Path = typer.Option(..., "--output", "-o", help="New directory for the model (must not exist, or be empty)."),
+    output: Path = typer.Option(..., "--output", "-o", help="New (or empty) directory for the model; missing parents are made."),
     layout: str = typer.Option("opentau", "--layout", help="opentau (OpenTau, statistics in the weights), lerobot or openpi."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (norms, embeddings and action/time projections stay fp32, as openpi keeps them)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run whose robot the model serves, "
                                                                  "by its name (default: the first): its statistics and widths."),
+    force: ForceOpt = False,
 ) -> None:
     """Write a checkpoint's policy as a plain model in a published layout, with its normalization statistics in
     that layout's place and a config.json in its convention (DeepSpeed shards are gathered, streaming).
@@ -84,7 +87,7 @@ def export_cmd(
     """
     from opentau_cli.checkpoint.export import export
 
-    result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset)
+    result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset, force=force)
     typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
                f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
 

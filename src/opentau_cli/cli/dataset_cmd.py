@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from opentau_cli.cli.common import JsonOpt, handle_errors, make_app
+from opentau_cli.cli.common import ForceOpt, JsonOpt, handle_errors, make_app
 from opentau_cli.errors import UserError
 
 app = make_app("Create and describe LeRobot-format datasets.")
@@ -16,13 +16,14 @@ app = make_app("Create and describe LeRobot-format datasets.")
 @app.command("synth")
 @handle_errors
 def synth_cmd(
-    out_dir: Path = typer.Argument(..., help="New (or empty) directory to write the dataset into."),
+    out_dir: Path = typer.Argument(..., help="New (or empty) directory to write the dataset into; missing parents are made."),
     episodes: int = typer.Option(30, "--episodes", help="Number of episodes."),
     steps_per_episode: int = typer.Option(50, "--steps-per-episode", "--steps_per_episode", help="Frames per episode."),
     cameras: int = typer.Option(1, "--cameras", help="Cameras (64x64 PNG images stored in the parquet files)."),
     fmt: str = typer.Option("v2.1", "--format", help="LeRobot layout: v2.1 or v3.0."),
     seed: int = typer.Option(0, "--seed", help="Same seed and options give the same data."),
     video: bool = typer.Option(False, "--video", help="Store cameras as mp4 (H.264, needs PyAV) instead of PNG in parquet."),
+    force: ForceOpt = False,
 ) -> None:
     """Write a small learnable LeRobot-format dataset (2-D point reaching), offline.
 
@@ -30,7 +31,7 @@ def synth_cmd(
     """
     from opentau_cli.data.synth import write_synth
 
-    out = write_synth(out_dir, episodes=episodes, steps_per_episode=steps_per_episode, cameras=cameras, fmt=fmt, seed=seed, video=video)
+    out = write_synth(out_dir, episodes=episodes, steps_per_episode=steps_per_episode, cameras=cameras, fmt=fmt, seed=seed, video=video, force=force)
     stored = "mp4" if video else "PNG in parquet"
     typer.echo(f"Wrote {episodes} episodes x {steps_per_episode} frames ({fmt}, {cameras} camera(s), {stored}) to {out}")
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, handle_errors
+from opentau_cli.cli.common import OVERRIDES_CONTEXT, ForceOpt, handle_errors
 
 
 @handle_errors
@@ -17,7 +17,8 @@ def eval_cmd(
                                             "`checkpoint export`) or a Hugging Face repo id, in any published layout."),
     episodes: Optional[str] = typer.Option(None, "--episodes", help="Episode indices, e.g. 0,3,5 (default: the run's "
                                                                     "held-out episodes; for a model, every episode)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Directory for eval.json and eval.png (default: outputs/eval/<name>)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="New (or empty) directory for eval.json and eval.png (default: outputs/eval/<name>)."),
+    force: ForceOpt = False,
     batch_size: int = typer.Option(8, "--batch-size", "--batch_size", help="Chunks sampled per forward."),
     stride: int = typer.Option(1, "--stride", help="Evaluate a chunk every N frames."),
     plot_episodes: int = typer.Option(3, "--plot-episodes", help="Episodes drawn in eval.png."),
@@ -44,7 +45,7 @@ def eval_cmd(
 
     result = evaluate(source, overrides=parse_overrides(list(ctx.args)), episodes=parse_episodes(episodes), output=output,
                       batch_size=batch_size, stride=stride, plot_episodes=plot_episodes, device=device, seed=seed,
-                      dataset=dataset, echo=lambda m: typer.echo(m, err=True))
+                      dataset=dataset, echo=lambda m: typer.echo(m, err=True), force=force)
     r = result.report
     ours, mean = r["policy"], r["mean_action"]
     typer.echo(f"{'':14}{'policy':>12}{'mean action':>14}")

@@ -23,6 +23,7 @@ from opentau_cli.data.images import encode_png
 from opentau_cli.data.stats import feature_stats
 from opentau_cli.config.model import DEMO_DATASET
 from opentau_cli.errors import UserError
+from opentau_cli.outputs import check_target, publishing, writable_parent
 
 DEMO_VERSION = "v3"  # bump whenever the generated data changes, so old caches are not reused
 DEMO_SETTINGS = dict(episodes=40, steps_per_episode=50, cameras=1, fmt="v2.1", seed=0)
@@ -130,28 +131,35 @@ def _episode_table(ep: int, first_index: int, states, actions, scenes, cameras: 
 
 def write_synth(
     out_dir: str | Path, *, episodes: int = 30, steps_per_episode: int = 50, cameras: int = 1, fmt: str = "v2.1", seed: int = 0,
-    video: bool = False,
+    video: bool = False, force: bool = False,
 ) -> Path:
-    """Write the dataset into out_dir (which must not exist or be empty). Same arguments -> same data.
+    """Write the dataset into out_dir (which must not exist or be empty, unless `force`): written whole into a hidden
+    sibling and renamed into place (opentau_cli/outputs.py). Same arguments -> same data.
 
     video=True stores the cameras as mp4 (needs PyAV): one file per episode (v2.1) or one per camera holding every
     episode (v3.0, located by from_timestamp), with a keyframe every 2 frames as LeRobot encodes them.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if fmt not in ("v2.1", "v3.0"):
         raise UserError(f"--format must be v2.1 or v3.0, not '{fmt}'.")
     if episodes < 1 or steps_per_episode < 1 or cameras < 0:
         raise UserError("--episodes and --steps-per-episode must be >= 1 and --cameras >= 0.")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} already exists and is not empty; choose a new directory.")
-    rng = np.random.default_rng(seed)
+    target = Path(out_dir)
+    check_target(target, force=force)
+    writable_parent(target)
     if video:
         from opentau_cli.data.video import import_av
 
         import_av()  # fail before writing anything
+    with publishing(target, force=force) as staging:
+        _write_into(staging, episodes, steps_per_episode, cameras, fmt, seed, video)
+    return target
+
+
+def _write_into(out: Path, episodes: int, steps_per_episode: int, cameras: int, fmt: str, seed: int, video: bool) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
     info = synth_info(episodes, steps_per_episode, cameras, fmt, video)
     (out / "meta").mkdir(parents=True, exist_ok=True)
     tables, ep_stats, all_states, all_actions, all_scenes = [], [], [], [], []
@@ -207,7 +215,6 @@ def write_synth(
             key = f"observation.images.{camera_name(k)}"
             frames = [_draw(p, t, k) for scenes in all_scenes for p, t in scenes]
             _write_mp4(out / info["video_path"].format(video_key=key, chunk_index=0, file_index=0), frames)
-    return out
 
 
 def _write_mp4(path: Path, frames: list[np.ndarray]) -> None:
