@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from opentau_cli.policies.layouts import LEROBOT, OPENPI, OPENTAU, Layout, published_names
+from opentau_cli.policies.layouts import LEROBOT, OPENPI, OPENTAU
 
 
 # Written out from the published layouts (the tree of openpi's PyTorch conversion) for the real pi05 dimensions:
@@ -89,15 +90,47 @@ def stats_of(policy, feature: str) -> dict[str, list[float]]:
     return {name: getattr(policy, f"{feature}_{name}")[:width].tolist() for name in names}
 
 
+# Where each part of opentau's policy sits in the published tree (the tree of openpi's PyTorch conversion, which
+# LeRobot and OpenTau prefix with `model.`), written from the published layouts, not from opentau's name mapping:
+# the fixtures must not share a mistake with the code they test.
+_PUBLISHED_PLACES = [  # (opentau's name prefix, the published one), first match wins
+    ("vlm.vision_tower.", "paligemma_with_expert.paligemma.model.vision_tower.vision_model."),
+    ("vlm.multi_modal_projector.", "paligemma_with_expert.paligemma.model.multi_modal_projector."),
+    ("vlm.language_model.", "paligemma_with_expert.paligemma.model.language_model."),
+    ("expert.", "paligemma_with_expert.gemma_expert.model."),
+    ("embed_suffix.", ""),  # action_in_proj, time_mlp_* (pi05); state_proj, action_time_mlp_* (pi0): top level
+    ("action_out_proj.", "action_out_proj."),
+]
+_ADARMS_NORM = re.compile(r"^(paligemma_with_expert\.gemma_expert\.model\.(?:layers\.\d+\.(?:input_layernorm|post_attention_layernorm)|norm))\.(weight|bias)$")
+
+
+def spec_published_names(ours: str, layout_name: str, policy_type: str) -> list[str]:
+    """The published name(s) of opentau's parameter `ours`, from the published layouts: the token embedding is
+    written as the tied `lm_head` (openpi, LeRobot) or as both `embed_tokens` and `lm_head` (OpenTau); pi05's
+    expert norms are adaRMS `dense` layers."""
+    prefix = "" if layout_name == OPENPI else "model."
+    if ours == "vlm.language_model.embed_tokens.weight":
+        lm_head = f"{prefix}paligemma_with_expert.paligemma.lm_head.weight"
+        if layout_name == OPENTAU:
+            return [f"{prefix}paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight", lm_head]
+        return [lm_head]
+    ours_prefix, theirs = next((o, t) for o, t in _PUBLISHED_PLACES if ours.startswith(o))
+    name = theirs + ours[len(ours_prefix):]
+    if policy_type == "pi05":
+        name = _ADARMS_NORM.sub(r"\1.dense.\2", name)
+    return [prefix + name]
+
+
 def write_published(policy, directory: Path, layout_name: str, *, robot: str = "my_robot") -> Path:
-    """`policy` saved in a published layout: weights renamed, statistics in that layout's own place."""
+    """`policy` saved in a published layout: weights under their published names (`spec_published_names`),
+    statistics in that layout's own place."""
     directory.mkdir(parents=True, exist_ok=True)
-    layout = Layout(layout_name, policy.cfg.type)
     params = {name for name, _ in policy.named_parameters()}
     tensors = {}
     for name, tensor in policy.state_dict().items():
         if name in params:
-            for published in published_names(name, layout):
+            for published in spec_published_names(name, layout_name, policy.cfg.type):
+                assert published not in tensors, published
                 tensors[published] = tensor.detach().clone().contiguous()
     state, action = stats_of(policy, "state"), stats_of(policy, "action")
     if layout_name == OPENTAU:  # buffers of OpenTau's normalize modules

@@ -9,9 +9,9 @@ from safetensors.torch import save_file
 
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
-from opentau_cli.policies import build_policy, check_pretrained, load_pretrained
+from opentau_cli.policies import build_policy, check_pretrained, layouts, load_pretrained
 from opentau_cli.policies.layouts import LEROBOT, NATIVE, OPENPI, OPENTAU, Layout, detect_layout, our_name, published_names
-from published import GEMMA, published_keys, stats_of, write_header_only, write_published
+from published import GEMMA, published_keys, spec_published_names, stats_of, write_header_only, write_published
 
 # ------------------------------------------------------------------------------------ the published key lists
 # published_keys (tests/published.py): every published pi05 / pi0 tensor with its shape at the real dimensions.
@@ -50,8 +50,10 @@ def test_full_size_policy_holds_every_published_tensor_with_its_shape(tmp_path, 
         expected_ignored.add("model.paligemma_with_expert.paligemma.lm_head.weight")  # tied copy of embed_tokens
     assert ignored == expected_ignored
     # And back: every parameter's published name is one of the layout's own.
-    published = {n for name in params for n in published_names(name, Layout(layout, policy_type))}
-    assert published == set(keys) - set(OPENTAU_EXTRAS) - {k for k in keys if k.endswith("gemma_expert.lm_head.weight")}
+    weights = set(keys) - set(OPENTAU_EXTRAS) - {k for k in keys if k.endswith("gemma_expert.lm_head.weight")}
+    assert {n for name in params for n in published_names(name, Layout(layout, policy_type))} == weights
+    # The test fixtures' own spelling (written from the published layouts) names the same tensors.
+    assert {n for name in params for n in spec_published_names(name, layout, policy_type)} == weights
 
 
 def test_layouts_are_detected_from_their_keys():
@@ -142,3 +144,26 @@ def test_ours_to_a_published_layout_and_back_gives_identical_tensors_and_outputs
         assert "vlm.language_model.embed_tokens.weight" in report.loaded
         assert report.loaded["vlm.language_model.embed_tokens.weight"].endswith("paligemma.lm_head.weight")
     assert stats_of(fresh, "state") == stats_of(policy, "state")
+
+
+def test_a_swap_of_two_same_shape_tensors_in_the_name_mapping_fails_the_round_trip(tmp_path, monkeypatch):
+    """The fixtures are written from the published layouts, not through opentau's mapping, so a mapping that sends
+    SigLIP layer 0's q_proj to k_proj and back (same shape, loads cleanly) is caught by the round trip."""
+    from transformers.core_model_loading import WeightRenaming
+
+    original = layouts._renamings
+    q, k = r"vision_tower\.encoder\.layers\.0\.self_attn\.q_proj", r"vision_tower\.encoder\.layers\.0\.self_attn\.k_proj"
+    swap = [WeightRenaming(q, "vision_tower.encoder.layers.0.self_attn.swapped"),
+            WeightRenaming(k, "vision_tower.encoder.layers.0.self_attn.q_proj"),
+            WeightRenaming(r"vision_tower\.encoder\.layers\.0\.self_attn\.swapped", "vision_tower.encoder.layers.0.self_attn.k_proj")]
+    monkeypatch.setattr(layouts, "_renamings", lambda layout: original(layout) + swap)
+    policy = trained_policy("pi05")
+    write_published(policy, tmp_path, LEROBOT)
+    fresh = build_policy(tiny_cfg())
+    report = load_pretrained(fresh, tmp_path, dataset_stats=OTHER_STATS)
+
+    assert report.clean  # the swap is invisible to names and shapes ...
+    q_name, k_name = "vlm.vision_tower.encoder.layers.0.self_attn.q_proj.weight", "vlm.vision_tower.encoder.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(fresh.state_dict()[q_name], policy.state_dict()[k_name])  # ... but not to the round trip
+    mismatched = [n for n, t in policy.state_dict().items() if not torch.equal(fresh.state_dict()[n], t)]
+    assert sorted(mismatched) == sorted(n.replace("weight", kind) for n in (q_name, k_name) for kind in ("weight", "bias"))
