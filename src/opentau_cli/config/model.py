@@ -96,6 +96,15 @@ class DatasetSource(Section):
     """One LeRobot dataset and how its features map to the policy's inputs."""
 
     root: str = Field(DEMO_DATASET, description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}' for the bundled synthetic demo.")
+    repo_id: str | None = Field(
+        None, description="A LeRobot dataset on the Hugging Face Hub, org/name[@revision], instead of root: what the run "
+                          "reads (meta/, the selected episodes' data and cameras' videos) is downloaded into the Hugging "
+                          "Face cache; with HF_HUB_OFFLINE=1 the cache alone is read.",
+    )
+    revision: str | None = Field(
+        None, description="Branch, tag (e.g. v3.0) or commit of repo_id (default main); the run records the commit it "
+                          "resolved to, and a resume stays on that commit unless given another revision.",
+    )
     camera_keys: dict[str, str] = Field(
         default_factory=dict,
         description="Dataset feature -> camera slot, e.g. {'observation.images.top': 'camera0'}; empty = every image/video feature in order.",
@@ -109,13 +118,18 @@ class DatasetSource(Section):
 class MixtureMember(DatasetSource):
     """A dataset of a mixture: its own root, key mapping and episodes, and its sampling weight."""
 
-    root: str = Field(..., description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}'.")
+    root: str | None = Field(None, description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}' (or repo_id instead).")
     name: str | None = Field(None, description="Its name in logs, training_state.json and `dataset info`; default: the folder name.")
     weight: float = Field(1.0, gt=0, description="Sampling weight: the member's share of draws is weight / sum of weights.")
 
     @property
     def label(self) -> str:
-        return self.name or (DEMO_DATASET.lstrip("@") if self.root == DEMO_DATASET else Path(self.root).name or self.root)
+        if self.name:
+            return self.name
+        if self.repo_id:  # org/name[@revision] -> name
+            return self.repo_id.partition("@")[0].rpartition("/")[2]
+        root = self.root or ""
+        return DEMO_DATASET.lstrip("@") if root == DEMO_DATASET else Path(root).name or root
 
 
 class DatasetConfig(DatasetSource):
@@ -133,7 +147,10 @@ class DatasetConfig(DatasetSource):
         """The datasets this config reads: the mixture, or the single dataset described by the fields above."""
         if self.mixture is not None:
             return list(self.mixture)
-        return [MixtureMember(**{name: getattr(self, name) for name in DatasetSource.model_fields})]
+        fields = {name: getattr(self, name) for name in DatasetSource.model_fields}
+        if self.repo_id is not None and self.root == DEMO_DATASET:  # root's default stands for "not given"
+            fields["root"] = None
+        return [MixtureMember(**fields)]
 
 
 class OptimizerConfig(Section):

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from opentau_cli.config.model import MixtureMember, TrainConfig
 from opentau_cli.data.dataset import LeRobotDataset
+from opentau_cli.data.hub import dataset_root, revisions
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.mixture import MixtureDataset, MixtureSampler, into_policy_space, mixture_stats
 from opentau_cli.normalization import mode_of
@@ -51,6 +52,7 @@ class TrainData:
     names: list[str] = field(default_factory=list)  # the datasets, in config order
     weights: list[float] = field(default_factory=list)
     member_stats: list[dict] = field(default_factory=list)  # each dataset's own statistics
+    revisions: dict = field(default_factory=dict)  # the Hub datasets' commits, {name: {repo_id, commit}}
 
     @property
     def is_mixture(self) -> bool:
@@ -73,9 +75,10 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
     members = cfg.dataset.members()
     mixture = cfg.dataset.mixture is not None
     video = VideoFrames(cache_mb=cfg.dataset.video_cache_mb) if mixture else None  # one budget for all members
-    trains, vals = [], []
-    for member in members:
-        root = resolve_dataset_root(member.root)
+    trains, vals, roots = [], [], []
+    for i, member in enumerate(members):
+        root = dataset_root(member, cfg.dataset.num_cameras, f"dataset.mixture[{i}]" if mixture else "dataset")
+        roots.append(root)
         train_eps, val_eps = split_episodes(root, cfg.validation.val_split, cfg.seed, member.episodes)
         train = make_dataset(cfg, member, root, train_eps, video)
         # The widths against policy.max_*_dim were checked before launch from meta/info.json (data/check.py): hold the
@@ -115,4 +118,5 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
                                     generator=torch.Generator().manual_seed(cfg.seed))  # keeps the global RNG untouched
     return TrainData(stream=stream, val_loader=val_loader, stats=stats, state_dim=len(stats["state"]["mean"]),
                      action_dim=len(stats["action"]["mean"]), train_dataset=train_ds, val_dataset=val_ds,
-                     names=[m.label for m in members], weights=[m.weight for m in members], member_stats=member_stats)
+                     names=[m.label for m in members], weights=[m.weight for m in members], member_stats=member_stats,
+                     revisions=revisions(members, roots))

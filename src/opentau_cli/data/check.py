@@ -35,8 +35,8 @@ def check_dataset(cfg: TrainConfig) -> list[str]:
         return errors
     prefixes = [f"dataset.mixture[{i}]" for i in range(len(d.mixture))] if d.mixture is not None else ["dataset"]
     fps: dict[str, float] = {}
-    for prefix, member in zip(prefixes, d.members()):
-        meta, on_disk = _meta_of(prefix, member, errors)
+    for i, (prefix, member) in enumerate(zip(prefixes, d.members())):
+        meta, on_disk = _meta_of(prefix, member, errors, cfg, None if d.mixture is None else i)
         if meta is None:
             continue
         fps[member.label] = meta.fps
@@ -65,8 +65,13 @@ def _check_mixture_fields(d: DatasetConfig) -> list[str]:
     return errors
 
 
-def _meta_of(prefix: str, member: MixtureMember, errors: list[str]) -> tuple[DatasetMeta | None, bool]:
-    """The member's meta and whether its files are on disk to check (the demo is generated on first use)."""
+def _meta_of(prefix: str, member: MixtureMember, errors: list[str], cfg: TrainConfig,
+             index: int | None) -> tuple[DatasetMeta | None, bool]:
+    """The member's meta and whether its files are on disk to check (the demo is generated on first use). A Hub
+    dataset is resolved here, once per launch: what the run reads is brought into the Hugging Face cache, checked
+    there, and its commit pinned in `cfg` (data/hub.py)."""
+    if member.repo_id is not None or member.root is None:
+        return _hub_meta_of(prefix, member, errors, cfg, index)
     if member.root == DEMO_DATASET and not (demo_root() / "meta" / "info.json").is_file():
         # Check against the info it will have rather than writing it now.
         info = demo_info()
@@ -83,6 +88,26 @@ def _meta_of(prefix: str, member: MixtureMember, errors: list[str]) -> tuple[Dat
     except UserError as e:
         errors.append(str(e))
         return None, False
+
+
+def _hub_meta_of(prefix: str, member: MixtureMember, errors: list[str], cfg: TrainConfig,
+                 index: int | None) -> tuple[DatasetMeta | None, bool]:
+    from opentau_cli.data import hub
+
+    if member.repo_id is None:
+        errors.append(f"{prefix} names no dataset: give root (a local LeRobot dataset) or repo_id (org/name on the Hugging Face Hub).")
+        return None, False
+    if member.root is not None:
+        errors.append(f"{prefix}.root and {prefix}.repo_id are both set: give one (a local dataset, or one on the Hugging Face Hub).")
+        return None, False
+    try:
+        resolved = hub.resolve(member, cfg.dataset.num_cameras, prefix)
+        meta = read_meta(resolved.root)
+    except UserError as e:
+        errors.append(str(e))
+        return None, False
+    hub.pin(cfg, index, resolved)
+    return meta, True
 
 
 def _check_member(prefix: str, member: MixtureMember, meta: DatasetMeta, on_disk: bool, cfg: TrainConfig) -> list[str]:

@@ -72,12 +72,12 @@ def describe_mixture(cfg) -> dict:
     episode split, and how often an epoch goes through its training frames. From the meta files only."""
     from opentau_cli.data.build import split_episodes
     from opentau_cli.data.mixture import draw_counts
-    from opentau_cli.data.synth import resolve_dataset_root
+    from opentau_cli.data.hub import dataset_root
 
     members = cfg.dataset.members()
     rows = []
     for m in members:
-        root = resolve_dataset_root(m.root)
+        root = dataset_root(m, cfg.dataset.num_cameras)
         meta = read_meta(root)
         train_eps, val_eps = split_episodes(root, cfg.validation.val_split, cfg.seed, m.episodes)
         rows.append({

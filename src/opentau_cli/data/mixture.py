@@ -75,7 +75,8 @@ def mixture_changes(saved: list[dict] | None, now: list[dict] | None) -> list[st
         return [f"dataset.mixture datasets: checkpoint {', '.join(labels[0])}, now {', '.join(labels[1])}"]
     return [f"dataset.mixture[{i}] ({label}).{key}: checkpoint {old.get(key)!r}, now {new.get(key)!r}"
             for i, (label, old, new) in enumerate(zip(labels[0], saved, now))
-            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+            # A Hub member's revision is data/hub.py's resume check to decide (pinned, or changed when told).
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key) and key != "revision"]
 
 
 def into_policy_space(values: np.ndarray, own: dict, target: dict, mode: str) -> np.ndarray:
