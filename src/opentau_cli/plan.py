@@ -23,6 +23,7 @@ from opentau_cli.config import (
 )
 from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
+from opentau_cli.data.hub import pin_for_resume
 from opentau_cli.errors import UserError
 
 
@@ -170,6 +171,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     setup = with_machine(setup, machines)
     if reshard and is_reshard(saved, setup):
         notes.append(_keep_global_batch(cfg, ckpt, saved, setup, overrides))
+    notes.extend(pin_for_resume(ckpt, cfg, saved, overrides))  # the dataset commits the checkpoint trained on
     checked = check_launch(cfg, setup, machine)
     state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
     saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it

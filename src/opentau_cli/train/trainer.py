@@ -322,6 +322,7 @@ class Trainer:
             # Each dataset's own statistics: what serves the policy on that dataset's robot.
             "datasets": [{"name": name, "weight": weight, "stats": stats}
                          for name, weight, stats in zip(self.data.names, self.data.weights, self.data.member_stats)],
+            "dataset_revisions": self.data.revisions,  # the Hub datasets' commits, which a resume stays on
             "world_size": self.accelerator.num_processes,
             "backend": self.setup.backend,
             "zero_stage": self.setup.zero_stage if self.setup.backend == "deepspeed" else None,
