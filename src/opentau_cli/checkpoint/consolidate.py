@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from opentau_cli.checkpoint import manifest as mf
+from opentau_cli.checkpoint.format import check_readable
 from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_LATEST, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, ds_shard_glob,
     weights_index_path, weights_shard_path,
@@ -422,6 +423,7 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     ckpt_dir = Path(ckpt_dir)
     single = output_paths(ckpt_dir, output)
     find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
+    check_readable(ckpt_dir)
     if output is not None:  # the output convention (opentau_cli/outputs.py): a non-empty target needs --force
         check_target(Path(output), force=force)
         check_target(weights_index_path(single), force=force)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+from opentau_cli.checkpoint.format import check_readable
 from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import ShardFormatError
@@ -91,6 +92,7 @@ def open_saved_policy(target: Path) -> SavedPolicy:
     from opentau_cli.config.load import load_config
 
     ckpt = find_checkpoint(Path(target))
+    check_readable(ckpt)
     if not (ckpt / TRAIN_CONFIG).is_file():
         raise UserError(f"{ckpt} has no {TRAIN_CONFIG}: not a checkpoint written by `opentau train`.")
     config = load_config(ckpt / TRAIN_CONFIG, {})

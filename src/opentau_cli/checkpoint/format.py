@@ -13,7 +13,11 @@ Versions:
   2  training_state.json holds `lineage` ({"parent": {...} or None, "launch": run id}; None when not recorded, as
      migrated from 1); train_config.json's paths are absolute, or relative to the run directory when they lie inside it.
 
-Migrations only ever change the records as read into memory; nothing on disk is rewritten. Imports nothing heavy.
+Migrations only ever change the records as read into memory; nothing on disk is rewritten. training_state.json's are
+below (migrate_training_state). train_config.json's one migration, 1 -> 2, is where every config file is read:
+config/paths.py's `paths_base` resolves a version-1 checkpoint's relative paths against the working directory of the
+command reading it (the launch's own was not recorded) and a version-2 one's against its run directory. Imports
+nothing heavy.
 """
 
 from __future__ import annotations
@@ -109,50 +113,3 @@ def migrate_training_state(state: dict) -> dict:
         state = STATE_MIGRATIONS[version](state)
         version += 1
     return stamp(state)
-
-
-# Migrations of train_config.json. Version 1's relative paths were relative to the launch's working directory, which
-# was not recorded: the working directory of the command reading it stands in for it, as version 1's own readers did.
-
-# The path fields of train_config.json (dotted); a mixture's members each have a `root`.
-CONFIG_PATHS = ("output_dir", "config_path", "dataset.root", "policy.tokenizer_path", "policy.pretrained_path")
-
-
-def _absolute_if_local(value, cwd: Path):
-    """A relative path that names something under cwd, made absolute; anything else (absolute, '@demo', a Hugging Face
-    repo id, nothing there) as it was, for the current reader to resolve or report."""
-    if not isinstance(value, str) or not value or value.startswith("@") or Path(value).is_absolute():
-        return value
-    candidate = cwd / value
-    return str(candidate.resolve()) if candidate.exists() else value
-
-
-def _config_1_to_2(cfg: dict, cwd: Path) -> dict:
-    cfg = json.loads(json.dumps(cfg))  # a deep copy
-    for dotted in CONFIG_PATHS:
-        *parents, leaf = dotted.split(".")
-        section = cfg
-        for key in parents:
-            section = section.get(key) if isinstance(section, dict) else None
-        if isinstance(section, dict) and leaf in section:
-            section[leaf] = _absolute_if_local(section[leaf], cwd)
-    dataset = cfg.get("dataset")
-    for member in (dataset.get("mixture") or []) if isinstance(dataset, dict) else []:
-        if isinstance(member, dict) and "root" in member:
-            member["root"] = _absolute_if_local(member["root"], cwd)
-    return cfg
-
-
-CONFIG_MIGRATIONS: dict[int, Callable[[dict, Path], dict]] = {1: _config_1_to_2}
-
-
-def migrate_train_config(cfg: dict, version: int, cwd: Path | None = None) -> dict:
-    """A checkpoint's train_config.json (of the checkpoint's format `version`) as the current format states it (a new
-    dict; `cwd` stands in for a version-1 launch's working directory, default the current one)."""
-    if version > FORMAT_VERSION:
-        raise ValueError(f"train config of format {version}; this opentau reads up to {FORMAT_VERSION}")
-    cwd = Path.cwd() if cwd is None else Path(cwd)
-    while version < FORMAT_VERSION:
-        cfg = CONFIG_MIGRATIONS[version](cfg, cwd)
-        version += 1
-    return cfg

@@ -1,4 +1,4 @@
-"""Read-only views of checkpoints: `inspect` one, `verify` one or a whole run, `list` a run's checkpoints.
+"""Read-only views of checkpoints: `inspect` one or a run, `verify` one or a whole run, `list` a run's checkpoints.
 
 Nothing here unpickles anything but allow-listed data: JSON files, safetensors headers, and DeepSpeed shards through
 `shard_reader` (metadata only, never tensor data).
@@ -16,10 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opentau_cli.checkpoint import manifest as mf
+from opentau_cli.checkpoint.format import check_readable
 from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
     leftover_of, read_last, step_of,
 )
+from opentau_cli.checkpoint.lineage import current_branch, lineage_of, resume_point, rolled_back
 from opentau_cli.checkpoint.shard_reader import LazyTensor, load_shard
 from opentau_cli.errors import UserError
 
@@ -80,6 +82,7 @@ class CheckpointInfo:
     total_bytes: int = 0
     time: str | None = None
     lora: dict | None = None  # a LoRA checkpoint: rank, alpha and the base it does not copy ({"source", "files"|"seed"})
+    lineage: dict | None = None  # the checkpoint it continues and the launch that wrote it (checkpoint/lineage.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +104,7 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise UserError(f"{ckpt_dir} is not a directory.")
+    check_readable(ckpt_dir)
     info = CheckpointInfo(path=str(ckpt_dir))
     state = _read_json(ckpt_dir / TRAINING_STATE)
     config = _read_json(ckpt_dir / TRAIN_CONFIG)
@@ -110,6 +114,7 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
     info.world_size = state.get("world_size")
     info.mixed_precision = state.get("mixed_precision")
     info.time = state.get("time")
+    info.lineage = lineage_of(ckpt_dir)
     policy = config.get("policy", {}) if isinstance(config.get("policy"), dict) else {}
     info.preset = state.get("preset") or policy.get("preset")
     info.policy_type = policy.get("type")
@@ -221,11 +226,14 @@ def verify_path(path: Path) -> VerifyReport:
     report = VerifyReport()
     root = _run_root(path)
     if root is None:
+        check_readable(path)
         report.checkpoints[str(path)] = [str(p) for p in mf.verify_manifest(path)]
         return report
     dirs = _checkpoint_dirs(root)
     if not dirs:
         raise UserError(f"{root} holds no checkpoints.")
+    for d in dirs:
+        check_readable(d)
     for d in dirs:
         report.checkpoints[str(d)] = [str(p) for p in mf.verify_manifest(d)]
     for d in _leftovers(root):
@@ -242,36 +250,114 @@ def verify_path(path: Path) -> VerifyReport:
 
 @dataclass
 class ListedCheckpoint:
-    name: str
+    name: str  # under checkpoints/, or rolled_back/<time>/checkpoints/<step> for a rolled-back one
     step: int | None
     time: str | None
     bytes: int
-    complete: bool
+    complete: bool  # every file its manifest lists is there at its size; re-hashed too when `verified` is not None
     last: bool
     consolidated: bool | None
     note: str = ""
+    verified: bool | None = None  # None: hashes not checked (list without --verify)
+    branch: bool = False  # on the branch `last` designates (what `opentau resume RUN` continues)
+    parent: str | None = None  # the checkpoint it continues, from its lineage record
+    rolled_back: str | None = None  # the rollback (rolled_back/<time>) that moved it aside
 
 
-def list_run(run_dir: Path) -> list[ListedCheckpoint]:
-    """Every checkpoint of a run (and leftovers of interrupted saves), oldest first. Cheap: no re-hash."""
+def list_run(run_dir: Path, *, verify: bool = False) -> list[ListedCheckpoint]:
+    """Every checkpoint of a run (and leftovers of interrupted saves), oldest first, then those rolled back.
+
+    Cheap by default: sizes against the manifest, no re-hash; `verify` re-hashes every file as `checkpoint verify` does."""
     run_dir = Path(run_dir)
     root = _run_root(run_dir)
     if root is None:
         if not run_dir.is_dir():
             raise UserError(f"{run_dir} is not a directory.")
         raise UserError(f"{run_dir} has no {CHECKPOINTS}/ directory: pass a run directory (e.g. outputs/train/pi05).")
+    run = root.parent
     last = read_last(root)
+    branch = {p.name for p in current_branch(run)}
     rows = []
     for d in _checkpoint_dirs(root) + _leftovers(root):
-        state = _read_json(d / TRAINING_STATE)
-        step = state.get("step", step_of(d.name))
-        when = state.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.stat().st_mtime))
+        check_readable(d)
         leftover = leftover_of(d.name)
-        ds = (d / DS_TAG).is_dir() or any(d.glob(f"*/{ds_shard_glob('model')}"))
-        consolidated = ((d / MODEL_WEIGHTS).is_file() or (d / WEIGHTS_INDEX).is_file()) if ds else None
-        rows.append(ListedCheckpoint(
-            name=d.name, step=step, time=when, bytes=dir_size(d), complete=(not leftover) and mf.is_complete(d),
-            last=(d.name == last), consolidated=consolidated,
-            note=f"interrupted {leftover[0]}" if leftover else ("" if mf.is_complete(d) else "incomplete: fails its manifest"),
-        ))
+        row = _listed(d, d.name, verify, leftover=leftover)
+        row.last, row.branch = d.name == last, not leftover and d.name in branch
+        rows.append(row)
+    for stamp, d in rolled_back(run):
+        row = _listed(d, d.relative_to(run).as_posix(), verify, leftover=None)
+        row.rolled_back = stamp
+        rows.append(row)
     return rows
+
+
+def _listed(d: Path, name: str, verify: bool, leftover) -> ListedCheckpoint:
+    state = _read_json(d / TRAINING_STATE)
+    step = state.get("step", step_of(d.name))
+    when = state.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.stat().st_mtime))
+    ds = (d / DS_TAG).is_dir() or any(d.glob(f"*/{ds_shard_glob('model')}"))
+    consolidated = ((d / MODEL_WEIGHTS).is_file() or (d / WEIGHTS_INDEX).is_file()) if ds else None
+    problems = [] if leftover else mf.verify_manifest(d, rehash=verify)
+    complete = not leftover and not problems
+    if leftover:
+        note = f"interrupted {leftover[0]}"
+    elif problems:
+        note = ("fails verification: " if verify else "incomplete: ") + "; ".join(map(str, problems[:2])) + \
+            (f"; and {len(problems) - 2} more" if len(problems) > 2 else "")
+    else:
+        note = ""
+    parent = ((lineage_of(d) or {}).get("parent") or {}).get("name")
+    return ListedCheckpoint(name=name, step=step, time=when, bytes=dir_size(d), complete=complete, last=False,
+                            consolidated=consolidated, note=note, verified=complete if verify else None, parent=parent)
+
+
+# ---------------------------------------------------------------- inspect a run
+
+
+@dataclass
+class RunInfo:
+    path: str
+    checkpoints: list[str] = field(default_factory=list)  # published, oldest first
+    last: str | None = None  # what checkpoints/last designates
+    last_complete: bool | None = None  # its files at their manifest sizes (hashes not checked)
+    branch: list[str] = field(default_factory=list)  # `last` and its ancestors, oldest first
+    off_branch: list[str] = field(default_factory=list)  # published, but not on last's branch
+    resumes_from: str | None = None  # what `opentau resume RUN` continues
+    launches: list[str] = field(default_factory=list)  # the launches that wrote the branch, oldest first
+    rolled_back: dict[str, list[str]] = field(default_factory=dict)  # rolled_back/<time> -> the checkpoints it holds
+    interrupted: list[str] = field(default_factory=list)  # leftovers of interrupted saves or deletions
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_run_dir(path: Path) -> bool:
+    return _run_root(Path(path)) is not None
+
+
+def inspect_run(run_dir: Path) -> RunInfo:
+    """Describe a run directory: its checkpoints, `last`, the branch `last` is on, and what rollbacks moved aside."""
+    run_dir = Path(run_dir)
+    root = _run_root(run_dir)
+    if root is None:
+        raise UserError(f"{run_dir} has no {CHECKPOINTS}/ directory: pass a run directory or a checkpoint directory.")
+    run = root.parent
+    info = RunInfo(path=str(run))
+    published = [d for d in _checkpoint_dirs(root) if step_of(d.name) is not None]
+    info.checkpoints = [d.name for d in published]
+    info.interrupted = [d.name for d in _leftovers(root)]
+    info.last = read_last(root)
+    if info.last and (root / info.last).is_dir():
+        info.last_complete = mf.is_complete(root / info.last)
+    branch = current_branch(run)
+    info.branch = [d.name for d in branch]
+    info.off_branch = [n for n in info.checkpoints if n not in info.branch]
+    point = resume_point(run)
+    info.resumes_from = point.name if point is not None else None
+    for d in branch:
+        launch = (lineage_of(d) or {}).get("launch")
+        if launch and launch not in info.launches:
+            info.launches.append(launch)
+    for stamp, d in rolled_back(run):
+        info.rolled_back.setdefault(stamp, []).append(d.name)
+    return info

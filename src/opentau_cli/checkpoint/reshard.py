@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAIN_CONFIG, TRAINING_STATE
+from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAIN_CONFIG
 from opentau_cli.errors import RunError, UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -146,8 +146,10 @@ def read_canonical(ckpt_dir: Path, trainable: list[str]) -> CanonicalState:
     order (single / DDP optimizer state is saved by index). The checkpoint's pickles were scanned by check_resumable."""
     import torch
 
+    from opentau_cli.checkpoint.manager import read_training_state
+
     ckpt_dir = Path(ckpt_dir)
-    state = json.loads((ckpt_dir / TRAINING_STATE).read_text())
+    state = read_training_state(ckpt_dir)
     canon = CanonicalState()
     if state.get("backend") == "deepspeed":
         from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
@@ -350,7 +352,9 @@ def load_resharded(ckpt_dir: Path, accelerator, model, optimizer, scheduler, *, 
     """Restore checkpoint `ckpt_dir` into a launch of another topology (every rank); returns its training state."""
     from accelerate.utils import set_seed
 
-    state = json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
+    from opentau_cli.checkpoint.manager import read_training_state
+
+    state = read_training_state(Path(ckpt_dir))
     trainable = [name for name, _ in _trainable(accelerator.unwrap_model(model))]
     canon = read_canonical(ckpt_dir, trainable)
     apply_canonical(canon, accelerator, model, optimizer, scheduler)
