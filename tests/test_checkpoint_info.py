@@ -105,3 +105,88 @@ def test_bad_paths_are_one_clear_line_with_exit_2(tmp_path):
     for cmd in (["list", tmp_path], ["verify", tmp_path / "nope"], ["inspect", tmp_path / "nope"]):
         res = cli(["checkpoint", *cmd])
         assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def _lineage(d, parent: str | None, launch: str):
+    """Give a checkpoint the lineage record a launch writes: its parent's name and step, and the launch's id."""
+    state = json.loads((d / TRAINING_STATE).read_text())
+    state["lineage"] = {"parent": {"step": int(parent), "name": parent, "manifest_xxh3": None} if parent else None,
+                        "launch": launch}
+    (d / TRAINING_STATE).write_text(json.dumps(state))
+    write_manifest(d)
+
+
+def _rolled_back_run(tmp_path):
+    """Launch A saved 10, 20, 30, 40; a rollback to 20 moved 30 and 40 aside; launch B then saved its own 30."""
+    run = tmp_path / "run"
+    root = run / CHECKPOINTS
+    moved = run / "rolled_back" / "20261201-120000" / CHECKPOINTS
+    for d, parent, launch in ((root / "000010", None, "A"), (root / "000020", "000010", "A"), (moved / "000030", "000020", "A"),
+                              (moved / "000040", "000030", "A"), (root / "000030", "000020", "B")):
+        _ddp_checkpoint(d, int(d.name))
+        _lineage(d, parent, launch)
+    os.symlink("000030", root / LAST)
+    return run, root, moved
+
+
+def test_plain_list_says_hashes_were_not_checked_and_list_verify_catches_a_flipped_byte(tmp_path):
+    run, root, _ = _run(tmp_path)
+    opt = root / "000020" / OPTIMIZER
+    data = bytearray(opt.read_bytes())
+    data[7] ^= 0x01  # one flipped bit: same size, other content
+    opt.write_bytes(bytes(data))
+
+    plain = cli(["checkpoint", "list", run])
+    assert plain.exit_code == 0, plain.stderr
+    assert "verified" not in plain.stdout.splitlines()[0]  # the column says what was checked: sizes
+    assert "Hashes not checked (sizes only): `opentau checkpoint list RUN --verify` re-hashes every file." in plain.stdout
+    rows = {r["name"]: r for r in json.loads(cli(["checkpoint", "list", run, "--json"]).stdout)}
+    assert rows["000020"]["complete"] is True and rows["000020"]["verified"] is None
+
+    verified = cli(["checkpoint", "list", run, "--verify"])
+    assert verified.exit_code == 0, verified.stderr
+    line = next(x for x in verified.stdout.splitlines() if "000020" in x)
+    assert " NO " in line and f"fails verification: altered: {OPTIMIZER} (content hash differs)" in line
+    assert "Every file re-hashed against its checkpoint's manifest." in verified.stdout
+    rows = {r["name"]: r for r in json.loads(cli(["checkpoint", "list", run, "--verify", "--json"]).stdout)}
+    assert (rows["000020"]["complete"], rows["000020"]["verified"]) == (False, False)
+    assert (rows["000010"]["verified"], rows["000030"]["verified"]) == (True, True)
+
+
+def test_list_shows_the_current_branch_and_the_rolled_back_checkpoints(tmp_path):
+    run, root, moved = _rolled_back_run(tmp_path)
+    res = cli(["checkpoint", "list", run, "--json"])
+    assert res.exit_code == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert [(r["name"], r["branch"], r["last"], r["parent"], r["rolled_back"]) for r in rows] == [
+        ("000010", True, False, None, None),
+        ("000020", True, False, "000010", None),
+        ("000030", True, True, "000020", None),
+        ("rolled_back/20261201-120000/checkpoints/000030", False, False, "000020", "20261201-120000"),
+        ("rolled_back/20261201-120000/checkpoints/000040", False, False, "000030", "20261201-120000"),
+    ]
+    text = cli(["checkpoint", "list", run]).stdout.splitlines()
+    assert text[1].split()[-2:] == ["current", "-"] and text[3].split()[-2:] == ["current", "000020"]
+    assert text[4].split()[0] == "rolled_back/20261201-120000/checkpoints/000030" and text[4].split()[-2:] == ["rolled", "000020"]
+
+
+def test_inspect_on_a_run_directory_describes_the_run_not_a_missing_manifest(tmp_path):
+    run, root, moved = _rolled_back_run(tmp_path)
+    res = cli(["checkpoint", "inspect", run])
+    assert res.exit_code == 0, res.stderr
+    lines = dict(line.split(":", 1) for line in res.stdout.splitlines() if ":" in line and not line.startswith("Hashes"))
+    assert {k: v.strip() for k, v in lines.items()} == {
+        "run": str(run),
+        "checkpoints": "3: 000010, 000020, 000030",
+        "last": "000030 (complete at its manifest sizes)",
+        "current branch": "000010 -> 000020 -> 000030",
+        "resume continues": "000030",
+        "launches": "A, B",
+        "rolled back": "000030, 000040 (moved to rolled_back/20261201-120000/, kept)",
+    }
+    assert "manifest missing" not in res.stdout
+    as_json = json.loads(cli(["checkpoint", "inspect", run, "--json"]).stdout)
+    assert as_json["branch"] == ["000010", "000020", "000030"] and as_json["rolled_back"] == {"20261201-120000": ["000030", "000040"]}
+    assert cli(["checkpoint", "inspect", root]).stdout == res.stdout  # checkpoints/ itself names the same run
+    one = cli(["checkpoint", "inspect", root / "000030"])
+    assert "continues:       000020, written by launch B" in one.stdout

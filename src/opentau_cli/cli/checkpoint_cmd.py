@@ -100,13 +100,21 @@ def _stderr_console():
 
 @app.command("inspect")
 @handle_errors
-def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint directory."), as_json: JsonOpt = False) -> None:
-    """Show step, backend, world size, preset, parameters, dtypes and files of a checkpoint.
+def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint directory, or a run directory."), as_json: JsonOpt = False) -> None:
+    """Show step, backend, world size, preset, parameters, dtypes and files of a checkpoint; of a run directory, its
+    checkpoints, what `last` designates, the branch it is on (what `opentau resume RUN` continues) and rollbacks.
 
-    Example: opentau checkpoint inspect outputs/train/pi05/checkpoints/last --json
+    Examples:
+
+      opentau checkpoint inspect outputs/train/pi05/checkpoints/last --json
+
+      opentau checkpoint inspect outputs/train/pi05
     """
-    from opentau_cli.checkpoint.info import inspect_checkpoint
+    from opentau_cli.checkpoint.info import inspect_checkpoint, inspect_run, is_run_dir
 
+    if is_run_dir(checkpoint_dir):
+        _print_run(inspect_run(checkpoint_dir), as_json)
+        return
     info = inspect_checkpoint(checkpoint_dir)
     if as_json:
         typer.echo(json.dumps(info.to_dict(), indent=2))
@@ -115,15 +123,20 @@ def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint di
     if info.zero_stage is not None and info.backend == "deepspeed":
         backend += f" ZeRO-{info.zero_stage}"
     consolidated = {None: "n/a (weights in model.safetensors)", True: "yes", False: "no"}[info.consolidated]
+    complete = ("yes: every file at its manifest size (hashes not checked; `opentau checkpoint verify` re-hashes)"
+                if info.complete else "no: manifest missing or not matching the files")
     lines = [
         ("checkpoint", info.path), ("step", info.step), ("backend", backend), ("world size", info.world_size),
         ("mixed precision", info.mixed_precision), ("policy", " ".join(x for x in (info.policy_type, info.preset) if x) or None),
         ("parameters", f"{info.parameters:,}" + (f" ({info.trainable_parameters:,} trainable)" if info.trainable_parameters is not None else "")
          + (f"  [{info.parameters_source}]" if info.parameters_source else "") if info.parameters is not None else None),
         ("dtypes", ", ".join(f"{k}: {v:,}" for k, v in info.dtypes.items()) or None),
-        ("consolidated", consolidated), ("complete", "yes (manifest matches sizes)" if info.complete else "no (manifest missing or not matching)"),
+        ("consolidated", consolidated), ("complete", complete),
         ("saved", info.time), ("size", human(info.total_bytes)),
     ]
+    if info.lineage is not None:
+        parent = (info.lineage.get("parent") or {}).get("name")
+        lines.append(("continues", f"{parent or 'nothing (the run started here)'}, written by launch {info.lineage.get('launch')}"))
     if info.lora:
         base = info.lora.get("base") or {}
         source = base.get("source") or f"the seeded initial policy (seed {base.get('seed')})"
@@ -134,6 +147,38 @@ def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint di
     typer.echo("files:")
     for rel, size in sorted(info.files.items()):
         typer.echo(f"  {human(size):>10}  {rel}")
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names) if names else "-"
+
+
+def _print_run(run, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(run.to_dict(), indent=2))
+        return
+    last = "-"
+    if run.last:
+        state = {True: "complete at its manifest sizes", False: "INCOMPLETE: fails its manifest", None: "MISSING"}[run.last_complete]
+        last = f"{run.last} ({state})"
+    lines = [
+        ("run", run.path),
+        ("checkpoints", f"{len(run.checkpoints)}: {_names(run.checkpoints)}"),
+        ("last", last),
+        ("current branch", " -> ".join(run.branch) or "-"),
+        ("resume continues", run.resumes_from or "nothing: no complete checkpoint on the current branch"),
+        ("launches", _names(run.launches)),
+    ]
+    if run.off_branch:
+        lines.append(("off the branch", f"{_names(run.off_branch)} (`resume` does not continue them)"))
+    for stamp, names in run.rolled_back.items():
+        lines.append(("rolled back", f"{_names(names)} (moved to rolled_back/{stamp}/, kept)"))
+    if run.interrupted:
+        lines.append(("interrupted", f"{_names(run.interrupted)} (not checkpoints; the next run removes them)"))
+    for k, v in lines:
+        typer.echo(f"{k + ':':18}{v}")
+    typer.echo("Hashes not checked: `opentau checkpoint list RUN --verify` re-hashes every file; "
+               "`opentau checkpoint inspect RUN/checkpoints/<step>` shows one checkpoint.")
 
 
 @app.command("verify")
@@ -166,25 +211,44 @@ def verify_cmd(path: Path = typer.Argument(..., help="A checkpoint directory or 
 
 @app.command("list")
 @handle_errors
-def list_cmd(run_dir: Path = typer.Argument(..., help="A run directory (holding checkpoints/)."), as_json: JsonOpt = False) -> None:
-    """List the checkpoints of a run: step, time, size, complete or not, and which one `last` points at.
+def list_cmd(
+    run_dir: Path = typer.Argument(..., help="A run directory (holding checkpoints/)."),
+    verify: bool = typer.Option(False, "--verify", help="Also re-hash every file against its manifest (reads every byte)."),
+    as_json: JsonOpt = False,
+) -> None:
+    """List the checkpoints of a run: step, time, size, complete or not, which one `last` points at, the branch
+    `last` is on (what `opentau resume RUN` continues) and checkpoints a rollback moved aside.
 
-    Example: opentau checkpoint list outputs/train/pi05
+    Without --verify, "complete" means every file is there at its manifest size; --verify re-hashes them.
+
+    Examples:
+
+      opentau checkpoint list outputs/train/pi05
+
+      opentau checkpoint list outputs/train/pi05 --verify
     """
     from dataclasses import asdict
 
     from opentau_cli.checkpoint.info import list_run
 
-    rows = list_run(run_dir)
+    rows = list_run(run_dir, verify=verify)
     if as_json:
         typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
         return
     if not rows:
         typer.echo(f"No checkpoints in {run_dir}.")
         return
-    typer.echo(f"{'':2}{'checkpoint':<24}{'step':>8}  {'saved':<26}{'size':>11}  {'complete':<9}{'consolidated':<13}")
+    head = "verified" if verify else "sizes ok"
+    width = max(24, *(len(r.name) + 2 for r in rows))
+    typer.echo(f"{'':2}{'checkpoint':<{width}}{'step':>8}  {'saved':<26}{'size':>11}  {head:<9}{'consolidated':<13}{'branch':<9}{'parent':<8}")
     for r in rows:
         cons = {None: "n/a", True: "yes", False: "no"}[r.consolidated]
-        typer.echo(f"{'->' if r.last else '':2}{r.name:<24}{r.step if r.step is not None else '-':>8}  {str(r.time):<26}"
-                   f"{human(r.bytes):>11}  {'yes' if r.complete else 'NO':<9}{cons:<13}{r.note}")
-    typer.echo("(-> = checkpoints/last)")
+        branch = "current" if r.branch else ("rolled" if r.rolled_back else "-")
+        typer.echo(f"{'->' if r.last else '':2}{r.name:<{width}}{r.step if r.step is not None else '-':>8}  {str(r.time):<26}"
+                   f"{human(r.bytes):>11}  {'yes' if r.complete else 'NO':<9}{cons:<13}{branch:<9}{r.parent or '-':<8}{r.note}")
+    typer.echo("(-> = checkpoints/last; branch current = on last's branch, which `opentau resume RUN` continues; "
+               "rolled = moved aside by a rollback, kept under rolled_back/)")
+    if verify:
+        typer.echo("Every file re-hashed against its checkpoint's manifest.")
+    else:
+        typer.echo("Hashes not checked (sizes only): `opentau checkpoint list RUN --verify` re-hashes every file.")
