@@ -8,6 +8,7 @@ setup_start=$SECONDS
 ./scripts/setup.sh
 echo "set-up: $((SECONDS - setup_start)) s"
 export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"
+./scripts/peer_envs.sh  # the peers' own packages the tests check against (built once, cached)
 tests_start=$SECONDS
 status=0
 .venv/bin/python -m pytest -q --durations=15 "$@" || status=$?

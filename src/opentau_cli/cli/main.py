@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from opentau_cli import __version__
-from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, eval_cmd, profile_cmd, train_cmd
+from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, eval_cmd, profile_cmd, serve_cmd, train_cmd
 from opentau_cli.cli.common import make_app
 
 import typer
@@ -30,6 +30,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 train_cmd.register(app)
 profile_cmd.register(app)
 eval_cmd.register(app)
+serve_cmd.register(app)
 app.add_typer(checkpoint_cmd.app, name="checkpoint")
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(dataset_cmd.app, name="dataset")

@@ -18,7 +18,7 @@ from opentau_cli.config.model import TrainConfig
 from opentau_cli.config.paths import is_path_key, paths_base, resolve_paths, resolve_value
 
 # OPENTAU_* variables that are not config keys.
-NON_CONFIG_ENV = {"OPENTAU_DEBUG", "OPENTAU_CACHE_DIR", "OPENTAU_LOG_LEVEL"}
+NON_CONFIG_ENV = {"OPENTAU_DEBUG", "OPENTAU_CACHE_DIR", "OPENTAU_LOG_LEVEL", "OPENTAU_SERVE_API_KEY"}
 # Where `--config_path=examples/x.json` is also looked up (the contract allows dropping the `configs/` prefix).
 CONFIG_SEARCH_DIRS = ("configs",)
 
