@@ -24,6 +24,7 @@ from opentau_cli.config import (
 from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
 from opentau_cli.data.hub import pin_for_resume
+from opentau_cli.train.trackers import check_trackers
 from opentau_cli.errors import UserError
 
 
@@ -88,7 +89,7 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
 
 
 # The checks of other packages that the config rules run with their own.
-LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir)
+LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir, check_trackers)
 
 
 def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:

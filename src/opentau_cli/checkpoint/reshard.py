@@ -10,7 +10,9 @@ parameters and optimizer state for single / DDP, DeepSpeed's own `safe_set_full_
 `safe_set_full_optimizer_state` for ZeRO, and read back with `safe_get_*` to check it arrived exactly.
 
 The data position is topology-free already (data/sampler.py); the global batch is kept by `fit_global_batch`.
-The random streams of the new ranks are derived from (seed, step, rank): an old rank's state is never reused.
+On the same number of processes (a backend change alone) every rank continues its own random streams from the
+checkpoint, so the run goes on with the uninterrupted run's flow-matching noise and times; on another number the
+new ranks' streams are derived from (seed, step, rank): an old rank's state is never given to another rank.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAIN_CONFIG
+from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAIN_CONFIG, rank_state_file
 from opentau_cli.errors import RunError, UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -203,29 +205,47 @@ def _trainable(module) -> list:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
+def _saved_name(canon: CanonicalState, module_params: dict, p, name: str) -> str | None:
+    """The name a parameter's full tensor is saved under: its own or that of a parameter tied to it (None: absent)."""
+    if name in canon.weights:
+        return name
+    return next((other for other, q in module_params.items() if q is p and other in canon.weights), None)
+
+
 def _weight(canon: CanonicalState, module_params: dict, p, name: str):
     """A parameter's saved full tensor under its own name or the name of a parameter tied to it."""
-    if name in canon.weights:
-        return canon.weights[name]()
-    for other, q in module_params.items():
-        if q is p and other in canon.weights:
-            return canon.weights[other]()
-    raise UserError(f"the checkpoint holds no tensor for parameter '{name}': it does not fit this config.")
+    saved = _saved_name(canon, module_params, p, name)
+    if saved is None:
+        raise UserError(f"the checkpoint holds no tensor for parameter '{name}': it does not fit this config.")
+    return canon.weights[saved]()
 
 
-def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, scheduler) -> None:
+def _never_stepped(canon: CanonicalState, module_params: dict, trainable: list) -> set[str]:
+    """Trainable parameters the checkpoint holds weights but no AdamW state for: they never received a gradient
+    (AdamW creates a parameter's state at its first gradient). A parameter without weights does not fit."""
+    stateless = {n for n, _ in trainable if n not in canon.moments.get("exp_avg", {})}
+    absent = [n for n, p in trainable if n in stateless and _saved_name(canon, module_params, p, n) is None]
+    if absent:
+        raise UserError(f"the checkpoint holds neither weights nor optimizer state for '{absent[0]}' ({len(absent)} "
+                        "parameters): it does not fit this config.")
+    return stateless
+
+
+def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, scheduler, *, frozen_from_base: bool = False) -> None:
     """Put `canon` into a freshly prepared model / optimizer / scheduler (every rank calls it; a collective under
-    ZeRO). Trainable weights, AdamW's moments and steps, frozen parameters, buffers and the scheduler."""
+    ZeRO). Trainable weights, AdamW's moments and steps, frozen parameters, buffers and the scheduler.
+
+    A trainable parameter that never received a gradient has no AdamW state in the checkpoint: it gets none under
+    single / DDP (as in the run that saved it) and zero moments under ZeRO (which steps every parameter of a group;
+    zero moments are what a parameter without gradients keeps there). `frozen_from_base`: a LoRA checkpoint holds no
+    frozen parameters; the launch built them from the base the resume checked, and they stay as built."""
     import torch
 
     module = accelerator.unwrap_model(model)
     zero_opt, stage = _zero(accelerator)
     params = dict(module.named_parameters(remove_duplicate=False))  # every name, tied ones too
     trainable = _trainable(module)
-    missing = [n for n, _ in trainable if n not in canon.moments.get("exp_avg", {})]
-    if missing:
-        raise UserError(f"the checkpoint holds no optimizer state for '{missing[0]}' ({len(missing)} parameters): "
-                        "it does not fit this config.")
+    stateless = _never_stepped(canon, params, trainable)
     with torch.no_grad():
         for name, buf in module.named_buffers():
             if name in canon.weights:
@@ -233,12 +253,16 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
         if zero_opt is None:
             base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
             for name, p in module.named_parameters():
-                p.copy_(_weight(canon, params, p, name))
+                if p.requires_grad or not frozen_from_base or _saved_name(canon, params, p, name) is not None:
+                    p.copy_(_weight(canon, params, p, name))
             for name, p in trainable:
+                if name in stateless:
+                    base.state.pop(p, None)
+                    continue
                 base.state[p] = {"step": torch.tensor(canon.steps[name], dtype=torch.float32),
                                  **{m: canon.moments[m][name]().to(p.device, torch.float32).clone() for m in MOMENTS}}
         else:
-            _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable)
+            _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable, stateless, frozen_from_base)
     if canon.scheduler is not None:
         inner = scheduler.scheduler if hasattr(scheduler, "scheduler") else scheduler
         inner.load_state_dict(canon.scheduler)
@@ -246,7 +270,7 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
             group["lr"] = lr  # load_state would restore it with the optimizer's param_groups
 
 
-def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable) -> None:
+def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable, stateless, frozen_from_base) -> None:
     import deepspeed
     import torch
     from deepspeed.utils import (
@@ -266,8 +290,9 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable) 
         zero_opt._lazy_init_hp_params_optimizer_state()
     device = accelerator.device
     for name, p in trainable:
-        values = {None: _weight(canon, params, p, name), **{m: canon.moments[m][name]() for m in MOMENTS}}
-        for key, value in values.items():
+        weight = _weight(canon, params, p, name)
+        moments = {m: torch.zeros_like(weight) if name in stateless else canon.moments[m][name]() for m in MOMENTS}
+        for key, value in {None: weight, **moments}.items():
             value = value.to(device, torch.float32)
             if stage == 3:
                 # This rank's slice: DeepSpeed's full setter cuts the last rank's slice past the end of a tensor
@@ -281,14 +306,19 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable) 
                 safe_set_full_fp32_param(p, value)
             else:
                 safe_set_full_optimizer_state(p, value, key)
+    def kept_as_built(name, p) -> bool:
+        return frozen_from_base and not p.requires_grad and _saved_name(canon, params, p, name) is None
+
     if stage < 3:
         zero_opt.update_lp_params()  # the model's own (bit16) weights from the fp32 partitions, gathered
         for name, p in module.named_parameters():
-            if not p.requires_grad:
+            if not p.requires_grad and not kept_as_built(name, p):
                 p.copy_(_weight(canon, params, p, name))
     else:
         rank0 = accelerator.is_main_process
         for name, p in module.named_parameters():  # partitioned: set the full tensor through a gather, one at a time
+            if kept_as_built(name, p):
+                continue
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
                 if rank0:
                     p.copy_(_weight(canon, params, p, name))
@@ -329,15 +359,24 @@ def live_parameters(accelerator, model, optimizer):
 
 
 def check_applied(canon: CanonicalState, accelerator, model, optimizer) -> None:
-    """Every trainable tensor and step the launch now holds equals the checkpoint's, bit for bit (else RunError)."""
+    """Every trainable tensor and step the launch now holds equals the checkpoint's, bit for bit (else RunError). A
+    parameter that never received a gradient (no AdamW state saved) holds no state, or zero moments under ZeRO."""
     import torch
 
+    module = accelerator.unwrap_model(model)
+    params = dict(module.named_parameters(remove_duplicate=False))
     for name, have in live_parameters(accelerator, model, optimizer):
-        want = {"weight": canon.weights.get(name), **{m: canon.moments[m].get(name) for m in MOMENTS}}
+        saved = _saved_name(canon, params, params[name], name)
+        stateless = name not in canon.moments["exp_avg"]
+        want = {"weight": canon.weights.get(saved) if saved else None, **{m: canon.moments[m].get(name) for m in MOMENTS}}
         for what, produce in want.items():
+            if stateless and what in MOMENTS:
+                if have[what] is not None and bool(have[what].any()):
+                    raise RunError(f"Elastic resume: '{name}' never received a gradient but holds AdamW state in the new launch.")
+                continue
             if have[what] is None or produce is None or not torch.equal(have[what], produce().float().view_as(have[what])):
                 raise RunError(f"Elastic resume: the {what} of '{name}' did not arrive exactly in the new launch.")
-        if have["step"] != canon.steps.get(name):
+        if not stateless and have["step"] != canon.steps.get(name):
             raise RunError(f"Elastic resume: the optimizer step of '{name}' did not arrive in the new launch.")
 
 
@@ -348,18 +387,39 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
 
 
+def restore_rank_rng(ckpt_dir: Path, rank: int) -> None:
+    """This process continues the random streams that rank `rank` saved (Python, numpy, torch CPU and CUDA), as
+    Accelerate's load_state restores them (a weights_only load; the checkpoint's pickles were scanned before)."""
+    import random
+
+    import numpy as np
+    import torch
+    from accelerate.utils import load
+
+    states = load(Path(ckpt_dir) / rank_state_file(rank), map_location="cpu")
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+
+
 def load_resharded(ckpt_dir: Path, accelerator, model, optimizer, scheduler, *, seed: int) -> dict:
     """Restore checkpoint `ckpt_dir` into a launch of another topology (every rank); returns its training state."""
     from accelerate.utils import set_seed
 
     from opentau_cli.checkpoint.manager import read_training_state
+    from opentau_cli.policies.lora import BASE_KEY
 
     state = read_training_state(Path(ckpt_dir))
     trainable = [name for name, _ in _trainable(accelerator.unwrap_model(model))]
     canon = read_canonical(ckpt_dir, trainable)
-    apply_canonical(canon, accelerator, model, optimizer, scheduler)
+    apply_canonical(canon, accelerator, model, optimizer, scheduler, frozen_from_base=BASE_KEY in state)
     check_applied(canon, accelerator, model, optimizer)
-    set_seed(derived_seed(seed, int(state["step"]), accelerator.process_index))
+    if int(state["world_size"]) == accelerator.num_processes:
+        restore_rank_rng(ckpt_dir, accelerator.process_index)  # rank i keeps rank i's streams
+    else:
+        set_seed(derived_seed(seed, int(state["step"]), accelerator.process_index))
     if "sampler" in state and "position" not in state["sampler"]:
         state["sampler"] = sampler_position(state, json.loads((Path(ckpt_dir) / TRAIN_CONFIG).read_text()))
     return state

@@ -180,7 +180,29 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
-    tensorboard: bool = Field(True, description="Write TensorBoard events under <output_dir>/tensorboard/.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events under <output_dir>/tensorboard/ (false: "
+                                                "as if 'tensorboard' were left out of logging.trackers).")
+    trackers: list[str] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers, through Accelerate's tracker API: tensorboard, wandb, mlflow (install the "
+                    "extra of the same name), or another tracker Accelerate supports. Only the main process logs; a "
+                    "resume continues the same tracked run.",
+    )
+    project: str = Field("opentau", description="The trackers' project (W&B project, MLflow experiment).")
+    run_name: str | None = Field(None, description="The tracked run's display name; default: the run directory's name.")
+    tags: list[str] = Field(default_factory=list, description="Tags of the tracked run (W&B tags, MLflow tags).")
+
+    @field_validator("trackers", "tags", mode="before")
+    @classmethod
+    def _comma_list(cls, value):
+        # --logging.trackers=wandb,mlflow and [wandb,mlflow] as well as JSON lists
+        if isinstance(value, str):
+            return [item.strip().strip("'\"") for item in value.strip().strip("[]").split(",") if item.strip()]
+        return value
+
+    @property
+    def uses_tensorboard(self) -> bool:
+        return self.tensorboard and "tensorboard" in self.trackers
     progress_bar: Literal["auto", "rich", "plain"] = Field("auto", description="'auto': rich on a TTY, plain lines otherwise.")
 
 

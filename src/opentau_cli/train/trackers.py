@@ -1,0 +1,217 @@
+"""Experiment trackers (W&B, MLflow, and whatever else Accelerate's tracker API supports) for rank 0's training log.
+
+`logging.trackers` names them; TensorBoard, the default, is written by the metrics logger (train/metrics.py) and is
+not handled here. `Trackers.open` starts the others on the main process only (on every other process it is a
+no-op), `log` gets every record metrics.jsonl gets (same keys as TensorBoard, same steps), `checkpoint` a save's
+step, seconds blocked and size, `state` the run ids the checkpoint records (training_state.json `trackers`).
+
+A resume continues the tracked run recorded in its checkpoint: W&B with `resume="must"` on the same id, MLflow the
+same run id. When that run already holds steps past the checkpoint (a rollback, or a run killed after its last
+save), continuing it would repeat steps: the resume forks instead (W&B `fork_from` at the checkpoint's step; MLflow a
+new run holding the old one's metrics up to that step, tagged with where it came from). The last step each tracked
+run got is kept in `<output_dir>/trackers.json` for that decision.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+TENSORBOARD = "tensorboard"
+LOGGED = "trackers.json"  # in the run directory: {tracker: {"id": run id, "step": the last step it got}}
+# What a tracker needs installed: the import name and the opentau-cli extra that installs it.
+EXTRAS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+def known_trackers() -> list[str]:
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    return sorted(LOGGER_TYPE_TO_CLASS)
+
+
+def check_trackers(cfg) -> list[str]:
+    """Before launch: every tracker in logging.trackers is one Accelerate knows and is installed (one line each,
+    naming the extra to install)."""
+    known = known_trackers()
+    errors = []
+    for name in cfg.logging.trackers:
+        if name not in known:
+            errors.append(f"logging.trackers names '{name}', which is not a tracker Accelerate supports ({', '.join(known)}).")
+            continue
+        module, extra = EXTRAS.get(name, (name, None))
+        if importlib.util.find_spec(module) is None:
+            how = f"pip install 'opentau-cli[{extra}]'" if extra else f"pip install {module}"
+            errors.append(f"logging.trackers names {name}, which is not installed: {how}.")
+    return errors
+
+
+def tracker_values(record: dict) -> dict:
+    """A metrics.jsonl record as trackers log it: its numbers under train/ or val/ (TensorBoard's names)."""
+    prefix = "val/" if record.get("kind") == "val" else "train/"
+    return {prefix + k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+
+
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """The resolved config as flat key -> scalar (what trackers store as hyperparameters)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_config(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, (bool, int, float, str)) or value is None else json.dumps(value)
+    return out
+
+
+def _read_logged(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / LOGGED).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class Trackers:
+    """The run's trackers other than TensorBoard; a no-op off the main process or when there are none."""
+
+    def __init__(self, run_dir: Path, trackers: dict | None = None, ids: dict | None = None, step: int = 0):
+        self.run_dir = Path(run_dir)
+        self.trackers = trackers or {}  # name -> accelerate GeneralTracker, started
+        self.ids = ids or {}  # name -> the tracked run's id
+        self._logged = {name: {"id": self.ids[name], "step": step} for name in self.trackers}
+        self.notes: list[str] = []  # what open decided, for the console
+
+    @classmethod
+    def open(cls, accelerator, cfg, run_dir: Path, *, resume_state: dict | None = None, step: int = 0,
+             lineage: dict | None = None) -> "Trackers":
+        """Start the trackers of `cfg.logging.trackers` (but TensorBoard) on the main process; with `resume_state`
+        (the checkpoint's training_state.json, resumed at `step`) continue or fork the runs it records."""
+        names = [n for n in cfg.logging.trackers if n != TENSORBOARD]
+        run_dir = Path(run_dir)
+        if not names or not accelerator.is_main_process:
+            return cls(run_dir)
+        recorded = (resume_state or {}).get("trackers") or {}
+        logged = _read_logged(run_dir)
+        trackers, ids, notes, forked = {}, {}, [], set()
+        for name in names:
+            old = recorded.get(name)
+            past = logged.get(name, {})
+            fork = old is not None and past.get("id") == old and int(past.get("step", 0)) > step
+            tracker, ids[name] = _start(name, cfg, run_dir, old, step, fork)
+            trackers[name] = tracker
+            if fork:
+                forked.add(name)
+                notes.append(f"{name}: run {old} already holds steps past {step} (up to {past['step']}): continuing in "
+                             f"run {ids[name]}, forked from it at step {step}.")
+            elif old is not None:
+                notes.append(f"{name}: continuing run {old} at step {step}.")
+        self = cls(run_dir, trackers, ids, step)
+        self.notes = notes
+        config = {k: v for k, v in cfg.to_json_dict().items() if k != "resume"}
+        history = {"opentau.lineage": json.dumps(lineage)} if lineage else {}
+        if resume_state is not None:
+            history["opentau.resumed_at_step"] = str(step)
+        for name, tracker in trackers.items():
+            if recorded.get(name) is None or name in forked:
+                tracker.store_init_configuration(flat_config(config))  # a new run: its hyperparameters
+            _record_history(name, tracker, history)
+        self._write_logged()
+        return self
+
+    def log(self, record: dict) -> None:
+        """One metrics.jsonl record (train or val), at its step."""
+        if not self.trackers:
+            return
+        values = tracker_values(record)
+        for tracker in self.trackers.values():
+            tracker.log(values, step=int(record["step"]))
+        self._mark(int(record["step"]))
+
+    def checkpoint(self, step: int, seconds_blocked: float, path: Path | None = None) -> None:
+        """A save: its step, how long training waited for it, its size on disk (when already written)."""
+        if not self.trackers:
+            return
+        values = {"checkpoint/step": step, "checkpoint/seconds_blocked": float(seconds_blocked)}
+        if path is not None and Path(path).is_dir():
+            values["checkpoint/bytes"] = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        for tracker in self.trackers.values():
+            tracker.log(values, step=step)
+        self._mark(step)
+
+    def state(self) -> dict:
+        """The tracked runs' ids, for training_state.json (`trackers`)."""
+        return dict(self.ids)
+
+    def close(self) -> None:
+        for tracker in self.trackers.values():
+            tracker.finish()
+        self.trackers = {}
+
+    def _mark(self, step: int) -> None:
+        for entry in self._logged.values():
+            entry["step"] = max(entry["step"], step)
+        self._write_logged()
+
+    def _write_logged(self) -> None:
+        tmp = self.run_dir / (LOGGED + ".tmp")
+        tmp.write_text(json.dumps(self._logged) + "\n")
+        tmp.replace(self.run_dir / LOGGED)
+
+
+def _start(name: str, cfg, run_dir: Path, old: str | None, step: int, fork: bool):
+    """A started Accelerate tracker `name` and the id of its run: a new run, `old` continued, or `old` forked at `step`."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    log = cfg.logging
+    run_name = log.run_name or Path(cfg.output_dir).name
+    if name == "wandb":
+        kwargs = dict(name=run_name, tags=list(log.tags) or None, dir=str(run_dir))
+        if old is not None and fork:
+            kwargs.update(fork_from=f"{old}?_step={step}")
+        elif old is not None:
+            kwargs.update(id=old, resume="must")
+        tracker = LOGGER_TYPE_TO_CLASS["wandb"](log.project, **kwargs)
+        tracker.start()
+        return tracker, tracker.run.id
+    if name == "mlflow":
+        tags = {tag: "" for tag in log.tags}
+        if fork:
+            tags["opentau.forked_from"] = f"{old}@{step}"
+        tracker = LOGGER_TYPE_TO_CLASS["mlflow"](experiment_name=log.project, run_id=None if fork else old, tags=tags or None,
+                                                run_name=run_name)
+        tracker.start()
+        run_id = tracker.active_run.info.run_id
+        if fork:
+            _copy_mlflow_history(old, run_id, step)
+        return tracker, run_id
+    cls = LOGGER_TYPE_TO_CLASS[name]
+    kwargs = {"logging_dir": str(run_dir / name)} if getattr(cls, "requires_logging_directory", False) else {}
+    tracker = cls(log.project, **kwargs)
+    tracker.start()
+    return tracker, old or run_name
+
+
+def _record_history(name: str, tracker, values: dict) -> None:
+    """Where the run comes from (lineage, resume step) on the tracked run: W&B config, MLflow tags (its parameters
+    cannot change once logged)."""
+    if not values:
+        return
+    if name == "mlflow":
+        import mlflow
+
+        mlflow.set_tags(values)
+    else:
+        tracker.store_init_configuration(values)
+
+
+def _copy_mlflow_history(source: str, target: str, step: int) -> None:
+    """The metrics `source` got up to `step`, into `target`: a forked run starts with its parent's history."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    keys = client.get_run(source).data.metrics
+    points = [m for key in keys for m in client.get_metric_history(source, key) if m.step <= step]
+    for i in range(0, len(points), 1000):  # MLflow's limit per batch
+        client.log_batch(target, metrics=points[i:i + 1000])
