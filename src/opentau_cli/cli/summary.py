@@ -53,8 +53,9 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("policy", f"{cfg.policy.type} (preset {cfg.policy.preset})"),
         ("parameters", parameter_row(counts)),
         ("optimizer memory", optimizer_row(counts, accel.world_size, accel.zero_stage if accel.backend == "deepspeed" else None)),
-        ("dataset", cfg.dataset.root if cfg.dataset.mixture is None
-         else "mixture of " + ", ".join(f"{m.label} (weight {m.weight:g})" for m in cfg.dataset.mixture)),
+        ("dataset", (cfg.dataset.root if cfg.dataset.repo_id is None else
+                     f"{cfg.dataset.repo_id} at {cfg.dataset.revision} (Hugging Face Hub, read from its cache)")
+         if cfg.dataset.mixture is None else "mixture of " + ", ".join(f"{m.label} (weight {m.weight:g})" for m in cfg.dataset.mixture)),
     ]
     if plan.resume_from:
         rows.append(("resume from", str(plan.resume_from)))
