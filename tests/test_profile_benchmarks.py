@@ -128,3 +128,42 @@ def test_async_save_benchmark_smoke_gives_the_time_lost_per_save_of_both_modes_a
     peaks = re.search(r"peak host memory \(process RSS\)\s+sync saves (\d+) MiB, async saves (\d+) MiB", out)
     assert peaks and min(map(int, peaks.groups())) > 0
     assert "target <= 0.25x" in (tmp_path / "B.md").read_text()
+
+
+# The report arithmetic of the benchmarks on canned numbers (the smoke runs above check that each script runs).
+
+
+def _benchmark_module(name: str):
+    import importlib
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_verdicts_and_ratio_rows_compare_with_the_target_in_the_right_direction():
+    common, consolidate = _benchmark_module("_common"), _benchmark_module("bench_consolidate")
+    assert common.verdict(0.97, 0.97) == "meets target" and common.verdict(0.96, 0.97) == "BELOW target"
+    assert common.verdict(0.25, 0.25, higher_is_better=False) == "meets target"
+    assert common.verdict(0.26, 0.25, higher_is_better=False) == "ABOVE target"
+    assert consolidate.ratio_row("wall ratio vs upstream", 0.4913, 0.7) == ("wall ratio vs upstream (target <= 0.7)", "0.49x meets target")
+    assert consolidate.ratio_row("RSS ratio vs upstream", 0.31, 0.3) == ("RSS ratio vs upstream (target <= 0.3)", "0.31x ABOVE target")
+
+
+def test_overhead_quartiles_of_the_pair_ratios():
+    overhead = _benchmark_module("bench_overhead")
+    assert overhead.quartiles([1.027, 0.993, 0.985, 0.921, 1.085]) == pytest.approx((0.985, 1.027))  # BENCHMARKS.md's run
+    assert overhead.quartiles([0.9]) == (0.9, 0.9)
+    assert overhead.listed([0.3791, 0.366]) == "0.379, 0.366"
+
+
+def test_lora_side_takes_the_median_over_repeats_of_speed_and_of_each_rank_s_peak():
+    lora = _benchmark_module("bench_lora")
+    mib = 1024 * 1024
+    reports = [{"samples_per_s": s, "peak_memory": [{"rank": 0, "bytes": a * mib}, {"rank": 1, "bytes": b * mib}]}
+               for s, a, b in ((2.0, 1100, 1150), (1.0, 1000, 1300), (3.0, 1200, 1140))]
+    side = lora.side(reports)
+    assert side["samples_per_s"] == 2.0 and side["runs"] == [2.0, 1.0, 3.0] and side["peaks_mib"] == [1100, 1150]
+    assert lora.describe(side) == "2.000 samples/s (median of 3: 2.000, 1.000, 3.000); peak memory rank 0 1100 MiB, rank 1 1150 MiB"
