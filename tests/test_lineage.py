@@ -188,9 +188,29 @@ def test_the_config_packages_copies_of_the_run_layout_names_agree_with_layout():
         layout.CHECKPOINTS, layout.TRAINING_STATE, LINEAGE)
 
 
-def test_point_last_is_what_resume_point_starts_from(tmp_path):
+def test_a_kill_between_publishing_and_repointing_last_resumes_the_published_child(tmp_path):
     run = tmp_path / "run"
     m = manager(run, "a")
-    c10, _c20 = save(m, 10), save(m, 20)
-    point_last(run / CHECKPOINTS, c10.name)
-    assert resume_point(run) == c10
+    c10, c20 = save(m, 10), save(m, 20)
+    point_last(run / CHECKPOINTS, c10.name)  # as left by a kill right after 000020 was renamed into place
+    assert current_branch(run) == [c10, c20]
+    assert resume_point(run) == c20
+    assert newer_checkpoints(run, c20) == []
+
+
+def test_a_first_deepspeed_cpu_launch_says_it_builds_its_op_and_later_ones_do_not(tmp_path, monkeypatch):
+    import sys
+
+    from opentau_cli.config import setup_from_dict
+    from opentau_cli.launch import deepspeed_op_note
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    zero2 = setup_from_dict({"backend": "deepspeed", "zero_stage": 2, "num_processes": 2})
+    ddp = setup_from_dict({"backend": "ddp", "num_processes": 2})
+    note = deepspeed_op_note(zero2, cuda=False)
+    assert note and "builds its CPU communication op" in note and "30-60 s" in note
+    assert deepspeed_op_note(ddp, cuda=False) is None and deepspeed_op_note(zero2, cuda=True) is None
+    built = tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
+    built.mkdir(parents=True)
+    (built / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert deepspeed_op_note(zero2, cuda=False) is None

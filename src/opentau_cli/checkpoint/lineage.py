@@ -74,8 +74,19 @@ def _parent_dir(ckpt_dir: Path) -> tuple[bool, Path | None]:
     return True, path
 
 
+def _newest_child(root: Path, parent: Path) -> Path | None:
+    """The newest published checkpoint that records `parent` (the very one) as its parent."""
+    for _, path in reversed(_published(root)):
+        if path != parent:
+            recorded, found = _parent_dir(path)
+            if recorded and found == parent:
+                return path
+    return None
+
+
 def current_branch(run_dir: Path) -> list[Path]:
-    """The checkpoints on `last`'s branch, oldest first: `last` and its ancestors still in checkpoints/.
+    """The checkpoints on `last`'s branch, oldest first: `last`, its ancestors still in checkpoints/ and, after a
+    kill between a save's publication and the repointing of `last`, the descendants `last` did not reach yet.
 
     Checkpoints written before lineage was recorded form one linear history: every older published one counts."""
     root = Path(run_dir) / CHECKPOINTS
@@ -85,6 +96,10 @@ def current_branch(run_dir: Path) -> list[Path]:
         if not published:
             return []
         start = published[-1][1]
+    descendants = []
+    while (child := _newest_child(root, start)) is not None and child not in descendants:
+        descendants.append(child)
+        start = child
     chain, seen = [start], {start.name}
     current = start
     while True:
