@@ -90,6 +90,7 @@ CASES = [
     Case("fp16 without cuda", TINY, ["--accelerate-config={tmp}/fp16.yaml"]),
     Case("fp8", TINY, ["--accelerate-config={tmp}/fp8.yaml"], TWO_GPUS),
     Case("more processes than gpus", TINY, [f"--accelerate-config={DDP8}"], TWO_GPUS),
+    Case("gpu yaml without cuda", TINY, [f"--accelerate-config={DDP8}"]),
     Case("two machines without main_process_ip", TINY, ["--accelerate-config={tmp}/two_machines.yaml"], TWO_GPUS),
     Case("machine rank past the last machine", TINY,
          ["--accelerate-config={tmp}/two_machines.yaml", "--main_process_ip=127.0.0.1", "--machine_rank=2"], TWO_GPUS),

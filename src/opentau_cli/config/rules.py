@@ -69,6 +69,17 @@ def cuda_is_available() -> bool:
     return torch.cuda.is_available()
 
 
+def asks_for_gpus(accel: AccelerateSetup) -> str:
+    """What in an Accelerate YAML says it is for GPUs ("" when nothing does): `distributed_type: MULTI_GPU` or
+    `gpu_ids`, unless `use_cpu: true`. The CPU recipes say MULTI_CPU / use_cpu, or name no GPUs (DeepSpeed)."""
+    if accel.use_cpu:
+        return ""
+    if accel.distributed_type == "MULTI_GPU":
+        return "distributed_type: MULTI_GPU"
+    gpu_ids = (accel.raw or {}).get("gpu_ids")
+    return f"gpu_ids: {gpu_ids}" if gpu_ids not in (None, "") else ""
+
+
 def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks: Sequence[Check] = ()) -> Validated:
     """Check cfg against itself, the launch and the machine, then run `checks`; returns a possibly adjusted copy.
 
@@ -133,6 +144,13 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
             "DeepSpeed ZeRO-2 or ZeRO-3 (configs/examples/accelerate_{ddp,deepspeed,deepspeed_zero3}_config.yaml)."
         )
     per_machine = accel.num_processes // max(1, accel.num_machines)
+    if not cuda and accel.world_size > 1 and asks_for_gpus(accel):
+        # Accelerate would start every process on the CPU (8 CPU processes of pi05 in bf16): never what was meant.
+        errors.append(
+            f"{accel.path or 'the accelerate config'} is for GPUs ({asks_for_gpus(accel)}), and none is visible on "
+            f"{machine.where}: on CPU use configs/examples/accelerate_cpu_ddp_config.yaml, "
+            "accelerate_cpu_deepspeed_config.yaml or accelerate_cpu_deepspeed_zero3_config.yaml (2 CPU processes)."
+        )
     if cuda and accel.backend != "single" and machine.gpus < per_machine:
         # Accelerate would start them all and every rank past the last GPU would fail on an invalid device.
         errors.append(
