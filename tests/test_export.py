@@ -88,6 +88,11 @@ def test_a_published_model_trained_one_step_at_lr_1e_30_exports_to_each_layout_a
     exported = load_file(str(out / MODEL_WEIGHTS))
     # OpenTau's discrete-action head is its own (opentau never loads it), so an export cannot give it back.
     original = {k: v for k, v in original.items() if "discrete_action_embedding" not in k}
+    if layout == OPENPI:  # openpi's strict loader requires the expert's output head, never read: zeros
+        head = exported.pop("paligemma_with_expert.gemma_expert.lm_head.weight")
+        vocab = original["paligemma_with_expert.paligemma.lm_head.weight"].shape[0]
+        width = original["paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj.weight"].shape[0]
+        assert head.shape == (vocab, width) and head.dtype == torch.float32 and not head.any()
     assert sorted(exported) == sorted(original)
     different = [k for k in original if exported[k].dtype != original[k].dtype or not torch.equal(exported[k], original[k])]
     assert different == []
@@ -101,6 +106,25 @@ def test_a_published_model_trained_one_step_at_lr_1e_30_exports_to_each_layout_a
     config = json.loads((out / "config.json").read_text())
     assert (config.get("type") or ("pi05" if config["pi05"] else "pi0")) == "pi05"
     assert config.get("chunk_size", config.get("action_horizon")) == 10
+
+
+def test_the_lerobot_export_declares_every_camera_and_lerobots_pi05_prompt_steps(round_trips):
+    """What LeRobot 0.4.4's pi05 reads: its image inputs come from config.input_features' VISUAL entries, and its
+    preprocessor bins the normalized state into the prompt (after padding it to max_state_dim, so max_state_dim is
+    the real width: openpi bins the real dims only) and tokenizes it with PaliGemma's tokenizer."""
+    _, out = round_trips(LEROBOT)
+    config = json.loads((out / "config.json").read_text())
+    assert config["input_features"] == {"observation.images.top": {"type": "VISUAL", "shape": [3, 32, 32]},
+                                        "observation.state": {"type": "STATE", "shape": [4]}}
+    assert config["output_features"] == {"action": {"type": "ACTION", "shape": [2]}} and config["max_state_dim"] == 4
+    steps = json.loads((out / "policy_preprocessor.json").read_text())["steps"]
+    assert [s["registry_name"] for s in steps] == ["rename_observations_processor", "to_batch_processor", "normalizer_processor",
+                                                   "pi05_prepare_state_tokenizer_processor_step", "tokenizer_processor",
+                                                   "device_processor"]
+    assert steps[3]["config"] == {"max_state_dim": 4, "task_key": "task"}
+    assert steps[4]["config"] == {"max_length": 48, "task_key": "task", "padding_side": "right", "padding": "max_length",
+                                  "truncation": True, "tokenizer_name": "google/paligemma-3b-pt-224"}
+    assert steps[2]["config"]["features"]["observation.images.top"]["type"] == "VISUAL"
 
 
 def test_a_zero3_run_exports_from_its_deepspeed_shards(round_trips):

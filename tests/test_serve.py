@@ -194,3 +194,22 @@ def test_the_wire_format_is_msgpack_with_numpy_maps():
     assert back["n"] == 3 and isinstance(back["n"], np.int64) and back["text"] == "a"
     with pytest.raises(BadRequest, match="not a msgpack observation"):
         unpackb(b"\xc1garbage")
+
+
+def test_serve_benchmark_smoke_tabulates_in_process_and_served_side_by_side(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    results = tmp_path / "BENCHMARKS.md"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OPENTAU_DEBUG", None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_serve.py"), "--smoke", "--results", str(results)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = results.read_text()
+    assert "## opentau serve: requests/s and latency vs in-process" in text and "--smoke" in text
+    for row in ("in-process (ServedPolicy.infer)", "serve, 1 client", "serve, 4 clients"):
+        assert f"| {row} | " in text and "req/s, p50 " in text
+    assert "(12 requests)" in text  # 4 clients x 3 requests, every reply received

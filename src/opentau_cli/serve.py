@@ -257,20 +257,9 @@ def _observation_keys(cfg, member, features: dict | None) -> tuple[list[str | No
             if len(cams) > num:
                 cams = cams[:num]
             return cams + [None] * (num - len(cams)), states[0]
-    from opentau_cli.data.meta import camera_slots, read_meta
-    from opentau_cli.data.synth import resolve_dataset_root
+    from opentau_cli.checkpoint.export import camera_features
 
-    try:
-        meta = read_meta(resolve_dataset_root(member.root))
-    except (UserError, OSError):
-        meta = None
-    if meta is not None:
-        return camera_slots(meta, member.camera_keys, num), member.state_key
-    # Without the dataset at hand: the configured mapping names the cameras, else one name per slot.
-    slots: list[str | None] = [f"observation.images.camera{i}" for i in range(num)]
-    for feature, slot in member.camera_keys.items():
-        slots[int(slot.removeprefix("camera"))] = feature
-    return slots, member.state_key
+    return camera_features(cfg, member), member.state_key
 
 
 # ------------------------------------------------------------------------------------------- the server

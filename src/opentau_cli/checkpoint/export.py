@@ -31,7 +31,8 @@ from opentau_cli.data.mixture import member_statistics, select_member
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.outputs import check_target, publishing, writable_parent
 from opentau_cli.policies.layouts import (
-    LEROBOT, OPENPI, OPENTAU, Layout, opentau_stats_tensors, published_names, write_lerobot_stats, write_openpi_stats,
+    LEROBOT, OPENPI, OPENTAU, Layout, lerobot_image_features, opentau_stats_tensors, published_names, write_lerobot_stats,
+    write_openpi_stats,
 )
 
 EXPORT_LAYOUTS = (OPENTAU, LEROBOT, OPENPI)
@@ -141,8 +142,28 @@ def statistics(saved: SavedPolicy) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- config files
-def model_config(layout: str, policy_cfg: PolicyConfig, stats: dict, dtype: str) -> dict:
-    """The model's config.json in `layout`'s convention (what its own loader reads)."""
+def camera_features(cfg: TrainConfig, member: MixtureMember) -> list[str | None]:
+    """The dataset feature of each camera slot (None: a slot the policy saw padded): the training dataset's cameras
+    when its meta/ is readable, else the configured mapping, else one name per slot."""
+    from opentau_cli.data.meta import camera_slots, read_meta
+    from opentau_cli.data.synth import resolve_dataset_root
+
+    num = cfg.dataset.num_cameras
+    try:
+        meta = read_meta(resolve_dataset_root(member.root))
+    except (UserError, OSError):
+        meta = None
+    if meta is not None:
+        return camera_slots(meta, member.camera_keys, num)
+    slots: list[str | None] = [f"observation.images.camera{i}" for i in range(num)]
+    for feature, slot in member.camera_keys.items():
+        slots[int(slot.removeprefix("camera"))] = feature
+    return slots
+
+
+def model_config(layout: str, policy_cfg: PolicyConfig, stats: dict, dtype: str, cameras: list[str | None] = ()) -> dict:
+    """The model's config.json in `layout`'s convention (what its own loader reads); `cameras` are the dataset's
+    camera features, which LeRobot's policy builds its image inputs from."""
     p = policy_cfg
     variants = _VARIANTS.get(p.preset)
     if layout == OPENPI:  # what openpi's PyTorch conversion writes next to model.safetensors
@@ -154,11 +175,15 @@ def model_config(layout: str, policy_cfg: PolicyConfig, stats: dict, dtype: str)
                   "freeze_vision_encoder": p.freeze_vision_encoder, "train_expert_only": p.train_expert_only}
         if layout == LEROBOT:
             mode = "QUANTILES" if p.type == "pi05" else "MEAN_STD"
+            state_width = len(stats["state"]["q01"])
+            if p.type == "pi05":  # LeRobot bins the state after padding it to max_state_dim; openpi (and opentau) bin
+                config["max_state_dim"] = state_width  # the real dims only: no padding gives LeRobot the same prompt
+            images = lerobot_image_features(cameras, p.image_resolution)
             config.update({
                 "image_resolution": list(p.image_resolution), "num_inference_steps": p.num_inference_steps,
                 "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
                 "normalization_mapping": {"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode},
-                "input_features": {"observation.state": {"type": "STATE", "shape": [len(stats["state"]["q01"])]}},
+                "input_features": {**images, "observation.state": {"type": "STATE", "shape": [state_width]}},
                 "output_features": {"action": {"type": "ACTION", "shape": [len(stats["action"]["q01"])]}},
             })
         else:  # OpenTau (a LeRobot fork): images resized with padding, `num_steps` Euler steps
@@ -214,6 +239,9 @@ def weight_entries(saved: SavedPolicy, params: set[str], layout: Layout, dtype: 
     return out
 
 
+OPENPI_EXPERT_LM_HEAD = "paligemma_with_expert.gemma_expert.lm_head.weight"
+
+
 def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "fp32", dataset: str | None = None,
            progress=None, force: bool = False) -> ExportResult:
     """Write the policy of a run / checkpoint directory as a plain model in `layout`, serving `dataset` (a name of the
@@ -237,6 +265,9 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     except ShardFormatError as exc:  # a shard that reads as truncated or corrupt only when its data is read
         raise UserError(str(exc)) from None
     entries = weight_entries(saved, params, published, DTYPES[dtype])
+    if layout == OPENPI:
+        entries.append(_expert_lm_head(saved.config.policy, DTYPES[dtype]))
+    cameras = camera_features(saved.config, member)
     if layout == OPENTAU:
         for name, tensor in opentau_stats_tensors(stats).items():
             entries.append(TensorEntry(name, tuple(tensor.shape), tensor.dtype, lambda t=tensor: t))
@@ -252,16 +283,28 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
             staging.mkdir()
             files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, progress)]
             if layout == LEROBOT:
-                files += write_lerobot_stats(staging, stats, published.policy_type)
+                files += write_lerobot_stats(staging, stats, published.policy_type,
+                                             lerobot_image_features(cameras, saved.config.policy.image_resolution),
+                                             saved.config.policy.tokenizer_max_length)
             elif layout == OPENPI:
                 files.append(write_openpi_stats(staging, stats, _asset_name(member)))
-            (staging / MODEL_CONFIG).write_text(json.dumps(model_config(layout, saved.config.policy, stats, dtype), indent=2) + "\n")
+            (staging / MODEL_CONFIG).write_text(json.dumps(model_config(layout, saved.config.policy, stats, dtype, cameras), indent=2) + "\n")
             files.append(staging / MODEL_CONFIG)
     except ShardFormatError as exc:
         raise UserError(str(exc)) from None
     except OSError as exc:
         raise RunError(f"Writing the exported model to {output} failed ({exc.strerror or exc}); nothing was left behind.") from None
     return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total)
+
+
+def _expert_lm_head(policy_cfg: PolicyConfig, dtype: torch.dtype) -> TensorEntry:
+    """The action expert's output head, which openpi's checkpoints carry and its strict loader requires; the expert's
+    hidden states never reach it (the action projection reads them), so zeros stand for it."""
+    from opentau_cli.policies.pi05.configuration import arch_config
+
+    arch = arch_config(policy_cfg)
+    shape = (arch.vlm_config.text_config.vocab_size, arch.dit_config.hidden_size)
+    return TensorEntry(OPENPI_EXPERT_LM_HEAD, shape, dtype, lambda: torch.zeros(shape, dtype=dtype))
 
 
 def _served_statistics(saved: SavedPolicy, member: MixtureMember) -> dict:

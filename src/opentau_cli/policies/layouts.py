@@ -234,9 +234,16 @@ def opentau_stats_tensors(stats: dict) -> dict:
     return tensors
 
 
-def write_lerobot_stats(directory: Path, stats: dict, policy_type: str) -> list[Path]:
+def lerobot_image_features(cameras, resolution) -> dict:
+    """LeRobot's input features of the cameras (None: a padded slot, not a feature), images (C, H, W)."""
+    return {name: {"type": "VISUAL", "shape": [3, *resolution]} for name in cameras if name}
+
+
+def write_lerobot_stats(directory: Path, stats: dict, policy_type: str, images: dict | None = None,
+                        tokenizer_max_length: int = 48) -> list[Path]:
     """LeRobot's processor files: policy_preprocessor.json with its normalizer step's state file (state and action
-    statistics by dataset key), and policy_postprocessor.json with the unnormalizer's (action statistics)."""
+    statistics by dataset key) and, for pi05, its state-binning and PaliGemma tokenizer steps; policy_postprocessor.json
+    with the unnormalizer's (action statistics). `images`: lerobot_image_features of the cameras (identity-normalized)."""
     import torch
     from safetensors.torch import save_file
 
@@ -244,6 +251,8 @@ def write_lerobot_stats(directory: Path, stats: dict, policy_type: str) -> list[
     features = {_LEROBOT_FEATURES["state"]: {"type": "STATE", "shape": [len(next(iter(stats["state"].values())))]},
                 _LEROBOT_FEATURES["action"]: {"type": "ACTION", "shape": [len(next(iter(stats["action"].values())))]}}
     norm_map = {"VISUAL": "IDENTITY", "STATE": mode, "ACTION": mode}
+    state_width = features[_LEROBOT_FEATURES["state"]]["shape"][0]
+    images = images or {}
 
     def flat(names):
         return {f"{_LEROBOT_FEATURES[f]}.{stat}": torch.tensor(v, dtype=torch.float32) for f in names for stat, v in stats[f].items()}
@@ -253,10 +262,17 @@ def write_lerobot_stats(directory: Path, stats: dict, policy_type: str) -> list[
     pre = {"name": "policy_preprocessor", "steps": [
         {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
         {"registry_name": "to_batch_processor", "config": {}},
-        {"registry_name": "normalizer_processor", "config": {"eps": 1e-8, "features": features, "norm_map": norm_map},
+        {"registry_name": "normalizer_processor", "config": {"eps": 1e-8, "features": {**images, **features}, "norm_map": norm_map},
          "state_file": LEROBOT_NORMALIZER},
         {"registry_name": "device_processor", "config": {"device": "cpu"}},
     ]}
+    if policy_type == "pi05":  # the binned state in the prompt, then PaliGemma's tokenizer (LeRobot's pi05 steps)
+        pre["steps"][3:3] = [
+            {"registry_name": "pi05_prepare_state_tokenizer_processor_step", "config": {"max_state_dim": state_width, "task_key": "task"}},
+            {"registry_name": "tokenizer_processor", "config": {
+                "max_length": tokenizer_max_length, "task_key": "task", "padding_side": "right", "padding": "max_length",
+                "truncation": True, "tokenizer_name": "google/paligemma-3b-pt-224"}},
+        ]
     post = {"name": "policy_postprocessor", "steps": [
         {"registry_name": "unnormalizer_processor",
          "config": {"eps": 1e-8, "features": {k: v for k, v in features.items() if v["type"] == "ACTION"}, "norm_map": norm_map},
