@@ -188,8 +188,40 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _attend(q, k, v, mask) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+    """Attention of q's heads over k/v's (fewer) heads under a dense boolean mask (batch, queries, keys).
+
+    torch's grouped-query attention (`enable_gqa`) runs only in the flash and math kernels on CUDA, and flash takes no
+    mask: with both, CUDA falls back to the math kernel (full fp32 score matrices). Expanding each key/value head to its
+    query heads computes the same function in the memory-efficient kernel."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
     return out.transpose(1, 2).flatten(2)
+
+
+# What torch's profiler calls each scaled_dot_product_attention kernel.
+SDPA_KERNELS = {
+    "aten::_scaled_dot_product_efficient_attention": "memory-efficient",
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+    "aten::_scaled_dot_product_cudnn_attention": "cuDNN",
+    "aten::_scaled_dot_product_attention_math": "math",
+}
+
+
+def attention_kernels(run) -> dict[str, int]:
+    """Run `run()` under torch's profiler and count the scaled-dot-product-attention kernels it used, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name in SDPA_KERNELS:
+            counts[SDPA_KERNELS[event.name]] = counts.get(SDPA_KERNELS[event.name], 0) + 1
+    return counts
 
 
 class Pi05Policy(nn.Module):
@@ -493,7 +525,11 @@ class Pi05Policy(nn.Module):
     # ------------------------------------------------------------------------------------------ API
     def forward(self, batch: dict, noise: torch.Tensor | None = None, time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Flow-matching loss (and the optional discrete-action CE loss) on one batch."""
-        inputs = self._prepare(batch, with_actions=True)
+        return self.loss(self._prepare(batch, with_actions=True), noise, time)
+
+    def loss(self, inputs: dict, noise: torch.Tensor | None = None, time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The losses on prepared inputs (`_prepare`): everything after tokenization, so that the memory plan can run
+        it on fake tensors of the configured shapes (opentau_cli/memory_plan.py)."""
         actions = inputs["actions"]
         batch_size = inputs["batch_size"]
         if time is None:
