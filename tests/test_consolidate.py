@@ -179,6 +179,24 @@ def test_malicious_pickle_in_a_shard_is_refused_and_never_executed(ds_ckpts, tmp
     assert marker.exists()
 
 
+def test_output_dir_follows_the_output_convention_parents_made_a_used_target_refused_force_replaces(ds_ckpts, tmp_path):
+    ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
+    out = tmp_path / "new" / "parents" / "consolidated"
+    made = subprocess.run([opentau_bin(), "checkpoint", "consolidate", str(ckpt), "--output", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert made.returncode == 0, made.stderr
+    assert sorted(p.name for p in out.iterdir()) == [MODEL_WEIGHTS] and sorted(p.name for p in out.parent.iterdir()) == ["consolidated"]
+    _assert_bit_equal(load_file(out / MODEL_WEIGHTS), _reference(ds_ckpts, "z3r2"))
+    refused = cli(["checkpoint", "consolidate", ckpt, "--output", out, "--dtype", "bf16"])
+    assert refused.exit_code == 2 and refused.stderr.strip() == (
+        f"Error: {out} already exists and is not empty: choose a new path, or pass --force to replace it."), refused.stderr
+    assert load_file(out / MODEL_WEIGHTS)["embed.weight"].dtype == torch.float32  # untouched
+    forced = cli(["checkpoint", "consolidate", ckpt, "--output", out, "--dtype", "bf16", "--force", "--max-shard-size", "3KB"])
+    assert forced.exit_code == 0, forced.stderr
+    assert (out / WEIGHTS_INDEX).is_file() and not (out / MODEL_WEIGHTS).exists()  # replaced whole: no stale single file
+    assert sorted(p.name for p in out.parent.iterdir()) == ["consolidated"] and not (ckpt / MODEL_WEIGHTS).exists()
+
+
 def _fails_cleanly(res, *needles):
     code = res.returncode if hasattr(res, "returncode") else res.exit_code
     assert code in (1, 2), res.stdout + res.stderr

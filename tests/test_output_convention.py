@@ -119,3 +119,56 @@ def test_a_write_that_fails_midway_leaves_no_temp_sibling_no_parents_it_made_and
             staging.mkdir()
             raise RuntimeError("killed")
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and (old / "keep.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- a checkpoint, its export and its evaluation
+
+
+@pytest.fixture(scope="module")
+def run_under_umask(tmp_path_factory):
+    """A 2-step single-process tiny run written under UMASK."""
+    root = tmp_path_factory.mktemp("umask")
+    run = root / "run"
+    trained = _with_umask(["train", f"--config_path={TINY}", f"--output_dir={run}", "--steps=2", "--save_freq=2",
+                           "--log_freq=1", "--validation.val_freq=0"], env={"HF_HOME": str(root / "hf_home")})
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return run
+
+
+def test_every_file_of_a_checkpoint_follows_the_umask(run_under_umask):
+    ckpt = run_under_umask / CHECKPOINTS / LAST
+    modes = _modes(ckpt.resolve())
+    assert MODEL_WEIGHTS in modes  # written by safetensors' save_file, which makes 0600 files
+    assert modes == {name: 0o666 & ~UMASK for name in modes}
+
+
+def test_export_makes_parents_follows_the_umask_refuses_a_used_target_and_replaces_it_with_force(run_under_umask, tmp_path):
+    out = tmp_path / "exported" / "nested" / "lerobot"
+    made = _with_umask(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "lerobot"])
+    assert made.returncode == 0, made.stderr
+    modes = _modes(out)
+    assert any(name.endswith("normalizer_processor.safetensors") for name in modes)  # LeRobot's, via save_file too
+    assert modes == {name: 0o666 & ~UMASK for name in modes}
+    assert sorted(p.name for p in out.parent.iterdir()) == ["lerobot"]  # no temp sibling left
+
+    weights = (out / MODEL_WEIGHTS).read_bytes()
+    _refused(run_cli(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi"]),
+             f"{out} already exists and is not empty: choose a new path, or pass --force to replace it.")
+    assert (out / MODEL_WEIGHTS).read_bytes() == weights and not list(out.glob("assets"))
+    forced = run_cli(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi", "--force"])
+    assert forced.returncode == 0, forced.stderr
+    assert list(out.glob("assets/*/norm_stats.json")) and not list(out.glob("*normalizer_processor.safetensors"))
+    assert sorted(p.name for p in out.parent.iterdir()) == ["lerobot"]
+
+
+def test_eval_output_makes_parents_refuses_a_used_target_and_replaces_it_with_force(run_under_umask, tmp_path):
+    out = tmp_path / "evals" / "nested" / "tiny"
+    args = ["eval", str(run_under_umask), "--episodes", "0", "--stride", "25", "--plot-episodes", "0", "--device", "cpu"]
+    made = run_cli([*args, "--output", str(out)])
+    assert made.returncode == 0, made.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json"]
+    _refused(run_cli([*args, "--output", str(out)]),
+             f"{out} already exists and is not empty: choose a new path, or pass --force to replace it.")
+    forced = run_cli([*args, "--output", str(out), "--force"])
+    assert forced.returncode == 0, forced.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
