@@ -43,6 +43,34 @@ def run_cli(args: list[str], *, cwd: Path | None = None, env: dict | None = None
     return subprocess.run([opentau_bin(script), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_cli_in_process(args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`opentau ARGS` in this process (Typer's CliRunner), for refusals, checks and tools that launch nothing: the same
+    command code without a new interpreter's start-up (seconds each on a busy machine). `env` is set for the call
+    only. Returns what run_cli does: returncode, stdout, stderr."""
+    from typer.testing import CliRunner
+
+    from opentau_cli.cli.main import app
+
+    env = {**(env or {})}
+    saved = {name: os.environ.get(name) for name in [*env, "OPENTAU_DEBUG"]}
+    os.environ.update(env)
+    os.environ.pop("OPENTAU_DEBUG", None)
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):  # shown as a process shows it
+        import traceback
+
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, stderr)
+
+
 @pytest.fixture
 def isolated_env(tmp_path, monkeypatch):
     """No user Accelerate default config and no OPENTAU_* variables leak into a test."""
@@ -98,3 +126,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# One uninterrupted 2-process DDP run of pi05_tiny on the demo data, launched once per session and shared by every
+# module that compares with such a run (train end to end, several machines): the same config, so the same losses.
+DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE = 6, 3
+DDP_REFERENCE_ARGS = ["--config_path", str(EXAMPLES / "pi05_tiny_config.json"), "--steps", str(DDP_REFERENCE_STEPS),
+                      "--save_freq", str(DDP_REFERENCE_SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "2",
+                      "--batch_size", "4", f"--accelerate-config={EXAMPLES / 'accelerate_cpu_ddp_config.yaml'}"]
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory) -> Path:
+    """The run directory of the shared DDP reference run (`DDP_REFERENCE_ARGS`: checkpoints at steps 3 and 6,
+    metrics.jsonl), with its own demo-data cache. Read only: copy it before resuming into it."""
+    home = tmp_path_factory.mktemp("ddp_reference")
+    run = home / "run"
+    env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache")}
+    result = run_cli(["train", *DDP_REFERENCE_ARGS, f"--output_dir={run}"], env=env)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-5000:]}"
+    return run
