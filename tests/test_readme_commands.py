@@ -1,0 +1,102 @@
+"""The README's commands work on a fresh clone as written.
+
+Every ```bash block of README.md runs, in README order, in one scratch directory that holds a copy of the repository's
+configs/ (the blocks' relative paths), with the installed CLI first on PATH, offline and without the user's
+Accelerate default config. A block that needs what CI does not have (a GPU, the network, a cluster) is marked just
+above it with `<!-- readme-test: skip: <why> -->`; the reason is required. Blocks are found when the test runs, so a
+block added to the README is tested (or must say why not) without touching this file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+README = REPO / "README.md"
+SKIP = re.compile(r"<!--\s*readme-test:\s*skip:?\s*(.*?)\s*-->")
+TIMEOUT_S = 900  # per block
+
+
+@dataclass
+class Block:
+    line: int  # of the opening fence, 1-based
+    code: str
+    skip: str | None  # the reason, when marked; "" when marked without one
+
+    def __str__(self) -> str:
+        first = next((ln for ln in self.code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
+        return f"README.md:{self.line} ({first.strip()[:70]})"
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """Every ```bash block with the skip marker, if any, on the last non-blank line above its fence."""
+    lines = text.splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```bash":
+            start = i
+            above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+            i += 1
+            body = []
+            while i < len(lines) and lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            marker = SKIP.search(above)
+            blocks.append(Block(start + 1, "\n".join(body) + "\n", marker.group(1) if marker else None))
+        i += 1
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text())
+
+
+def test_the_readme_has_command_blocks_and_each_skipped_one_says_why():
+    assert len(BLOCKS) >= 5
+    unexplained = [str(b) for b in BLOCKS if b.skip == ""]
+    assert unexplained == [], "a <!-- readme-test: skip: ... --> marker without a reason"
+    runnable = [b for b in BLOCKS if b.skip is None]
+    assert runnable, "no README block runs in CI"
+
+
+def test_the_quick_start_scripts_are_not_run_here():
+    """scripts/test.sh is what CI runs (it would run this test again); scripts/demo.sh sets up .venv first."""
+    for script in ("./scripts/test.sh", "./scripts/demo.sh"):
+        holding = [b for b in BLOCKS if script in b.code]
+        assert holding and all(b.skip for b in holding), f"{script}: its block must be marked skipped"
+
+
+def _scratch(tmp: Path) -> tuple[Path, dict[str, str]]:
+    """A fresh-clone-like working directory and the environment a user's shell would have after setup."""
+    cwd = tmp / "clone"
+    cwd.mkdir()
+    shutil.copytree(REPO / "configs", cwd / "configs")
+    shutil.copy2(REPO / "convert_checkpoint.sh", cwd / "convert_checkpoint.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTAU_") or k == "OPENTAU_CACHE_DIR"}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        HF_HOME=str(tmp / "hf_home"),  # no user Accelerate default config, no Hub cache
+        HF_HUB_OFFLINE="1",
+    )
+    env.pop("ACCELERATE_CONFIG_DIR", None)
+    return cwd, env
+
+
+@pytest.mark.skipif(not any(b.skip is None for b in BLOCKS), reason="no runnable README block")
+def test_every_readme_block_that_needs_no_gpu_or_network_runs_as_written(tmp_path):
+    cwd, env = _scratch(tmp_path)
+    for block in (b for b in BLOCKS if b.skip is None):
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=cwd, env=env, capture_output=True,
+                                text=True, timeout=TIMEOUT_S)
+        assert result.returncode == 0, (
+            f"{block} failed with exit code {result.returncode}\n--- block\n{block.code}--- stderr (end)\n"
+            f"{result.stderr[-4000:]}\n--- stdout (end)\n{result.stdout[-2000:]}"
+        )
