@@ -99,16 +99,21 @@ class HostStaging:
         return out
 
 
-def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dict) -> list[Write]:
+def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dict, extra: dict | None = None) -> list[Write]:
     """Copy this rank's part of `accelerator.save_state(save_dir, **save_kwargs)` into host memory; returns the writes
     that put it in save_dir. Runs on the main thread (under DeepSpeed it runs save_checkpoint's collectives); only
-    small files (DeepSpeed's RNG states, `latest` and scripts) are written right away."""
+    small files (DeepSpeed's RNG states, `latest` and scripts) are written right away. `extra`: safetensors files
+    this rank adds ({name: tensors}, e.g. its EMA), copied with the rest."""
     Path(save_dir).mkdir(parents=True, exist_ok=True)  # as save_state does
     staging.begin()
     try:
         if accelerator.state.deepspeed_plugin is not None:
-            return _deepspeed_snapshot(accelerator, Path(save_dir), staging, save_kwargs)
-        return _accelerate_snapshot(accelerator, Path(save_dir), staging)
+            writes = _deepspeed_snapshot(accelerator, Path(save_dir), staging, save_kwargs)
+        else:
+            writes = _accelerate_snapshot(accelerator, Path(save_dir), staging)
+        for name, tensors in (extra or {}).items():
+            writes.append(partial(_save_safetensors, staging.copy(tensors, (name,)), Path(save_dir) / name, staging.bounce))
+        return writes
     finally:
         staging.end()
 

@@ -24,8 +24,8 @@ import torch
 from opentau_cli.checkpoint import manifest as mf
 from opentau_cli.checkpoint.format import check_readable
 from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, DS_LATEST, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, ds_shard_glob,
-    weights_index_path, weights_shard_path,
+    CHECKPOINTS, DS_LATEST, EMA_STATE, TRAINING_STATE, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, ds_shard_glob,
+    ema_group_name, ema_rank_file, weights_index_path, weights_shard_path,
 )
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
@@ -139,17 +139,18 @@ def _optimizer_step(optim_sd: dict) -> float | None:
     return None
 
 
-def read_zero_checkpoint(ckpt_dir: Path, *, moments: bool = False) -> ZeroCheckpoint:
+def read_zero_checkpoint(ckpt_dir: Path, *, moments: bool = False, ema: bool = False) -> ZeroCheckpoint:
     """Open a DeepSpeed ZeRO checkpoint, check that its shards belong together, and plan every output tensor (with
-    `moments`, AdamW's moments too)."""
+    `moments`, AdamW's moments too). With `ema` the trainable parameters are the EMA's (ema_rank<r>.safetensors, the
+    ranks' EMAs of their fp32 master partitions, cut by the same plan); buffers and frozen parameters as saved."""
     tag_dir = find_tag_dir(ckpt_dir)
     try:
-        return _read_zero_checkpoint(tag_dir, moments)
+        return _read_zero_checkpoint(tag_dir, moments, Path(ckpt_dir) if ema else None)
     except ShardFormatError as e:  # a malformed value inside a readable shard (an unreadable zero_stage, a tensor past its record)
         raise UserError(f"{tag_dir}: {e}") from None
 
 
-def _read_zero_checkpoint(tag_dir: Path, moments: bool) -> ZeroCheckpoint:
+def _read_zero_checkpoint(tag_dir: Path, moments: bool, ema_dir: Path | None = None) -> ZeroCheckpoint:
     model_files = rank_shard_files(tag_dir, "model")
     optim_files = rank_shard_files(tag_dir, "optim")
     if not optim_files:
@@ -205,13 +206,14 @@ def _read_zero_checkpoint(tag_dir: Path, moments: bool) -> ZeroCheckpoint:
                         f"rank 0's at {steps[0]:g}.")
 
     ckpt = ZeroCheckpoint(tag_dir, stage, world, global_steps.get(0), optimizer_step=steps[0])
-    ckpt.entries = _plan(stage, world, models, optim, optim_files)
+    ema = _ema_partitions(ema_dir, world) if ema_dir is not None else None
+    ckpt.entries = _plan(stage, world, models, optim, optim_files, ema)
     if moments:
         ckpt.moments = _plan_moments(stage, world, models, optim, optim_files)
     return ckpt
 
 
-def _plan(stage, world, models, optim, optim_files) -> list[TensorEntry]:
+def _plan(stage, world, models, optim, optim_files, ema=None) -> list[TensorEntry]:
     m0 = models[0]
     entries: dict[str, TensorEntry] = {}
 
@@ -234,6 +236,11 @@ def _plan(stage, world, models, optim, optim_files) -> list[TensorEntry]:
 
     key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
     groups = [optim[r]["optimizer_state_dict"][key] for r in range(world)]
+    if ema is not None:  # the EMA's partitions have the master partitions' layout, value for value
+        for r in range(world):
+            if [t.numel() for t in ema[r]] != [t.numel() for t in groups[r]]:
+                raise UserError(f"{ema[r][0].path} does not fit the optimizer shard of rank {r}: another run's EMA.")
+        groups = ema
     if any(len(g) != len(groups[0]) for g in groups):
         raise UserError(f"{optim_files[world - 1]} is from another run: its number of parameter groups differs from rank 0's.")
     param_shapes = m0["param_shapes"]
@@ -272,6 +279,52 @@ def _plan_moments(stage, world, models, optim, optim_files) -> dict[str, dict[st
         else:
             _plan_zero3(entries, param_shapes, groups, world, optim_files)
         out[moment] = entries
+    return out
+
+
+class _SafetensorsFlat:
+    """A 1-D tensor in a safetensors file, read only when (and as far as) asked: the slice of a LazyTensor the plan
+    uses."""
+
+    def __init__(self, path: Path, name: str, numel: int, dtype: torch.dtype):
+        self.path, self.name, self._numel, self.dtype = path, name, numel, dtype
+
+    def numel(self) -> int:
+        return self._numel
+
+    def read_flat(self, start: int = 0, count: int | None = None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        count = self._numel - start if count is None else count
+        with safe_open(str(self.path), framework="pt") as f:
+            return f.get_slice(self.name)[start:start + count]
+
+    def read(self) -> torch.Tensor:
+        return self.read_flat()
+
+
+def _ema_partitions(ckpt_dir: Path, world: int) -> list[list[_SafetensorsFlat]]:
+    """Each rank's EMA partitions (group_0, group_1, ...) from its ema_rank<r>.safetensors, unread."""
+    from safetensors import SafetensorError, safe_open
+
+    out = []
+    for r in range(world):
+        path = ckpt_dir / ema_rank_file(r)
+        if not path.is_file():
+            raise UserError(f"{ckpt_dir} holds no EMA of rank {r} ({path.name}): it was saved without ema.decay; "
+                            "pass --weights live.")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = set(f.keys())
+                parts = []
+                for g in range(len(names)):
+                    piece = f.get_slice(ema_group_name(g)) if ema_group_name(g) in names else None
+                    if piece is None or piece.get_dtype() != "F32" or len(piece.get_shape()) != 1:
+                        raise UserError(f"{path} is not an opentau EMA file (no 1-D fp32 {ema_group_name(g)}).")
+                    parts.append(_SafetensorsFlat(path, ema_group_name(g), piece.get_shape()[0], torch.float32))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{path}: not a readable safetensors file ({e}).") from None
+        out.append(parts)
     return out
 
 
@@ -402,6 +455,37 @@ def _split_shards(entries: list[TensorEntry], max_bytes: int) -> list[list[Tenso
     return shards
 
 
+WEIGHTS = ("ema", "live")
+
+
+def wants_ema(ckpt_dir: Path, weights: str | None) -> bool:
+    """Whether `--weights` (ema | live; None: the EMA when the checkpoint holds one) asks for the EMA weights."""
+    if weights is not None and weights not in WEIGHTS:
+        raise UserError(f"--weights must be ema or live, not '{weights}'.")
+    try:
+        has_ema = bool(json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text()).get(EMA_STATE))
+    except (OSError, ValueError, AttributeError):
+        has_ema = False
+    if weights == "ema" and not has_ema:
+        raise UserError(f"{ckpt_dir} holds no EMA weights (it was trained without ema.decay): pass --weights live.")
+    return has_ema if weights is None else weights == "ema"
+
+
+def weights_kind(single: Path) -> str:
+    """Which weights (ema | live) an existing consolidated output holds; one written before the EMA: live."""
+    from safetensors import safe_open
+
+    first = single
+    if not single.is_file():
+        weight_map = json.loads(weights_index_path(single).read_text()).get("weight_map", {})
+        first = single.with_name(sorted(weight_map.values())[0]) if weight_map else single
+    try:
+        with safe_open(str(first), framework="pt") as f:
+            return (f.metadata() or {}).get("weights", "live")
+    except Exception:
+        return "live"
+
+
 def output_paths(ckpt_dir: Path, output: Path | None) -> Path:
     """The single-file output path: CKPT_DIR/model.safetensors, --output FILE.safetensors, or --output DIR/model.safetensors."""
     if output is None:
@@ -415,8 +499,9 @@ def is_consolidated(single: Path) -> bool:
 
 
 def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5GB", output: Path | None = None,
-                force: bool = False, progress=None) -> ConsolidateResult:
-    """Write the consolidated weights of a DeepSpeed checkpoint as safetensors. Raises UserError / RunError."""
+                force: bool = False, progress=None, weights: str | None = None) -> ConsolidateResult:
+    """Write the consolidated weights of a DeepSpeed checkpoint as safetensors: its EMA weights when it holds them
+    (`weights` None or "ema"), else (or with "live") the live fp32 master weights. Raises UserError / RunError."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
     max_bytes = parse_size(max_shard_size, "--max-shard-size")
@@ -424,11 +509,15 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     single = output_paths(ckpt_dir, output)
     find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
     check_readable(ckpt_dir)
+    kind = "ema" if wants_ema(ckpt_dir, weights) else "live"
     if output is not None:  # the output convention (opentau_cli/outputs.py): a non-empty target needs --force
         check_target(Path(output), force=force)
         check_target(weights_index_path(single), force=force)
     elif is_consolidated(single) and not force:  # its own place in the checkpoint: done already, nothing to refuse
         existing = single if single.is_file() else weights_index_path(single)
+        if weights_kind(single) != kind:
+            raise UserError(f"{existing} holds the {weights_kind(single)} weights, not the {kind} ones: pass --force to "
+                            f"replace it, or --output to write the {kind} weights elsewhere.")
         return ConsolidateResult([existing], 0, existing.stat().st_size, already=True)
 
     # A checkpoint with a manifest must still match it (cheap size check: catches truncated or missing shards).
@@ -437,13 +526,13 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
         if problems:
             raise UserError(f"{ckpt_dir} does not match its manifest: " + "; ".join(map(str, problems[:5])))
 
-    ckpt = read_zero_checkpoint(ckpt_dir)
+    ckpt = read_zero_checkpoint(ckpt_dir, ema=kind == "ema")
     entries = [_cast(e, DTYPES[dtype]) for e in ckpt.entries]
     total = sum(e.nbytes for e in entries)
     _check_writable(ckpt_dir if output is None else writable_parent(Path(output)), total)
 
     metadata = {"format": "pt", "producer": "opentau checkpoint consolidate", "zero_stage": str(ckpt.zero_stage),
-                "world_size": str(ckpt.world_size), "step": str(ckpt.step)}
+                "world_size": str(ckpt.world_size), "step": str(ckpt.step), "weights": kind}
     shards = _split_shards(entries, max_bytes)
     if output is None or single == Path(output):
         # Its own place in the checkpoint, or a FILE.safetensors target: each file written to a hidden sibling and

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+from opentau_cli.checkpoint.consolidate import weights_kind, read_zero_checkpoint, wants_ema
 from opentau_cli.checkpoint.format import check_readable
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
+from opentau_cli.checkpoint.layout import DS_TAG, EMA_WEIGHTS, MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import ShardFormatError
 from opentau_cli.config.model import MixtureMember, PolicyConfig, TrainConfig
@@ -86,9 +86,11 @@ def _read_tensor(file: Path, key: str) -> torch.Tensor:
         return handle.get_tensor(key)
 
 
-def open_saved_policy(target: Path) -> SavedPolicy:
+def open_saved_policy(target: Path, weights: str | None = None) -> SavedPolicy:
     """A run directory (its newest complete checkpoint) or a checkpoint directory: its train_config.json, and its
-    weights from model.safetensors (or shards + index), else gathered from its DeepSpeed ZeRO shards."""
+    weights from model.safetensors (or shards + index), else gathered from its DeepSpeed ZeRO shards. `weights`:
+    ema | live | None (the EMA when the checkpoint holds one): a single / DDP checkpoint's ema.safetensors replaces
+    the trained tensors; a DeepSpeed one's EMA partitions are cut by the consolidator's plan."""
     from opentau_cli.checkpoint.manager import find_checkpoint
     from opentau_cli.config.load import load_config
 
@@ -97,7 +99,12 @@ def open_saved_policy(target: Path) -> SavedPolicy:
     if not (ckpt / TRAIN_CONFIG).is_file():
         raise UserError(f"{ckpt} has no {TRAIN_CONFIG}: not a checkpoint written by `opentau train`.")
     config = load_config(ckpt / TRAIN_CONFIG, {})
-    if (ckpt / MODEL_WEIGHTS).is_file():
+    ema = wants_ema(ckpt, weights)
+    deepspeed = (ckpt / DS_TAG).is_dir()
+    consolidated = (ckpt / MODEL_WEIGHTS).is_file() or (ckpt / WEIGHTS_INDEX).is_file()
+    if deepspeed and (not consolidated or weights_kind(ckpt / MODEL_WEIGHTS) != ("ema" if ema else "live")):
+        entries = {e.name: e for e in read_zero_checkpoint(ckpt, ema=ema).entries}
+    elif (ckpt / MODEL_WEIGHTS).is_file():
         entries = _safetensors_entries([ckpt / MODEL_WEIGHTS])
     elif (ckpt / WEIGHTS_INDEX).is_file():
         from opentau_cli.policies.pretrained import weight_files
@@ -105,6 +112,12 @@ def open_saved_policy(target: Path) -> SavedPolicy:
         entries = _safetensors_entries(weight_files(ckpt))
     else:
         entries = {e.name: e for e in read_zero_checkpoint(ckpt).entries}
+    if ema and not deepspeed:  # the trained tensors' EMA, by the same names
+        averaged = _safetensors_entries([ckpt / EMA_WEIGHTS])
+        unknown = sorted(set(averaged) - set(entries))
+        if unknown:
+            raise UserError(f"{ckpt / EMA_WEIGHTS} holds tensors the weights do not ({unknown[:3]}): not this checkpoint's EMA.")
+        entries.update(averaged)
     return SavedPolicy(ckpt, config, entries)
 
 
@@ -243,7 +256,7 @@ OPENPI_EXPERT_LM_HEAD = "paligemma_with_expert.gemma_expert.lm_head.weight"
 
 
 def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "fp32", dataset: str | None = None,
-           progress=None, force: bool = False) -> ExportResult:
+           progress=None, force: bool = False, weights: str | None = None) -> ExportResult:
     """Write the policy of a run / checkpoint directory as a plain model in `layout`, serving `dataset` (a name of the
     run's datasets; default: the first) with that dataset's statistics. Raises UserError / RunError."""
     if layout not in EXPORT_LAYOUTS:
@@ -253,7 +266,7 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     output = Path(output)
     check_target(output, force=force)  # the output convention: opentau_cli/outputs.py
     where = writable_parent(output)
-    saved = open_saved_policy(target)
+    saved = open_saved_policy(target, weights)
     member = select_member(saved.config, dataset)
     if saved.config.policy.lora.enabled:
         saved.entries = _merged_lora(saved)

@@ -32,6 +32,10 @@ RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.runloc
 TRAIN_CONFIG = "train_config.json"
 TRAINING_STATE = "training_state.json"
 MANIFEST = "manifest.json"
+# The EMA of the trained weights (train/ema.py): single / DDP, rank 0's by parameter name; DeepSpeed, each rank's of
+# its own fp32 master partitions.
+EMA_WEIGHTS = "ema.safetensors"
+EMA_STATE = "ema"  # training_state.json's record of the EMA ({"decay": d}); absent when the run kept none
 
 # What Accelerate's save_state writes (accelerate.utils.constants; tests check them against it).
 MODEL_WEIGHTS = "model.safetensors"
@@ -55,6 +59,16 @@ _DELETING = ".old-"
 def rank_state_file(rank: int) -> str:
     """Accelerate's per-rank RNG state file (RNG_STATE_NAME)."""
     return f"random_states_{rank}.pkl"
+
+
+def ema_rank_file(rank: int) -> str:
+    """A DeepSpeed rank's EMA of its fp32 master partitions."""
+    return f"ema_rank{rank}.safetensors"
+
+
+def ema_group_name(group: int) -> str:
+    """The tensor in ema_rank<r>.safetensors that holds the EMA of parameter group `group`'s flat partition."""
+    return f"group_{group}"
 
 
 def ds_shard_glob(kind: str, rank: int | None = None) -> str:

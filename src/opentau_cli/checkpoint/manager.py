@@ -215,14 +215,18 @@ class CheckpointManager:
 
     `accelerator` needs save_state / load_state / wait_for_everyone / is_main_process / reduce. `save_kwargs` /
     `load_kwargs` go to save_state / load_state (a LoRA run's: write and read only what trains, policies/lora.py).
+    `extra_files` gives the safetensors files this rank adds to each save beside save_state's ({name: tensors}; the
+    EMA, train/ema.py).
     With `async_save`, `save` returns once the state is copied to host memory; every rank then calls `poll` after
     each step and `wait` before leaving. `report` receives "Saved checkpoint ..." when one is published.
     """
 
     def __init__(self, accelerator, run_dir: Path, *, total_steps: int, run_id: str, keep_last: int | None = None,
                  protect: Path | None = None, parent: Path | None = None, save_kwargs: dict | None = None, load_kwargs: dict | None = None,
-                 async_save: bool = False, report: Callable[[str], None] | None = None):
+                 async_save: bool = False, report: Callable[[str], None] | None = None,
+                 extra_files: Callable[[], dict] | None = None, best: "BestCheckpoints | None" = None):
         self.accelerator = accelerator
+        self.extra_files = extra_files or dict
         self.save_kwargs, self.load_kwargs = dict(save_kwargs or {}), dict(load_kwargs or {})
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS
@@ -331,7 +335,7 @@ class CheckpointManager:
                 self.root.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)
             acc.wait_for_everyone()
-            writes.extend(snapshot(acc, tmp, self._staging, self.save_kwargs))
+            writes.extend(snapshot(acc, tmp, self._staging, self.save_kwargs, extra=self.extra_files()))
 
         error = self._all_ranks(copy_state)
         if error:
@@ -388,12 +392,16 @@ class CheckpointManager:
         return message
 
     def _write(self, tmp: Path, config: dict, state: dict, final: Path) -> None:
+        from safetensors.torch import save_file
+
         acc = self.accelerator
         if acc.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True, **self.save_kwargs)
+        for name, tensors in self.extra_files().items():
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         fault_point("state_saved", tmp)
         if acc.is_main_process:
             self._write_records(tmp, config, state, final)

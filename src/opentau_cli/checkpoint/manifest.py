@@ -21,7 +21,9 @@ import xxhash
 
 from opentau_cli.checkpoint.faults import fault_point
 from opentau_cli.checkpoint.format import FIELD as FORMAT_FIELD, FORMAT_VERSION
-from opentau_cli.checkpoint.layout import DS_SHARD_RE, DS_TAG, MANIFEST, TRAINING_STATE, rank_state_file
+from opentau_cli.checkpoint.layout import (
+    DS_SHARD_RE, DS_TAG, EMA_STATE, EMA_WEIGHTS, MANIFEST, TRAINING_STATE, ema_rank_file, rank_state_file,
+)
 from opentau_cli.outputs import file_mode, follow_umask
 
 HASH_NAME = "xxh3_128"
@@ -45,8 +47,9 @@ class MissingRankState(Exception):
     """A save lacks some rank's own files: it must not be published."""
 
 
-def _rank_layout(ckpt_dir: Path) -> tuple[int, int | None] | None:
-    """(world size, ZeRO stage or None) from the checkpoint's training_state.json; None when it does not say."""
+def _rank_layout(ckpt_dir: Path) -> tuple[int, int | None, bool] | None:
+    """(world size, ZeRO stage or None, whether it holds an EMA) from the checkpoint's training_state.json; None when
+    it does not say."""
     try:
         state = json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
     except (OSError, ValueError):
@@ -54,15 +57,19 @@ def _rank_layout(ckpt_dir: Path) -> tuple[int, int | None] | None:
     world = state.get("world_size") if isinstance(state, dict) else None
     if not isinstance(world, int) or world < 1:
         return None
-    return world, (state.get("zero_stage") if state.get("backend") == "deepspeed" else None)
+    return world, (state.get("zero_stage") if state.get("backend") == "deepspeed" else None), bool(state.get(EMA_STATE))
 
 
-def rank_files(files, world_size: int, zero_stage: int | None) -> tuple[dict[str, list[str]], list[tuple[int, str]]]:
+def rank_files(files, world_size: int, zero_stage: int | None, ema: bool = False
+               ) -> tuple[dict[str, list[str]], list[tuple[int, str]]]:
     """Each rank's own files among `files` (relative posix paths), and (rank, what) for each one a rank lacks: every
-    rank writes its RNG state; under DeepSpeed ZeRO-1/2/3 its optimizer shard, under ZeRO-3 its parameter shard too."""
+    rank writes its RNG state; under DeepSpeed ZeRO-1/2/3 its optimizer shard, under ZeRO-3 its parameter shard too.
+    With an EMA (train/ema.py) every DeepSpeed rank writes its own, and single / DDP rank 0 the whole one."""
     found: dict[str, list[str]] = {str(r): [] for r in range(world_size)}
     kinds: dict[int, set[str]] = {r: set() for r in range(world_size)}
     states = {rank_state_file(r): r for r in range(world_size)}
+    emas = ({ema_rank_file(r): r for r in range(world_size)} if zero_stage else {EMA_WEIGHTS: 0}) if ema else {}
+    states.update(emas)
     for rel in sorted(files):
         name = rel.rsplit("/", 1)[-1]
         shard = DS_SHARD_RE.search(name) if rel.startswith(f"{DS_TAG}/") else None
@@ -77,6 +84,7 @@ def rank_files(files, world_size: int, zero_stage: int | None) -> tuple[dict[str
     needed = ["DeepSpeed optim shard"] if zero_stage else []
     needed += ["DeepSpeed model shard"] if zero_stage == 3 else []
     missing = [(r, what) for r in range(world_size) for what in [rank_state_file(r), *needed] if what not in kinds[r]]
+    missing += [(r, name) for name, r in emas.items() if name not in kinds[r]]
     return found, missing
 
 

@@ -24,6 +24,10 @@ def human(n: int | None) -> str:
     return str(n)
 
 
+WeightsOpt = typer.Option(None, "--weights", help="ema or live: the EMA of the weights (ema.decay) or the weights as "
+                                                   "trained; default: the EMA when the checkpoint holds one.")
+
+
 @app.command("consolidate")
 @handle_errors
 def consolidate_cmd(
@@ -34,6 +38,7 @@ def consolidate_cmd(
                                                                       "CHECKPOINT_DIR/model.safetensors); missing parents are made."),
     force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated; with --output, "
                                                       "replace a non-empty target."),
+    weights: Optional[str] = WeightsOpt,
 ) -> None:
     """Turn DeepSpeed ZeRO-2/3 shards of any number of ranks into model.safetensors, streaming.
 
@@ -55,7 +60,7 @@ def consolidate_cmd(
                   console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task("write", total=None, mb=0.0)
         result = consolidate(checkpoint_dir, dtype=dtype, max_shard_size=max_shard_size, output=output, force=force,
-                             progress=lambda e: bar.update(task, mb=bar.tasks[0].fields["mb"] + e.nbytes / 1e6))
+                             weights=weights, progress=lambda e: bar.update(task, mb=bar.tasks[0].fields["mb"] + e.nbytes / 1e6))
     if result.already:
         typer.echo(f"{checkpoint_dir} is already consolidated ({result.files[0]}); nothing to do (use --force to redo it).")
         return
@@ -73,6 +78,7 @@ def export_cmd(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run whose robot the model serves, "
                                                                  "by its name (default: the first): its statistics and widths."),
     force: ForceOpt = False,
+    weights: Optional[str] = WeightsOpt,
 ) -> None:
     """Write a checkpoint's policy as a plain model in a published layout, with its normalization statistics in
     that layout's place and a config.json in its convention (DeepSpeed shards are gathered, streaming).
@@ -87,7 +93,7 @@ def export_cmd(
     """
     from opentau_cli.checkpoint.export import export
 
-    result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset, force=force)
+    result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset, force=force, weights=weights)
     typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
                f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
 

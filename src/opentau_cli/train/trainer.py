@@ -15,6 +15,7 @@ import torch
 
 from opentau_cli.checkpoint.reshard import topologies, topology_entry, with_topology
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.train.ema import EMA_KEY, WeightEMA, build_ema, ema_record, resume_ema
 from opentau_cli.train.timing import NO_TIMER, StepTimer
 
 
@@ -168,6 +169,7 @@ class Trainer:
     # started at.
     topologies: list = field(default_factory=list)
     launch_step: int = 0
+    ema: WeightEMA | None = None  # the EMA of the trained weights (ema.decay; train/ema.py)
 
     @property
     def global_batch(self) -> int:
@@ -214,6 +216,8 @@ class Trainer:
                 if acc.sync_gradients:
                     with timer.phase("optimizer"):
                         self.clip_and_step()
+                        if self.ema is not None:
+                            self.ema.update()
                     with timer.phase("zero_grad_sched"):
                         self.scheduler.step()
                         self.optimizer.zero_grad(set_to_none=True)
@@ -333,7 +337,12 @@ class Trainer:
             "topologies": with_topology(self.topologies, topology_entry(self.launch_step, self.setup, self.cfg)),
             "versions": versions,
             **({BASE_KEY: self.lora_base} if self.lora_base is not None else {}),
+            **({EMA_KEY: ema_record(self.ema)} if self.ema is not None else {}),
         }
+
+    def checkpoint_files(self) -> dict:
+        """The files this rank adds to a checkpoint beside Accelerate's save_state: its EMA's (train/ema.py)."""
+        return self.ema.files() if self.ema is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = self.launch_step = int(state["step"])
@@ -352,6 +361,7 @@ class Trainer:
         else:
             state = checkpoints.load(ckpt_dir)
         self.load_state_dict(state)
+        self.ema = resume_ema(self.ema, state, ckpt_dir, self.accelerator, self.model, resharded=is_reshard(state, self.setup))
 
 
 def min_over_ranks(accelerator, value: int) -> int:
@@ -435,4 +445,4 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
     return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, data=data,
-                   **lora)
+                   ema=build_ema(cfg, accelerator, model), **lora)

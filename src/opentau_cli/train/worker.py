@@ -58,7 +58,8 @@ def fit(cfg, setup, launch: dict, console) -> int:
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
                              keep_last=cfg.checkpoint.keep_last, protect=resume_from, parent=resume_from,
                              save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs,
-                             async_save=cfg.checkpoint.async_save,
+                             async_save=cfg.checkpoint.async_save, extra_files=trainer.checkpoint_files,
+                             best=BestCheckpoints(cfg.checkpoint.keep_best, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode),
                              report=lambda text: progress.message(text))  # progress exists before the first save
     if resume_from is not None:
         trainer.restore(ckpt, resume_from)

@@ -1,0 +1,168 @@
+"""An exponential moving average of the trained weights (`ema.decay`, openpi's recipe; docs/ARCHITECTURE.md, "EMA
+weights"): after each optimizer step ema = decay * ema + (1 - decay) * w, in fp32, starting from the weights the run
+starts with (after any pretrained load and `accelerator.prepare`).
+
+Single process / DDP: every rank keeps the EMA of every trainable parameter (the same on every rank, as the weights
+are) and rank 0 writes it, by parameter name, as `ema.safetensors`. DeepSpeed ZeRO-1/2/3: each rank keeps the EMA of
+its own flat fp32 master partitions (one per parameter group, what the wrapped AdamW steps), so no rank holds a full
+copy, and writes them as `ema_rank<r>.safetensors` (`group_<g>`) laid out exactly as DeepSpeed saves those
+partitions in its optimizer shards (ZeRO-1/2 without the alignment padding): the consolidator cuts them by the plan
+it cuts the master weights by (checkpoint/consolidate.py). With LoRA the trainable tensors are the adapters and the
+fully trained modules, so those are what is averaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opentau_cli.checkpoint.layout import EMA_STATE, EMA_WEIGHTS, ema_group_name, ema_rank_file
+from opentau_cli.errors import RunError
+
+CHUNK = 1 << 24  # values updated at a time: the temporary (1 - decay) * w stays small beside a large partition
+
+
+def ema_update_(ema: torch.Tensor, weights: torch.Tensor, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * weights, in place, rounded as that expression is in fp32 (two products,
+    then their sum), chunk by chunk."""
+    take = 1.0 - decay
+    for e, w in zip(ema.view(-1).split(CHUNK), weights.detach().reshape(-1).split(CHUNK)):
+        e.mul_(decay).add_(w.float().mul(take))
+
+
+@dataclass
+class WeightEMA:
+    """This rank's EMA: `live` are the tensors averaged (parameters, or ZeRO's flat fp32 partitions), `shadow` their
+    fp32 averages, `lengths` how many values of each a checkpoint holds, `file` what this rank writes (None: a DDP
+    rank other than 0 writes nothing)."""
+
+    decay: float
+    names: list[str]
+    live: list[torch.Tensor]
+    shadow: list[torch.Tensor]
+    lengths: list[int]
+    file: str | None
+    zero_stage: int | None = None
+    _zero_opt: object = None
+
+    @classmethod
+    def build(cls, decay: float, accelerator, model) -> "WeightEMA":
+        """The EMA of what `model` (prepared) trains now, on every rank."""
+        from opentau_cli.checkpoint.reshard import _flat_partitions, _zero
+
+        zero_opt, stage = _zero(accelerator)
+        if zero_opt is None:
+            module = accelerator.unwrap_model(model)
+            named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+            live = [p for _, p in named]
+            return cls(decay, [name for name, _ in named], live, [_fp32_copy(p) for p in live], [p.numel() for p in live],
+                       EMA_WEIGHTS if accelerator.is_main_process else None)
+        live = list(_flat_partitions(zero_opt, stage))
+        # ZeRO-1/2 pad each group's partition for alignment and save it without the padding (its state_dict).
+        padding = list(zero_opt.groups_padding) if stage < 3 else [0] * len(live)
+        return cls(decay, [ema_group_name(g) for g in range(len(live))], live, [_fp32_copy(t) for t in live],
+                   [t.numel() - pad for t, pad in zip(live, padding)], ema_rank_file(accelerator.process_index),
+                   zero_stage=stage, _zero_opt=zero_opt)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One EMA step from the weights as they are now (call it after each optimizer step)."""
+        for ema, w in zip(self.shadow, self.live):
+            ema_update_(ema, w, self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of this rank's EMA, by name (views, not copies)."""
+        return {name: ema.view(-1)[:n] if self.zero_stage is not None else ema
+                for name, ema, n in zip(self.names, self.shadow, self.lengths)}
+
+    @torch.no_grad()
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], source: str = "the checkpoint") -> None:
+        mine = self.state_dict()
+        if set(tensors) != set(mine):
+            missing, extra = sorted(set(mine) - set(tensors)), sorted(set(tensors) - set(mine))
+            raise RunError(f"{source} does not hold this run's EMA (missing {missing[:3]}, unexpected {extra[:3]}).")
+        for name, dest in mine.items():
+            if tuple(tensors[name].shape) != tuple(dest.shape):
+                raise RunError(f"{source}: the EMA tensor '{name}' has shape {tuple(tensors[name].shape)}, this run's "
+                               f"{tuple(dest.shape)}.")
+            dest.copy_(tensors[name])
+
+    def files(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The checkpoint file this rank writes and its tensors ({} on a DDP rank other than 0)."""
+        return {self.file: self.state_dict()} if self.file else {}
+
+    def load(self, ckpt_dir: Path) -> None:
+        """Continue the EMA a checkpoint of the same topology holds (its manifest was checked by the resume plan)."""
+        from safetensors.torch import load_file
+
+        path = Path(ckpt_dir) / (self.file or EMA_WEIGHTS)
+        if not path.is_file():
+            raise RunError(f"{path} is missing: the checkpoint holds no EMA for this rank.")
+        self.load_state_dict(load_file(str(path)), str(path))
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swap_in(self):
+        """The model computes with the EMA weights inside the block (every rank enters it: a collective under
+        ZeRO-1/2); the live weights come back exactly afterwards. Holds one copy of this rank's live tensors."""
+        saved = [t.detach().clone() for t in self.live]
+        try:
+            for t, ema in zip(self.live, self.shadow):
+                t.copy_(ema)
+            self._to_model()
+            yield
+        finally:
+            for t, keep in zip(self.live, saved):
+                t.copy_(keep)
+            self._to_model()
+
+    def _to_model(self) -> None:
+        """Under ZeRO the model computes with its own (bf16) copy of the fp32 partitions: refresh it from them."""
+        if self.zero_stage is None:
+            return
+        if self.zero_stage < 3:
+            self._zero_opt.update_lp_params()
+        else:
+            for g in range(len(self.live)):
+                self._zero_opt._reassign_or_swap_out_partitioned_parameters(g)
+
+
+def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32, copy=True).contiguous()
+
+
+def build_ema(cfg, accelerator, model) -> WeightEMA | None:
+    """The run's EMA when `ema.decay` is set, else None."""
+    return WeightEMA.build(cfg.ema.decay, accelerator, model) if cfg.ema.enabled else None
+
+
+EMA_KEY = EMA_STATE
+
+
+def ema_record(ema: WeightEMA) -> dict:
+    return {"decay": ema.decay}
+
+
+def resume_ema(ema: WeightEMA | None, state: dict, ckpt_dir: Path, accelerator, model, *, resharded: bool = False
+               ) -> WeightEMA | None:
+    """The EMA a resumed launch continues: the checkpoint's (same topology), or, when the checkpoint holds none, a
+    new one from the restored weights; each case that is not a plain continuation is said in the rank-0 log."""
+    saved = state.get(EMA_KEY)
+    say = (lambda text: print(text, flush=True)) if accelerator.is_main_process else (lambda text: None)
+    if ema is None:
+        if saved:
+            say(f"The checkpoint's EMA (decay {saved.get('decay')}) is not continued: ema.decay is 0 in this launch.")
+        return None
+    if not saved:
+        say(f"The checkpoint holds no EMA: the EMA starts at step {state.get('step')} from its weights.")
+        return WeightEMA.build(ema.decay, accelerator, model)
+    if resharded:
+        from opentau_cli.errors import UserError
+
+        raise UserError(f"Checkpoint '{ckpt_dir}' holds an EMA of its weights, which an elastic resume (--reshard=true) "
+                        "does not carry over yet: resume it on the topology that saved it.")
+    ema.load(ckpt_dir)
+    return ema

@@ -1,0 +1,126 @@
+"""The EMA of the weights (train/ema.py) in process: openpi's update, what it averages, its checkpoint files and
+their place in the manifest's per-rank expectations. Real 2-process launches: tests/test_ema_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opentau_cli.checkpoint.layout import EMA_WEIGHTS, ema_rank_file, rank_state_file
+from opentau_cli.checkpoint.manifest import rank_files
+from opentau_cli.train import ema as ema_module
+from opentau_cli.train.ema import WeightEMA, ema_update_
+
+
+def openpi_ema(ema: torch.Tensor, w: torch.Tensor, decay: float) -> torch.Tensor:
+    return decay * ema + (1 - decay) * w  # openpi's expression, in fp32
+
+
+def test_the_update_is_openpi_s_expression_bit_for_bit_also_across_chunks(monkeypatch):
+    monkeypatch.setattr(ema_module, "CHUNK", 7)  # a tensor of 50 values goes in 8 chunks, the last one short
+    gen = torch.Generator().manual_seed(0)
+    ema, w = torch.randn(5, 10, generator=gen), torch.randn(5, 10, generator=gen)
+    for decay in (0.9, 0.99, 0.999):
+        want = openpi_ema(ema, w, decay)
+        got = ema.clone()
+        ema_update_(got, w, decay)
+        assert torch.equal(got, want)
+
+
+def test_a_bf16_weight_is_averaged_in_fp32():
+    ema, w = torch.full((4,), 1.0), torch.full((4,), 3.0, dtype=torch.bfloat16)
+    ema_update_(ema, w, 0.75)
+    assert ema.dtype == torch.float32 and torch.equal(ema, torch.full((4,), 1.5))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trained = torch.nn.Linear(3, 2)
+        self.frozen = torch.nn.Linear(2, 1)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.frozen(self.trained(x))
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=True)
+
+
+def test_single_process_ema_averages_every_trainable_parameter_after_each_step(accelerator):
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ema = WeightEMA.build(0.9, accelerator, model)
+    assert ema.names == ["trained.weight", "trained.bias"] and ema.file == EMA_WEIGHTS
+    want = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    for _ in range(3):
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema.update()
+        want = {n: openpi_ema(want[n], p.detach(), 0.9) for n, p in model.named_parameters() if p.requires_grad}
+    files = ema.files()
+    assert list(files) == [EMA_WEIGHTS]
+    for name, tensor in files[EMA_WEIGHTS].items():
+        assert torch.equal(tensor, want[name])
+    assert not torch.equal(want["trained.weight"], model.trained.weight)
+
+
+def test_swap_in_computes_with_the_ema_and_gives_the_live_weights_back_exactly(accelerator):
+    torch.manual_seed(1)
+    model = Tiny()
+    ema = WeightEMA.build(0.5, accelerator, accelerator.prepare(model))
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.trained.weight.add_(1.0)  # the live weights move on; the EMA stays where it was built
+    moved = model.trained.weight.detach().clone()
+    x = torch.randn(2, 3)
+    with ema.swap_in():
+        assert torch.equal(model.trained.weight, live["trained.weight"])
+        with torch.no_grad():
+            out = model(x)
+    assert torch.equal(model.trained.weight, moved)
+    assert torch.equal(out, torch.nn.functional.linear(torch.nn.functional.linear(x, live["trained.weight"], live["trained.bias"]),
+                                                      live["frozen.weight"], live["frozen.bias"]))
+
+
+def test_loading_an_ema_of_another_model_names_what_differs(accelerator):
+    from opentau_cli.errors import RunError
+
+    ema = WeightEMA.build(0.9, accelerator, accelerator.prepare(Tiny()))
+    state = {n: t.clone() + 1 for n, t in ema.state_dict().items()}
+    ema.load_state_dict(state)
+    assert all(torch.equal(ema.state_dict()[n], state[n]) for n in state)
+    with pytest.raises(RunError, match="missing"):
+        ema.load_state_dict({"trained.weight": state["trained.weight"]})
+    with pytest.raises(RunError, match="shape"):
+        ema.load_state_dict({**state, "trained.bias": torch.zeros(3)})
+
+
+def test_the_manifest_expects_each_deepspeed_rank_s_ema_and_rank_0_s_under_ddp():
+    ddp = [rank_state_file(0), rank_state_file(1)]
+    assert rank_files(ddp, 2, None)[1] == []  # no EMA asked: none expected
+    found, missing = rank_files(ddp + [EMA_WEIGHTS], 2, None, ema=True)
+    assert missing == [] and EMA_WEIGHTS in found["0"]
+    assert rank_files(ddp, 2, None, ema=True)[1] == [(0, EMA_WEIGHTS)]
+    shards = [f"pytorch_model/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    found, missing = rank_files(ddp + shards + [ema_rank_file(0)], 2, 2, ema=True)
+    assert missing == [(1, ema_rank_file(1))] and ema_rank_file(0) in found["0"]
+
+
+def test_ema_decay_is_off_by_default_and_below_1():
+    from pydantic import ValidationError
+
+    from opentau_cli.config import TrainConfig
+
+    assert not TrainConfig().ema.enabled
+    assert TrainConfig(ema={"decay": 0.99}).ema.enabled
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValidationError):
+            TrainConfig(ema={"decay": bad})

@@ -1,0 +1,154 @@
+"""The EMA of the weights (`ema.decay`) in real 2-process launches (pi05_tiny, 4 steps, a save every 2).
+
+A test hook (tests/ema_hook) records the live trainable weights before the first step and after each step
+(DeepSpeed's own gather of its fp32 master weights under ZeRO-3); the test computes openpi's EMA from them and
+compares it, exactly, with the EMA the checkpoints hold: DDP's ema.safetensors, and ZeRO-3's per-rank partitions
+consolidated by `opentau checkpoint consolidate --weights ema`. The DDP run is then resumed from its middle
+checkpoint: losses and EMA tensors equal the uninterrupted run's bit for bit (ZeRO-2, ZeRO-3 and a single process
+are resumed in tests/test_train_e2e.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EXAMPLES, run_cli, run_cli_in_process
+from opentau_cli.checkpoint.layout import CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, ema_rank_file
+
+pytestmark = pytest.mark.e2e
+
+TINY = str(EXAMPLES / "pi05_tiny_config.json")
+YAML = {"ddp": str(EXAMPLES / "accelerate_cpu_ddp_config.yaml"),
+        "zero3": str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")}
+HOOK = Path(__file__).parent / "ema_hook"
+DECAY = 0.9  # far from 1, so that every step's weights weigh in visibly
+STEPS, SAVE = 4, 2
+
+
+def ok(result) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+
+
+def reference_ema(recorded: Path, upto: int) -> dict[str, torch.Tensor]:
+    """openpi's EMA, computed here from the recorded weights: start from the weights before step 1, then
+    ema = decay * ema + (1 - decay) * w after each step."""
+    ema = load_file(str(recorded / "step_0.safetensors"))
+    for step in range(1, upto + 1):
+        weights = load_file(str(recorded / f"step_{step}.safetensors"))
+        ema = {name: DECAY * ema[name] + (1 - DECAY) * weights[name] for name in ema}
+    return ema
+
+
+class EmaRun:
+    def __init__(self, backend: str, tmp: Path):
+        self.dir, self.recorded = tmp / backend, tmp / f"{backend}_weights"
+        self.recorded.mkdir()
+        self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(HOOK),
+                    "TEST_RECORD_WEIGHTS": str(self.recorded)}
+        ok(run_cli(["train", f"--config_path={TINY}", f"--output_dir={self.dir}", f"--accelerate-config={YAML[backend]}",
+                    "--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--batch_size", "4",
+                    "--scheduler.warmup_steps", "1", f"--ema.decay={DECAY}"], env=self.env))
+        self.full = losses(self.dir)
+
+    def ckpt(self, step: int) -> Path:
+        return self.dir / CHECKPOINTS / f"{step:06d}"
+
+
+@pytest.fixture(scope="module")
+def ema_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ema")
+    made: dict[str, EmaRun] = {}
+
+    def get(backend: str) -> EmaRun:
+        if backend not in made:
+            made[backend] = EmaRun(backend, tmp)
+        return made[backend]
+
+    return get
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == torch.float32, name
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_ddp_ema_equals_the_ema_of_the_recorded_weights_step_by_step(ema_runs):
+    run = ema_runs("ddp")
+    for step in (SAVE, STEPS):
+        assert_same(load_file(str(run.ckpt(step) / EMA_WEIGHTS)), reference_ema(run.recorded, step))
+        state = json.loads((run.ckpt(step) / TRAINING_STATE).read_text())
+        assert state["ema"] == {"decay": DECAY}
+    # The EMA is not the live weights (each step moved them), and the live weights are the recorded ones.
+    live = load_file(str(run.ckpt(STEPS) / MODEL_WEIGHTS))
+    ema = load_file(str(run.ckpt(STEPS) / EMA_WEIGHTS))
+    assert any(not torch.equal(ema[n], live[n]) for n in ema)
+    assert_same({n: live[n] for n in ema}, load_file(str(run.recorded / f"step_{STEPS}.safetensors")))
+
+
+def test_zero3_ema_partitions_consolidate_to_the_ema_of_the_recorded_weights(ema_runs, tmp_path):
+    run = ema_runs("zero3")
+    ckpt = run.ckpt(STEPS)
+    for rank in (0, 1):
+        assert (ckpt / ema_rank_file(rank)).is_file()
+    assert not (ckpt / EMA_WEIGHTS).exists()
+    # No rank holds a full copy: each rank's file holds about half the trainable values.
+    trainable = sum(t.numel() for t in reference_ema(run.recorded, 0).values())
+    for rank in (0, 1):
+        held = sum(t.numel() for t in load_file(str(ckpt / ema_rank_file(rank))).values())
+        assert held < 0.6 * trainable
+    for weights, want in (("ema", reference_ema(run.recorded, STEPS)),
+                          ("live", load_file(str(run.recorded / f"step_{STEPS}.safetensors")))):
+        out = tmp_path / f"{weights}.safetensors"
+        ok(run_cli_in_process(["checkpoint", "consolidate", str(ckpt), "--weights", weights, "--output", str(out)]))
+        got = load_file(str(out))
+        assert_same({n: got[n] for n in want}, want)
+
+
+def test_zero3_consolidate_defaults_to_the_ema_and_refuses_to_mix_them_up(ema_runs, tmp_path):
+    run = ema_runs("zero3")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(run.ckpt(STEPS), ckpt)
+    ok(run_cli_in_process(["checkpoint", "consolidate", str(ckpt)]))
+    got = load_file(str(ckpt / MODEL_WEIGHTS))
+    want = reference_ema(run.recorded, STEPS)
+    assert_same({n: got[n] for n in want}, want)
+    refused = run_cli_in_process(["checkpoint", "consolidate", str(ckpt), "--weights", "live"])
+    assert refused.returncode == 2 and "holds the ema weights" in refused.stderr
+    ok(run_cli_in_process(["checkpoint", "verify", str(ckpt)]))
+
+
+def test_ddp_resume_continues_the_ema_bit_for_bit(ema_runs):
+    run = ema_runs("ddp")
+    full_ema = load_file(str(run.ckpt(STEPS) / EMA_WEIGHTS))
+    env = {k: v for k, v in run.env.items() if k not in ("PYTHONPATH", "TEST_RECORD_WEIGHTS")}
+    ok(run_cli(["resume", str(run.ckpt(SAVE)), "--rollback=true"], env=env))
+    resumed = losses(run.dir)
+    assert [resumed[s] for s in range(SAVE + 1, STEPS + 1)] == [run.full[s] for s in range(SAVE + 1, STEPS + 1)]
+    assert_same(load_file(str(run.ckpt(STEPS) / EMA_WEIGHTS)), full_ema)
+
+
+def test_verify_and_resume_refuse_a_checkpoint_missing_its_ema(ema_runs, tmp_path):
+    run = ema_runs("zero3")
+    broken = tmp_path / "run"
+    (broken / CHECKPOINTS).mkdir(parents=True)
+    ckpt = shutil.copytree(run.ckpt(SAVE), broken / CHECKPOINTS / run.ckpt(SAVE).name)
+    (ckpt / ema_rank_file(1)).unlink()
+    verified = run_cli_in_process(["checkpoint", "verify", str(ckpt)])
+    assert verified.returncode != 0 and ema_rank_file(1) in verified.stdout + verified.stderr
+    refused = run_cli_in_process(["resume", str(ckpt), f"--accelerate-config={YAML['zero3']}"],
+                                 env={"OPENTAU_CACHE_DIR": os.environ.get("OPENTAU_CACHE_DIR", "")})
+    assert refused.returncode == 2 and ema_rank_file(1) in refused.stderr
