@@ -58,13 +58,13 @@ def test_topology_history_reads_old_checkpoints_and_appends_only_changes():
 
 
 def test_reshard_flag_needs_a_resume_and_a_boolean(tmp_path):
-    from conftest import EXAMPLES, run_cli
+    from conftest import EXAMPLES, run_cli_in_process
 
     base = ["train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}", f"--output_dir={tmp_path / 'run'}"]
     env = {"HF_HOME": str(tmp_path / "hf_home")}
-    fresh = run_cli([*base, "--reshard=true"], env=env)
-    assert fresh.returncode == 2 and "--reshard=true continues a checkpoint" in fresh.stderr, fresh.stderr
-    bad = run_cli([*base, "--reshard=maybe"], env=env)
+    fresh = run_cli_in_process([*base, "--reshard=true"], env=env)
+    assert fresh.returncode == 2 and "--reshard=true applies to a resume: pass it with --resume=true" in fresh.stderr, fresh.stderr
+    bad = run_cli_in_process([*base, "--reshard=maybe"], env=env)
     assert bad.returncode == 2 and "--reshard takes true or false, not 'maybe'" in bad.stderr, bad.stderr
     assert not (tmp_path / "run").exists()
 
