@@ -43,15 +43,19 @@ def _is_training_checkpoint(path: Path) -> bool:
     from opentau_cli.checkpoint.layout import CHECKPOINTS
     from opentau_cli.checkpoint.manager import is_checkpoint_dir
 
+    if str(path).endswith(":best"):  # RUN:best, the run's best kept checkpoint (find_checkpoint resolves it)
+        return True
     return path.is_dir() and (is_checkpoint_dir(path) or (path / CHECKPOINTS).is_dir() or path.name == CHECKPOINTS)
 
 
-def _from_checkpoint(path: Path, overrides: dict, dataset: str | None) -> tuple[TrainConfig, MixtureMember, torch.nn.Module, dict]:
-    """The run's config, the dataset evaluated and the policy normalizing with that dataset's statistics."""
+def _from_checkpoint(path: Path, overrides: dict, dataset: str | None, weights: str | None = None
+                     ) -> tuple[TrainConfig, MixtureMember, torch.nn.Module, dict]:
+    """The run's config, the dataset evaluated and the policy normalizing with that dataset's statistics; `weights`:
+    ema | live | None (the EMA when the checkpoint holds one)."""
     from opentau_cli.checkpoint.export import open_saved_policy
     from opentau_cli.checkpoint.manager import read_training_state
 
-    saved = open_saved_policy(path)
+    saved = open_saved_policy(path, weights)
     cfg = load_config(saved.path / TRAIN_CONFIG, overrides)
     member = _run_member(cfg, overrides, dataset)
     policy, origin = _policy_of_checkpoint(saved, cfg)
@@ -168,9 +172,9 @@ def _from_model(cfg: TrainConfig, source: str, dataset_stats: dict) -> tuple[tor
 def _dataset(cfg: TrainConfig, member: MixtureMember, episodes: list[int] | None, from_run: bool):
     """The evaluated dataset and whether its episodes are the run's held-out ones."""
     from opentau_cli.data.build import make_dataset, split_episodes
-    from opentau_cli.data.synth import resolve_dataset_root
+    from opentau_cli.data.hub import dataset_root
 
-    root = resolve_dataset_root(member.root)
+    root = dataset_root(member, cfg.dataset.num_cameras)  # a Hub dataset: the run's snapshot in the cache
     held_out = False
     if episodes is None and from_run and cfg.validation.val_split > 0:
         _, episodes = split_episodes(root, cfg.validation.val_split, cfg.seed, member.episodes)
@@ -244,9 +248,9 @@ def _check_widths(policy, dataset) -> None:
 def _trajectories(policy, cfg, member: MixtureMember, episodes: list[int], device, generator) -> list[dict]:
     """For a few episodes: the recorded actions, and the chunks sampled every n_action_steps frames laid end to end."""
     from opentau_cli.data.build import make_dataset
-    from opentau_cli.data.synth import resolve_dataset_root
+    from opentau_cli.data.hub import dataset_root
 
-    root = resolve_dataset_root(member.root)
+    root = dataset_root(member, cfg.dataset.num_cameras)  # a Hub dataset: the run's snapshot in the cache
     out = []
     for episode in episodes:
         one = make_dataset(cfg, member, root, [episode])
@@ -299,7 +303,7 @@ def _device(name: str | None) -> torch.device:
 def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: list[int] | None = None,
              output: Path | None = None, batch_size: int = 8, stride: int = 1, plot_episodes: int = 3,
              device: str | None = None, seed: int = 0, dataset: str | None = None, echo=print,
-             force: bool = False) -> Evaluated:
+             force: bool = False, weights: str | None = None) -> Evaluated:
     """Evaluate `source` (a training checkpoint / run, or a model) on `dataset` (a name of its config's datasets;
     default: the first) and write eval.json and eval.png into `output`."""
     overrides = dict(overrides or {})
@@ -312,7 +316,7 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     writable_parent(output)
     from_run = _is_training_checkpoint(path)
     if from_run:
-        cfg, member, policy, origin = _from_checkpoint(path, overrides, dataset)
+        cfg, member, policy, origin = _from_checkpoint(path, overrides, dataset, weights)
         data, held_out = _dataset(cfg, member, episodes, from_run=True)
     else:
         cfg = _model_policy_config(str(source), overrides)
