@@ -1,5 +1,5 @@
-"""checkpoint.async_save: a save blocks training only while the state is copied into host memory; writing, the
-manifest and the publish run in a background thread, and every promise of the synchronous save still holds
+"""checkpoint.async_save: a save blocks training only while the state is copied into host memory; writing runs in a
+writer process, the manifest and the publish in a background thread, and every promise of the synchronous save still holds
 (tests/test_checkpoint_faults.py runs its SIGKILL and disk-full matrix in both modes).
 
 In-process tests drive the real CheckpointManager over a real single-process CPU Accelerator; the end-to-end tests
@@ -194,11 +194,28 @@ def test_the_snapshot_is_one_host_copy_of_the_state_reused_by_every_save(parts, 
     tensors = [t for t in parts.model.state_dict().values()]
     tensors += [t for s in parts.optimizer.state_dict()["state"].values() for t in s.values()]
     copied = sum(t.numel() * t.element_size() for t in tensors) + shared.numel() * 4
-    assert staging.nbytes == copied + HostStaging.BOUNCE  # and the writer's one aligned buffer
+    arena = staging.nbytes - HostStaging.BOUNCE  # and the writer's one aligned buffer
+    assert copied <= arena < copied + HostStaging.ALIGN * (len(tensors) + 1)  # each copy aligned, nothing more
     assert first["tied"][0] is first["tied"][1]  # one tensor saved twice is one copy, as torch.save stores it
     for key, t in first["w"].items():
         assert second["w"][key].data_ptr() == t.data_ptr()  # the buffers of the first save, filled again
         assert t.data_ptr() != parts.model.state_dict()[key].data_ptr() and torch.equal(t, parts.model.state_dict()[key])
+
+
+def test_a_writer_process_that_died_fails_the_save_and_keeps_the_previous_checkpoint(parts, tmp_path):
+    m = parts.manager(tmp_path / "run")
+    save(m, 1)
+    m.wait()
+    writer = m._staging._writer  # the files were written by a process of their own
+    assert writer is not None and writer._proc.pid != os.getpid() and m._staging.stats
+    writer._proc.kill()
+    writer._proc.wait()
+    save(m, 2)
+    with pytest.raises(RunError) as e:
+        m.wait()
+    assert "step 2" in str(e.value) and "writer process ended" in str(e.value) and "000001 is intact" in str(e.value)
+    root = tmp_path / "run" / CHECKPOINTS
+    assert sorted(p.name for p in root.iterdir()) == ["000001", LAST] and verify_manifest(root / "000001") == []
 
 
 @pytest.mark.parametrize("o_direct", [True, False])

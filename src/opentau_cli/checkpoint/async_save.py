@@ -1,23 +1,33 @@
 """Asynchronous checkpoint saves (`checkpoint.async_save`): the step blocks only while the state is copied into host
-memory; a background thread of every rank writes its copy, and rank 0 publishes once every rank's part is written.
+memory; a writer process of every rank writes its copy, a background thread waits for it, and rank 0 publishes once
+every rank's part is written.
 
 docs/ARCHITECTURE.md, "Checkpoint contract". The files are the ones `accelerator.save_state` writes, with the same
 names and contents: under DeepSpeed, DeepSpeed's own `save_checkpoint` runs with a checkpoint engine that copies each
 state dict instead of writing it (DeepSpeed still decides every file); otherwise the models, optimizers, schedulers
 and RNG states that Accelerate saves are copied. The writer bypasses the page cache and hashes each file as it
-writes it, so the manifest need not read it back (UncachedFile). The background threads never run a collective: the
-main thread learns their progress (CheckpointManager.poll), so the ranks agree on it.
+writes it, so the manifest need not read it back (UncachedFile). The copy lies in shared memory that the writer
+process maps (HostStaging): serializing, hashing and writing never hold the training process's GIL, which a writer
+thread did, and on a machine whose cores are all busy a descheduled thread holding it stalled the training loop (a
+save then cost more than a synchronous one). The background threads never run a collective: the main thread learns
+their progress (CheckpointManager.poll), so the ranks agree on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import errno
+import math
 import mmap
 import os
+import pickle
 import random
 import threading
+import time
+import weakref
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -34,69 +44,174 @@ Job = Callable[[], None]
 
 
 class HostStaging:
-    """Host-memory copies of the tensors a save writes, and the writer's aligned buffer. The copies are made by the
+    """Host-memory copies of the tensors a save writes, and the process that writes them. The copies are made by the
     first save and reused by the next ones (a save waits for the previous one), so host memory stays at one snapshot,
-    `nbytes`. On CUDA they are pinned and filled by device-to-host copies."""
+    `nbytes`. Each file's tensors lie in one shared-memory arena (a memfd; pinned on CUDA, filled by device-to-host
+    copies) that the writer process maps: it writes, hashes and syncs there, so the training process spends no CPU
+    and no GIL on it. Without memfd (not Linux) the writes run in the calling thread, through `bounce`."""
 
     BOUNCE = 16 << 20  # the writer's aligned buffer (UncachedFile)
+    ALIGN = 64  # of every tensor in an arena
 
     def __init__(self):
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._arenas: dict[tuple, _Arena] = {}  # file key -> the arena holding that file's tensors
         self._used: set[tuple] = set()
+        self._staged: dict[int, tuple] = {}  # id(host copy) -> where it lies, for the writer process (_StatePickler)
+        self._keep: list[torch.Tensor] = []  # the host copies of the snapshot in flight (their ids stay theirs)
         self._cuda = False
         self.bounce = mmap.mmap(-1, self.BOUNCE)  # page-aligned, as O_DIRECT needs
+        self._writer: _WriterProcess | None = None
+        self.stats: list[dict] = []  # per file written by the writer process: bytes and CPU seconds by phase
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values()) + len(self.bounce)
+        return sum(a.size for a in self._arenas.values()) + len(self.bounce)
 
     def begin(self) -> None:
-        self._used = set()
+        self._used, self._staged, self._keep = set(), {}, []
+        if self._writer is None and hasattr(os, "memfd_create"):
+            # Started here, on the thread that runs the training loop: the writer dies with it (_writer_main).
+            self._writer = _WriterProcess()
 
     def end(self) -> None:
-        """Drop buffers this snapshot did not use; wait for the device-to-host copies."""
-        self._buffers = {k: b for k, b in self._buffers.items() if k in self._used}
+        """Drop arenas this snapshot did not use; wait for the device-to-host copies."""
+        for key in [k for k in self._arenas if k not in self._used]:
+            self._drop(key)
         if self._cuda:
             torch.cuda.synchronize()
 
     def copy(self, obj, key: tuple):
         """obj with every tensor replaced by its host copy (containers rebuilt, other values deep-copied). Tensors that
         are the same view of the same memory share one copy, as torch.save stores them once."""
-        return self._copy(obj, key, {})
-
-    def _copy(self, obj, key: tuple, seen: dict):
-        if isinstance(obj, torch.Tensor):
-            return self._tensor(obj, key, seen)
-        if isinstance(obj, dict):
-            out = copy.copy(obj)  # keeps the dict's type (OrderedDict, ...)
-            for k, v in obj.items():
-                out[k] = self._copy(v, key + (k,), seen)
-            return out
-        if isinstance(obj, list):
-            return [self._copy(v, key + (i,), seen) for i, v in enumerate(obj)]
-        if type(obj) is tuple:
-            return tuple(self._copy(v, key + (i,), seen) for i, v in enumerate(obj))
-        return copy.deepcopy(obj)
-
-    def _tensor(self, t: torch.Tensor, key: tuple, seen: dict) -> torch.Tensor:
-        ident = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
-        if ident in seen:
-            return seen[ident]
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            self._buffers[key] = buf
+        tensors: dict[tuple, torch.Tensor] = {}
+        _walk(obj, tensors)
+        offset = 0
+        for ident, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            offset = -(-offset // self.ALIGN) * self.ALIGN
+            tensors[ident] = (t, offset, nbytes)
+            offset += nbytes
+        shape_of = [(t.dtype, tuple(t.shape)) for t, _, _ in tensors.values()]
+        arena = self._arenas.get(key)
+        if arena is None or arena.layout != shape_of:
+            if arena is not None:
+                self._drop(key)
+            cuda = any(t.is_cuda for t, _, _ in tensors.values())
+            arena = self._arenas[key] = _Arena(max(offset, 1), shape_of, shared=self._writer is not None, pin=cuda)
+            arena.views = [arena.view(off, t.dtype, tuple(t.shape)) for t, off, _ in tensors.values()]
         self._used.add(key)
-        with torch.no_grad():
-            buf.copy_(t.detach(), non_blocking=t.is_cuda)
-        self._cuda |= t.is_cuda
-        # Saved as the original would be: a Parameter stays one, requires_grad is kept (the buffer itself stays a leaf).
-        if isinstance(t, torch.nn.Parameter):
-            out = torch.nn.Parameter(buf, requires_grad=t.requires_grad)
-        else:
-            out = buf.detach().requires_grad_(t.requires_grad)
-        seen[ident] = out
+        copies = {}
+        for (ident, (t, off, _)), buf in zip(tensors.items(), arena.views):
+            with torch.no_grad():
+                buf.copy_(t.detach(), non_blocking=t.is_cuda)
+            self._cuda |= t.is_cuda
+            # Saved as the original would be: a Parameter stays one, requires_grad is kept (the copy stays a leaf).
+            if isinstance(t, torch.nn.Parameter):
+                out = torch.nn.Parameter(buf, requires_grad=t.requires_grad)
+            else:
+                out = buf.detach().requires_grad_(t.requires_grad)
+            self._staged[id(out)] = (arena.id, off, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                     t.requires_grad, isinstance(t, torch.nn.Parameter))
+            self._keep.append(out)
+            copies[ident] = out
+        return _rebuild(obj, copies)
+
+    def write(self, job: "FileWrite") -> tuple[Path, int, str]:
+        """Write one file of the snapshot: in the writer process when there is one, else in this thread."""
+        if self._writer is None:
+            return job.run(self.bounce)
+        for arena in self._arenas.values():
+            if arena.id not in self._writer.arenas:
+                self._writer.share(arena)
+        result, stats = self._writer.write(job, self._staged)
+        self.stats.append(stats)
+        return result
+
+    def _drop(self, key: tuple) -> None:
+        arena = self._arenas.pop(key)
+        if self._writer is not None:
+            self._writer.forget(arena)
+        arena.close()
+
+
+def _ident(t: torch.Tensor) -> tuple:
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def _walk(obj, found: dict) -> None:
+    """Every tensor in obj (dicts, lists, tuples), once per view of the same memory, in the order torch.save meets them."""
+    if isinstance(obj, torch.Tensor):
+        found.setdefault(_ident(obj), obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _walk(v, found)
+    elif isinstance(obj, list) or type(obj) is tuple:
+        for v in obj:
+            _walk(v, found)
+
+
+def _rebuild(obj, copies: dict):
+    if isinstance(obj, torch.Tensor):
+        return copies[_ident(obj)]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps the dict's type (OrderedDict, ...)
+        for k, v in obj.items():
+            out[k] = _rebuild(v, copies)
         return out
+    if isinstance(obj, list):
+        return [_rebuild(v, copies) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_rebuild(v, copies) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class _Arena:
+    """One file's host copies, back to back in one mapping: a memfd the writer process maps (shared), else anonymous
+    memory. On CUDA it is pinned, so that the device-to-host copies run asynchronously."""
+
+    _next = 0
+
+    def __init__(self, size: int, layout: list, *, shared: bool, pin: bool):
+        _Arena._next += 1
+        self.id, self.size, self.layout = _Arena._next, size, layout
+        self.fd = os.memfd_create("opentau-checkpoint", os.MFD_CLOEXEC) if shared else -1
+        if shared:
+            os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size)
+        self.views: list[torch.Tensor] = []
+        self._pinned = pin and _pin(self.map, size)
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        return _tensor_at(self.map, offset, dtype, shape)
+
+    def close(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(_address(self.map))
+        self.views = []
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        # The mapping itself goes with the last tensor viewing it.
+
+
+def _address(buf) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _pin(buf, size: int) -> bool:
+    """Page-lock a host mapping for CUDA (cudaHostRegister); False where it cannot be (the copies then block)."""
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(_address(buf), size, 0)) == 0
+    except Exception:
+        return False
+
+
+def _tensor_at(buf, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A tensor of its own storage, exactly its size, over buf[offset:] (no copy)."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
 
 
 def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dict, extra: dict | None = None) -> list[Write]:
@@ -112,7 +227,8 @@ def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dic
         else:
             writes = _accelerate_snapshot(accelerator, Path(save_dir), staging)
         for name, tensors in (extra or {}).items():
-            writes.append(partial(_save_safetensors, staging.copy(tensors, (name,)), Path(save_dir) / name, staging.bounce))
+            state = staging.copy(tensors, (name,))
+            writes.append(partial(staging.write, FileWrite(Path(save_dir) / name, state, safetensors=True)))
         return writes
     finally:
         staging.end()
@@ -127,7 +243,7 @@ def _accelerate_snapshot(acc, save_dir: Path, staging: HostStaging) -> list[Writ
                            "checkpoints registered objects or prepared DataLoaders")
     writes: list[Write] = []
     rng = _rng_states(acc.step)
-    writes.append(partial(_torch_save, rng, save_dir / rank_state_file(acc.process_index), staging.bounce))
+    writes.append(partial(staging.write, FileWrite(save_dir / rank_state_file(acc.process_index), rng)))
     if not acc.is_main_process:  # Accelerate's `save` writes the rest on the main process only
         return writes
     weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
@@ -135,14 +251,14 @@ def _accelerate_snapshot(acc, save_dir: Path, staging: HostStaging) -> list[Writ
         hook(acc._models, weights, str(save_dir))
     for i, state in enumerate(weights):
         name = _indexed(MODEL_WEIGHTS, i)
-        writes.append(partial(_save_safetensors, staging.copy(state, (name,)), save_dir / name, staging.bounce))
+        writes.append(partial(staging.write, FileWrite(save_dir / name, staging.copy(state, (name,)), safetensors=True)))
     for base, objects in ((OPTIMIZER, acc._optimizers), (SCHEDULER, acc._schedulers)):
         for i, obj in enumerate(objects):
             name = _indexed(base, i)
-            writes.append(partial(_torch_save, staging.copy(obj.state_dict(), (name,)), save_dir / name, staging.bounce))
+            writes.append(partial(staging.write, FileWrite(save_dir / name, staging.copy(obj.state_dict(), (name,)))))
     if acc.scaler is not None:
         state = staging.copy(acc.scaler.state_dict(), (SCALER_NAME,))
-        writes.append(partial(_torch_save, state, save_dir / SCALER_NAME, staging.bounce))
+        writes.append(partial(staging.write, FileWrite(save_dir / SCALER_NAME, state)))
     return writes
 
 
@@ -192,8 +308,23 @@ def _deepspeed_snapshot(acc, save_dir: Path, staging: HostStaging, save_kwargs: 
     finally:
         for e in engines:
             e.checkpoint_engine = originals[id(e)]
-    return [partial(_torch_save, state, Path(path), staging.bounce, getattr(originals[i], "zipfile_serialization", True))
+    return [partial(staging.write, FileWrite(Path(path), state, zipfile=getattr(originals[i], "zipfile_serialization", True)))
             for i, c in capture.items() for state, path in c.deferred]
+
+
+@dataclass
+class FileWrite:
+    """One file of a save: the objects (host copies) and how save_state would write them."""
+
+    path: Path
+    state: object
+    safetensors: bool = False
+    zipfile: bool = True  # torch.save's format (DeepSpeed's engine may ask for the legacy one)
+
+    def run(self, bounce: mmap.mmap) -> tuple[Path, int, str]:
+        if self.safetensors:
+            return _save_safetensors(self.state, self.path, bounce)
+        return _torch_save(self.state, self.path, bounce, self.zipfile)
 
 
 def _torch_save(obj, path: Path, bounce: mmap.mmap, zipfile: bool = True) -> tuple[Path, int, str]:
@@ -232,9 +363,12 @@ class UncachedFile:
     """A file written around the page cache (O_DIRECT) through an aligned buffer, hashed as it is written and synced
     when closed: on a busy machine the kernel's copying and write-back of buffered writes, and reading the file back
     for the manifest, would take CPU from training, which this writer runs next to. The copies into the buffer
-    release the GIL. Where the filesystem refuses O_DIRECT it writes the ordinary way."""
+    release the GIL. Where the filesystem refuses O_DIRECT it writes the ordinary way. `cpu` adds up, over every
+    file of this process, the CPU seconds of this thread spent hashing, copying into the buffer and writing (the
+    write and sync system calls)."""
 
     BLOCK = 4096  # O_DIRECT's alignment of offsets and lengths
+    cpu = {"hash": 0.0, "copy": 0.0, "write": 0.0}
 
     def __init__(self, path: Path, bounce: mmap.mmap):
         self._path, self._buf, self._fill, self._size = Path(path), bounce, 0, 0
@@ -262,11 +396,15 @@ class UncachedFile:
 
     def write(self, data) -> int:
         src = np.frombuffer(data, dtype=np.uint8)
+        began = time.thread_time()
         self._hash.update(src)
+        self.cpu["hash"] += time.thread_time() - began
         done = 0
         while done < src.size:
             n = min(src.size - done, len(self._buf) - self._fill)
+            began = time.thread_time()
             ctypes.memmove(self._addr + self._fill, src.ctypes.data + done, n)
+            self.cpu["copy"] += time.thread_time() - began
             self._fill += n
             done += n
             if self._fill == len(self._buf):
@@ -278,11 +416,13 @@ class UncachedFile:
         pass  # whole blocks go out as the buffer fills; the rest when the file is finished
 
     def _drain(self, length: int) -> None:
+        began = time.thread_time()
         with memoryview(self._buf)[:length] as view:
             written = 0
             while written < length:
                 written += os.write(self._fd, view[written:])
         self._fill = 0
+        self.cpu["write"] += time.thread_time() - began
 
     def _finish(self) -> None:
         if self._fill:
@@ -292,13 +432,156 @@ class UncachedFile:
                 self._buf[tail:tail + pad] = bytes(pad)
                 tail += pad
             self._drain(tail)
+        began = time.thread_time()
         if self._direct:
             os.ftruncate(self._fd, self._size)
         os.fsync(self._fd)
+        self.cpu["write"] += time.thread_time() - began
 
     def result(self) -> tuple[Path, int, str]:
         """(path, size, hash) of the finished file."""
         return self._path, self._size, self._hash.hexdigest()
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles a snapshot for the writer process: a host copy goes as where it lies in its arena (persistent id)."""
+
+    def __init__(self, file, staged: dict[int, tuple]):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._staged = staged
+
+    def persistent_id(self, obj):
+        return self._staged.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """The writer process's side: a host copy becomes a tensor over the mapped arena; the same place, the same tensor
+    (tied weights stay one object, as torch.save needs to store them once)."""
+
+    def __init__(self, file, arenas: dict[int, mmap.mmap]):
+        super().__init__(file)
+        self._arenas, self._made = arenas, {}
+
+    def persistent_load(self, pid):
+        if pid not in self._made:
+            arena, offset, dtype, shape, requires_grad, parameter = pid
+            t = _tensor_at(self._arenas[arena], offset, getattr(torch, dtype), shape)
+            self._made[pid] = torch.nn.Parameter(t, requires_grad=requires_grad) if parameter \
+                else t.requires_grad_(requires_grad)
+        return self._made[pid]
+
+
+class _WriterProcess:
+    """The process that writes this rank's snapshots (one per training process, started with its first async save).
+    It is fed through a socket: an arena's memfd once, then per file a pickle that names places in the arenas. It
+    writes under the file-size limit the training process has at that moment (RLIMIT_FSIZE), and dies with it."""
+
+    def __init__(self):
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, OMP_NUM_THREADS="1")  # it never computes: no thread pool
+        code = f"from opentau_cli.checkpoint.async_save import _writer_main; _writer_main({theirs.fileno()})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env,
+                                      stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self.arenas: set[int] = set()
+        weakref.finalize(self, _WriterProcess._stop, self._conn, self._proc)
+
+    @staticmethod
+    def _stop(conn, proc) -> None:
+        conn.close()  # its end of the socket: the writer leaves
+        try:
+            proc.wait(timeout=10)
+        except Exception:
+            proc.kill()
+
+    def share(self, arena: _Arena) -> None:
+        from multiprocessing.reduction import send_handle
+
+        with self._talking():
+            self._conn.send(("arena", arena.id, arena.size))
+            send_handle(self._conn, arena.fd, self._proc.pid)
+        self.arenas.add(arena.id)
+
+    @contextlib.contextmanager
+    def _talking(self):
+        """A lost connection is the writer's end: said so, not as a broken pipe (manager.describe_write_error)."""
+        try:
+            yield
+        except (EOFError, OSError):
+            raise RuntimeError(f"the checkpoint writer process ended (exit code {self._proc.poll()})") from None
+
+    def forget(self, arena: _Arena) -> None:
+        if arena.id in self.arenas:
+            self.arenas.discard(arena.id)
+            with contextlib.suppress(OSError):  # a writer that is gone has forgotten it
+                self._conn.send(("forget", arena.id))
+
+    def write(self, job: FileWrite, staged: dict[int, tuple]) -> tuple[tuple[Path, int, str], dict]:
+        import io
+        import resource
+
+        payload = io.BytesIO()
+        _StatePickler(payload, staged).dump(job)
+        with self._talking():
+            self._conn.send(("write", payload.getvalue(), resource.getrlimit(resource.RLIMIT_FSIZE)))
+            ok, value, stats = self._conn.recv()
+        if not ok:
+            raise value
+        return value, stats
+
+
+def _writer_main(fd: int) -> None:
+    """The writer process: write each file it is sent; leave when the training process closes the socket or dies."""
+    import io
+    import resource
+    import signal
+    from multiprocessing.connection import Connection
+    from multiprocessing.reduction import recv_handle
+
+    try:  # die with the training process (the thread that started this one is its main thread, which outlives it)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    conn = Connection(fd)
+    arenas: dict[int, mmap.mmap] = {}
+    bounce = mmap.mmap(-1, HostStaging.BOUNCE)
+    from opentau_cli.checkpoint.manager import skip_zip_crcs
+
+    skip_zip_crcs()  # as the training process writes them
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "arena":
+            handle = recv_handle(conn)
+            arenas[message[1]] = mmap.mmap(handle, message[2])
+            os.close(handle)
+        elif message[0] == "forget":
+            arenas.pop(message[1], None)
+        else:
+            _, payload, fsize = message
+            before, cpu, job = dict(UncachedFile.cpu), time.process_time(), None
+            try:
+                resource.setrlimit(resource.RLIMIT_FSIZE, fsize)
+                job = _StateUnpickler(io.BytesIO(payload), arenas).load()
+                result = job.run(bounce)
+                stats = {k: UncachedFile.cpu[k] - before[k] for k in before}
+                stats.update(bytes=result[1], cpu=time.process_time() - cpu)
+                reply = (True, result, stats)
+            except Exception as e:
+                reply = (False, e, None)
+            del job  # the arenas' tensors go before the next message may forget an arena
+            try:
+                conn.send(reply)
+            except Exception:  # an exception that does not pickle
+                conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"), None))
 
 
 class BackgroundSave:
