@@ -124,3 +124,35 @@ def test_ema_decay_is_off_by_default_and_below_1():
     for bad in (1.0, -0.1):
         with pytest.raises(ValidationError):
             TrainConfig(ema={"decay": bad})
+
+
+def test_weights_ema_of_a_checkpoint_without_an_ema_is_refused_in_one_line(tmp_path):
+    import json
+
+    from opentau_cli.checkpoint.consolidate import wants_ema
+    from opentau_cli.checkpoint.layout import TRAINING_STATE
+    from opentau_cli.errors import UserError
+
+    (tmp_path / TRAINING_STATE).write_text(json.dumps({"step": 4}))
+    assert wants_ema(tmp_path, None) is False and wants_ema(tmp_path, "live") is False
+    with pytest.raises(UserError, match="holds no EMA weights.*--weights live"):
+        wants_ema(tmp_path, "ema")
+    with pytest.raises(UserError, match="--weights must be ema or live"):
+        wants_ema(tmp_path, "best")
+    (tmp_path / TRAINING_STATE).write_text(json.dumps({"step": 4, "ema": {"decay": 0.99}}))
+    assert wants_ema(tmp_path, None) is True and wants_ema(tmp_path, "live") is False
+
+
+def test_the_benchmark_report_puts_both_sides_of_each_backend_side_by_side():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_ema", REPO / "benchmarks" / "bench_ema.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = lambda ms, mib: {"step_time_s": ms / 1000, "samples_per_s": 8000 / ms, "peak_memory_bytes": mib << 20}
+    rows = bench.compare_rows([row(100, 1000), row(200, 800)], [row(110, 1400), row(210, 850)])
+    assert [name for name, _ in rows] == ["DDP", "ZeRO-3"]
+    assert "step time 1.100x, memory +400 MiB/rank" in rows[0][1]
+    assert "step time 1.050x, memory +50 MiB/rank" in rows[1][1]

@@ -5,7 +5,8 @@ A test hook (tests/ema_hook) records the live trainable weights before the first
 compares it, exactly, with the EMA the checkpoints hold: DDP's ema.safetensors, and ZeRO-3's per-rank partitions
 consolidated by `opentau checkpoint consolidate --weights ema`. The DDP run is then resumed from its middle
 checkpoint: losses and EMA tensors equal the uninterrupted run's bit for bit (ZeRO-2, ZeRO-3 and a single process
-are resumed in tests/test_train_e2e.py).
+are resumed in tests/test_train_e2e.py). Each run validates at its middle step with the live and the EMA weights,
+and trains on from the live weights given back (which the step-by-step comparison would catch if they were not).
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ class EmaRun:
         self.recorded.mkdir()
         self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(HOOK),
                     "TEST_RECORD_WEIGHTS": str(self.recorded)}
-        ok(run_cli(["train", f"--config_path={TINY}", f"--output_dir={self.dir}", f"--accelerate-config={YAML[backend]}",
+        # ZeRO-3 saves asynchronously: its EMA is copied into host memory with the rest while training goes on.
+        asynchronous = ["--checkpoint.async_save=true"] if backend == "zero3" else []
+        ok(run_cli(["train", f"--config_path={TINY}", f"--output_dir={self.dir}", f"--accelerate-config={YAML[backend]}", *asynchronous,
                     "--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--batch_size", "4",
-                    "--scheduler.warmup_steps", "1", f"--ema.decay={DECAY}"], env=self.env))
+                    "--scheduler.warmup_steps", "1", f"--ema.decay={DECAY}",
+                    # Validation at step 2 swaps the EMA in and the live weights back: training goes on from them.
+                    "--validation.val_freq", str(SAVE), "--validation.max_batches", "1"], env=self.env))
         self.full = losses(self.dir)
 
     def ckpt(self, step: int) -> Path:
@@ -152,3 +157,69 @@ def test_verify_and_resume_refuse_a_checkpoint_missing_its_ema(ema_runs, tmp_pat
     refused = run_cli_in_process(["resume", str(ckpt), f"--accelerate-config={YAML['zero3']}"],
                                  env={"OPENTAU_CACHE_DIR": os.environ.get("OPENTAU_CACHE_DIR", "")})
     assert refused.returncode == 2 and ema_rank_file(1) in refused.stderr
+
+
+@pytest.mark.parametrize("source, target", [("ddp", "zero3"), ("zero3", "ddp")])
+def test_an_elastic_resume_carries_the_ema_over_exactly(ema_runs, tmp_path, source, target):
+    """--reshard=true into another backend: the EMA the new launch starts from is the checkpoint's, value for value
+    (read in the new launch by the hook, from the EMA swapped into the weights)."""
+    run = ema_runs(source)
+    copy = tmp_path / "run"
+    shutil.copytree(run.dir, copy, symlinks=True)
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    env = {**run.env, "TEST_RECORD_WEIGHTS": str(recorded)}
+    ok(run_cli(["resume", str(copy / CHECKPOINTS / f"{SAVE:06d}"), "--rollback=true", "--reshard=true",
+                f"--accelerate-config={YAML[target]}"], env=env))
+    started = load_file(str(recorded / f"step_{SAVE}_ema.safetensors"))
+    assert_same(started, reference_ema(run.recorded, SAVE))
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_export_eval_and_serve_read_the_ema_by_default_and_the_live_weights_when_asked(ema_runs, backend):
+    from opentau_cli.checkpoint.export import open_saved_policy
+
+    run = ema_runs(backend)
+    want = {"ema": reference_ema(run.recorded, STEPS), "live": load_file(str(run.recorded / f"step_{STEPS}.safetensors"))}
+    for weights in (None, "ema", "live"):
+        saved = open_saved_policy(run.ckpt(STEPS), weights)
+        assert_same({n: saved.entries[n].produce() for n in want["live"]}, want[weights or "ema"])
+    frozen = [n for n in saved.entries if n not in want["live"]]
+    assert frozen  # buffers (and frozen weights) come from the checkpoint as saved, whichever weights are asked
+
+
+def test_eval_takes_weights(ema_runs, tmp_path):
+    run = ema_runs("ddp")
+    for weights in ("ema", "live"):
+        out = tmp_path / weights
+        ok(run_cli_in_process(["eval", str(run.ckpt(STEPS)), "--weights", weights, "--output", str(out),
+                               "--stride", "8", "--plot-episodes", "0", "--device", "cpu"], env=run.env))
+    mse = {w: json.loads((tmp_path / w / "eval.json").read_text())["policy"]["mse"] for w in ("ema", "live")}
+    assert mse["ema"] != mse["live"]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_validation_reports_the_live_and_the_ema_loss(ema_runs, backend):
+    records = [json.loads(line) for line in (ema_runs(backend).dir / METRICS).read_text().splitlines()]
+    val = [r for r in records if r.get("kind") == "val"]
+    assert [r["step"] for r in val] == [SAVE, STEPS]
+    for r in val:
+        assert r["val_loss"] > 0 and r["ema_val_loss"] > 0 and r["ema_val_loss"] != r["val_loss"]
+
+
+def test_the_ema_benchmark_smoke_run_reports_both_backends_with_and_without(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    results = tmp_path / "B.md"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_ema.py"), "--smoke", "--results", str(results)],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = results.read_text()
+    assert "The cost of the EMA of the weights" in text and "--smoke" in text
+    for backend in ("| DDP |", "| ZeRO-3 |"):
+        assert backend in text
+    assert text.count("with EMA") == 2 and "MiB/rank" in text

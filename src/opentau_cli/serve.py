@@ -203,7 +203,7 @@ def _state(key: str, value, width: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- loading
 def load_served(source: str | Path, *, overrides: dict | None = None, dataset: str | None = None,
-                device: str | None = None, seed: int = 0) -> ServedPolicy:
+                device: str | None = None, seed: int = 0, weights: str | None = None) -> ServedPolicy:
     """The policy of a run / checkpoint directory (DDP, DeepSpeed shards, LoRA), an export or a repo id, loaded as
     `opentau eval` loads it, with the observation keys of the dataset it was trained on."""
     from opentau_cli.evaluate import _device, _from_checkpoint, _from_model, _is_training_checkpoint, _model_policy_config
@@ -214,7 +214,7 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
     dev = _device(device)
     path = Path(str(source)).expanduser()
     if _is_training_checkpoint(path):
-        cfg, member, policy, origin = _from_checkpoint(path, overrides, dataset)
+        cfg, member, policy, origin = _from_checkpoint(path, overrides, dataset, weights)
         features = None
     else:
         cfg = _model_policy_config(str(source), overrides)

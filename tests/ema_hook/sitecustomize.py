@@ -3,7 +3,8 @@
 Put this directory on PYTHONPATH and set TEST_RECORD_WEIGHTS=DIR: before the launch's first step and after each
 step, rank 0 writes every trainable parameter's full fp32 value (DeepSpeed's master weight, gathered with
 DeepSpeed's own `safe_get_full_fp32_param`; otherwise the parameter itself) to DIR/step_<k>.safetensors. Every rank
-takes part (the gather is a collective). Python processes without the variable are untouched.
+takes part (the gather is a collective). With an EMA, the one the launch starts from is recorded the same way
+(DIR/step_<k>_ema.safetensors, read while the EMA is swapped in). Python processes without the variable are untouched.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 
 
-def _record(trainer, directory: str) -> None:
+def _record(trainer, directory: str, suffix: str = "") -> None:
     from pathlib import Path
 
     import torch
@@ -32,7 +33,7 @@ def _record(trainer, directory: str) -> None:
             value = p.detach()
         weights[name] = value.detach().to("cpu", torch.float32).clone().contiguous()
     if acc.is_main_process:
-        save_file(weights, str(Path(directory) / f"step_{trainer.step}.safetensors"))
+        save_file(weights, str(Path(directory) / f"step_{trainer.step}{suffix}.safetensors"))
 
 
 def _install(directory: str) -> None:
@@ -44,6 +45,9 @@ def _install(directory: str) -> None:
         if not getattr(self, "_recorded_start", False):
             self._recorded_start = True
             _record(self, directory)
+            if self.ema is not None:  # the EMA the launch starts with, read the same way inside its swap_in
+                with self.ema.swap_in():
+                    _record(self, directory, "_ema")
         result = step(self, *args, **kwargs)
         _record(self, directory)
         return result

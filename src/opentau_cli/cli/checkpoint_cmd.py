@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import ForceOpt, JsonOpt, handle_errors, make_app
+from opentau_cli.cli.common import ForceOpt, JsonOpt, WeightsOpt, handle_errors, make_app
 from opentau_cli.units import SIZE_HELP
 
 app = make_app("Consolidate, export, inspect, verify and list checkpoints.")
@@ -24,10 +24,6 @@ def human(n: int | None) -> str:
     return str(n)
 
 
-WeightsOpt = typer.Option(None, "--weights", help="ema or live: the EMA of the weights (ema.decay) or the weights as "
-                                                   "trained; default: the EMA when the checkpoint holds one.")
-
-
 @app.command("consolidate")
 @handle_errors
 def consolidate_cmd(
@@ -38,7 +34,7 @@ def consolidate_cmd(
                                                                       "CHECKPOINT_DIR/model.safetensors); missing parents are made."),
     force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated; with --output, "
                                                       "replace a non-empty target."),
-    weights: Optional[str] = WeightsOpt,
+    weights: WeightsOpt = None,
 ) -> None:
     """Turn DeepSpeed ZeRO-2/3 shards of any number of ranks into model.safetensors, streaming.
 
@@ -78,7 +74,7 @@ def export_cmd(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run whose robot the model serves, "
                                                                  "by its name (default: the first): its statistics and widths."),
     force: ForceOpt = False,
-    weights: Optional[str] = WeightsOpt,
+    weights: WeightsOpt = None,
 ) -> None:
     """Write a checkpoint's policy as a plain model in a published layout, with its normalization statistics in
     that layout's place and a config.json in its convention (DeepSpeed shards are gathered, streaming).

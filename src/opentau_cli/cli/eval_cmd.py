@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, ForceOpt, handle_errors
+from opentau_cli.cli.common import OVERRIDES_CONTEXT, ForceOpt, WeightsOpt, handle_errors
 
 
 @handle_errors
@@ -26,6 +26,7 @@ def eval_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling noise."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run to evaluate on, by its name "
                                                                  "(default: the first), with its own statistics."),
+    weights: WeightsOpt = None,
 ) -> None:
     """Sample action chunks on held-out episodes and report the action error (per joint and per chunk position)
     against the recorded actions and against the mean-action baseline; writes eval.json and eval.png.
@@ -45,7 +46,7 @@ def eval_cmd(
 
     result = evaluate(source, overrides=parse_overrides(list(ctx.args)), episodes=parse_episodes(episodes), output=output,
                       batch_size=batch_size, stride=stride, plot_episodes=plot_episodes, device=device, seed=seed,
-                      dataset=dataset, echo=lambda m: typer.echo(m, err=True), force=force)
+                      dataset=dataset, echo=lambda m: typer.echo(m, err=True), force=force, weights=weights)
     r = result.report
     ours, mean = r["policy"], r["mean_action"]
     typer.echo(f"{'':14}{'policy':>12}{'mean action':>14}")

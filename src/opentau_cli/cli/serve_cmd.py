@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, handle_errors
+from opentau_cli.cli.common import OVERRIDES_CONTEXT, WeightsOpt, handle_errors
 
 
 @handle_errors
@@ -23,6 +23,7 @@ def serve_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of every request's sampling noise (a request's integer 'seed' overrides it)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run to serve, by its name "
                                                                  "(default: the first), with its own statistics."),
+    weights: WeightsOpt = None,
 ) -> None:
     """Serve a policy over openpi's websocket policy protocol: robot code written for `openpi-client` works unchanged.
 
@@ -43,7 +44,8 @@ def serve_cmd(
     if not 0 <= port <= 65535:
         raise UserError(f"--port={port}: a TCP port is 0-65535.")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    served = load_served(source, overrides=parse_overrides(list(ctx.args)), dataset=dataset, device=device, seed=seed)
+    served = load_served(source, overrides=parse_overrides(list(ctx.args)), dataset=dataset, device=device, seed=seed,
+                         weights=weights)
     server = PolicyServer(served, host, port, key)
     meta = served.metadata()
 

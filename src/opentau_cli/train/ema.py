@@ -47,6 +47,8 @@ class WeightEMA:
     file: str | None
     zero_stage: int | None = None
     _zero_opt: object = None
+    _module: object = None  # the unwrapped model (load_full finds parameters by name in it)
+    _rank: int = 0
 
     @classmethod
     def build(cls, decay: float, accelerator, model) -> "WeightEMA":
@@ -59,13 +61,14 @@ class WeightEMA:
             named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
             live = [p for _, p in named]
             return cls(decay, [name for name, _ in named], live, [_fp32_copy(p) for p in live], [p.numel() for p in live],
-                       EMA_WEIGHTS if accelerator.is_main_process else None)
+                       EMA_WEIGHTS if accelerator.is_main_process else None, _module=module)
         live = list(_flat_partitions(zero_opt, stage))
         # ZeRO-1/2 pad each group's partition for alignment and save it without the padding (its state_dict).
         padding = list(zero_opt.groups_padding) if stage < 3 else [0] * len(live)
         return cls(decay, [ema_group_name(g) for g in range(len(live))], live, [_fp32_copy(t) for t in live],
                    [t.numel() - pad for t, pad in zip(live, padding)], ema_rank_file(accelerator.process_index),
-                   zero_stage=stage, _zero_opt=zero_opt)
+                   zero_stage=stage, _zero_opt=zero_opt, _module=accelerator.unwrap_model(model),
+                   _rank=accelerator.process_index)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -102,6 +105,43 @@ class WeightEMA:
         if not path.is_file():
             raise RunError(f"{path} is missing: the checkpoint holds no EMA for this rank.")
         self.load_state_dict(load_file(str(path)), str(path))
+
+    @torch.no_grad()
+    def load_full(self, saved: dict) -> None:
+        """Take the EMA of another topology (an elastic resume; docs/ARCHITECTURE.md, "Resume contract"): `saved`
+        gives each parameter's full fp32 EMA by name (a callable). Under ZeRO each rank keeps its own slice: DeepSpeed's
+        own setters of the fp32 master weights cut it into the live partitions, which are then copied into the EMA
+        and given their live values back (the model's own weights are not touched)."""
+        from opentau_cli.checkpoint.reshard import CanonicalState, _saved_name, _zero3_slice
+
+        module_params = dict(self._module.named_parameters(remove_duplicate=False))
+        trainable = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
+
+        def full(name, p) -> torch.Tensor:
+            found = _saved_name(CanonicalState(weights=saved), module_params, p, name)
+            if found is None:
+                raise RunError(f"the checkpoint's EMA holds no tensor for parameter '{name}': it does not fit this run.")
+            return saved[found]().to(torch.float32)
+
+        if self.zero_stage is None:
+            for name, shadow in zip(self.names, self.shadow):
+                shadow.copy_(full(name, module_params[name]).view_as(shadow))
+            return
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
+
+        live = [t.detach().clone() for t in self.live]
+        try:
+            for name, p in trainable:
+                value = full(name, p).to(self.live[0].device)
+                if self.zero_stage == 3:
+                    safe_set_local_fp32_param(p, _zero3_slice(value, p.ds_tensor.numel(), self._rank))
+                else:
+                    safe_set_full_fp32_param(p, value)
+            for shadow, t in zip(self.shadow, self.live):
+                shadow.copy_(t)
+        finally:
+            for t, keep in zip(self.live, live):
+                t.copy_(keep)
 
     @contextlib.contextmanager
     @torch.no_grad()
@@ -160,9 +200,20 @@ def resume_ema(ema: WeightEMA | None, state: dict, ckpt_dir: Path, accelerator, 
         say(f"The checkpoint holds no EMA: the EMA starts at step {state.get('step')} from its weights.")
         return WeightEMA.build(ema.decay, accelerator, model)
     if resharded:
-        from opentau_cli.errors import UserError
-
-        raise UserError(f"Checkpoint '{ckpt_dir}' holds an EMA of its weights, which an elastic resume (--reshard=true) "
-                        "does not carry over yet: resume it on the topology that saved it.")
-    ema.load(ckpt_dir)
+        ema.load_full(saved_by_name(ckpt_dir, state))
+    else:
+        ema.load(ckpt_dir)
     return ema
+
+
+def saved_by_name(ckpt_dir: Path, state: dict) -> dict:
+    """A checkpoint's EMA as full fp32 tensors by parameter name, each read when called: ema.safetensors, or the
+    ranks' partitions cut by the consolidator's plan (checkpoint/consolidate.py)."""
+    if state.get("backend") == "deepspeed":
+        from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+
+        return {e.name: e.produce for e in read_zero_checkpoint(ckpt_dir, ema=True).entries}
+    from safetensors import safe_open
+
+    f = safe_open(str(Path(ckpt_dir) / EMA_WEIGHTS), framework="pt")
+    return {name: (lambda name=name: f.get_tensor(name)) for name in f.keys()}

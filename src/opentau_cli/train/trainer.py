@@ -285,6 +285,16 @@ class Trainer:
         n = int(min_over_ranks(acc, mine))
         if n == 0:
             return None
+        record = {"kind": "val", "step": self.step, "val_batches": n * acc.num_processes}
+        record.update({f"val_{k}": v for k, v in self._validation_losses(n).items()})
+        if self.ema is not None:  # the same batches and noise, computed with the EMA weights
+            with self.ema.swap_in():
+                record.update({f"ema_val_{k}": v for k, v in self._validation_losses(n).items()})
+        return record
+
+    @torch.no_grad()
+    def _validation_losses(self, n: int) -> dict[str, float]:
+        acc, loader = self.accelerator, self.data.val_loader
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
         # A fixed seed per rank: comparable numbers across evaluations, and the training random stream is untouched.
@@ -300,9 +310,7 @@ class Trainer:
         self.model.train()
         names = sorted(sums)
         total = acc.reduce(torch.stack([sums[k] for k in names]).to(acc.device), reduction="mean") / n
-        record = {"kind": "val", "step": self.step, "val_batches": n * acc.num_processes}
-        record.update({f"val_{k}": float(v) for k, v in zip(names, total.tolist())})
-        return record
+        return dict(zip(names, total.tolist()))
 
     def state_dict(self) -> dict:
         from opentau_cli import __version__
