@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import EXAMPLES, opentau_bin, run_cli
@@ -21,6 +22,7 @@ from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_TAG, LAST, LOGS, MANIFEST, METRICS, MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TENSORBOARD, TRAIN_CONFIG,
     TRAINING_STATE, ZERO_TO_FP32, ds_shard_glob, leftover_of, read_last, step_of,
 )
+from opentau_cli.checkpoint.lineage import ROLLED_BACK
 
 pytestmark = pytest.mark.e2e
 
@@ -101,10 +103,26 @@ def runs(tmp_path_factory):
             made[backend] = Run("ddp", tmp, *mixture_args(tmp), name="mixture")
         if backend not in made:
             extra = ("--validation.val_freq", str(SAVE), "--validation.max_batches", "2") if backend == "zero3" else ()
-            made[backend] = Run(backend, tmp, *extra)
+            made[backend] = Run(backend, tmp, *extra, *EMA)
         return made[backend]
 
     return get
+
+
+# Every run keeps an EMA (train/ema.py): nothing else about the run changes.
+EMA = ("--ema.decay=0.9",)
+
+
+@pytest.mark.parametrize("backend", ["single", "zero2", "zero3"])
+def test_resume_continues_the_ema_bit_for_bit(runs, backend):
+    run = runs(backend)
+    uninterrupted = list(run.dir.glob(f"{ROLLED_BACK}/*/{CHECKPOINTS}/000006"))
+    assert len(uninterrupted) == 1  # the uninterrupted run's last checkpoint, moved aside by the resume's rollback
+    names = sorted(p.name for p in uninterrupted[0].glob("ema*.safetensors"))
+    assert names == (["ema.safetensors"] if backend == "single" else ["ema_rank0.safetensors", "ema_rank1.safetensors"])
+    for name in names:
+        full, resumed = load_file(str(uninterrupted[0] / name)), load_file(str(run.dir / CHECKPOINTS / "000006" / name))
+        assert sorted(full) == sorted(resumed) and all(torch.equal(full[k], resumed[k]) for k in full), name
 
 
 @pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
