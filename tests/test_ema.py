@@ -156,3 +156,18 @@ def test_the_benchmark_report_puts_both_sides_of_each_backend_side_by_side():
     assert [name for name, _ in rows] == ["DDP", "ZeRO-3"]
     assert "step time 1.100x, memory +400 MiB/rank" in rows[0][1]
     assert "step time 1.050x, memory +50 MiB/rank" in rows[1][1]
+
+
+def test_with_lora_the_ema_averages_the_adapters_and_full_modules_under_the_names_a_checkpoint_holds(accelerator):
+    from opentau_cli.policies import build_policy
+    from opentau_cli.policies.lora import apply_lora, checkpoint_keys
+    from test_lora import tiny
+
+    cfg = tiny(rank=4)
+    model = accelerator.prepare(apply_lora(build_policy(cfg), cfg.lora))
+    ema = WeightEMA.build(0.99, accelerator, model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(ema.names) == trainable and any(".lora_A." in n for n in ema.names)
+    assert any(n.startswith("action_out_proj.") for n in ema.names)
+    assert set(ema.names) <= checkpoint_keys(model)  # what export finds in model.safetensors to replace
+    assert sum(t.numel() for t in ema.shadow) < 0.5 * sum(p.numel() for p in model.parameters())
