@@ -1,13 +1,16 @@
 """GPU self-check: each backend trains, checkpoints and resumes exactly, the full pi05 takes a step, profile gives MFU.
 
 On a CUDA machine, through the installed CLI (`opentau train`, `opentau resume`, `opentau profile`):
-single-GPU bf16 training of pi05_small, one step of the full pi05 preset, DDP (when more than one GPU is visible),
-DeepSpeed ZeRO-2 and ZeRO-3 on every visible GPU; under each backend a run of N steps saving at N/2 and a resume of
-that checkpoint, whose losses must equal the uninterrupted run's bit for bit; then `opentau profile` with MFU.
+single-GPU bf16 training of pi05_small, two steps of the full pi05 preset through `opentau profile` (the training
+step's code, no checkpoint written; skipped when the memory plan says the card is too small) with the memory plan's
+estimate next to torch.cuda.max_memory_allocated, DDP (when more than one GPU is visible), DeepSpeed ZeRO-2 and
+ZeRO-3 on every visible GPU; under each backend a run of N steps saving at N/2 and a resume of that checkpoint whose
+first resumed loss must equal the uninterrupted run's bit for bit and later ones within RESUME_TOLERANCE (cuBLAS in
+its deterministic mode); the attention kernel pi05 runs in; then `opentau profile` with MFU.
 Prints one table and writes it as gpu_check.json and gpu_check.md (a section to paste into BENCHMARKS.md).
 
     scripts/gpu_check.sh                        # on a CUDA machine (a few minutes)
-    scripts/gpu_check.sh --only single,profile  # a subset: single, pi05, ddp, zero2, zero3, profile
+    scripts/gpu_check.sh --only single,profile  # a subset: single, pi05, ddp, zero2, zero3, attention, profile
     scripts/gpu_check.sh --cpu-dry-run          # the same sequence on pi05_tiny with 1-2 CPU processes (tests the script)
 
 Exit 0 when nothing failed, 1 when a check failed, 2 on a usage mistake.
@@ -33,7 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, command_line, env, machine, opentau_bin  # noqa: E402
 from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, step_dir_name  # noqa: E402
 
-CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "profile")
+CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "attention", "profile")
+# Later resumed steps may differ by this much (relative): DDP rebuilds its gradient buckets after the first step, and
+# some CUDA kernels reduce in a varying order; the first resumed step, from the restored state, must be exact.
+RESUME_TOLERANCE = 1e-3
 BACKENDS = ("single", "ddp", "zero2", "zero3")
 FULL_CONFIG = EXAMPLES / "pi05_config.json"
 
@@ -91,6 +97,8 @@ def accelerate_yaml(backend: str, plan: Plan) -> dict:
         if stage == 3:
             ds["zero3_save_16bit_model"] = False
         out.update(distributed_type="DEEPSPEED", use_cpu=False, deepspeed_config=ds)
+        if not plan.cpu:
+            out["gpu_ids"] = "all"
     return out
 
 
@@ -127,8 +135,9 @@ class Checker:
             f.write("$ opentau " + " ".join(args) + "\n")
             f.flush()
             try:
-                rc = subprocess.run([opentau_bin(), *args], stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=REPO,
-                                    timeout=self.plan.timeout).returncode
+                # cuBLAS's deterministic workspace: the same computation gives the same bits run to run.
+                rc = subprocess.run([opentau_bin(), *args], stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                                    env={**env(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, timeout=self.plan.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = None
         seconds = time.perf_counter() - start
@@ -182,24 +191,57 @@ class Checker:
             shutil.rmtree(home)  # pi05_small checkpoints are about 1 GB each; a failed backend's runs stay for a look
         return rows
 
-    def full_pi05_step(self) -> Row:
+    def full_pi05_step(self) -> list[Row]:
+        """Two steps of the full pi05 (random weights) through `opentau profile`, which runs the training step's code
+        and writes no checkpoint; the second step's peak next to the memory plan's estimate for the same run."""
+        backend = "pi05 (3.3B), single"
         if self.plan.cpu:
-            return Row("one step", "pi05 (3.3B), single", "SKIP", "needs CUDA (the full preset is refused on CPU)")
+            return [Row("one step", backend, "SKIP", "needs CUDA (the full preset is refused on CPU)"),
+                    Row("memory plan vs peak", backend, "SKIP", "needs CUDA")]
+        import torch
+
+        from opentau_cli.config import TrainConfig, read_accelerate_config
+        from opentau_cli.memory_plan import CUDA_OVERHEAD, gb, plan_memory
+
         config = training_config(FULL_CONFIG, self.setup / "pi05_full.json")
-        out = self.runs / "pi05"
-        shutil.rmtree(out, ignore_errors=True)
+        accel = self.yaml_for("single")
+        cfg = TrainConfig.model_validate({**json.loads(config.read_text()), "batch_size": 2, "per_device_batch_size": 2,
+                                          "gradient_accumulation_steps": 1})
+        planned = plan_memory(cfg, read_accelerate_config(accel))
+        card = torch.cuda.get_device_properties(0).total_memory
+        if not planned.fits(card):
+            reason = f"the memory plan needs {gb(planned.total)}, the card has {gb(card)}"
+            return [Row("one step", backend, "SKIP", reason), Row("memory plan vs peak", backend, "SKIP", reason)]
+        report_path = self.out / "pi05_profile.json"
         ok, last, seconds, log = self.opentau("pi05-step", [
-            "train", f"--config_path={config}", f"--accelerate-config={self.yaml_for('single')}", f"--output_dir={out}",
-            "--steps", "1", "--save_freq", "1000000", "--log_freq", "1", "--batch_size", "2"])
+            "profile", f"--config_path={config}", f"--accelerate-config={accel}", "--steps", "1", "--warmup", "1",
+            "--json", str(report_path), "--batch_size", "2"])
         if not ok:
-            return self.failed("one step", "pi05 (3.3B), single", last, seconds, log)
-        records = train_records(out)
-        if not records or not math.isfinite(records[0]["loss"]):
-            return Row("one step", "pi05 (3.3B), single", "FAIL", f"no finite loss in {out / 'metrics.jsonl'}", seconds)
-        if not self.keep_runs:
-            shutil.rmtree(out)
-        return Row("one step", "pi05 (3.3B), single", "PASS", f"loss {records[0]['loss']:.4f}", seconds,
-                   {"loss": records[0]["loss"]})
+            return [self.failed("one step", backend, last, seconds, log),
+                    Row("memory plan vs peak", backend, "SKIP", "the step failed")]
+        report = json.loads(report_path.read_text())
+        step = Row("one step", backend, "PASS", f"{report['step_time_s']:.2f} s per step at batch 2", seconds,
+                   {"step_time_s": report["step_time_s"]})
+        return [step, memory_row(backend, planned.total - CUDA_OVERHEAD, max(m["bytes"] for m in report["peak_memory"]))]
+
+    def attention(self) -> Row:
+        """The kernel pi05_small's attention runs in, one bf16 forward and backward on this machine's device."""
+        import torch
+
+        from opentau_cli.config.model import PolicyConfig
+        from opentau_cli.memory_plan import fake_inputs, policy_module
+        from opentau_cli.policies.pi05.modeling import attention_kernels
+
+        device = "cpu" if self.plan.cpu else "cuda"
+        start = time.perf_counter()
+        cfg = PolicyConfig(preset="pi05_tiny" if self.plan.cpu else "pi05_small")
+        policy = policy_module(cfg, torch.bfloat16).to(device)
+        inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in fake_inputs(cfg, 2, 1).items()}
+        used = attention_kernels(lambda: policy.loss(inputs)["loss"].backward())
+        names = ", ".join(f"{name} x{count}" for name, count in sorted(used.items()))
+        result = "FAIL" if "math" in used or not used else "PASS"
+        return Row("attention kernel", f"{cfg.preset}, {device}", result, names or "no attention call seen",
+                   time.perf_counter() - start, used)
 
     def profile(self) -> Row:
         report_path = self.out / "profile.json"
@@ -230,16 +272,36 @@ def train_records(run_dir: Path) -> list[dict]:
 
 def resume_row(backend: str, full: dict[int, float], resumed: dict[int, float], steps: range, seconds: float,
                log: Path) -> Row:
-    """Exact means equal floats: the same world size and backend replay the same computation."""
-    detail = {"steps": list(steps), "uninterrupted": [full[s] for s in steps], "resumed": [resumed.get(s) for s in steps]}
+    """The first resumed step replays the saved state exactly: its loss must equal the uninterrupted run's bit for
+    bit. Later steps may drift by RESUME_TOLERANCE (relative), what GPU kernels' varying reduction order allows."""
+    detail = {"steps": list(steps), "uninterrupted": [full[s] for s in steps], "resumed": [resumed.get(s) for s in steps],
+              "tolerance": RESUME_TOLERANCE}
     if sorted(resumed) != list(steps):
         return Row("exact resume", backend, "FAIL", f"the resume logged steps {sorted(resumed)}, expected "
                    f"{steps.start}..{steps.stop - 1} (log: {log})", seconds, detail)
+    first = steps.start
+    if resumed[first] != full[first]:
+        return Row("exact resume", backend, "FAIL", f"step {first}: the first resumed loss {resumed[first]!r} differs "
+                   f"from the uninterrupted {full[first]!r}", seconds, detail)
     worst = max(abs(resumed[s] - full[s]) / max(abs(full[s]), 1e-12) for s in steps)
     if worst == 0:
         return Row("exact resume", backend, "PASS", f"steps {steps.start}-{steps.stop - 1}: losses equal", seconds, detail)
-    return Row("exact resume", backend, "FAIL", f"steps {steps.start}-{steps.stop - 1}: losses differ, max relative "
-               f"difference {worst:.2e}", seconds, detail)
+    if worst <= RESUME_TOLERANCE:
+        return Row("exact resume", backend, "PASS", f"step {first} equal, steps {first + 1}-{steps.stop - 1} within "
+                   f"{worst:.1e} (tolerance {RESUME_TOLERANCE:.0e})", seconds, detail)
+    return Row("exact resume", backend, "FAIL", f"step {first} equal, later losses differ by up to {worst:.2e} relative "
+               f"(tolerance {RESUME_TOLERANCE:.0e})", seconds, detail)
+
+
+def memory_row(backend: str, planned: int, measured: int) -> Row:
+    """The memory plan (without its CUDA-context allowance) next to torch.cuda.max_memory_allocated: the plan must
+    not underestimate by more than 10%."""
+    from opentau_cli.memory_plan import gb
+
+    ratio = measured / max(planned, 1)
+    result = "PASS" if ratio <= 1.10 else "FAIL"
+    return Row("memory plan vs peak", backend, result, f"planned {gb(planned)}, measured {gb(measured)} "
+               f"(max_memory_allocated / plan = {ratio:.2f})", None, {"planned": planned, "measured": measured})
 
 
 def table(rows: list[Row]) -> list[list[str]]:
@@ -301,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         if check not in args.only:
             continue
         if check == "pi05":
-            done = [checker.full_pi05_step()]
+            done = checker.full_pi05_step()
+        elif check == "attention":
+            done = [checker.attention()]
         elif check == "profile":
             done = [checker.profile()]
         elif check == "ddp" and plan.procs < 2:

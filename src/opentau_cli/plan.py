@@ -94,7 +94,11 @@ LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir, check_trackers)
 
 def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:
     """Every rule a launch must pass on `machine` (resume checks aside): raises one UserError naming every problem."""
-    return validate(cfg, setup, machine, LAUNCH_CHECKS)
+    from opentau_cli.memory_plan import check_memory
+
+    checked = validate(cfg, setup, machine, LAUNCH_CHECKS)
+    check_memory(checked.config, setup, machine)  # a run that will not fit the card is refused before launch
+    return checked
 
 
 @dataclass

@@ -32,6 +32,9 @@ def validate_cmd(
     main_process_port: MainPortOpt = None,
     reshard: ReshardOpt = "false",
     rollback: RollbackOpt = "false",
+    gpu_memory: Optional[str] = typer.Option(
+        None, "--gpu-memory", help="Check the memory plan against cards of this size (e.g. 80GB) instead of this machine's."
+    ),
 ) -> None:
     """Run every check `train` runs before launching (with --resume=true, also the checkpoint's), without launching.
 
@@ -40,6 +43,8 @@ def validate_cmd(
     Examples:
 
         opentau config validate configs/examples/pi05_tiny_config.json
+
+        opentau config validate configs/examples/pi05_config.json --accelerate-config configs/examples/accelerate_ddp_config.yaml --gpus 8 --gpu-memory 80GB
 
         opentau config validate configs/examples/pi05_config.json --accelerate-config configs/examples/accelerate_deepspeed_zero3_config.yaml --gpus 8
 
@@ -50,6 +55,10 @@ def validate_cmd(
     from opentau_cli.cli.summary import summarize
     from opentau_cli.plan import plan_train
 
+    from opentau_cli.memory_plan import parse_size, set_card_memory
+
+    if gpu_memory is not None:
+        set_card_memory(parse_size(gpu_memory))
     machine = Machine.with_gpus(gpus) if gpus is not None else None
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     plan = plan_train(config, accelerate_config, list(ctx.args), machine, machines=machines,

@@ -30,6 +30,16 @@ def optimizer_row(counts: dict[str, int], world_size: int, zero_stage: int | Non
     return f"{_human(total)}B AdamW state (2 fp32 moments per trainable parameter; {where})"
 
 
+def memory_row(cfg, accel, machine) -> str:
+    """The memory plan's peak per GPU, and the margin on the card it was checked against (opentau_cli/memory_plan.py)."""
+    from opentau_cli.memory_plan import card_memory, plan_memory
+
+    try:
+        return plan_memory(cfg, accel).describe(card_memory(machine))
+    except Exception as error:  # noqa: BLE001  (a plan that cannot be computed never blocks a launch; it says why)
+        return f"not computed ({type(error).__name__}: {error})"
+
+
 def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
     checked = plan.checked
     cfg, accel = checked.config, checked.accelerate
@@ -57,6 +67,7 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
                      f"{cfg.dataset.repo_id} at {cfg.dataset.revision} (Hugging Face Hub, read from its cache)")
          if cfg.dataset.mixture is None else "mixture of " + ", ".join(f"{m.label} (weight {m.weight:g})" for m in cfg.dataset.mixture)),
     ]
+    rows.append(("memory plan", memory_row(cfg, accel, checked.machine)))
     if plan.resume_from:
         rows.append(("resume from", str(plan.resume_from)))
     rows.append(("checked for", checked.machine.describe()))

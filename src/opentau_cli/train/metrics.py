@@ -85,26 +85,32 @@ def format_eta(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes each record as one JSON line (rank 0 only) and to TensorBoard via `accelerator.log`."""
+    """Writes each record as one JSON line (rank 0 only), to TensorBoard via `accelerator.log`, and to the run's
+    other trackers (train/trackers.py): every tracker gets every record metrics.jsonl gets."""
 
-    def __init__(self, accelerator, path: Path, *, tensorboard: bool):
+    def __init__(self, accelerator, path: Path, *, tensorboard: bool, trackers=None):
+        from opentau_cli.train.trackers import Trackers
+
         self.accelerator = accelerator
         self.enabled = accelerator.is_main_process
         self.path = path
         self.tensorboard = tensorboard
+        self.trackers = trackers if trackers is not None else Trackers(path.parent)  # none: a no-op
         self._file = open(path, "a") if self.enabled else None
 
     def log(self, record: dict) -> None:
+        from opentau_cli.train.trackers import tracker_values
+
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.tensorboard:
-            prefix = "val/" if record.get("kind") == "val" else "train/"
-            values = {prefix + k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step",)}
-            self.accelerator.log(values, step=record["step"])
+            self.accelerator.log(tracker_values(record), step=record["step"])
+        self.trackers.log(record)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self.trackers.close()

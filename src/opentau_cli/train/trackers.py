@@ -87,12 +87,14 @@ class Trackers:
     def open(cls, accelerator, cfg, run_dir: Path, *, resume_state: dict | None = None, step: int = 0,
              lineage: dict | None = None) -> "Trackers":
         """Start the trackers of `cfg.logging.trackers` (but TensorBoard) on the main process; with `resume_state`
-        (the checkpoint's training_state.json, resumed at `step`) continue or fork the runs it records."""
+        (the checkpoint's training_state.json, resumed at `step`) continue or fork the runs it records; `lineage`
+        (default: the checkpoint's) is recorded on the runs."""
         names = [n for n in cfg.logging.trackers if n != TENSORBOARD]
         run_dir = Path(run_dir)
         if not names or not accelerator.is_main_process:
             return cls(run_dir)
         recorded = (resume_state or {}).get("trackers") or {}
+        lineage = lineage if lineage is not None else (resume_state or {}).get("lineage")
         logged = _read_logged(run_dir)
         trackers, ids, notes, forked = {}, {}, [], set()
         for name in names:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 class Preemption:
@@ -44,13 +45,15 @@ def fit(cfg, setup, launch: dict, console) -> int:
     from opentau_cli.checkpoint.layout import METRICS, TB_RUN, TENSORBOARD
     from opentau_cli.checkpoint.manager import CheckpointManager
     from opentau_cli.runtime import keep_until_exit
+    from opentau_cli.checkpoint.manager import read_training_state
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
+    from opentau_cli.train.trackers import Trackers
     from opentau_cli.train.trainer import build_trainer
 
     run_dir = Path(cfg.output_dir)
     resume_from = Path(launch["resume_from"]) if launch.get("resume_from") else None
     preemption = Preemption(cfg.checkpoint.save_on_preemption)
-    tb_dir = run_dir / TENSORBOARD if cfg.logging.tensorboard else None
+    tb_dir = run_dir / TENSORBOARD if cfg.logging.uses_tensorboard else None
     trainer = build_trainer(cfg, setup, tensorboard_dir=tb_dir, console=console)
     keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
     acc = trainer.accelerator
@@ -68,10 +71,15 @@ def fit(cfg, setup, launch: dict, console) -> int:
     if tb_dir is not None:
         # One TensorBoard run per run directory; a resume purges what a dead or rolled-back launch logged past its step.
         acc.init_trackers(TB_RUN, init_kwargs={"tensorboard": {"purge_step": trainer.step + 1}} if resume_from else {})
-    metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None)
+    # W&B, MLflow, ...: continue (or fork) the tracked runs the checkpoint records (train/trackers.py).
+    trackers = Trackers.open(acc, cfg, run_dir, resume_state=read_training_state(resume_from) if resume_from else None,
+                             step=trainer.step)
+    metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None, trackers=trackers)
     progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar)
     if resume_from is not None:
         progress.message(f"Resumed from {resume_from} at step {trainer.step}.")
+    for note in trackers.notes:
+        progress.message(note)
     config = cfg.to_json_dict()
     config["resume"] = False  # a saved config starts nothing by itself; --resume=true or `opentau resume` resumes it
     try:
@@ -89,7 +97,9 @@ def fit(cfg, setup, launch: dict, console) -> int:
                     metrics.log(record)
                     progress.message(f"step {step}: val_loss {record.get('val_loss', float('nan')):.4f}")
             if step % cfg.save_freq == 0 or step == cfg.steps or result.stop:
-                ckpt.save(step, config=config, state=trainer.state_dict())
+                started = time.perf_counter()
+                saved = ckpt.save(step, config=config, state={**trainer.state_dict(), "trackers": trackers.state()})
+                trackers.checkpoint(step, time.perf_counter() - started, saved)
             if result.stop:
                 ckpt.wait()
                 progress.message(f"Preempted: saved step {step}; continue with `opentau resume {run_dir}`.")

@@ -1,0 +1,67 @@
+"""The memory plan (opentau_cli/memory_plan.py): computed on fake tensors of the real model, it matches the same
+tracker on real tensors of pi05_small within 10%, the example pi05 config fits an 80 GB card by it, and a run that
+does not fit is refused before launch with settings that would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from opentau_cli.cli.main import app
+from opentau_cli.config import TrainConfig
+from opentau_cli.config.accelerate import AccelerateSetup
+from opentau_cli.errors import UserError
+from opentau_cli.memory_plan import CUDA_OVERHEAD, policy_module, check_fits, fake_inputs, measure_step_peak, parse_size, plan_memory
+from conftest import EXAMPLES
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (conftest.one_thread says why)."""
+
+
+def test_the_plan_of_pi05_small_is_within_10_percent_of_its_measured_peak_on_cpu():
+    cfg = TrainConfig(policy={"preset": "pi05_small", "image_resolution": (224, 224)}, batch_size=2)
+    setup = AccelerateSetup(backend="single")
+    plan = plan_memory(cfg, setup)
+    planned = plan.total - CUDA_OVERHEAD
+
+    torch.manual_seed(0)
+    policy = policy_module(cfg.policy, torch.float32)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    g = torch.Generator().manual_seed(0)
+    inputs = fake_inputs(cfg.policy, 2, cfg.dataset.num_cameras)
+    inputs["images"] = torch.rand(inputs["images"].shape, generator=g) * 2 - 1
+    inputs["actions"] = torch.randn(inputs["actions"].shape, generator=g)
+    measured = measure_step_peak(policy, inputs, optimizer, autocast=False)
+    assert abs(planned - measured) <= 0.10 * measured, (plan.describe(), measured)
+
+
+def test_the_example_pi05_config_fits_an_80gb_card_under_ddp_and_zero2_with_the_margin_printed(tmp_path):
+    for accel in ("accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml"):
+        result = CliRunner().invoke(app, [
+            "config", "validate", str(EXAMPLES / "pi05_config.json"), "--accelerate-config", str(EXAMPLES / accel),
+            "--gpus", "8", "--gpu-memory", "80GB", f"--output_dir={tmp_path / 'run'}",
+            "--policy.pretrained_path=null", "--policy.tokenizer_path=null"])
+        assert result.exit_code == 0, result.output
+        row = next(line for line in result.stdout.splitlines() if line.strip().startswith("memory plan"))
+        assert "fits a 80.0 GB card (margin" in row and "gradient checkpointing on" in row, row
+
+
+def test_a_run_that_does_not_fit_is_refused_naming_settings_that_would():
+    cfg = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=8)
+    setup = AccelerateSetup(backend="ddp", num_processes=2, mixed_precision="bf16")
+    plan = plan_memory(cfg, setup)
+    smaller = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=8, per_device_batch_size=1, gradient_accumulation_steps=8)
+    card = (plan.total + plan_memory(smaller, setup).total) // 2
+    with pytest.raises(UserError) as refused:
+        check_fits(cfg, setup, card)
+    assert "--per_device_batch_size=1 --gradient_accumulation_steps=8" in str(refused.value)
+    check_fits(smaller, setup, card)  # the named setting does fit
+
+
+def test_the_card_size_is_read_in_plain_units_and_a_bad_one_is_one_sentence():
+    assert parse_size("80GB") == 80 * 10**9 and parse_size("24GiB") == 24 * 2**30 and parse_size("141 GB") == 141 * 10**9
+    with pytest.raises(UserError, match="--gpu-memory takes a size such as 80GB"):
+        parse_size("lots")
