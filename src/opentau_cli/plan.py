@@ -240,9 +240,6 @@ def _keep_global_batch(cfg: TrainConfig, ckpt: Path, saved: dict, setup: Acceler
     global batch on this launch; returns the line that says what changed."""
     import json
 
-    if cfg.policy.lora.enabled:
-        raise UserError(f"Checkpoint '{ckpt}' is a LoRA run: --reshard=true continues full fine-tuning runs only; "
-                        "resume it with the backend and number of processes it was saved by.")
     try:
         saved_cfg = json.loads((ckpt / TRAIN_CONFIG).read_text())
     except (OSError, ValueError):
