@@ -137,3 +137,13 @@ def test_an_unknown_or_missing_tracker_is_one_line_naming_the_extra(monkeypatch)
         "logging.trackers names 'neptune', which is not a tracker Accelerate supports "
         f"({', '.join(trackers_mod.known_trackers())}).",
     ]
+
+
+def test_a_tracker_that_cannot_start_is_one_line_saying_what_to_do(tmp_path, offline_trackers, monkeypatch):
+    from opentau_cli.errors import UserError
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")  # MLflow 3 refuses a file store unless allowed
+    cfg = load_config(None, [f"--output_dir={tmp_path}", "--logging.trackers=mlflow"])
+    with pytest.raises(UserError, match=r"^logging.trackers: mlflow did not start \(MlflowException: .*\); set "
+                                        r"MLFLOW_TRACKING_URI to your tracking server"):
+        Trackers.open(MAIN, cfg, tmp_path)

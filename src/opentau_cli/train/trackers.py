@@ -19,10 +19,19 @@ import json
 import os
 from pathlib import Path
 
+from opentau_cli.errors import UserError
+
 TENSORBOARD = "tensorboard"
 LOGGED = "trackers.json"  # in the run directory: {tracker: {"id": run id, "step": the last step it got}}
 # What a tracker needs installed: the import name and the opentau-cli extra that installs it.
 EXTRAS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+START_HINTS = {
+    "wandb": "log in with `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to keep the run under "
+             "<output_dir>/wandb/ for a later `wandb sync`",
+    "mlflow": "set MLFLOW_TRACKING_URI to your tracking server (a local file: store also needs MLFLOW_ALLOW_FILE_STORE=true)",
+}
 
 
 def known_trackers() -> list[str]:
@@ -101,7 +110,11 @@ class Trackers:
             old = recorded.get(name)
             past = logged.get(name, {})
             fork = old is not None and past.get("id") == old and int(past.get("step", 0)) > step
-            tracker, ids[name] = _start(name, cfg, run_dir, old, step, fork)
+            try:
+                tracker, ids[name] = _start(name, cfg, run_dir, old, step, fork)
+            except Exception as exc:  # a login, a server, a run id the tracker does not know: the user's to fix
+                raise UserError(f"logging.trackers: {name} did not start ({type(exc).__name__}: {exc}); "
+                                f"{START_HINTS.get(name, 'check its settings')}.") from exc
             trackers[name] = tracker
             if fork:
                 forked.add(name)
