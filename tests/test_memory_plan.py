@@ -38,15 +38,15 @@ def test_the_plan_of_pi05_small_is_within_10_percent_of_its_measured_peak_on_cpu
     assert abs(planned - measured) <= 0.10 * measured, (plan.describe(), measured)
 
 
-def test_the_example_pi05_config_fits_an_80gb_card_under_ddp_and_zero2_with_the_margin_printed(tmp_path):
-    for accel in ("accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml"):
+def test_the_example_pi05_config_fits_an_80gb_card_under_every_backend_with_the_margin_printed(tmp_path):
+    for accel in ("accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml", "accelerate_deepspeed_zero3_config.yaml"):
         result = CliRunner().invoke(app, [
             "config", "validate", str(EXAMPLES / "pi05_config.json"), "--accelerate-config", str(EXAMPLES / accel),
             "--gpus", "8", "--gpu-memory", "80GB", f"--output_dir={tmp_path / 'run'}",
             "--policy.pretrained_path=null", "--policy.tokenizer_path=null"])
         assert result.exit_code == 0, result.output
         row = next(line for line in result.stdout.splitlines() if line.strip().startswith("memory plan"))
-        assert "fits a 80.0 GB card (margin" in row and "gradient checkpointing on" in row, row
+        assert "fits a 80.0 GB card (margin" in row and "4 per device" in row, row
 
 
 def test_a_run_that_does_not_fit_is_refused_naming_settings_that_would():
