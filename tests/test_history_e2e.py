@@ -1,12 +1,13 @@
 """A run's history end to end through the installed CLI: lineage, refusals and rollbacks, paths that travel, the
-schedule line and Ctrl-C, on 2-process DDP (three launches) and ZeRO-2 (two launches).
+schedule lines and Ctrl-C, on 2-process DDP (three launches) and ZeRO-2 (two launches).
 
 Every launch runs from a different working directory than the one before, with relative paths where a user types
-them. DDP: train 6 steps (saves at 2, 4, 6) from `work/` with a relative dataset root and output_dir; the resume of
+them. DDP: train 6 steps (saves at 2, 4, 6; decay over 6 steps; openpi's augmentation on) from `work/` with a relative
+dataset root and output_dir; the resume of
 000002 is refused three ways; resumed from `other/` with --rollback=true and --steps=8; then the run directory and
 the dataset are moved, the resume names the missing dataset, and a resume from `third/` with --dataset.root
 continues until a Ctrl-C at its save of step 10. ZeRO-2: train 4 steps from `work/`, move the run, resume 000002
-from `other/` with --rollback=true.
+from `other/` with --rollback=true and --steps=6.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ class History:
 def ddp(tmp_path_factory):
     h = History(tmp_path_factory.mktemp("history_ddp"), "ddp")
     run = h.cwd["work"] / "runs" / "r"
-    h.first = h.train(DDP, 6)
+    # decay_steps fixed: the resume's new --steps keeps the schedule, so its steps 3-6 must repeat the first launch's
+    # losses bit for bit (with openpi's augmentation on: per-sample draws from the data position).
+    h.first = h.train(DDP, 6, "--scheduler.decay_steps=6", "--dataset.augment=openpi")
     h.first_launches = launch_ids(run)
     h.first_records = records(run)
     h.first_tree = tree(run / CHECKPOINTS)
@@ -176,11 +179,12 @@ def test_tensorboard_continues_from_the_rollback_step_in_one_run(ddp):
     assert starts == [3]  # purge_step: TensorBoard drops what earlier files logged from step 3 on
 
 
-def test_the_schedule_line_says_what_a_new_steps_does_to_the_learning_rate(ddp):
-    before, after = cosine_lr(2, 6), cosine_lr(2, 8)
-    assert (f"Schedule: --steps 6 -> 8 re-plans the cosine decay over 8 steps: the learning rate at step 2 goes from "
-            f"{before:.3g} to {after:.3g}") in ddp.rollback.stderr
-    assert "--scheduler.decay_steps=6" in ddp.rollback.stderr
+def test_a_fixed_decay_keeps_the_schedule_and_the_rolled_back_steps_repeat_exactly_with_augmentation(ddp):
+    assert ("Schedule unchanged: scheduler.decay_steps=6 fixes the cosine decay, so --steps 6 -> 8 only changes where "
+            "the run stops.") in ddp.rollback.stderr
+    first = {r["step"]: r["loss"] for r in ddp.first_records if r.get("kind") == "train"}
+    again = {r["step"]: r["loss"] for r in ddp.after_rollback if r.get("kind") == "train"}
+    assert [again[s] for s in range(3, 7)] == [first[s] for s in range(3, 7)]
 
 
 def test_a_moved_run_names_the_missing_dataset_and_resumes_with_the_override_from_another_directory(ddp):
@@ -208,7 +212,8 @@ def test_a_zero2_run_records_lineage_and_rolls_back_after_moving(tmp_path_factor
     old = h.cwd["work"] / "runs" / "r"
     (old / CHECKPOINTS / "000007").mkdir(parents=True)
     (old / METRICS).write_text('{"step": 7}\n')
-    first_launch = h.train(ZERO2, 4, "--overwrite=true")
+    # Asynchronous saves: the lineage is recorded as by synchronous ones.
+    first_launch = h.train(ZERO2, 4, "--overwrite=true", "--checkpoint.async_save=true")
     assert (f"--overwrite=true: removing checkpoints/ (000007) and metrics.jsonl of the earlier run in "
             f"{old.resolve()}") in first_launch.stderr
     moved = h.tmp / "moved" / "r"
@@ -216,13 +221,17 @@ def test_a_zero2_run_records_lineage_and_rolls_back_after_moving(tmp_path_factor
     shutil.move(h.cwd["work"] / "runs" / "r", moved)
     first = {name: state(moved / CHECKPOINTS / name) for name in published(moved)}
     assert first["000004"]["lineage"]["parent"]["name"] == "000002"
-    ok(h.cli(["resume", "../moved/r/checkpoints/000002", "--rollback=true"], "other"))
-    assert published(moved) == ["000002", "000004"]
+    resumed = ok(h.cli(["resume", "../moved/r/checkpoints/000002", "--rollback=true", "--steps=6"], "other"))
+    # Without scheduler.decay_steps a new --steps re-plans the cosine, and the plan says by how much.
+    assert (f"Schedule: --steps 4 -> 6 re-plans the cosine decay over 6 steps: the learning rate at step 2 goes from "
+            f"{cosine_lr(2, 4):.3g} to {cosine_lr(2, 6):.3g}") in resumed.stderr
+    assert "--scheduler.decay_steps=4" in resumed.stderr
+    assert published(moved) == ["000002", "000004", "000006"]
     (stamp,) = [p.name for p in (moved / "rolled_back").iterdir()]
     assert published(moved / "rolled_back" / stamp) == ["000004"]
     again = state(moved / CHECKPOINTS / "000004")["lineage"]
     assert again["parent"]["name"] == "000002" and again["launch"] != first["000004"]["lineage"]["launch"]
-    assert os.readlink(moved / CHECKPOINTS / LAST) == "000004"
+    assert os.readlink(moved / CHECKPOINTS / LAST) == "000006"
     # The dataset root was recorded absolute, the run's own paths relative: the moved run needed no override.
     saved = json.loads((moved / CHECKPOINTS / "000004" / TRAIN_CONFIG).read_text())
     assert saved["output_dir"] == "." and saved["dataset"]["root"] == str((h.cwd["work"] / "data" / "reach").resolve())

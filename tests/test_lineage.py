@@ -214,3 +214,45 @@ def test_a_first_deepspeed_cpu_launch_says_it_builds_its_op_and_later_ones_do_no
     built.mkdir(parents=True)
     (built / "deepspeed_shm_comm.so").write_bytes(b"")
     assert deepspeed_op_note(zero2, cuda=False) is None
+
+
+def test_keep_best_keeps_the_best_by_a_metric_that_rises_and_falls_beside_the_newest(tmp_path):
+    from opentau_cli.checkpoint.layout import BEST
+    from opentau_cli.checkpoint.manager import BestCheckpoints
+
+    run = tmp_path / "run"
+    m = CheckpointManager(FakeAccelerator(), run, total_steps=100, run_id="a", keep_last=2,
+                          best=BestCheckpoints(keep=2, metric="val_loss", mode="min"))
+    losses = {1: 5.0, 2: 3.0, 3: 4.0, 4: 1.0, 5: 6.0, 6: 2.0, 7: 7.0, 8: 8.0}
+    for step, loss in losses.items():
+        m.save(step, config={"steps": 100, "resume": False}, state={"step": step, "validation": {"val_loss": loss}})
+    assert [p.name for p in current_branch(run)] == ["000004", "000006", "000007", "000008"]
+    assert read_last(run / CHECKPOINTS, BEST) == "000004"
+    assert find_checkpoint(f"{run}:best") == (run / CHECKPOINTS / "000004").resolve()
+
+
+def test_keep_best_by_a_larger_is_better_metric_and_never_the_resume_source(tmp_path):
+    from opentau_cli.checkpoint.layout import BEST
+    from opentau_cli.checkpoint.manager import BestCheckpoints
+
+    run = tmp_path / "run"
+    m = manager(run, "a")
+    source = m.save(1, config={"steps": 100}, state={"step": 1, "validation": {"val_acc": 0.1}})
+    resumed = CheckpointManager(FakeAccelerator(), run, total_steps=100, run_id="b", keep_last=1, protect=source,
+                                parent=source, best=BestCheckpoints(keep=1, metric="val_acc", mode="max"))
+    for step, acc in ((2, 0.5), (3, 0.9), (4, 0.2), (5, None)):
+        resumed.save(step, config={"steps": 100}, state={"step": step, "validation": {"val_acc": acc} if acc else None})
+    assert [p.name for p in current_branch(run)] == ["000001", "000003", "000005"]
+    assert read_last(run / CHECKPOINTS, BEST) == "000003"
+
+
+def test_keep_best_without_validation_is_refused_before_launch():
+    from opentau_cli.config import Machine, resolve_accelerate_config, validate
+
+    cfg = load_config(None, ["--checkpoint.keep_best=2"], environ={})
+    with pytest.raises(UserError, match="checkpoint.keep_best ranks checkpoints by their validation val_loss"):
+        validate(cfg, resolve_accelerate_config(None), Machine(cuda=False, gpus=0))
+    cfg = load_config(None, ["--checkpoint.keep_best=2", "--checkpoint.best_metric=loss", "--validation.val_freq=5",
+                             "--validation.val_split=0.2"], environ={})
+    with pytest.raises(UserError, match="'loss' is not a validation key"):
+        validate(cfg, resolve_accelerate_config(None), Machine(cuda=False, gpus=0))

@@ -6,6 +6,7 @@ docs/ARCHITECTURE.md, "Checkpoint contract". A run directory holds:
     rolled_back/<time>/                 checkpoints/ and metrics.jsonl a rollback moved aside (lineage.py)
     checkpoints/<step>/                 published checkpoints, the step zero-padded (step_dir_name)
     checkpoints/last                    the newest published one (point_last writes it, read_last reads it)
+    checkpoints/best                    with checkpoint.keep_best: the best by checkpoint.best_metric
     checkpoints/.tmp-<step>-<run id>/   a save in progress, or left by an interrupted one
     checkpoints/.old-<step>-<run id>/   a checkpoint being deleted, or left by an interrupted deletion
 
@@ -22,6 +23,7 @@ from pathlib import Path
 # The run directory.
 CHECKPOINTS = "checkpoints"
 LAST = "last"
+BEST = "best"  # checkpoints/best: the best kept checkpoint by checkpoint.best_metric (keep_best)
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 TB_RUN = "train"  # tensorboard/train/: every launch of a run writes there (a resume with purge_step)
@@ -113,10 +115,11 @@ def leftover_of(name: str) -> tuple[str, str] | None:
     return None
 
 
-def point_last(root: Path, name: str) -> None:
-    """Atomically repoint `checkpoints/last` (relative symlink; a pointer file where links are not possible)."""
-    link = root / LAST
-    tmp = root / f".{LAST}-{os.getpid()}"
+def point_last(root: Path, name: str, link_name: str = LAST) -> None:
+    """Atomically repoint `checkpoints/last` (or `checkpoints/best`): a relative symlink, a pointer file where links
+    are not possible."""
+    link = root / link_name
+    tmp = root / f".{link_name}-{os.getpid()}"
     tmp.unlink(missing_ok=True)
     try:
         os.symlink(name, tmp)
@@ -125,9 +128,9 @@ def point_last(root: Path, name: str) -> None:
     os.replace(tmp, link)
 
 
-def read_last(root: Path) -> str | None:
-    """The checkpoint name `checkpoints/last` designates (relative symlink or pointer file), or None."""
-    link = root / LAST
+def read_last(root: Path, link_name: str = LAST) -> str | None:
+    """The checkpoint name `checkpoints/last` (or `checkpoints/best`) designates, or None."""
+    link = root / link_name
     if link.is_symlink():
         return Path(os.readlink(link)).name
     if link.is_file():

@@ -61,7 +61,9 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _parent_dir(ckpt_dir: Path) -> tuple[bool, Path | None]:
-    """(recorded, the parent's directory if it is still the very checkpoint recorded)."""
+    """(recorded, the checkpoint that continues the branch below `ckpt_dir`): its parent when it is still the very
+    checkpoint recorded; when retention deleted the parent, the newest older checkpoint (only branch checkpoints stay
+    in checkpoints/: a rollback moves the others); None when the parent was replaced or the branch starts here."""
     record = lineage_of(ckpt_dir)
     if record is None:
         return False, None
@@ -69,18 +71,23 @@ def _parent_dir(ckpt_dir: Path) -> tuple[bool, Path | None]:
     if not parent:
         return True, None
     path = ckpt_dir.parent / parent["name"]
-    if not path.is_dir() or (path / MANIFEST).is_file() and parent.get("manifest_xxh3") not in (None, hash_file(path / MANIFEST)):
+    if not path.is_dir():
+        older = [p for step, p in _published(ckpt_dir.parent) if step < int(parent["step"])]
+        return True, older[-1] if older else None
+    manifest = path / MANIFEST
+    if manifest.is_file() and parent.get("manifest_xxh3") not in (None, hash_file(manifest)):
         return True, None
     return True, path
 
 
 def _newest_child(root: Path, parent: Path) -> Path | None:
-    """The newest published checkpoint that records `parent` (the very one) as its parent."""
+    """The newest published checkpoint that records `parent` (the very one: name and manifest hash) as its parent."""
+    manifest = parent / MANIFEST
+    digest = hash_file(manifest) if manifest.is_file() else None
     for _, path in reversed(_published(root)):
-        if path != parent:
-            recorded, found = _parent_dir(path)
-            if recorded and found == parent:
-                return path
+        recorded = (lineage_of(path) or {}).get("parent") or {}
+        if path != parent and recorded.get("name") == parent.name and recorded.get("manifest_xxh3") == digest:
+            return path
     return None
 
 

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from opentau_cli.checkpoint.faults import fault_point
 from opentau_cli.checkpoint.format import check_readable, migrate_training_state, stamp
 from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, LAST, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, step_dir_name,
-    step_of, tmp_dir,
+    BEST, CHECKPOINTS, LAST, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, read_last,
+    step_dir_name, step_of, tmp_dir,
 )
-from opentau_cli.checkpoint.lineage import LINEAGE, lineage_record, resume_point
+from opentau_cli.checkpoint.lineage import LINEAGE, current_branch, lineage_record, resume_point
 from opentau_cli.checkpoint.manifest import MissingRankState, is_complete, verify_manifest, write_json_atomic, write_manifest
 from opentau_cli.checkpoint.pickle_scan import scan_checkpoint_pickles
 from opentau_cli.config.paths import record_paths
@@ -56,7 +58,14 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 def find_checkpoint(target: Path) -> Path:
     """A checkpoint dir given a run dir (what `last` designates, or its newest complete ancestor), its checkpoints/
-    dir, or a checkpoint dir."""
+    dir, a checkpoint dir, or `RUN:best` (`checkpoints/best`, kept by checkpoint.keep_best)."""
+    text = str(target)
+    if text.endswith(f":{BEST}"):
+        run = Path(text[: -len(BEST) - 1])
+        if not (run / CHECKPOINTS / BEST).is_dir():
+            raise UserError(f"'{text}': {run / CHECKPOINTS / BEST} does not exist; a run keeps its best checkpoint "
+                            "with checkpoint.keep_best and validation (validation.val_freq).")
+        return (run / CHECKPOINTS / BEST).resolve()
     target = Path(target)
     if not target.exists():
         raise UserError(f"'{target}' does not exist: pass a run directory (e.g. outputs/train/pi05) or one of its checkpoints.")
@@ -136,7 +145,7 @@ def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dic
         shown = "; ".join(str(p) for p in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise UserError(
             f"Checkpoint '{ckpt_dir}' fails its manifest ({shown}); nothing was loaded. Resume from an earlier "
-            f"checkpoint (see `opentau checkpoint list {run_dir_of(ckpt_dir)}`)."
+            f"checkpoint (see `opentau checkpoint list {run_dir_of(ckpt_dir)} --verify`, which re-hashes as resume does)."
         )
     # A forged manifest would vouch for anything: also vet every pickle the loaders will open (constructs nothing).
     unsafe = scan_checkpoint_pickles(ckpt_dir)
@@ -233,6 +242,7 @@ class CheckpointManager:
         self.total_steps = total_steps
         self.run_id = run_id
         self.keep_last = keep_last
+        self.best = best or BestCheckpoints()
         self.protect = Path(protect).resolve() if protect else None
         self.parent = Path(parent) if parent else None  # what the next save continues (lineage.py)
         self.async_save = async_save
@@ -432,18 +442,51 @@ class CheckpointManager:
             _delete_hidden(old)
 
     def _retain(self) -> None:
-        """Keep the newest `keep_last` complete checkpoints; never the one this run resumed from."""
+        """Keep the newest `keep_last` complete checkpoints of the current branch and the `keep_best` best by the
+        validation metric; never the one this run resumed from, `last`, or a checkpoint on another branch. Points
+        `checkpoints/best` at the best."""
+        if not self.keep_last and not self.best.keep:
+            return
+        branch = [p for p in current_branch(self.run_dir) if is_complete(p)]
+        best = self.best.choose(branch)
+        if best:
+            point_last(self.root, best[0].name, BEST)
         if not self.keep_last:
             return
-        complete = [p for _, p in checkpoint_steps(self.root) if is_complete(p)]
-        for path in complete[: max(0, len(complete) - self.keep_last)]:
-            if self.protect is not None and path.resolve() == self.protect:
+        kept = set(branch[-self.keep_last:]) | set(best) | {self.root / n for n in [read_last(self.root)] if n}
+        for path in branch:
+            if path in kept or (self.protect is not None and path.resolve() == self.protect):
                 continue
             # Hide it first (atomic rename): a kill mid-deletion leaves a leftover the next run removes, never a
             # half-deleted step directory.
             doomed = old_dir(self.root, path.name, self.run_id)
             os.replace(path, doomed)
             _delete_hidden(doomed)
+
+
+@dataclass(frozen=True)
+class BestCheckpoints:
+    """checkpoint.keep_best / best_metric / best_mode: which checkpoints are the best by their validation record
+    (training_state.json "validation", the validation run at the checkpoint's step)."""
+
+    keep: int = 0
+    metric: str = "val_loss"
+    mode: str = "min"
+
+    def score(self, ckpt: Path) -> float | None:
+        try:
+            value = json.loads((ckpt / TRAINING_STATE).read_text()).get("validation", {}).get(self.metric)
+        except (OSError, ValueError, AttributeError):
+            return None
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+    def choose(self, checkpoints: list[Path]) -> list[Path]:
+        """The `keep` best of `checkpoints`, best first (a tie goes to the later checkpoint)."""
+        if not self.keep:
+            return []
+        scored = [(s, -i, p) for i, p in enumerate(checkpoints) if (s := self.score(p)) is not None]
+        scored.sort(key=lambda t: (t[0] if self.mode == "min" else -t[0], t[1]))
+        return [p for _, _, p in scored[: self.keep]]
 
 
 def _delete_hidden(doomed: Path) -> None:

@@ -137,6 +137,9 @@ class DatasetConfig(DatasetSource):
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
     video_backend: Literal["pyav"] = Field("pyav", description="Video decoder (install the 'video' extra).")
     video_cache_mb: int = Field(256, ge=1, description="Decoded, resized video frames kept per data worker (MiB).")
+    augment: Literal["none", "openpi"] = Field(
+        "none", description="Training image augmentation: 'openpi' = openpi's crop, rotation and colour jitter (wrist "
+                            "cameras: colour only), per sample on the device; 'none' = off.")
     mixture: list[MixtureMember] | None = Field(
         None, min_length=1,
         description="Train on several datasets sampled by weight, each with its own root, key mapping and statistics "
@@ -171,6 +174,10 @@ class SchedulerConfig(Section):
 
 class CheckpointConfig(Section):
     keep_last: int | None = Field(None, ge=1, description="Keep only the newest N complete checkpoints (None = all).")
+    keep_best: int = Field(0, ge=0, description="Also keep the N best checkpoints by best_metric (0 = off); "
+                                               "checkpoints/best points to the best. Needs validation.val_freq.")
+    best_metric: str = Field("val_loss", description="Validation key that ranks checkpoints (val_loss, val_mse_loss, ...).")
+    best_mode: Literal["min", "max"] = Field("min", description="Whether a smaller (min) or larger (max) best_metric is better.")
     save_on_preemption: bool = Field(True, description="On SIGTERM/SIGUSR1 finish the step, save, exit 0.")
     async_save: bool = Field(
         False,

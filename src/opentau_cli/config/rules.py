@@ -124,6 +124,16 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
         errors.append(f"dataset.root '{cfg.dataset.root}' is not a directory (use '{DEMO_DATASET}' for the bundled demo data).")
     if cfg.validation.val_freq > 0 and cfg.validation.val_split == 0:
         errors.append("validation.val_freq > 0 needs held-out episodes: set validation.val_split (e.g. 0.1).")
+    keep_best = cfg.checkpoint
+    if keep_best.keep_best and not cfg.validation.val_freq:
+        errors.append(f"checkpoint.keep_best ranks checkpoints by their validation {keep_best.best_metric}: set "
+                      "validation.val_freq (and validation.val_split).")
+    elif keep_best.keep_best and cfg.save_freq % cfg.validation.val_freq:
+        warnings.append(f"save_freq ({cfg.save_freq}) is not a multiple of validation.val_freq "
+                        f"({cfg.validation.val_freq}): only checkpoints saved at a validation step can be kept as best.")
+    if keep_best.keep_best and not keep_best.best_metric.startswith("val_"):
+        errors.append(f"checkpoint.best_metric '{keep_best.best_metric}' is not a validation key: use val_loss or "
+                      "another val_* key that validation reports.")
 
     # Schedule.
     if cfg.scheduler.type == "cosine_with_warmup" and cfg.scheduler.warmup_steps >= cfg.steps:

@@ -67,6 +67,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
             if key not in self.meta.features:
                 raise UserError(f"{what} '{key}' is not a feature in {self.root / 'meta/info.json'}.")
         self.slots = camera_slots(self.meta, camera_keys or {}, num_cameras)
+        # openpi's rule: a camera whose feature name says "wrist" gets no geometric augmentation (train/augment.py).
+        self._wrist = torch.tensor([feature is not None and "wrist" in feature for feature in self.slots])
         known = sorted(self.meta.episodes)
         if episodes is None:
             episodes = known
@@ -186,6 +188,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
             # numpy, not torch: single-threaded and cheap; torch's intra-op threads only contend with the trainer here.
             "images": torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32) * np.float32(1 / 255)),
             "image_masks": torch.from_numpy(masks),
+            "wrist_cameras": self._wrist,
             "state": torch.from_numpy(self._state[idx].copy()),
             "actions": torch.from_numpy(actions.copy()),
             "action_is_pad": torch.from_numpy(is_pad),

@@ -176,8 +176,15 @@ class BatchStream:
             batch = next(self._it)
         except UserError as e:
             raise _plain_user_error(e) from None
+        batch["sample_key"] = self.sample_keys(self.epoch, self.batch, len(batch["state"]))
         self.batch += 1
         return batch
+
+    def sample_keys(self, epoch: int, batch: int, size: int) -> torch.Tensor:
+        """(epoch, position in the epoch's global order) of each sample of this rank's `batch`: rank r's k-th sample
+        of an epoch is global position k x world_size + r (ResumableSampler), the same on any topology."""
+        local = batch * self.batch_size + torch.arange(size, dtype=torch.int64)
+        return torch.stack([torch.full_like(local, epoch), local * self.sampler.world_size + self.sampler.rank], dim=1)
 
     def close(self) -> None:
         """Stop worker processes now rather than at garbage collection."""

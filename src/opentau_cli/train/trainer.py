@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -15,25 +14,15 @@ import torch
 
 from opentau_cli.checkpoint.reshard import topologies, topology_entry, with_topology
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.train.augment import ImageAugment
 from opentau_cli.train.ema import EMA_KEY, WeightEMA, build_ema, ema_record, resume_ema
+from opentau_cli.train.schedule import lr_factor
 from opentau_cli.train.timing import NO_TIMER, StepTimer
 
 
 def lr_lambda(cfg: TrainConfig):
     """Linear warm-up, then cosine from lr down to decay_lr over decay_steps (default: the run's steps)."""
-    sched, base = cfg.scheduler, cfg.optimizer.lr
-    warmup, final = sched.warmup_steps, sched.decay_lr / base
-    decay_steps = sched.decay_steps or cfg.steps
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if sched.type == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
-        return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
+    return lr_factor(cfg.scheduler, cfg.optimizer.lr, cfg.steps)
 
 
 def process_group_kwargs(cfg: TrainConfig, setup: AccelerateSetup, cuda: bool):
@@ -169,6 +158,8 @@ class Trainer:
     # started at.
     topologies: list = field(default_factory=list)
     launch_step: int = 0
+    # dataset.augment (train/augment.py): on the device, per sample; a no-op when off.
+    augment: ImageAugment = field(default_factory=lambda: ImageAugment("none", 0))
     ema: WeightEMA | None = None  # the EMA of the trained weights (ema.decay; train/ema.py)
 
     @property
@@ -180,7 +171,7 @@ class Trainer:
         # after a resume); forking keeps those draws out of the model's random stream so a resumed run matches.
         with torch.random.fork_rng(devices=[]):
             batch = next(self.data.stream)
-        return to_device(batch, self.accelerator.device)
+        return self.augment(to_device(self.augment.prepare(batch), self.accelerator.device))
 
     def train_step(self, timer: StepTimer = NO_TIMER, *, stop_requested: bool = False) -> StepResult:
         """One optimizer step, then the collectives every rank runs after it: the metrics gather on log steps and the
@@ -453,4 +444,4 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
     return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, data=data,
-                   ema=build_ema(cfg, accelerator, model), **lora)
+                   augment=ImageAugment(cfg.dataset.augment, cfg.seed), ema=build_ema(cfg, accelerator, model), **lora)

@@ -43,7 +43,7 @@ def agree_run_id(accelerator, launch: dict) -> str:
 def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
     from opentau_cli.checkpoint.layout import METRICS, TB_RUN, TENSORBOARD
-    from opentau_cli.checkpoint.manager import CheckpointManager
+    from opentau_cli.checkpoint.manager import BestCheckpoints, CheckpointManager
     from opentau_cli.runtime import keep_until_exit
     from opentau_cli.checkpoint.manager import read_training_state
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
@@ -91,14 +91,17 @@ def fit(cfg, setup, launch: dict, console) -> int:
                 metrics.log(result.record)
                 print(json.dumps(result.record), flush=True)
             progress.update(step, result.record)
+            validation = None
             if cfg.validation.val_freq and step % cfg.validation.val_freq == 0:
-                record = trainer.validate()
-                if record is not None:
-                    metrics.log(record)
-                    progress.message(f"step {step}: val_loss {record.get('val_loss', float('nan')):.4f}")
+                validation = trainer.validate()
+                if validation is not None:
+                    metrics.log(validation)
+                    progress.message(f"step {step}: val_loss {validation.get('val_loss', float('nan')):.4f}")
             if step % cfg.save_freq == 0 or step == cfg.steps or result.stop:
+                # The step's validation goes with the checkpoint: keep_best ranks checkpoints by it.
                 started = time.perf_counter()
-                saved = ckpt.save(step, config=config, state={**trainer.state_dict(), "trackers": trackers.state()})
+                saved = ckpt.save(step, config=config, state={**trainer.state_dict(), "validation": validation,
+                                                              "trackers": trackers.state()})
                 trackers.checkpoint(step, time.perf_counter() - started, saved)
             if result.stop:
                 ckpt.wait()
