@@ -8,6 +8,7 @@ set -euo pipefail
 PEERS_DIR="${OPENTAU_PEERS_DIR:-$HOME/.cache/opentau/peers}"
 PY="${PYTHON:-python3}"
 OPENPI_CLIENT_VERSION=0.1.2
+LEROBOT_VERSION=0.4.4
 
 build() {  # build NAME VERSION PIP_ARGS...
   local name="$1" version="$2"
@@ -22,7 +23,31 @@ build() {  # build NAME VERSION PIP_ARGS...
   mkdir -p "$PEERS_DIR"
   "$PY" -m venv "$dir"
   "$dir/bin/python" -m pip install --quiet --disable-pip-version-check "$@"
+  if [ "$name" = lerobot ]; then finish_lerobot "$dir"; fi
   touch "$dir/.complete"
+}
+
+finish_lerobot() {  # LeRobot itself without its dependency pins (torch < 2.11), and a torchvision stand-in
+  local dir="$1"
+  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "lerobot==$LEROBOT_VERSION"
+  # LeRobot's import chain imports torchvision, which has no build for this CPU torch; the processors and configs
+  # never call it. The stand-in answers any name with an inert class; it sits on sys.path through a .pth file.
+  mkdir -p "$dir/stubs/torchvision"
+  cat > "$dir/stubs/torchvision/__init__.py" <<'PY'
+"""Stand-in for torchvision (none is built for this torch); LeRobot imports it but the code used here never calls it."""
+import sys
+import types
+
+__version__ = "0.0.0"
+for _name in ("transforms", "transforms.v2", "transforms.functional", "transforms.v2.functional", "io", "ops",
+              "models", "datasets", "utils"):
+    _module = types.ModuleType(f"torchvision.{_name}")
+    _module.__getattr__ = lambda attr: type(attr, (), {"__init__": lambda self, *a, **k: None})
+    sys.modules[f"torchvision.{_name}"] = _module
+PY
+  local site
+  site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$dir/stubs" > "$site/opentau_stubs.pth"
 }
 
 want() {  # is NAME asked for (no names = all)?
@@ -37,4 +62,13 @@ NAMES=("$@")
 # typing_extensions without declaring it).
 if want openpi-client; then
   build openpi-client "$OPENPI_CLIENT_VERSION" "openpi-client==$OPENPI_CLIENT_VERSION" typing_extensions
+fi
+# LeRobot's pi05 config and processors (Python 3.11: its newest release for it), beside our torch and the
+# transformers its pi05 was written for; its runtime dependencies pinned by hand (its own pins exclude torch 2.13).
+# LeRobot's pi05 *model* also needs openpi's transformers_replace files, which only openpi's GitHub source holds.
+if want lerobot; then
+  build lerobot "$LEROBOT_VERSION" torch==2.13.0 transformers==4.53.2 draccus==0.10.0 datasets==4.8.5 diffusers==0.35.2 \
+    "huggingface-hub>=0.34.2,<0.36" accelerate==1.15.0 einops==0.8.2 jsonlines==4.0.0 packaging==25.0 deepdiff==8.6.2 \
+    termcolor==3.3.0 gymnasium==1.4.0 safetensors==0.8.0 imageio==2.38.2 av==15.1.0 pyserial==3.5 pynput==1.8.2 \
+    "opencv-python-headless>=4.9,<4.13" "rerun-sdk>=0.24,<0.27" "setuptools>=71,<81"
 fi

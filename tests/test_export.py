@@ -127,6 +127,57 @@ def test_the_lerobot_export_declares_every_camera_and_lerobots_pi05_prompt_steps
     assert steps[2]["config"]["features"]["observation.images.top"]["type"] == "VISUAL"
 
 
+def test_lerobots_own_loaders_read_the_lerobot_export_as_opentau_acts(round_trips, tmp_path):
+    """LeRobot 0.4.4's own code (its venv: scripts/peer_envs.sh) reads the export's config.json (every camera an image
+    feature) and its processor files: its preprocessor normalizes the state and bins it into the prompt as opentau
+    does, and its postprocessor un-normalizes an action chunk as opentau does (LeRobot's quantile normalization has no
+    1e-6 epsilon: equal up to what that epsilon makes). Its pi05 model is not run: it needs openpi's transformers_replace files, which no
+    package registry holds."""
+    import subprocess
+
+    import numpy as np
+
+    from opentau_cli.checkpoint.export import open_saved_policy, statistics
+    from opentau_cli.data.build import make_dataset
+    from opentau_cli.data.mixture import select_member
+    from opentau_cli.data.synth import resolve_dataset_root
+    from opentau_cli.normalization import QUANTILE, normalize, unnormalize
+    from opentau_cli.policies.pi05.tokenization import clean_task, state_bins
+    from peer_envs import peer_python
+
+    python = peer_python("lerobot", "0.4.4")
+    run, out = round_trips(LEROBOT)
+    saved = open_saved_policy(run)
+    member = select_member(saved.config, None)
+    sample = make_dataset(saved.config, member, resolve_dataset_root(member.root), [0])[3]
+    stats = {feature: {k: torch.tensor(v) for k, v in values.items()} for feature, values in statistics(saved).items()}
+    normalized_actions = torch.linspace(-1.2, 1.2, 20).reshape(1, 10, 2)
+    given = tmp_path / "in.npz"
+    np.savez(given, image=sample["images"][0].numpy(), state=sample["state"].numpy(), task=np.array(sample["task"]),
+             normalized_actions=normalized_actions.numpy())
+    result = tmp_path / "out.json"
+    proc = subprocess.run([python, str(Path(__file__).parent / "lerobot_processor_driver.py"), str(out), str(given), str(result)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(result.read_text())
+
+    assert got["image_features"] == ["observation.images.top"]
+    assert got["input_features"] == {"observation.images.top": ["VISUAL", [3, 32, 32]], "observation.state": ["STATE", [4]]}
+    assert got["output_features"] == {"action": ["ACTION", [2]]} and got["max_state_dim"] == 4
+    assert {"observation.language.tokens", "observation.language.attention_mask"} <= set(got["processed_keys"])
+
+    ours = normalize(sample["state"][None], stats["state"], QUANTILE)
+    # LeRobot divides by q99 - q01, openpi and opentau by q99 - q01 + 1e-6: apart by up to 2e-6 / (q99 - q01).
+    spread = (stats["state"]["q99"] - stats["state"]["q01"]).min()
+    assert torch.allclose(torch.tensor(got["normalized_state"]), ours, atol=1e-5 + 2e-6 / spread.item(), rtol=0)
+    (prompt,) = got["prompt"]
+    task, state = prompt.removeprefix("Task: ").removesuffix(";\nAction: ").split(", State: ")
+    assert task == clean_task(sample["task"])
+    assert tuple(int(b) for b in state.split()) == state_bins(ours)[0]
+    expected = unnormalize(normalized_actions, stats["action"], QUANTILE)
+    assert torch.allclose(torch.tensor(got["actions"]), expected, atol=1e-5, rtol=0)
+
+
 def test_a_zero3_run_exports_from_its_deepspeed_shards(round_trips):
     run, _ = round_trips(LEROBOT)
     last = run / CHECKPOINTS / LAST
