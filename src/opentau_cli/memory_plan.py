@@ -218,8 +218,6 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup) -> MemoryPlan:
             parts["fp32 master weights"] = shard(4 * trainable)
         parts["ZeRO buckets"] = wbytes * (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET
                                           + (DS_MAX_LIVE_PARAMETERS if stage == 3 else 0))
-        if stage == 3:  # the gathered layers' weights are the bucket's; the step measure holds the full weights
-            step = max(0, step - wbytes * total)
     # The step's two peaks never overlap: activations (forward / backward, freed before the optimizer runs) and the
     # optimizer step's temporaries (torch's foreach AdamW: about 3 fp32 copies of the parameters it updates).
     updated = trainable if stage is None else -(-trainable // world)
