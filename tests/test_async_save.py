@@ -365,3 +365,26 @@ def test_sigterm_while_a_save_is_in_the_background_waits_for_it_and_for_the_pree
         assert verify_manifest(ckpts / name) == [], name
     assert json.loads((ckpts / saved[-1] / TRAINING_STATE).read_text())["step"] == int(saved[-1])
     assert read_last(ckpts) == saved[-1] and not [p for p in ckpts.iterdir() if p.name.startswith(".")]
+
+
+def test_the_benchmark_arithmetic_on_canned_numbers():
+    """benchmarks/bench_async_save.py: time lost per save, the ratios of each round, and CPU seconds per GB."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_async_save import cpu_per_gb, lost_per_save
+
+    seg = {"none": [(10.0, 0, 0, 0), (12.0, 0, 0, 0), (11.0, 0, 0, 0)],
+           "sync": [(14.0, 2, 0, 0), (16.0, 2, 0, 0), (13.0, 2, 0, 0)],
+           "async": [(11.0, 0.5, 0, 0), (12.5, 0.5, 0, 0), (13.5, 0.5, 0, 0)]}
+    paired, lost, per_round = lost_per_save(seg)
+    assert paired == {"sync": [4.0, 4.0, 2.0], "async": [1.0, 0.5, 2.5]}
+    assert lost == {"sync": 4.0, "async": 1.0}
+    assert per_round == [0.25, 0.125, 1.25]
+    rows = dict(cpu_per_gb({"cpu": {"sync": [(1.5, 5e8), (2.5, 5e8)], "async": [(0.25, 5e8)]},
+                            "writer": [{"bytes": 5e8, "cpu": 1.0, "hash": 0.125, "copy": 0.125, "write": 0.25}] * 2}))
+    assert rows["save CPU per GB, sync (training thread: serialize, write, hash for the manifest)"] == "4.00 CPU-s/GB"
+    assert rows["save CPU per GB, async copy into host memory (training thread, blocks the loop)"] == "0.50 CPU-s/GB"
+    assert rows["save CPU per GB, async writer process"] == (
+        "2.00 CPU-s/GB: hashing 0.25, copying into the write buffer 0.25, write and sync calls 0.50, serializing and "
+        "the rest 1.00 (1.00 GB in 2 files)")
