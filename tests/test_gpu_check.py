@@ -102,17 +102,27 @@ def test_gpu_launches_use_the_example_accelerate_configs_on_every_visible_gpu(ba
     assert single["distributed_type"] == "NO" and single["num_processes"] == 1 and single["mixed_precision"] == "bf16"
 
 
+def check_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """gpu_check's main in this process (its refusals launch nothing): exit code, stdout, stderr."""
+    try:
+        code = gpu_check.main(list(args))
+    except SystemExit as exit_:  # argparse's own exit
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_without_a_gpu_or_the_dry_run_flag_it_exits_2_in_one_line_and_writes_nothing(tmp_path):
-    r = run_check("--out", str(tmp_path / "check"), tmp_path=tmp_path)
+def test_without_a_gpu_or_the_dry_run_flag_it_exits_2_in_one_line_and_writes_nothing(tmp_path, capsys):
+    r = check_in_process(capsys, "--out", str(tmp_path / "check"))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "No CUDA GPU is visible; run on a GPU machine, or pass --cpu-dry-run to check the script on CPU."]
     assert not (tmp_path / "check").exists()
 
 
-def test_an_unknown_check_exits_2_naming_it_and_writes_nothing(tmp_path):
-    r = run_check("--cpu-dry-run", "--only", "single,fsdp", "--out", str(tmp_path / "check"), tmp_path=tmp_path)
+def test_an_unknown_check_exits_2_naming_it_and_writes_nothing(tmp_path, capsys):
+    r = check_in_process(capsys, "--cpu-dry-run", "--only", "single,fsdp", "--out", str(tmp_path / "check"))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "--only takes checks of single, pi05, ddp, zero2, zero3, attention, profile; got 'fsdp'."]
