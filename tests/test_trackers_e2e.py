@@ -111,3 +111,5 @@ def test_mlflow_holds_every_record_of_metrics_jsonl_in_the_same_run(tracked_run,
     run = mlflow.MlflowClient().get_run(run_id)
     assert run.data.params["dataset.repo_id"] == REPO and run.data.params["dataset.revision"] == tracked_run["commit"]
     assert run.data.tags["opentau.resumed_at_step"] == tracked_run["preempted"].name.lstrip("0")
+    lineage = json.loads(run.data.tags["opentau.lineage"])  # the resumed checkpoint's place in the run's history
+    assert lineage == json.loads((tracked_run["preempted"] / TRAINING_STATE).read_text())["lineage"]
