@@ -53,11 +53,14 @@ def test_a_run_that_does_not_fit_is_refused_naming_settings_that_would():
     cfg = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=8)
     setup = AccelerateSetup(backend="ddp", num_processes=2, mixed_precision="bf16")
     plan = plan_memory(cfg, setup)
-    smaller = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=8, per_device_batch_size=1, gradient_accumulation_steps=8)
-    card = (plan.total + plan_memory(smaller, setup).total) // 2
+    smaller = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=8, per_device_batch_size=4, gradient_accumulation_steps=2)
+    card = plan_memory(smaller, setup).total
+    assert card < plan.total
     with pytest.raises(UserError) as refused:
         check_fits(cfg, setup, card)
-    assert "--per_device_batch_size=1 --gradient_accumulation_steps=8" in str(refused.value)
+    message = str(refused.value)
+    assert message.startswith(f"The run needs about {plan.total / 1e9:.1f} GB per GPU (DDP on 2 GPUs, 8 per device")
+    assert "--per_device_batch_size=4 --gradient_accumulation_steps=2 (the same batch_size)" in message
     check_fits(smaller, setup, card)  # the named setting does fit
 
 

@@ -235,26 +235,29 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup) -> MemoryPlan:
 
 
 def alternatives(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> list[str]:
-    """Settings that would fit `card`, each one change away from `cfg` (cheapest first)."""
-    found = []
-    batch = cfg.per_device_batch_size or cfg.batch_size
-    options = []
-    if not cfg.policy.gradient_checkpointing and not (setup.backend == "deepspeed" and setup.zero_stage == 3):
-        options.append(("--policy.gradient_checkpointing=true", {"policy": {"gradient_checkpointing": True}}, None))
-    for smaller in (batch // 2, batch // 4, 1):
-        if 1 <= smaller < batch:
-            accum = cfg.gradient_accumulation_steps * batch // smaller
-            options.append((f"--per_device_batch_size={smaller} --gradient_accumulation_steps={accum} (same batch_size)",
-                            {"per_device_batch_size": smaller, "gradient_accumulation_steps": accum}, None))
-    if setup.world_size > 1 and not (setup.backend == "deepspeed" and setup.zero_stage >= 2):
-        options.append(("DeepSpeed ZeRO-2 (configs/examples/accelerate_deepspeed_config.yaml)", {},
-                        AccelerateSetup(backend="deepspeed", zero_stage=2, num_processes=setup.world_size, mixed_precision="bf16")))
-    if not cfg.policy.lora.enabled:
-        options.append(("--policy.lora.rank=16", {"policy": {"lora": {"rank": 16}}}, None))
-    for text, change, other_setup in options:
+    """Settings that would fit `card`, each one change away from `cfg`: gradient checkpointing, the largest smaller
+    per-device batch that fits (the same batch_size through accumulation), ZeRO-2, LoRA."""
+    def fits(change: dict, other_setup: AccelerateSetup | None = None) -> bool:
         changed = TrainConfig.model_validate(_merge(cfg.model_dump(), change))
-        if plan_memory(changed, other_setup or setup).fits(card):
-            found.append(text)
+        return plan_memory(changed, other_setup or setup).fits(card)
+
+    found = []
+    zero3 = setup.backend == "deepspeed" and setup.zero_stage == 3
+    if not cfg.policy.gradient_checkpointing and not zero3 and fits({"policy": {"gradient_checkpointing": True}}):
+        found.append("--policy.gradient_checkpointing=true")
+    batch = cfg.per_device_batch_size or cfg.batch_size
+    for smaller in range(batch - 1, 0, -1):
+        if batch % smaller == 0:
+            accum = cfg.gradient_accumulation_steps * batch // smaller
+            if fits({"per_device_batch_size": smaller, "gradient_accumulation_steps": accum}):
+                found.append(f"--per_device_batch_size={smaller} --gradient_accumulation_steps={accum} (the same batch_size)")
+                break
+    if setup.world_size > 1 and not (setup.backend == "deepspeed" and (setup.zero_stage or 0) >= 2):
+        zero2 = AccelerateSetup(backend="deepspeed", zero_stage=2, num_processes=setup.world_size, mixed_precision="bf16")
+        if fits({}, zero2):
+            found.append("DeepSpeed ZeRO-2 (configs/examples/accelerate_deepspeed_config.yaml)")
+    if not cfg.policy.lora.enabled and fits({"policy": {"lora": {"rank": 16}}}):
+        found.append("--policy.lora.rank=16")
     return found
 
 
