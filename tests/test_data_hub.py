@@ -177,3 +177,23 @@ def test_a_resume_stays_on_the_recorded_commit_and_changes_only_when_told(cache,
         pin_for_resume(ckpt, config(f"--dataset.repo_id={V21}"), state, {})
     with pytest.raises(UserError, match="this resume names the local dataset @demo"):
         pin_for_resume(ckpt, config(), state, {})
+
+
+def test_the_hubs_answers_gated_missing_repo_and_missing_revision_are_one_line_each():
+    """What the Hub answers (huggingface_hub's own error types, as its client raises them) in one sentence each."""
+    import httpx2
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    from opentau_cli.data.hub import _hub_error
+
+    def answer(kind, status):
+        return kind("the Hub's text", response=httpx2.Response(status, request=httpx2.Request("GET", "https://hub.test")))
+
+    assert str(_hub_error("dataset", "org/private", None, answer(GatedRepoError, 403), False)) == (
+        "dataset.repo_id=org/private: the Hugging Face dataset org/private is gated: accept its conditions on "
+        "https://huggingface.co/datasets/org/private and log in with `hf auth login`.")
+    assert str(_hub_error("dataset.mixture[1]", "org/nope", None, answer(RepositoryNotFoundError, 404), False)) == (
+        "dataset.mixture[1].repo_id=org/nope: there is no Hugging Face dataset org/nope (or it is private: log in "
+        "with `hf auth login`).")
+    assert str(_hub_error("dataset", "org/data", "v9", answer(RevisionNotFoundError, 404), False)) == (
+        "dataset.repo_id=org/data@v9: the Hugging Face dataset org/data has no revision 'v9' (a branch, tag or commit).")
