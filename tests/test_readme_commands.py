@@ -2,7 +2,9 @@
 
 Every ```bash block of README.md runs, in README order, in one scratch directory that holds a copy of the repository's
 configs/ (the blocks' relative paths), with the installed CLI first on PATH, offline and without the user's
-Accelerate default config. A block that needs what CI does not have (a GPU, the network, a cluster) is marked just
+Accelerate default config. A command that trains for its config's own number of steps (no `--steps` on its line) is
+shortened by `OPENTAU_STEPS` (the documented environment override, which a command-line `--steps` beats), so the
+whole test stays within minutes. A block that needs what CI does not have (a GPU, the network, a cluster) is marked just
 above it with `<!-- readme-test: skip: <why> -->`; the reason is required. Blocks are found when the test runs, so a
 block added to the README is tested (or must say why not) without touching this file.
 """
@@ -85,6 +87,7 @@ def _scratch(tmp: Path) -> tuple[Path, dict[str, str]]:
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         HF_HOME=str(tmp / "hf_home"),  # no user Accelerate default config, no Hub cache
         HF_HUB_OFFLINE="1",
+        OPENTAU_STEPS="4",  # e.g. the mixture example's 200 steps of video decoding: minutes on a CI machine
     )
     env.pop("ACCELERATE_CONFIG_DIR", None)
     return cwd, env

@@ -73,7 +73,12 @@ def publishing(target: Path, *, force: bool) -> Iterator[Path]:
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             _remove(old)
             os.replace(target, old)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except BaseException:
+            if old is not None:
+                os.replace(old, target)  # the old target back in its place: nothing lost
+            raise
         if old is not None:
             _remove(old)
     except BaseException:
