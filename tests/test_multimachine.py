@@ -13,24 +13,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, MANIFEST, METRICS, TRAINING_STATE, rank_state_file, step_of
 from opentau_cli.checkpoint.manager import CheckpointManager, latest
 from opentau_cli.checkpoint.manifest import MissingRankState, add_to_manifest, is_complete, verify_manifest, write_manifest
 from opentau_cli.errors import RunError
 from opentau_cli.launch import free_port
 
-TINY = str(EXAMPLES / "pi05_tiny_config.json")
-DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")  # 2 processes in all: here 1 on each of 2 machines
-STEPS, SAVE = 6, 3
-COMMON = ["--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "2",
-          "--batch_size", "4", f"--accelerate-config={DDP}"]
+STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
+# pi05_tiny under the CPU DDP example (2 processes in all: here 1 on each of 2 machines); the session's 1-machine
+# 2-process reference run (conftest.ddp_reference) ran the same.
+COMMON = DDP_REFERENCE_ARGS
+STALE = -1.0  # no real loss: marks the records the killed launch left past the checkpoint resumed from
 KILL_HOOK = Path(__file__).parent / "kill_hook"
 
 
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+    return {r["step"]: r["loss"] for r in records(run_dir) if r.get("kind") == "train"}
+
+
+def mark_stale_past(run_dir: Path, step: int) -> None:
+    """Give the records past `step` a loss no run logs: the resume must drop them and log those steps itself."""
+    lines = [json.dumps({**r, "loss": STALE} if r.get("step", 0) > step and "loss" in r else r) for r in records(run_dir)]
+    (run_dir / METRICS).write_text("".join(line + "\n" for line in lines))
 
 
 def env_for(tmp: Path, **extra: str) -> dict:
@@ -61,25 +70,25 @@ def ok(result) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A 1-machine 2-process run; the same run on 2 machines, whose machine 1 is SIGKILLed in its last save (step 6);
-    what was on disk then; and the 2-machine resume of its step-3 checkpoint, which runs to the end."""
+def runs(tmp_path_factory, ddp_reference):
+    """A 1-machine 2-process run (the session's shared reference); the same run on 2 machines, whose machine 1 is
+    SIGKILLed in its last save (step 6); what was on disk then; and the 2-machine resume of its step-3 checkpoint,
+    which runs to the end."""
     tmp = tmp_path_factory.mktemp("multimachine")
-    one = tmp / "one_machine"
-    ok(run_cli(["train", f"--config_path={TINY}", f"--output_dir={one}", *COMMON], env=env_for(tmp)))
     two = tmp / "two_machines"
     kill = {"PYTHONPATH": str(KILL_HOOK), "TEST_KILL_AT": f"before_metadata@{STEPS}", "TEST_KILL_RANK": "1"}
-    killed = two_machines(["train", f"--config_path={TINY}", f"--output_dir={two}", *COMMON], tmp, env1=kill)
+    killed = two_machines(["train", f"--output_dir={two}", *COMMON], tmp, env1=kill)
     ckpts = two / CHECKPOINTS
     after_kill = {"published": sorted(p.name for p in ckpts.iterdir() if step_of(p.name) is not None),
                   "latest": latest(two), "sound": verify_manifest(ckpts / "000003") == [],
-                  "verify": run_cli(["checkpoint", "verify", str(two)], env=env_for(tmp)).returncode}
+                  "verify": run_cli_in_process(["checkpoint", "verify", str(two)], env=env_for(tmp)).returncode}
     full = losses(two)  # every step was logged before the kill
+    mark_stale_past(two, SAVE)
     resumed = two_machines(["resume", str(ckpts / "000003")], tmp)
     for r in resumed:
         ok(r)
-    return {"tmp": tmp, "one": losses(one), "dir": two, "full": full, "killed": killed, "after_kill": after_kill,
-            "resume": resumed, "resumed": losses(two)}
+    return {"tmp": tmp, "one": losses(ddp_reference), "dir": two, "full": full, "killed": killed,
+            "after_kill": after_kill, "resume": resumed, "resumed": losses(two), "resumed_records": records(two)}
 
 
 pytestmark = pytest.mark.e2e
@@ -88,7 +97,9 @@ pytestmark = pytest.mark.e2e
 def test_two_machines_train_with_the_losses_of_one_machine_with_two_processes(runs):
     assert sorted(runs["full"]) == list(range(1, STEPS + 1))
     for step, loss in runs["one"].items():
-        assert runs["full"][step] == pytest.approx(loss, rel=1e-5), step
+        # Not bit for bit: gloo reduces the gradients of ranks on two machines in another order than of two ranks on
+        # one (measured: steps 1-5 equal, step 6 off by 9e-8 relative), so within 1e-6. The resume below is exact.
+        assert runs["full"][step] == pytest.approx(loss, rel=1e-6, abs=0), step
 
 
 def test_the_checkpoint_holds_both_ranks_state_and_verifies(runs):
@@ -97,14 +108,16 @@ def test_the_checkpoint_holds_both_ranks_state_and_verifies(runs):
     manifest = json.loads((ckpt / MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["rank_files"] == {"0": [rank_state_file(0)], "1": [rank_state_file(1)]}
     assert not [p for p in (runs["dir"] / CHECKPOINTS).iterdir() if p.name.startswith(".")]  # no orphaned temp dir
-    verify = run_cli(["checkpoint", "verify", str(runs["dir"])], env=env_for(runs["tmp"]))
+    verify = run_cli_in_process(["checkpoint", "verify", str(runs["dir"])], env=env_for(runs["tmp"]))
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
 def test_a_two_machine_resume_continues_with_the_losses_of_the_uninterrupted_run(runs):
-    assert sorted(runs["resumed"]) == list(range(1, STEPS + 1))
+    # Every step once: the killed launch's records past the checkpoint were dropped, the resume logged its own.
+    assert [r["step"] for r in runs["resumed_records"] if r.get("kind") == "train"] == list(range(1, STEPS + 1))
+    assert STALE not in runs["resumed"].values()
     for step in range(SAVE + 1, STEPS + 1):
-        assert runs["resumed"][step] == pytest.approx(runs["full"][step], rel=1e-5), step
+        assert runs["resumed"][step] == runs["full"][step], step
 
 
 def test_every_rank_logs_into_the_run_log_dir_and_machine_1_prints_one_line(runs):
