@@ -210,6 +210,6 @@ def test_serve_benchmark_smoke_tabulates_in_process_and_served_side_by_side(tmp_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = results.read_text()
     assert "## opentau serve: requests/s and latency vs in-process" in text and "--smoke" in text
-    for row in ("in-process (ServedPolicy.infer)", "serve, 1 client", "serve, 4 clients"):
+    for row in ("in-process (ServedPolicy.infer, worker thread)", "serve, 1 client", "serve, 4 clients"):
         assert f"| {row} | " in text and "req/s, p50 " in text
     assert "(12 requests)" in text  # 4 clients x 3 requests, every reply received
