@@ -300,6 +300,11 @@ def _device(name: str | None) -> torch.device:
     return device
 
 
+def inference_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, as openpi serves pi05 (the fp32 set of the policy kept, modeling.FP32_PARAMETERS); fp32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: list[int] | None = None,
              output: Path | None = None, batch_size: int = 8, stride: int = 1, plot_episodes: int = 3,
              device: str | None = None, seed: int = 0, dataset: str | None = None, echo=print,
@@ -326,6 +331,8 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     _check_widths(policy, data)
 
     policy.to(dev).eval()
+    if inference_dtype(dev) != torch.float32:
+        policy.cast_weights(inference_dtype(dev))
     steps, joints = policy.cfg.n_action_steps, data.action_dim
     mean = policy.action_mean[:joints].float().cpu()
     ours, baseline = _Errors(steps, joints), _Errors(steps, joints)
