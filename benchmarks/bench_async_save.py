@@ -85,14 +85,18 @@ class Busy:
             proc.wait()
 
 
-def measure(config: Path, workdir: Path, *, every: int, rounds: int, warmup: int, modes: list[str]) -> dict:
+def measure(config: Path, workdir: Path, *, every: int, rounds: int, warmup: int, modes: list[str],
+            batch: int | None = None) -> dict:
     from opentau_cli.checkpoint.manager import CheckpointManager
     from opentau_cli.config import AccelerateSetup, load_config
     from opentau_cli.train.trainer import build_trainer
 
     total = warmup + (len(modes) * rounds * len(KINDS) + 2) * every
-    cfg = load_config(config, {"output_dir": str(workdir), "steps": str(total), "log_freq": str(10**6),
-                               "logging.tensorboard": "false", "validation.val_freq": "0"})
+    overrides = {"output_dir": str(workdir), "steps": str(total), "log_freq": str(10**6),
+                 "logging.tensorboard": "false", "validation.val_freq": "0"}
+    if batch is not None:  # a smaller batch: shorter steps, the same state to save
+        overrides["batch_size"] = str(batch)
+    cfg = load_config(config, overrides)
     trainer = build_trainer(cfg, AccelerateSetup())
     acc, config_json = trainer.accelerator, cfg.to_json_dict()
     managers = {mode: CheckpointManager(acc, workdir / mode, total_steps=total, run_id=mode, keep_last=1,
@@ -196,6 +200,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2, help="Steps per segment (save_freq).")
     parser.add_argument("--rounds", type=int, default=6, help="Rounds of the three kinds of segment, per load.")
     parser.add_argument("--warmup", type=int, default=2, help="Steps before anything is timed.")
+    parser.add_argument("--batch", type=int, help="Samples per step (default: the config's); the saved state is the same.")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="quiet: the machine as it is; loaded: a spinning process per core as well.")
     args = parser.parse_args()
@@ -204,11 +209,13 @@ def main() -> None:
     uptime_before = uptime()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
-        result = measure(config, Path(tmp), every=args.every, rounds=rounds, warmup=args.warmup, modes=args.modes)
+        result = measure(config, Path(tmp), every=args.every, rounds=rounds, warmup=args.warmup, modes=args.modes,
+                         batch=args.batch)
     took = time.perf_counter() - began
     mib = 2**20
-    rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), 1 process, segments of {args.every} "
-                       f"steps, {rounds} rounds per load ({', '.join(args.modes)})")]
+    batch = f", batch {args.batch}" if args.batch else ""
+    rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}{batch}), 1 process, segments of "
+                       f"{args.every} steps, {rounds} rounds per load ({', '.join(args.modes)})")]
     for mode in args.modes:
         seg = result["segments"][mode]
         prefix = "" if mode == "quiet" else f"{mode}: "
