@@ -147,7 +147,7 @@ class Trainer:
     samples_seen: int = 0
     _sums: dict = field(default_factory=dict)
     _logged_steps: int = 0
-    _grad_norm: float = float("nan")
+    _grad_norm: torch.Tensor | float = float("nan")  # read on log steps only: reading it waits for the device
     _train_time: float = 0.0
     # LoRA (policies/lora.py): the record of the frozen base, and what save_state / load_state need to write and read
     # only the trained tensors.
@@ -240,13 +240,12 @@ class Trainer:
     def is_log_step(self) -> bool:
         return self.step % self.cfg.log_freq == 0 or self.step == self.cfg.steps
 
-    def clip_gradients(self) -> float:
+    def clip_gradients(self) -> torch.Tensor | float:
+        """The global gradient norm before clipping, left on the device (no host sync outside log steps)."""
         clip = self.cfg.optimizer.grad_clip_norm
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = self.accelerator.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if norm is None:
-            return float("nan")
-        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+        return float("nan") if norm is None else norm
 
     def collect_metrics(self) -> dict:
         """Mean of each loss term over the steps since the last call, averaged over ranks (a collective).
@@ -259,7 +258,7 @@ class Trainer:
         record = {"kind": "train", "step": self.step}
         record.update({n: float(v) for n, v in zip(names, mean.tolist())})
         record["lr"] = float(self.scheduler.get_last_lr()[0])
-        record["grad_norm"] = self._grad_norm
+        record["grad_norm"] = float(self._grad_norm)
         record["samples_per_s"] = self._logged_steps * self.global_batch / max(self._train_time, 1e-9)
         record["samples_seen"] = self.samples_seen
         self._sums, self._logged_steps, self._train_time = {}, 0, 0.0
@@ -373,9 +372,30 @@ def min_over_ranks(accelerator, value: int) -> int:
 
 
 def any_rank(accelerator, flag: bool) -> bool:
-    """True when flag is set on any rank (a collective: every rank must call it at the same point)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-    return bool(accelerator.reduce(t, reduction="sum").item() > 0)
+    """True when flag is set on any rank (a collective: every rank must call it at the same point). The flag travels
+    on the host over gloo, so asking every step never waits for the device's queued work."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, group=host_group())
+    return bool(t.item() > 0)
+
+
+_HOST_GROUP: dict = {}
+
+
+def host_group():
+    """A gloo process group over every rank for small host-side agreements (None: the default group is gloo already),
+    with the default group's timeout (distributed.timeout_minutes: it waits while rank 0 saves). Created on first use,
+    which every rank reaches at the same point (the first step's stop agreement)."""
+    import torch.distributed as dist
+
+    if "group" not in _HOST_GROUP:
+        _HOST_GROUP["group"] = None if dist.get_backend() == "gloo" else \
+            dist.new_group(backend="gloo", timeout=process_group_timeout())
+    return _HOST_GROUP["group"]
 
 
 def build_policy_model(cfg: TrainConfig, stats: dict, accelerator, console=None) -> torch.nn.Module:
