@@ -178,6 +178,21 @@ def test_lerobots_own_loaders_read_the_lerobot_export_as_opentau_acts(round_trip
     assert torch.allclose(torch.tensor(got["actions"]), expected, atol=1e-5, rtol=0)
 
 
+def test_serve_reads_the_zero3_shards_and_acts_as_the_export_does(round_trips):
+    """`opentau serve`'s loader on the DeepSpeed checkpoint (shards through the streaming reader) and on its LeRobot
+    export: the same chunk for the same observation and seed."""
+    import numpy as np
+
+    from opentau_cli.serve import load_served
+
+    run, out = round_trips(LEROBOT)
+    obs = {"observation.images.top": np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8),
+           "observation.state": np.array([0.5, 0.4, 0.0, 0.01], np.float32), "prompt": "Move the blue dot to the red target."}
+    from_shards, from_export = load_served(run), load_served(out)
+    assert from_shards.metadata()["observation_keys"] == from_export.metadata()["observation_keys"]
+    assert np.array_equal(from_shards.infer(obs)["actions"], from_export.infer(obs)["actions"])
+
+
 def test_a_zero3_run_exports_from_its_deepspeed_shards(round_trips):
     run, _ = round_trips(LEROBOT)
     last = run / CHECKPOINTS / LAST

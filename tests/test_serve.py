@@ -213,3 +213,15 @@ def test_serve_benchmark_smoke_tabulates_in_process_and_served_side_by_side(tmp_
     for row in ("in-process (ServedPolicy.infer, worker thread)", "serve, 1 client", "serve, 4 clients"):
         assert f"| {row} | " in text and "req/s, p50 " in text
     assert "(12 requests)" in text  # 4 clients x 3 requests, every reply received
+
+
+def test_serve_mistakes_exit_2_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from opentau_cli.cli.main import app
+
+    for args, needle in ((["serve", str(tmp_path), "--port", "70000"], "--port=70000: a TCP port is 0-65535."),
+                         (["serve", str(tmp_path / "missing")], "no such file or directory")):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr and "Traceback" not in result.output
