@@ -57,6 +57,7 @@ def for_profile(cfg: TrainConfig, opts: ProfileOptions, run_dir: Path) -> TrainC
     cfg.resume = False
     cfg.validation.val_freq = 0  # periodic validation would land inside a measured step
     cfg.logging.tensorboard = False
+    cfg.logging.trackers = []  # a profile is not a run to track
     return cfg
 
 

@@ -98,7 +98,7 @@ class Trackers:
         """Start the trackers of `cfg.logging.trackers` (but TensorBoard) on the main process; with `resume_state`
         (the checkpoint's training_state.json, resumed at `step`) continue or fork the runs it records; `lineage`
         (default: the checkpoint's) is recorded on the runs."""
-        names = [n for n in cfg.logging.trackers if n != TENSORBOARD]
+        names = [n for n in dict.fromkeys(cfg.logging.trackers) if n != TENSORBOARD]
         run_dir = Path(run_dir)
         if not names or not accelerator.is_main_process:
             return cls(run_dir)
