@@ -207,7 +207,6 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
     """The policy of a run / checkpoint directory (DDP, DeepSpeed shards, LoRA), an export or a repo id, loaded as
     `opentau eval` loads it, with the observation keys of the dataset it was trained on."""
     from opentau_cli.evaluate import _device, _from_checkpoint, _from_model, _is_training_checkpoint, _model_policy_config
-    from opentau_cli.config.model import MixtureMember
     from opentau_cli.data.mixture import select_member
 
     overrides = dict(overrides or {})
