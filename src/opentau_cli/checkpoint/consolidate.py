@@ -473,16 +473,16 @@ def wants_ema(ckpt_dir: Path, weights: str | None) -> bool:
 
 def weights_kind(single: Path) -> str:
     """Which weights (ema | live) an existing consolidated output holds; one written before the EMA: live."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    first = single
-    if not single.is_file():
-        weight_map = json.loads(weights_index_path(single).read_text()).get("weight_map", {})
-        first = single.with_name(sorted(weight_map.values())[0]) if weight_map else single
     try:
+        first = single
+        if not single.is_file():
+            weight_map = json.loads(weights_index_path(single).read_text()).get("weight_map", {})
+            first = single.with_name(sorted(weight_map.values())[0]) if weight_map else single
         with safe_open(str(first), framework="pt") as f:
             return (f.metadata() or {}).get("weights", "live")
-    except Exception:
+    except (OSError, ValueError, AttributeError, SafetensorError):  # unreadable: its reader will say what is wrong
         return "live"
 
 

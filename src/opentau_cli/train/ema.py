@@ -163,11 +163,19 @@ class WeightEMA:
         """Under ZeRO the model computes with its own (bf16) copy of the fp32 partitions: refresh it from them."""
         if self.zero_stage is None:
             return
+        opt = self._zero_opt
         if self.zero_stage < 3:
-            self._zero_opt.update_lp_params()
-        else:
-            for g in range(len(self.live)):
-                self._zero_opt._reassign_or_swap_out_partitioned_parameters(g)
+            opt.update_lp_params()
+            return
+        # What ZeRO-3's step does around its update: every parameter back to its partition (also those it keeps
+        # gathered, the persistent small ones), each group's partitions from its fp32 partition, then the persistent
+        # parameters gathered again.
+        opt._partition_all_parameters()
+        for g in range(len(self.live)):
+            opt._reassign_or_swap_out_partitioned_parameters(g)
+        if opt.persistent_parameters:
+            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+        opt.invalidate_secondary_tensor()
 
 
 def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
