@@ -6,11 +6,13 @@ step's code, no checkpoint written; skipped when the memory plan says the card i
 estimate next to torch.cuda.max_memory_allocated, DDP (when more than one GPU is visible), DeepSpeed ZeRO-2 and
 ZeRO-3 on every visible GPU; under each backend a run of N steps saving at N/2 and a resume of that checkpoint whose
 first resumed loss must equal the uninterrupted run's bit for bit and later ones within RESUME_TOLERANCE (cuBLAS in
-its deterministic mode); the attention kernel pi05 runs in; then `opentau profile` with MFU.
+its deterministic mode); the same train + resume with gradient checkpointing, with LoRA, and with async saves; an
+elastic resume (ZeRO-2 on every GPU -> DDP on half, --reshard=true); `opentau eval` (bf16 on CUDA) on a checkpoint;
+the attention kernel pi05 runs in; then `opentau profile` with MFU.
 Prints one table and writes it as gpu_check.json and gpu_check.md (a section to paste into BENCHMARKS.md).
 
     scripts/gpu_check.sh                        # on a CUDA machine (a few minutes)
-    scripts/gpu_check.sh --only single,profile  # a subset: single, pi05, ddp, zero2, zero3, attention, profile
+    scripts/gpu_check.sh --only single,profile  # a subset of the CHECKS below
     scripts/gpu_check.sh --cpu-dry-run          # the same sequence on pi05_tiny with 1-2 CPU processes (tests the script)
 
 Exit 0 when nothing failed, 1 when a check failed, 2 on a usage mistake.
@@ -22,6 +24,7 @@ import argparse
 import datetime as _dt
 import json
 import math
+import re
 import shutil
 import statistics
 import subprocess
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, command_line, env, machine, opentau_bin  # noqa: E402
 from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, step_dir_name  # noqa: E402
 
-CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "attention", "profile")
+CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "gc", "lora", "async", "elastic", "eval", "attention", "profile")
 # Later resumed steps may differ by this much (relative): DDP rebuilds its gradient buckets after the first step, and
 # some CUDA kernels reduce in a varying order; the first resumed step, from the restored state, must be exact.
 RESUME_TOLERANCE = 1e-3
@@ -78,9 +81,10 @@ class Plan:
                     profile_warmup=5, profile_batch=32, timeout=600)
 
 
-def accelerate_yaml(backend: str, plan: Plan) -> dict:
-    """An Accelerate config as `accelerate config` writes it (the keys of configs/examples/accelerate_*)."""
-    procs = 1 if backend == "single" else plan.procs
+def accelerate_yaml(backend: str, plan: Plan, procs: int | None = None) -> dict:
+    """An Accelerate config as `accelerate config` writes it (the keys of configs/examples/accelerate_*); `procs`:
+    another process count than every GPU."""
+    procs = 1 if backend == "single" else (procs or plan.procs)
     out = {"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "machine_rank": 0, "num_processes": procs,
            "mixed_precision": plan.precision, "main_training_function": "main", "rdzv_backend": "static",
            "same_network": True, "use_cpu": plan.cpu}
@@ -122,9 +126,9 @@ class Checker:
             d.mkdir(parents=True, exist_ok=True)
         self.config = training_config(plan.config, self.setup / plan.config.name)
 
-    def yaml_for(self, backend: str) -> Path:
-        path = self.setup / f"accelerate_{backend}.yaml"
-        path.write_text(yaml.safe_dump(accelerate_yaml(backend, self.plan), sort_keys=False))
+    def yaml_for(self, backend: str, procs: int | None = None) -> Path:
+        path = self.setup / f"accelerate_{backend}{'' if procs is None else f'_{procs}'}.yaml"
+        path.write_text(yaml.safe_dump(accelerate_yaml(backend, self.plan, procs), sort_keys=False))
         return path
 
     def opentau(self, name: str, args: list[str]) -> tuple[bool, str, float, Path]:
@@ -151,17 +155,24 @@ class Checker:
     def failed(self, check: str, backend: str, last: str, seconds: float, log: Path) -> Row:
         return Row(check, backend, "FAIL", f"{last} (log: {log})", seconds)
 
-    def backend(self, backend: str) -> list[Row]:
+    def backend(self, backend: str, label: str | None = None, extra: tuple[str, ...] = (),
+                resume_procs: int | None = None) -> list[Row]:
         """Train N steps saving at N/2, then resume a copy of the N/2 checkpoint in a run directory of its own: the
-        resumed run's metrics.jsonl then holds only what the resume logged, compared step by step with the original."""
+        resumed run's metrics.jsonl then holds only what the resume logged, compared step by step with the original.
+        `label` names a variant trained with `extra` settings; `resume_procs`: an elastic resume of the checkpoint
+        under DDP on that many processes (--reshard=true)."""
         steps, mid = self.plan.steps, self.plan.steps // 2
-        home = self.runs / backend
+        label = label or backend
+        name = re.sub(r"[^A-Za-z0-9.-]+", "_", label.replace("->", "to"))
+        home = self.runs / name
         shutil.rmtree(home, ignore_errors=True)
         full, resumed = home / "full", home / "resumed"
         accel = self.yaml_for(backend)
-        ok, last, seconds, log = self.opentau(f"{backend}-train", [
+        ok, last, seconds, log = self.opentau(f"{name}-train", [
             "train", f"--config_path={self.config}", f"--accelerate-config={accel}", f"--output_dir={full}",
-            "--steps", str(steps), "--save_freq", str(mid), "--log_freq", "1", "--batch_size", str(self.plan.batch)])
+            "--steps", str(steps), "--save_freq", str(mid), "--log_freq", "1", "--batch_size", str(self.plan.batch),
+            *extra])
+        backend = label
         if not ok:
             return [self.failed("train + checkpoint", backend, last, seconds, log),
                     Row("exact resume", backend, "SKIP", "training failed", None)]
@@ -182,11 +193,13 @@ class Checker:
             return [train, Row("exact resume", backend, "SKIP", "training failed", None)]
         copy = resumed / CHECKPOINTS / ckpt.name
         shutil.copytree(ckpt, copy, symlinks=True)
-        ok, last, seconds, log = self.opentau(f"{backend}-resume", ["resume", str(copy)])
+        elastic = [] if resume_procs is None else [f"--accelerate-config={self.yaml_for('ddp', resume_procs)}",
+                                                   "--reshard=true"]
+        ok, last, seconds, log = self.opentau(f"{name}-resume", ["resume", str(copy), *elastic])
         if not ok:
-            return [train, self.failed("exact resume", backend, last, seconds, log)]
+            return [train, self.failed("elastic resume" if resume_procs else "exact resume", backend, last, seconds, log)]
         rows = [train, resume_row(backend, losses, {r["step"]: r["loss"] for r in train_records(resumed)},
-                                  range(mid + 1, steps + 1), seconds, log)]
+                                  range(mid + 1, steps + 1), seconds, log, elastic=resume_procs is not None)]
         if not self.keep_runs and all(r.result == "PASS" for r in rows):
             shutil.rmtree(home)  # pi05_small checkpoints are about 1 GB each; a failed backend's runs stay for a look
         return rows
@@ -223,6 +236,25 @@ class Checker:
         step = Row("one step", backend, "PASS", f"{report['step_time_s']:.2f} s per step at batch 2", seconds,
                    {"step_time_s": report["step_time_s"]})
         return [step, memory_row(backend, planned.total - CUDA_OVERHEAD, max(m["bytes"] for m in report["peak_memory"]))]
+
+    def evaluation(self) -> Row:
+        """`opentau eval` (bf16 on CUDA) on a checkpoint of a short single-process run."""
+        run, out = self.runs / "eval" / "run", self.runs / "eval" / "report"
+        shutil.rmtree(run.parent, ignore_errors=True)
+        ok, last, seconds, log = self.opentau("eval-train", [
+            "train", f"--config_path={self.config}", f"--accelerate-config={self.yaml_for('single')}",
+            f"--output_dir={run}", "--steps", "2", "--save_freq", "2", "--log_freq", "1", "--batch_size", str(self.plan.batch)])
+        if not ok:
+            return self.failed("eval", "single", last, seconds, log)
+        ok, last, more, log = self.opentau("eval", ["eval", str(run), "--output", str(out), "--plot-episodes", "0"])
+        seconds += more
+        if not ok:
+            return self.failed("eval", "single", last, seconds, log)
+        report = json.loads((out / "eval.json").read_text())
+        if not self.keep_runs:
+            shutil.rmtree(run.parent)
+        return Row("eval", "single", "PASS", f"{report['samples']} chunks, MSE {report['policy']['mse']:.4f} "
+                   f"({report['mse_ratio']:.2f}x the mean action's)", seconds, {"mse_ratio": report["mse_ratio"]})
 
     def attention(self) -> Row:
         """The kernel pi05_small's attention runs in, one bf16 forward and backward on this machine's device."""
@@ -271,26 +303,33 @@ def train_records(run_dir: Path) -> list[dict]:
 
 
 def resume_row(backend: str, full: dict[int, float], resumed: dict[int, float], steps: range, seconds: float,
-               log: Path) -> Row:
+               log: Path, elastic: bool = False) -> Row:
     """The first resumed step replays the saved state exactly: its loss must equal the uninterrupted run's bit for
-    bit. Later steps may drift by RESUME_TOLERANCE (relative), what GPU kernels' varying reduction order allows."""
+    bit. Later steps may drift by RESUME_TOLERANCE (relative), what GPU kernels' varying reduction order allows. An
+    elastic resume draws its noise on the new ranks' own random streams, so its losses are not the uninterrupted
+    run's: it must log every step with a finite loss, and the difference is reported."""
     detail = {"steps": list(steps), "uninterrupted": [full[s] for s in steps], "resumed": [resumed.get(s) for s in steps],
-              "tolerance": RESUME_TOLERANCE}
-    if sorted(resumed) != list(steps):
-        return Row("exact resume", backend, "FAIL", f"the resume logged steps {sorted(resumed)}, expected "
-                   f"{steps.start}..{steps.stop - 1} (log: {log})", seconds, detail)
-    first = steps.start
-    if resumed[first] != full[first]:
-        return Row("exact resume", backend, "FAIL", f"step {first}: the first resumed loss {resumed[first]!r} differs "
-                   f"from the uninterrupted {full[first]!r}", seconds, detail)
+              "tolerance": None if elastic else RESUME_TOLERANCE}
+    check = "elastic resume" if elastic else "exact resume"
+    if sorted(resumed) != list(steps) or not all(math.isfinite(v) for v in resumed.values()):
+        return Row(check, backend, "FAIL", f"the resume logged steps {sorted(resumed)} (losses "
+                   f"{[resumed[s] for s in sorted(resumed)]}), expected {steps.start}..{steps.stop - 1} (log: {log})",
+                   seconds, detail)
     worst = max(abs(resumed[s] - full[s]) / max(abs(full[s]), 1e-12) for s in steps)
+    first = steps.start
+    if elastic:
+        return Row(check, backend, "PASS", f"steps {first}-{steps.stop - 1} logged, losses within {worst:.1e} of the "
+                   "uninterrupted run's (other random streams)", seconds, detail)
+    if resumed[first] != full[first]:
+        return Row(check, backend, "FAIL", f"step {first}: the first resumed loss {resumed[first]!r} differs "
+                   f"from the uninterrupted {full[first]!r}", seconds, detail)
     if worst == 0:
-        return Row("exact resume", backend, "PASS", f"steps {steps.start}-{steps.stop - 1}: losses equal", seconds, detail)
+        return Row(check, backend, "PASS", f"steps {first}-{steps.stop - 1}: losses equal", seconds, detail)
     if worst <= RESUME_TOLERANCE:
-        return Row("exact resume", backend, "PASS", f"step {first} equal, steps {first + 1}-{steps.stop - 1} within "
+        return Row(check, backend, "PASS", f"step {first} equal, steps {first + 1}-{steps.stop - 1} within "
                    f"{worst:.1e} (tolerance {RESUME_TOLERANCE:.0e})", seconds, detail)
-    return Row("exact resume", backend, "FAIL", f"step {first} equal, later losses differ by up to {worst:.2e} relative "
-               f"(tolerance {RESUME_TOLERANCE:.0e})", seconds, detail)
+    return Row(check, backend, "FAIL", f"step {first} equal, losses differ by up to {worst:.2e} relative (tolerance "
+               f"{RESUME_TOLERANCE:.0e})", seconds, detail)
 
 
 def memory_row(backend: str, planned: int, measured: int) -> Row:
@@ -366,6 +405,21 @@ def main(argv: list[str] | None = None) -> int:
             done = checker.full_pi05_step()
         elif check == "attention":
             done = [checker.attention()]
+        elif check == "gc":
+            done = checker.backend("single", "single, gradient checkpointing", ("--policy.gradient_checkpointing=true",))
+        elif check == "lora":
+            done = checker.backend("single", "single, LoRA r=8", ("--policy.lora.rank=8",))
+        elif check == "async":
+            parallel = "ddp" if plan.procs >= 2 else "single"
+            done = checker.backend(parallel, f"{parallel}, async save", ("--checkpoint.async_save=true",))
+        elif check == "elastic":
+            if plan.procs < 2:
+                done = [Row(n, "zero2 -> ddp on half", "SKIP", "1 GPU visible") for n in ("train + checkpoint", "elastic resume")]
+            else:
+                done = checker.backend("zero2", f"zero2 on {plan.procs} -> ddp on {plan.procs // 2}",
+                                       resume_procs=plan.procs // 2)
+        elif check == "eval":
+            done = [checker.evaluation()]
         elif check == "profile":
             done = [checker.profile()]
         elif check == "ddp" and plan.procs < 2:

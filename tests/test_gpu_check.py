@@ -61,12 +61,18 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
 def test_a_resume_passes_on_an_exact_first_step_and_later_steps_within_the_stated_tolerance():
     full = {3: 1.5, 4: 1.25, 5: 1.0}
     assert gpu_check.resume_row("ddp", full, dict(full), range(3, 6), 1.0, REPO).key == "steps 3-5: losses equal"
+    elastic = gpu_check.resume_row("zero2 -> ddp", full, {3: 1.5 * 1.1, 4: 1.25, 5: 1.0}, range(3, 6), 1.0, REPO,
+                                   elastic=True)
+    assert (elastic.check, elastic.result) == ("elastic resume", "PASS")
+    assert elastic.key == "steps 3-5 logged, losses within 1.0e-01 of the uninterrupted run's (other random streams)"
+    lost = gpu_check.resume_row("zero2 -> ddp", full, {3: 1.5, 4: float("nan"), 5: 1.0}, range(3, 6), 1.0, REPO, elastic=True)
+    assert lost.result == "FAIL"
     drift = gpu_check.resume_row("ddp", full, {3: 1.5, 4: 1.25 * (1 + 1e-6), 5: 1.0}, range(3, 6), 1.0, REPO)
     assert drift.result == "PASS" and drift.key == "step 3 equal, steps 4-5 within 1.0e-06 (tolerance 1e-03)"
     first = gpu_check.resume_row("ddp", full, {3: 1.5 * (1 + 1e-9), 4: 1.25, 5: 1.0}, range(3, 6), 1.0, REPO)
     assert first.result == "FAIL" and "the first resumed loss" in first.key
     far = gpu_check.resume_row("ddp", full, {3: 1.5, 4: 1.25, 5: 1.01}, range(3, 6), 1.0, REPO)
-    assert far.result == "FAIL" and "later losses differ by up to 1.00e-02 relative" in far.key
+    assert far.result == "FAIL" and "step 3 equal, losses differ by up to 1.00e-02 relative" in far.key
     missing = gpu_check.resume_row("ddp", full, {3: 1.5}, range(3, 6), 1.0, REPO)
     assert missing.result == "FAIL" and "logged steps [3]" in missing.key
 
@@ -125,5 +131,5 @@ def test_an_unknown_check_exits_2_naming_it_and_writes_nothing(tmp_path, capsys)
     r = check_in_process(capsys, "--cpu-dry-run", "--only", "single,fsdp", "--out", str(tmp_path / "check"))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "--only takes checks of single, pi05, ddp, zero2, zero3, attention, profile; got 'fsdp'."]
+        "--only takes checks of single, pi05, ddp, zero2, zero3, gc, lora, async, elastic, eval, attention, profile; got 'fsdp'."]
     assert not (tmp_path / "check").exists()
