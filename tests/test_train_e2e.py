@@ -1,7 +1,8 @@
 """End-to-end training through the installed CLI: real `accelerate launch`, 2 CPU processes, the pi05_tiny preset.
 
 Runs are shared between assertions (module-scoped fixtures): per backend one uninterrupted run and one resume of
-its middle checkpoint into the same run directory (so the resume also saves again over an existing step).
+its middle checkpoint into the same run directory (so the resume also saves again over an existing step). The DDP
+uninterrupted run is the session's shared reference (conftest.ddp_reference), copied before it is resumed into.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_TAG, LAST, LOGS, MANIFEST, METRICS, MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TENSORBOARD, TRAIN_CONFIG,
     TRAINING_STATE, ZERO_TO_FP32, ds_shard_glob, leftover_of, read_last, step_of,
@@ -33,7 +34,7 @@ YAML = {
     "zero2": str(EXAMPLES / "accelerate_cpu_deepspeed_config.yaml"),
     "zero3": str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"),
 }
-STEPS, SAVE = 6, 3
+STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 # Global batch 8 on every backend: 8 per process alone, 4 per process on 2 processes.
 COMMON = ["--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "2"]
 
@@ -78,29 +79,48 @@ def ok(result) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
 
 
-class Run:
-    """One backend: an uninterrupted run, then a resume of its middle checkpoint into the same run directory."""
+STALE = -1.0  # no real loss: marks the records an earlier launch left past the checkpoint
 
-    def __init__(self, backend: str, tmp: Path, *extra: str, name: str | None = None):
+
+def mark_stale_past(run_dir: Path, step: int) -> None:
+    """Give the records past `step` a loss no run logs, so that the resumed run's records are told from them: the
+    resume must drop them and log those steps itself."""
+    lines = [json.dumps({**r, "loss": STALE} if r.get("step", 0) > step and "loss" in r else r) for r in records(run_dir)]
+    (run_dir / METRICS).write_text("".join(line + "\n" for line in lines))
+
+
+class Run:
+    """One backend: an uninterrupted run, then a resume of its middle checkpoint into the same run directory (the
+    uninterrupted run's records past the checkpoint marked stale first: the resumed ones are its own)."""
+
+    def __init__(self, backend: str, tmp: Path, *extra: str, name: str | None = None, reference: Path | None = None):
         self.backend, self.dir, self.env = backend, tmp / (name or backend), env_for(tmp)
-        ok(run_cli(train_args(backend, self.dir, *extra), env=self.env))
+        if reference is None:
+            ok(run_cli(train_args(backend, self.dir, *extra), env=self.env))
+        else:
+            shutil.copytree(reference, self.dir, symlinks=True)
         self.full = losses(self.dir)
         self.full_records = records(self.dir)
         self.full_last_state = json.loads((self.dir / CHECKPOINTS / "000006" / TRAINING_STATE).read_text())
         self.ckpt_mid = self.dir / CHECKPOINTS / "000003"
-        self.resume = run_cli(["resume", str(self.ckpt_mid)], env=self.env)
+        mark_stale_past(self.dir, SAVE)
+        # The run's later checkpoints move aside (lineage.py): the resumed launch writes the same steps again.
+        self.resume = run_cli(["resume", str(self.ckpt_mid), "--rollback=true"], env=self.env)
         ok(self.resume)
+        self.resumed_records = records(self.dir)
         self.resumed = losses(self.dir)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ddp_reference):
     tmp = tmp_path_factory.mktemp("train")
     made: dict[str, Run] = {}
 
     def get(backend: str) -> Run:
         if backend == "mixture" and backend not in made:
             made[backend] = Run("ddp", tmp, *mixture_args(tmp), name="mixture")
+        if backend == "ddp" and backend not in made:
+            made[backend] = Run("ddp", tmp, reference=ddp_reference)  # train_args("ddp", ...) as the reference ran
         if backend not in made:
             extra = ("--validation.val_freq", str(SAVE), "--validation.max_batches", "2") if backend == "zero3" else ()
             made[backend] = Run(backend, tmp, *extra, *EMA)
@@ -109,7 +129,7 @@ def runs(tmp_path_factory):
     return get
 
 
-# Every run keeps an EMA (train/ema.py): nothing else about the run changes.
+# Every run but the shared DDP reference keeps an EMA (train/ema.py): nothing else about the run changes.
 EMA = ("--ema.decay=0.9",)
 
 
@@ -167,8 +187,12 @@ def mixture_args(tmp: Path) -> list[str]:
 @pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3", "mixture"])
 def test_resumed_losses_equal_uninterrupted_losses(runs, backend):
     run = runs(backend)
+    # Every step once: the stale records past the checkpoint were dropped, the resumed launch logged those steps.
+    train_steps = [r["step"] for r in run.resumed_records if r.get("kind") == "train"]
+    assert train_steps == list(range(1, STEPS + 1))
+    assert STALE not in run.resumed.values()
     for step in range(SAVE + 1, STEPS + 1):
-        assert run.resumed[step] == pytest.approx(run.full[step], rel=1e-5), f"step {step}"
+        assert run.resumed[step] == run.full[step], f"step {step}"  # same world size and backend: bit for bit
     for step in range(1, SAVE + 1):
         assert run.resumed[step] == run.full[step]  # records up to the checkpoint are kept as they were
 
@@ -328,11 +352,11 @@ def test_deepspeed_checkpoints_hold_shards_of_both_ranks(runs):
 
 
 def test_step_one_loss_is_equal_under_ddp_and_zero2(runs):
-    assert runs("zero2").full[1] == pytest.approx(runs("ddp").full[1], rel=1e-5)
+    assert runs("zero2").full[1] == runs("ddp").full[1]
 
 
 def test_step_one_loss_is_equal_under_ddp_and_zero3(runs):
-    assert runs("zero3").full[1] == pytest.approx(runs("ddp").full[1], rel=1e-5)
+    assert runs("zero3").full[1] == runs("ddp").full[1]
 
 
 def test_validation_runs_under_zero3_on_every_rank(runs):
@@ -363,7 +387,7 @@ def test_sigterm_saves_exits_0_and_resume_matches_uninterrupted(runs, tmp_path):
     resumed = losses(out)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
-        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+        assert resumed[step] == reference[step], f"step {step}"
     # keep_last=1: only the newest, plus the checkpoint this run resumed from (never deleted).
     left = sorted(p.name for p in (out / CHECKPOINTS).iterdir() if step_of(p.name) is not None)
     assert left == sorted({saved[0], "000006"}), left
@@ -402,14 +426,14 @@ def test_sigkill_at_five_moments_of_real_2_rank_saves_keeps_checkpoints_sound_an
         assert all(is_complete(ckpts / d) and verify_manifest(ckpts / d) == [] for d in steps), (moment, steps)
         assert latest(run) == ckpts / newest, (moment, steps)
         assert is_complete(ckpts / read_last(ckpts))
-        assert run_cli(["checkpoint", "verify", str(run)], env=env_for(tmp_path)).returncode == 0, moment
+        assert run_cli_in_process(["checkpoint", "verify", str(run)], env=env_for(tmp_path)).returncode == 0, moment
         command = ["resume", str(run)]
     ok(run_cli(command, env=env_for(tmp_path)))
 
     resumed = losses(run)
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
-        assert resumed[s] == pytest.approx(reference[s], rel=1e-5), f"step {s}"
+        assert resumed[s] == reference[s], f"step {s}"
     # Leftovers cleaned; keep_last=2 kept the newest two (the one resumed from, 000005, is one of them).
     assert sorted(p.name for p in ckpts.iterdir()) == ["000005", "000006", LAST]
 
@@ -441,7 +465,7 @@ def _tree(path: Path) -> list[str]:
 
 def test_resume_of_a_directory_without_checkpoints_exits_2(tmp_path):
     (tmp_path / "empty").mkdir()
-    r = run_cli(["resume", str(tmp_path / "empty")], env=env_for(tmp_path))
+    r = run_cli_in_process(["resume", str(tmp_path / "empty")], env=env_for(tmp_path))
     assert r.returncode == 2 and "No checkpoint found" in r.stderr and "Traceback" not in r.stderr
     assert _tree(tmp_path / "empty") == []
 
@@ -456,7 +480,7 @@ def test_resume_of_a_checkpoint_with_a_missing_file_exits_2_and_loads_nothing(ru
     ckpt = _copy_ckpt(runs("ddp").ckpt_mid, tmp_path / "run")
     (ckpt / OPTIMIZER).unlink()
     before = _tree(tmp_path / "run")
-    r = run_cli(["resume", str(ckpt)], env=env_for(tmp_path))
+    r = run_cli_in_process(["resume", str(ckpt)], env=env_for(tmp_path))
     assert r.returncode == 2, r.stderr
     assert OPTIMIZER in r.stderr and "manifest" in r.stderr and "Traceback" not in r.stderr
     assert _tree(tmp_path / "run") == before
@@ -465,7 +489,7 @@ def test_resume_of_a_checkpoint_with_a_missing_file_exits_2_and_loads_nothing(ru
 def test_resume_with_an_incompatible_preset_exits_2(runs, tmp_path):
     ckpt = runs("ddp").ckpt_mid
     before = _tree(runs("ddp").dir)
-    r = run_cli(["train", f"--config_path={ckpt / TRAIN_CONFIG}", "--resume=true", "--steps=12",
+    r = run_cli_in_process(["train", f"--config_path={ckpt / TRAIN_CONFIG}", "--resume=true", "--steps=12",
                  "--policy.preset=pi05_small"], env=env_for(tmp_path))
     assert r.returncode == 2 and "policy.preset" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert _tree(runs("ddp").dir) == before
@@ -473,7 +497,7 @@ def test_resume_with_an_incompatible_preset_exits_2(runs, tmp_path):
 
 def test_deepspeed_checkpoint_resumed_under_ddp_exits_2_and_says_consolidate(runs, tmp_path):
     ckpt = _copy_ckpt(runs("zero2").ckpt_mid, tmp_path / "run")
-    r = run_cli(["resume", str(ckpt), f"--accelerate-config={YAML['ddp']}"], env=env_for(tmp_path))
+    r = run_cli_in_process(["resume", str(ckpt), f"--accelerate-config={YAML['ddp']}"], env=env_for(tmp_path))
     assert r.returncode == 2 and "consolidate" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run" / LOGS).exists()
 
@@ -482,7 +506,7 @@ def test_resume_with_another_world_size_exits_2(runs, tmp_path):
     ckpt = _copy_ckpt(runs("ddp").ckpt_mid, tmp_path / "run")
     single = tmp_path / "single.yaml"
     single.write_text("distributed_type: 'NO'\nnum_processes: 1\n")
-    r = run_cli(["resume", str(ckpt), f"--accelerate-config={single}"], env=env_for(tmp_path))
+    r = run_cli_in_process(["resume", str(ckpt), f"--accelerate-config={single}"], env=env_for(tmp_path))
     assert r.returncode == 2 and "2 processes" in r.stderr, r.stderr
 
 
@@ -558,6 +582,6 @@ def test_train_config_path_with_resume_true_resumes_that_checkpoint_with_more_st
 def test_resuming_a_finished_run_exits_0_and_launches_nothing(runs, tmp_path):
     run = runs("ddp")
     logs_before = sorted((run.dir / LOGS).iterdir())
-    r = run_cli(["resume", str(run.dir)], env=env_for(tmp_path))
+    r = run_cli_in_process(["resume", str(run.dir)], env=env_for(tmp_path))
     assert r.returncode == 0 and "Nothing to do" in r.stderr and "--steps" in r.stderr, r.stderr
     assert sorted((run.dir / LOGS).iterdir()) == logs_before
