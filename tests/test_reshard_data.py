@@ -18,7 +18,7 @@ class Indices(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        return {"index": torch.tensor(int(i))}
+        return {"index": torch.tensor(int(i)), "state": torch.zeros(1)}  # the stream counts a batch by its states
 
 
 def _streams(n, world, batch, accum, mixture):
