@@ -61,7 +61,19 @@ def test_a_run_that_does_not_fit_is_refused_naming_settings_that_would():
     message = str(refused.value)
     assert message.startswith(f"The run needs about {plan.total / 1e9:.1f} GB per GPU (DDP on 2 GPUs, 8 per device")
     assert "--per_device_batch_size=4 --gradient_accumulation_steps=2 (the same batch_size)" in message
+    assert message.endswith("(--distributed.memory_check=false launches anyway).")
     check_fits(smaller, setup, card)  # the named setting does fit
+    from opentau_cli.config import Machine
+    from opentau_cli.memory_plan import check_memory, set_card_memory
+
+    set_card_memory(card)
+    try:
+        with pytest.raises(UserError):
+            check_memory(cfg, setup, Machine.with_gpus(2))
+        cfg.distributed.memory_check = False
+        check_memory(cfg, setup, Machine.with_gpus(2))  # asked to launch anyway
+    finally:
+        set_card_memory(None)
 
 
 def test_the_card_size_is_read_in_plain_units_and_a_bad_one_is_one_sentence():

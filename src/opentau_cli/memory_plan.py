@@ -276,7 +276,8 @@ def check_fits(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> None:
     fixes = alternatives(cfg, setup, card)
     hint = ("; these would fit: " + "; ".join(fixes)) if fixes else "; no single change of per-device batch, gradient " \
         "checkpointing, ZeRO stage or LoRA fits it: use larger cards"
-    raise UserError(f"The run needs about {gb(plan.total)} per GPU ({plan.label}) but the card has {gb(card)}{hint}.")
+    raise UserError(f"The run needs about {gb(plan.total)} per GPU ({plan.label}) but the card has {gb(card)}{hint} "
+                    "(--distributed.memory_check=false launches anyway).")
 
 
 # The card a launch is checked against: `config validate --gpu-memory`, else the visible CUDA card, else unknown.
@@ -299,7 +300,7 @@ def card_memory(machine=None) -> int | None:
 def check_memory(cfg: TrainConfig, setup: AccelerateSetup, machine) -> None:
     """The launch rule (plan.py): refuse a run whose plan exceeds the card, when the card is known."""
     card = card_memory(machine)
-    if card:
+    if card and cfg.distributed.memory_check:
         check_fits(cfg, setup, card)
 
 

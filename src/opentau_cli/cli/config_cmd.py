@@ -57,8 +57,7 @@ def validate_cmd(
 
     from opentau_cli.memory_plan import parse_size, set_card_memory
 
-    if gpu_memory is not None:
-        set_card_memory(parse_size(gpu_memory))
+    set_card_memory(parse_size(gpu_memory) if gpu_memory is not None else None)  # this command's card, not a previous one's
     machine = Machine.with_gpus(gpus) if gpus is not None else None
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     plan = plan_train(config, accelerate_config, list(ctx.args), machine, machines=machines,

@@ -239,6 +239,10 @@ class DistributedConfig(Section):
         description="Process-group timeout: how long a rank waits in a collective (e.g. while rank 0 writes a large "
                     "checkpoint) before the job is aborted. Applied to every backend; NCCL's own default is 10.",
     )
+    memory_check: bool = Field(
+        True, description="Refuse a launch whose memory plan exceeds the GPU's memory (the visible card, or config "
+                          "validate --gpu-memory); false launches anyway.",
+    )
 
 
 class TrainConfig(BaseSettings):
