@@ -546,16 +546,18 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     else:  # a directory target: written whole into a hidden sibling, renamed into place
         with publishing(Path(output), force=force) as staging:
             staging.mkdir()
-            written = [Path(output) / p.name for p in _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total)]
+            written = [Path(output) / p.name for p in _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total,
+                                                                 shown=Path(output))]
     removed = _remove_stale_layout(single, written)
     _vouch(ckpt_dir, written, removed)
     return ConsolidateResult(written, len(entries), total)
 
 
 def _write_weights(single: Path, shards: list[list[TensorEntry]], metadata: dict, ckpt_dir: Path, progress,
-                   total: int) -> list[Path]:
-    """`single`, or above the shard size its shards and then the index; on failure nothing is left."""
-    out_dir = single.parent
+                   total: int, shown: Path | None = None) -> list[Path]:
+    """`single`, or above the shard size its shards and then the index; on failure nothing is left. Messages name
+    `shown` (the user's --output) rather than the hidden sibling being written."""
+    out_dir = shown or single.parent
     written: list[Path] = []
     try:
         if len(shards) == 1:
