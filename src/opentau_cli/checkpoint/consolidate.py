@@ -546,8 +546,8 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     else:  # a directory target: written whole into a hidden sibling, renamed into place
         with publishing(Path(output), force=force) as staging:
             staging.mkdir()
-            written = [Path(output) / p.name for p in _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total,
-                                                                 shown=Path(output))]
+            staged = _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total, shown=Path(output))
+            written = [Path(output) / p.name for p in staged]
     removed = _remove_stale_layout(single, written)
     _vouch(ckpt_dir, written, removed)
     return ConsolidateResult(written, len(entries), total)
