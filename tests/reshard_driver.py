@@ -29,6 +29,17 @@ from ds_ckpt_helper import TinyTied  # noqa: E402
 VOCAB, WIDTH = 37, 13
 
 
+class WithIdle(TinyTied):
+    """TinyTied plus a trainable layer outside the forward: it never receives a gradient (--idle)."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__(vocab, width)
+        self.idle = nn.Linear(width, 3)
+
+
+MODEL = TinyTied
+
+
 def _accelerator(backend: str):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
@@ -37,8 +48,11 @@ def _accelerator(backend: str):
     AcceleratorState._reset_state(reset_partial_state=True)  # the process group itself stays
     GradientState._reset_state()
     if backend == "ddp":
+        from accelerate.utils import DistributedDataParallelKwargs
+
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
-        return Accelerator(cpu=True)
+        # DDP must be told of a parameter that gets no gradient (--idle), or its second step waits for one.
+        return Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=MODEL is WithIdle)])
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     plugin = DeepSpeedPlugin(zero_stage=_stage(backend), gradient_accumulation_steps=1, zero3_init_flag=False)
     acc = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
@@ -55,7 +69,7 @@ def _stage(backend: str) -> int | None:
 def _build(backend: str, seed: int):
     acc = _accelerator(backend)
     torch.manual_seed(seed)
-    model = TinyTied(VOCAB, WIDTH)
+    model = MODEL(VOCAB, WIDTH)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
@@ -68,7 +82,7 @@ def _dump(path: Path, acc, model, optimizer, scheduler) -> None:
     live = {"weight": {}, **{m: {} for m in MOMENTS}, "step": {}}
     for name, values in live_parameters(acc, model, optimizer):
         for key, value in values.items():
-            live[key][name] = value.clone() if key != "step" else value
+            live[key][name] = value.clone() if key != "step" and value is not None else value  # None: no AdamW state
     module = acc.unwrap_model(model)
     live["buffers"] = {n: b.detach().cpu().clone() for n, b in module.named_buffers()}
     live["frozen"] = {}
@@ -107,7 +121,10 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--phases", required=True)
     parser.add_argument("--load-from", default=None, help="checkpoint the first phase loads: NAME=DIR")
+    parser.add_argument("--idle", action="store_true", help="the model has a trainable layer that gets no gradient")
     args = parser.parse_args()
+    global MODEL
+    MODEL = WithIdle if args.idle else TinyTied
     out = Path(args.out)
     previous = tuple(args.load_from.split("=", 1)) if args.load_from else None
     for i, phase in enumerate(args.phases.split(",")):
@@ -135,14 +152,14 @@ def main() -> None:
     exit_rank(0)
 
 
-def launch(out: Path, phases: str, *, num_processes: int, load_from: str | None = None,
+def launch(out: Path, phases: str, *, num_processes: int, load_from: str | None = None, idle: bool = False,
            timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "false"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes),
            "--num_machines", "1", "--use_deepspeed", "--zero_stage", "2", "--mixed_precision", "no",
            "--main_process_port", str(29700 + os.getpid() % 2000 + num_processes),
            "--zero3_init_flag", "false", "--gradient_accumulation_steps", "1",
-           __file__, str(out), "--phases", phases] + (["--load-from", load_from] if load_from else [])
+           __file__, str(out), "--phases", phases] + (["--load-from", load_from] if load_from else []) + (["--idle"] if idle else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"reshard driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -61,3 +61,18 @@ def test_the_new_launch_did_not_start_from_the_saved_weights_by_itself(dumps):
     fresh = reshard_driver.TinyTied(reshard_driver.VOCAB, reshard_driver.WIDTH)
     assert not torch.equal(fresh.frozen.weight, a["frozen"]["frozen.weight"])
     assert not torch.equal(a["weight"]["embed.weight"], b["weight"]["embed.weight"])  # trained on between saves
+
+
+def test_a_parameter_that_never_received_a_gradient_reshards_from_ddp_into_zero_and_back(tmp_path):
+    """No AdamW state under DDP (AdamW makes it at a parameter's first gradient): ZeRO-2 takes it with zero moments
+    (what ZeRO, stepping every parameter of its flat group, keeps for one without gradients), and DDP takes ZeRO's
+    state back as it is; every transition checks its state on arrival (check_applied) and compares here."""
+    reshard_driver.launch(tmp_path, "ddp:save,zero2:load+save,ddp:load", num_processes=2, idle=True)
+    ddp, into_zero2 = _load(tmp_path / "ddpr2_ref.pt"), _load(tmp_path / "ddpr2_to_zero2r2.pt")
+    assert ddp["exp_avg"]["idle.weight"] is None and ddp["step"]["idle.weight"] is None  # the premise
+    assert torch.equal(into_zero2["weight"]["idle.weight"], ddp["weight"]["idle.weight"])
+    assert not into_zero2["exp_avg"]["idle.weight"].any() and not into_zero2["exp_avg_sq"]["idle.weight"].any()
+    assert torch.equal(into_zero2["exp_avg_sq"]["embed.weight"], ddp["exp_avg_sq"]["embed.weight"])
+    zero2, back = _load(tmp_path / "zero2r2_ref.pt"), _load(tmp_path / "zero2r2_to_ddpr2.pt")
+    for kind in ("weight", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(back[kind]["idle.weight"], zero2[kind]["idle.weight"]), kind
