@@ -96,3 +96,15 @@ def test_durable_manifest_fsyncs_every_file_it_vouches_for(tmp_path, monkeypatch
     monkeypatch.setattr(manifest_mod.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
     manifest_mod.write_manifest(tmp_path, fsync=True)
     assert str(tmp_path / "a.bin") in synced and str(tmp_path / "sub" / "b.bin") in synced
+
+
+def test_manifest_records_the_checkpoint_format_and_the_release_that_wrote_it(tmp_path):
+    from opentau_cli import __version__
+    from opentau_cli.checkpoint.format import FORMAT_VERSION, read_version
+
+    d = _make_ckpt(tmp_path / "000002")
+    data = json.loads(write_manifest(d).read_text())
+    assert data["format_version"] == FORMAT_VERSION == 2 and data["opentau_version"] == __version__
+    assert read_version(d) == 2  # no training_state.json: the manifest says it
+    add_to_manifest(d, [TRAIN_CONFIG])  # vouching for a file added later keeps what the save recorded
+    assert json.loads((d / MANIFEST).read_text())["format_version"] == 2
