@@ -39,8 +39,9 @@ FIGURES = [
     (r"ran [\d.]+x / ([\d.]+)x its samples/s", LORA, "ZeRO-2 LoRA / full", r"samples/s ([\d.]+)x"),
 ]
 
-# What a measured figure looks like in prose: a ratio ("0.49x") or a cost per unit ("0.5 s per GB").
-MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x(?!\w)|\d+(?:\.\d+)? s per \w+")
+# What a measured figure looks like in prose: a ratio ("0.49x"), a cost per unit ("0.5 s per GB", "0.2 CPU-seconds per
+# GB") or a pair of times ("0.18 s against 1.98 s").
+MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x(?!\w)|\d+(?:\.\d+)? (?:s|CPU-seconds) per \w+|\d+(?:\.\d+)? s against")
 
 
 def latest_table(title: str) -> dict[str, str]:
