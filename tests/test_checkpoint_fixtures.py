@@ -142,7 +142,10 @@ def test_fixture_resumes_exactly_with_the_current_code(copies, case):
     in an uninterrupted run; the new checkpoint is of the current format."""
     work = _copy_of(copies, case)
     reference = json.loads((work / "reference_losses.json").read_text())
-    res = run_cli(["resume", "run", "--steps=4"], cwd=work)
+    moved = []
+    if case[1] == "mixture" and case[0] >= 2:  # recorded absolute (outside the run): the data moved with the fixture
+        moved = [f"--dataset.mixture.{i}.root=data/{name}" for i, name in enumerate(("reach_v21", "reach_v30_video"))]
+    res = run_cli(["resume", "run", "--steps=4", *moved], cwd=work)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     resumed = {str(r["step"]): r["loss"] for r in records if r.get("kind") == "train" and r["step"] > 2}
