@@ -65,8 +65,9 @@ def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None
         protect = find_checkpoint(run_dir)
         check_resumable(protect, cfg, setup)
         clean_leftovers(run_dir)
+    # As the worker does: the checkpoint resumed from is protected and is the parent of the next save (lineage).
     manager = CheckpointManager(acc, run_dir, total_steps=steps, run_id="drv", keep_last=2, protect=protect,
-                                async_save=async_save)
+                                parent=protect, async_save=async_save)
     if protect is not None:
         start = manager.load(protect)["step"]
     gen = torch.Generator().manual_seed(1)
