@@ -51,9 +51,9 @@ def test_export_and_eval_take_run_best(run):
     ok(run_cli(["checkpoint", "export", f"{out}:best", "--output", str(tmp / "by_name")], env=env))
     ok(run_cli(["checkpoint", "export", str(best), "--output", str(tmp / "by_dir")], env=env))
     assert (tmp / "by_name" / MODEL_WEIGHTS).read_bytes() == (tmp / "by_dir" / MODEL_WEIGHTS).read_bytes()
-    ok(run_cli(["eval", f"{out}:best", "--output", str(tmp / "eval_best"), "--device", "cpu"], env=env))
-    ok(run_cli(["eval", str(best), "--output", str(tmp / "eval_dir"), "--device", "cpu"], env=env))
-    report = json.loads((tmp / "eval_best" / "eval.json").read_text())
-    assert report["policy"] == json.loads((tmp / "eval_dir" / "eval.json").read_text())["policy"]
+    ok(run_cli(["eval", f"{out}:best", "--output", str(tmp / "eval_best"), "--device", "cpu", "--stride", "10",
+                "--plot-episodes", "0"], env=env))
+    report = (tmp / "eval_best" / "eval.json").read_text()
+    assert json.dumps(str(best)) in report  # evaluated the checkpoint checkpoints/best points to
     missing = run_cli(["checkpoint", "export", f"{tmp / 'nowhere'}:best", "--output", str(tmp / "x")], env=env)
     assert missing.returncode == 2 and "keep_best" in missing.stderr and "Traceback" not in missing.stderr
