@@ -60,11 +60,34 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return path if path is not None and path.is_dir() else None
 
 
-def _parent_dir(ckpt_dir: Path) -> tuple[bool, Path | None]:
+class _Walk:
+    """One walk of a run's checkpoints/: the published checkpoints, listed once, and each one's lineage record and
+    manifest hash, read at most once however often the walk asks (nothing is written while it walks)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.published = _published(root)
+        self._lineages: dict[Path, dict | None] = {}
+        self._digests: dict[Path, str | None] = {}
+
+    def lineage(self, ckpt_dir: Path) -> dict | None:
+        if ckpt_dir not in self._lineages:
+            self._lineages[ckpt_dir] = lineage_of(ckpt_dir)
+        return self._lineages[ckpt_dir]
+
+    def digest(self, ckpt_dir: Path) -> str | None:
+        """The xxh3-128 of the checkpoint's manifest.json; None without one."""
+        if ckpt_dir not in self._digests:
+            manifest = ckpt_dir / MANIFEST
+            self._digests[ckpt_dir] = hash_file(manifest) if manifest.is_file() else None
+        return self._digests[ckpt_dir]
+
+
+def _parent_dir(walk: _Walk, ckpt_dir: Path) -> tuple[bool, Path | None]:
     """(recorded, the checkpoint that continues the branch below `ckpt_dir`): its parent when it is still the very
     checkpoint recorded; when retention deleted the parent, the newest older checkpoint (only branch checkpoints stay
     in checkpoints/: a rollback moves the others); None when the parent was replaced or the branch starts here."""
-    record = lineage_of(ckpt_dir)
+    record = walk.lineage(ckpt_dir)
     if record is None:
         return False, None
     parent = record.get("parent")
@@ -72,20 +95,19 @@ def _parent_dir(ckpt_dir: Path) -> tuple[bool, Path | None]:
         return True, None
     path = ckpt_dir.parent / parent["name"]
     if not path.is_dir():
-        older = [p for step, p in _published(ckpt_dir.parent) if step < int(parent["step"])]
+        older = [p for step, p in walk.published if step < int(parent["step"])]
         return True, older[-1] if older else None
-    manifest = path / MANIFEST
-    if manifest.is_file() and parent.get("manifest_xxh3") not in (None, hash_file(manifest)):
+    digest = walk.digest(path)
+    if digest is not None and parent.get("manifest_xxh3") not in (None, digest):
         return True, None
     return True, path
 
 
-def _newest_child(root: Path, parent: Path) -> Path | None:
+def _newest_child(walk: _Walk, parent: Path) -> Path | None:
     """The newest published checkpoint that records `parent` (the very one: name and manifest hash) as its parent."""
-    manifest = parent / MANIFEST
-    digest = hash_file(manifest) if manifest.is_file() else None
-    for _, path in reversed(_published(root)):
-        recorded = (lineage_of(path) or {}).get("parent") or {}
+    digest = walk.digest(parent)
+    for _, path in reversed(walk.published):
+        recorded = (walk.lineage(path) or {}).get("parent") or {}
         if path != parent and recorded.get("name") == parent.name and recorded.get("manifest_xxh3") == digest:
             return path
     return None
@@ -96,23 +118,22 @@ def current_branch(run_dir: Path) -> list[Path]:
     kill between a save's publication and the repointing of `last`, the descendants `last` did not reach yet.
 
     Checkpoints written before lineage was recorded form one linear history: every older published one counts."""
-    root = Path(run_dir) / CHECKPOINTS
+    walk = _Walk(Path(run_dir) / CHECKPOINTS)
     start = last_checkpoint(run_dir)
     if start is None:
-        published = _published(root)
-        if not published:
+        if not walk.published:
             return []
-        start = published[-1][1]
+        start = walk.published[-1][1]
     descendants = []
-    while (child := _newest_child(root, start)) is not None and child not in descendants:
+    while (child := _newest_child(walk, start)) is not None and child not in descendants:
         descendants.append(child)
         start = child
     chain, seen = [start], {start.name}
     current = start
     while True:
-        recorded, parent = _parent_dir(current)
+        recorded, parent = _parent_dir(walk, current)
         if not recorded:
-            chain.extend(p for step, p in reversed(_published(root)) if step < (step_of(current.name) or 0))
+            chain.extend(p for step, p in reversed(walk.published) if step < (step_of(current.name) or 0))
             break
         if parent is None or parent.name in seen:
             break
