@@ -21,7 +21,7 @@ from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
     leftover_of, read_last, step_of,
 )
-from opentau_cli.checkpoint.lineage import current_branch, lineage_of, resume_point, rolled_back
+from opentau_cli.checkpoint.lineage import current_branch, lineage_of, newest_complete, rolled_back
 from opentau_cli.checkpoint.shard_reader import LazyTensor, load_shard
 from opentau_cli.errors import UserError
 
@@ -352,7 +352,7 @@ def inspect_run(run_dir: Path) -> RunInfo:
     branch = current_branch(run)
     info.branch = [d.name for d in branch]
     info.off_branch = [n for n in info.checkpoints if n not in info.branch]
-    point = resume_point(run)
+    point = newest_complete(branch)  # resume_point's answer, from the branch walked above
     info.resumes_from = point.name if point is not None else None
     for d in branch:
         launch = (lineage_of(d) or {}).get("launch")

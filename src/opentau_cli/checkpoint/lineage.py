@@ -145,10 +145,12 @@ def current_branch(run_dir: Path) -> list[Path]:
 
 def resume_point(run_dir: Path) -> Path | None:
     """What `opentau resume RUN` continues: `last` when it is complete, else its newest complete ancestor."""
-    for path in reversed(current_branch(run_dir)):
-        if is_complete(path):
-            return path
-    return None
+    return newest_complete(current_branch(run_dir))
+
+
+def newest_complete(branch: list[Path]) -> Path | None:
+    """The newest complete checkpoint of `branch` (oldest first, as current_branch gives it)."""
+    return next((path for path in reversed(branch) if is_complete(path)), None)
 
 
 def newer_checkpoints(run_dir: Path, ckpt_dir: Path) -> list[Path]:
