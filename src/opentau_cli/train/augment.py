@@ -93,7 +93,8 @@ def apply(images: torch.Tensor, u: np.ndarray, wrist: torch.Tensor) -> torch.Ten
     batch, cameras = images.shape[:2]
     flat = images.flatten(0, 1).float()
     u = np.asarray(u, dtype=np.float64).reshape(batch * cameras, len(DRAWS))
-    on_device = torch.as_tensor(u, device=flat.device)  # a copy to the device, never a wait on it
+    # non_blocking: a blocking copy to a CUDA device waits for the work queued there (the previous step's).
+    on_device = torch.as_tensor(u).to(flat.device, non_blocking=True)
     geometric = ~wrist.flatten(0, 1).to(device=flat.device, dtype=torch.bool)
     moved = crop_and_resize(flat, u[:, 0], u[:, 1])
     moved = rotate(moved, on_device[:, 2] * (2 * MAX_DEGREES) - MAX_DEGREES)
