@@ -33,3 +33,4 @@ def test_the_augmentation_benchmark_smoke_run_appends_both_sides(tmp_path):
     text = results.read_text()
     assert "The cost of openpi's image augmentation" in text and "with dataset.augment=openpi" in text
     assert "step time with / without" in text and "smoke run" in text
+

@@ -4,6 +4,9 @@ does not fit is refused before launch with settings that would."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -13,7 +16,7 @@ from opentau_cli.config import TrainConfig
 from opentau_cli.config.accelerate import AccelerateSetup
 from opentau_cli.errors import UserError
 from opentau_cli.memory_plan import CUDA_OVERHEAD, policy_module, check_fits, fake_inputs, measure_step_peak, parse_size, plan_memory
-from conftest import EXAMPLES
+from conftest import REPO, EXAMPLES
 
 
 @pytest.fixture(autouse=True)
@@ -80,3 +83,13 @@ def test_the_card_size_is_read_in_plain_units_and_a_bad_one_is_one_sentence():
     assert parse_size("80GB") == 80 * 10**9 and parse_size("24GiB") == 24 * 2**30 and parse_size("141 GB") == 141 * 10**9
     with pytest.raises(UserError, match="--gpu-memory takes a size such as 80GB"):
         parse_size("lots")
+
+
+def test_the_memory_plan_benchmark_smoke_run_appends_every_launch_of_the_readme_table(tmp_path):
+    results = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_memory_plan.py"), "--smoke", "--results",
+                           str(results)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = results.read_text()
+    for row in ("DDP, 8 x 1", "DDP, 4 x 2 (the example)", "ZeRO-2, 4 x 2", "ZeRO-3, 4 x 2", "DDP example: weights"):
+        assert f"| {row} |" in text

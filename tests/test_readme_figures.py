@@ -16,6 +16,7 @@ BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
 ASYNC = "Asynchronous checkpoints: training time lost per save, sync vs async_save"
 CONSOLIDATE_ZERO3 = "Streaming consolidation vs zero_to_fp32 (two-step and direct), ZeRO-3"
 LORA = "LoRA rank 16 vs full fine-tuning on 2 CPU processes (opentau profile)"
+PLAN = "Memory plan of the example pi05 config on 8 GPUs"
 
 
 def _mb_fp32_to_million_parameters(mb: float) -> float:
@@ -37,6 +38,18 @@ FIGURES = [
     (r"and ([\d.]+)x \(ZeRO-2\) of full fine-tuning's peak memory", LORA, "ZeRO-2 LoRA / full", r"peak memory ([\d.]+)x"),
     (r"ran ([\d.]+)x / [\d.]+x its samples/s", LORA, "DDP LoRA / full", r"samples/s ([\d.]+)x"),
     (r"ran [\d.]+x / ([\d.]+)x its samples/s", LORA, "ZeRO-2 LoRA / full", r"samples/s ([\d.]+)x"),
+    (r"needs about ([\d.]+) GB per GPU", PLAN, "DDP, 8 x 1", r"^([\d.]+) GB"),
+    (r"\| 8 x 1 accumulation \| ([\d.]+) GB", PLAN, "DDP, 8 x 1", r"^([\d.]+) GB"),
+    (r"\| 4 x 2 accumulation \| ([\d.]+) GB", PLAN, "DDP, 4 x 2 (the example)", r"^([\d.]+) GB"),
+    (r"4 x 2 accumulation \| [\d.]+ GB \| fits, ([\d.]+) GB margin", PLAN, "DDP, 4 x 2 (the example)", r"margin ([\d.]+) GB"),
+    (r"ZeRO-2, bf16 \| 4 x 2 \| ([\d.]+) GB", PLAN, "ZeRO-2, 4 x 2", r"^([\d.]+) GB"),
+    (r"ZeRO-2, bf16 \| 4 x 2 \| [\d.]+ GB \| fits, ([\d.]+) GB margin", PLAN, "ZeRO-2, 4 x 2", r"margin ([\d.]+) GB"),
+    (r"ZeRO-3, bf16 \| 4 x 2 \| ([\d.]+) GB", PLAN, "ZeRO-3, 4 x 2", r"^([\d.]+) GB"),
+    (r"ZeRO-3, bf16 \| 4 x 2 \| [\d.]+ GB \| fits, ([\d.]+) GB margin", PLAN, "ZeRO-3, 4 x 2", r"margin ([\d.]+) GB"),
+    (r"fp32 weights \(([\d.]+) GB\)", PLAN, "DDP example: weights", r"^([\d.]+) GB"),
+    (r"gradients \(([\d.]+) GB\), DDP", PLAN, "DDP example: gradients", r"^([\d.]+) GB"),
+    (r"bucket copy of them \(([\d.]+) GB\)", PLAN, "DDP example: DDP buckets", r"^([\d.]+) GB"),
+    (r"moments \(([\d.]+) GB\) on every GPU", PLAN, "DDP example: AdamW state", r"^([\d.]+) GB"),
 ]
 
 # What a measured figure looks like in prose: a ratio ("0.49x"), a cost per unit ("0.5 s per GB", "0.2 CPU-seconds per
