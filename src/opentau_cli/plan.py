@@ -15,7 +15,6 @@ from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run
 from opentau_cli.checkpoint.manager import (
     RESHARD_FLAG, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
 )
-from opentau_cli.checkpoint.lineage import newer_checkpoints
 from opentau_cli.checkpoint.reshard import describe_change, fit_global_batch, is_reshard, topology, topology_entry
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
@@ -182,7 +181,8 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
     check_lora_resume(ckpt, checked.config, state, saved_config)
     check_mixture_resume(ckpt, checked.config, saved_config, overrides)
-    notes.extend(check_history(ckpt, rollback))
+    history = check_history(ckpt, rollback)  # a line only when there are newer checkpoints to move aside
+    notes.extend(history)
     schedule = describe_schedule_change(saved_config, checked.config, int(state.get("step", 0)))
     if schedule:
         notes.append(schedule)
@@ -190,8 +190,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     if done:
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
                      "(pass a larger --steps to train further).")
-    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done,
-                   rollback=bool(rollback and newer_checkpoints(run_dir_of(ckpt), ckpt)))
+    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done, rollback=bool(history))
 
 
 ROLLBACK_FLAG = "--rollback=true"
