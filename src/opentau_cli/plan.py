@@ -173,12 +173,15 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         setup = setup_from_dict(saved["accelerate"])
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
     setup = with_machine(setup, machines)
+    saved_config = None  # the checkpoint's train_config.json, read once
     if reshard and is_reshard(saved, setup):
-        notes.append(_keep_global_batch(cfg, ckpt, saved, setup, overrides))
+        saved_config = _read_train_config(ckpt)
+        notes.append(_keep_global_batch(cfg, saved_config, saved, setup, overrides))
     notes.extend(pin_for_resume(ckpt, cfg, saved, overrides))  # the dataset commits the checkpoint trained on
     checked = check_launch(cfg, setup, machine)
     state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
-    saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
+    if saved_config is None:
+        saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
     check_lora_resume(ckpt, checked.config, state, saved_config)
     check_mixture_resume(ckpt, checked.config, saved_config, overrides)
     history = check_history(ckpt, rollback)  # a line only when there are newer checkpoints to move aside
@@ -234,15 +237,18 @@ def describe_schedule_change(saved: dict, cfg: TrainConfig, step: int) -> str | 
             f"pass --scheduler.decay_steps={saved_steps} (the rate then stays at decay_lr past step {saved_steps}).")
 
 
-def _keep_global_batch(cfg: TrainConfig, ckpt: Path, saved: dict, setup: AccelerateSetup, overrides: dict) -> str:
-    """An elastic resume: set the per-process batch, per-device batch and accumulation that keep the checkpoint's
-    global batch on this launch; returns the line that says what changed."""
+def _read_train_config(ckpt: Path) -> dict:
     import json
 
     try:
-        saved_cfg = json.loads((ckpt / TRAIN_CONFIG).read_text())
+        return json.loads((ckpt / TRAIN_CONFIG).read_text())
     except (OSError, ValueError):
         raise UserError(f"Checkpoint '{ckpt}' has no readable {TRAIN_CONFIG}.") from None
+
+
+def _keep_global_batch(cfg: TrainConfig, saved_cfg: dict, saved: dict, setup: AccelerateSetup, overrides: dict) -> str:
+    """An elastic resume: set the per-process batch, per-device batch and accumulation that keep the checkpoint's
+    global batch on this launch (`saved_cfg`: its train_config.json); returns the line that says what changed."""
     given = {key: getattr(cfg, key) for key in ("batch_size", "per_device_batch_size", "gradient_accumulation_steps")
              if key in overrides}  # parsed and typed by load_config
     batch = fit_global_batch(saved_cfg, int(saved["world_size"]), setup.world_size, given)
