@@ -63,16 +63,21 @@ def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict, overrides: d
     command line (`--dataset.mixture.N.root`) says where the same data is now (a moved run) and is not a change."""
     import copy
 
-    from opentau_cli.config.paths import paths_base, resolve_paths
+    from opentau_cli.config.paths import is_path_key, paths_base, resolve_paths
     from opentau_cli.data.mixture import mixture_changes
 
-    saved = resolve_paths(copy.deepcopy(saved), paths_base(ckpt / TRAIN_CONFIG))
     before = saved.get("dataset", {}).get("mixture")
     now = cfg.dataset.model_dump(mode="json")["mixture"]
+    if before is None and now is None:
+        return
+    if before is not None:  # only the members' paths are compared: resolve those, not a copy of the whole config
+        members = {"dataset": {"mixture": copy.deepcopy(before)}}
+        before = resolve_paths(members, paths_base(ckpt / TRAIN_CONFIG))["dataset"]["mixture"]
     for key in overrides or {}:
-        parts = key.split(".")
-        if before and now and parts[:2] == ["dataset", "mixture"] and parts[3:] == ["root"] and int(parts[2]) < min(len(before), len(now)):
-            before[int(parts[2])]["root"] = now[int(parts[2])]["root"]
+        if before and now and key.startswith("dataset.mixture.") and is_path_key(key):  # dataset.mixture.N.root
+            i = int(key.split(".")[2])
+            if i < min(len(before), len(now)):
+                before[i]["root"] = now[i]["root"]
     changes = mixture_changes(before, now)
     if changes:
         raise UserError(f"Checkpoint '{ckpt}' trained on another mixture ({'; '.join(changes)}): resume with the "
