@@ -73,12 +73,6 @@ def wanted_files(root: Path, member: MixtureMember, num_cameras: int) -> list[st
     return list(files)
 
 
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_OFFLINE
-
-
 def resolve(member: MixtureMember, num_cameras: int, prefix: str = "dataset", *, local_only: bool = False) -> HubDataset:
     """`member`'s repo in the Hugging Face cache with every file the run reads; downloads what is missing unless
     offline (HF_HUB_OFFLINE, an unreachable Hub, or `local_only`: a rank never asks the Hub). Raises UserError with
@@ -86,10 +80,10 @@ def resolve(member: MixtureMember, num_cameras: int, prefix: str = "dataset", *,
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError
 
-    from opentau_cli.policies.hub import hub_reachable
+    from opentau_cli.policies.hub import hub_offline, hub_reachable
 
     repo_id, revision = repo_and_revision(member, prefix)
-    cached_only = local_only or _offline() or not hub_reachable()
+    cached_only = local_only or hub_offline() or not hub_reachable()
     try:
         root = Path(snapshot_download(repo_id, repo_type=REPO_TYPE, revision=revision, allow_patterns=META_FILES,
                                       local_files_only=cached_only))
@@ -119,12 +113,14 @@ def _shown(repo_id: str, revision: str | None) -> str:
 def _why_cache_only(repo_id: str, revision: str | None, local_only: bool) -> str:
     from huggingface_hub import constants
 
+    from opentau_cli.policies.hub import hub_offline
+
     download = f"`hf download {repo_id} --repo-type dataset" + (f" --revision {revision}`" if revision else "`")
     fill = (f"on a machine with network (same HF_HUB_CACHE) run `opentau config validate` on this config, which downloads "
             f"only what the run reads, or {download}")
     if local_only:
         return f"this process reads the cache only ({constants.HF_HUB_CACHE}): {fill}"
-    if _offline():
+    if hub_offline():
         return f"HF_HUB_OFFLINE is set: unset it to download from the Hub, or {fill}"
     return f"the Hugging Face Hub cannot be reached: {fill}"
 

@@ -56,7 +56,8 @@ def _patterns(field: str) -> list[str]:
     return TOKENIZER_FILES if field.endswith("tokenizer_path") else WEIGHT_FILES
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE is set (as huggingface_hub read it): only the cache is read."""
     from huggingface_hub import constants
 
     return constants.HF_HUB_OFFLINE
@@ -85,7 +86,7 @@ def _not_cached(missing: list[NotCached]) -> str:
     one = len(missing) == 1
     paths = "a local path" if one else "local paths"
     fill = f"fill the cache once with {downloads} on a machine with network (same HF_HUB_CACHE)"
-    if _offline():
+    if hub_offline():
         how = f"HF_HUB_OFFLINE is set: unset it to download {'it' if one else 'them'} from the Hub, {fill}, or give {paths}."
     else:
         how = f"the Hugging Face Hub cannot be reached: {fill}, or give {paths}."
@@ -127,7 +128,7 @@ def resolve(text: str | Path, field: str = "policy.pretrained_path") -> Path:
 
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=_patterns(field),
-                                   local_files_only=_offline() or not hub_reachable())
+                                   local_files_only=hub_offline() or not hub_reachable())
     except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
         raise _hub_error(field, text, repo_id, revision, exc) from exc
     return Path(folder)
@@ -151,7 +152,7 @@ def check_source(text: str | Path, field: str = "policy.pretrained_path") -> str
         snapshot_download(repo_id, revision=revision, allow_patterns=_patterns(field), local_files_only=True)
         return None
     except LocalEntryNotFoundError:
-        if _offline() or not hub_reachable():
+        if hub_offline() or not hub_reachable():
             return NotCached(field, text, repo_id, revision)
     try:
         HfApi().repo_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
