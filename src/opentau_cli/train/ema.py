@@ -25,12 +25,29 @@ from opentau_cli.errors import RunError
 CHUNK = 1 << 24  # values updated at a time: the temporary (1 - decay) * w stays small beside a large partition
 
 
-def ema_update_(ema: torch.Tensor, weights: torch.Tensor, decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * weights, in place, rounded as that expression is in fp32 (two products,
-    then their sum), chunk by chunk."""
-    take = 1.0 - decay
-    for e, w in zip(ema.view(-1).split(CHUNK), weights.detach().reshape(-1).split(CHUNK)):
-        e.mul_(decay).add_(w.float().mul(take))
+def ema_update_(ema, weights, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * weights, in place, for one tensor or matching lists of them, rounded as
+    that expression is in fp32 (two products, then their sum). torch's multi-tensor (foreach) ops update groups of
+    at most CHUNK values at a time: a few kernels for many small tensors, a small temporary beside a large one."""
+    group, weighted, size = [], [], 0
+
+    def update_group() -> None:
+        torch._foreach_mul_(group, decay)
+        torch._foreach_add_(group, torch._foreach_mul(weighted, 1.0 - decay))
+        group.clear()
+        weighted.clear()
+
+    pairs = zip(ema, weights) if isinstance(ema, (list, tuple)) else [(ema, weights)]
+    for e, w in pairs:
+        for e_part, w_part in zip(e.view(-1).split(CHUNK), w.detach().reshape(-1).split(CHUNK)):
+            if size + e_part.numel() > CHUNK:
+                update_group()
+                size = 0
+            group.append(e_part)
+            weighted.append(w_part.float())
+            size += e_part.numel()
+    if group:
+        update_group()
 
 
 @dataclass
@@ -73,8 +90,7 @@ class WeightEMA:
     @torch.no_grad()
     def update(self) -> None:
         """One EMA step from the weights as they are now (call it after each optimizer step)."""
-        for ema, w in zip(self.shadow, self.live):
-            ema_update_(ema, w, self.decay)
+        ema_update_(self.shadow, self.live, self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds of this rank's EMA, by name (views, not copies)."""
