@@ -21,7 +21,7 @@ from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
     leftover_of, read_last, step_of,
 )
-from opentau_cli.checkpoint.lineage import current_branch, lineage_of, newest_complete, rolled_back
+from opentau_cli.checkpoint.lineage import current_branch, lineage_in, lineage_of, newest_complete, rolled_back
 from opentau_cli.checkpoint.shard_reader import LazyTensor, load_shard
 from opentau_cli.errors import UserError
 
@@ -114,7 +114,7 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
     info.world_size = state.get("world_size")
     info.mixed_precision = state.get("mixed_precision")
     info.time = state.get("time")
-    info.lineage = lineage_of(ckpt_dir)
+    info.lineage = lineage_in(state)
     policy = config.get("policy", {}) if isinstance(config.get("policy"), dict) else {}
     info.preset = state.get("preset") or policy.get("preset")
     info.policy_type = policy.get("type")
@@ -306,7 +306,7 @@ def _listed(d: Path, name: str, verify: bool, leftover) -> ListedCheckpoint:
             (f"; and {len(problems) - 2} more" if len(problems) > 2 else "")
     else:
         note = ""
-    parent = ((lineage_of(d) or {}).get("parent") or {}).get("name")
+    parent = ((lineage_in(state) or {}).get("parent") or {}).get("name")
     return ListedCheckpoint(name=name, step=step, time=when, bytes=dir_size(d), complete=complete, last=False,
                             consolidated=consolidated, note=note, verified=complete if verify else None, parent=parent)
 

@@ -48,7 +48,12 @@ def lineage_of(ckpt_dir: Path) -> dict | None:
         state = json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text())
     except (OSError, ValueError):
         return None
-    record = state.get(LINEAGE)
+    return lineage_in(state)
+
+
+def lineage_in(state) -> dict | None:
+    """The lineage record of a training_state.json already read; None when it holds none."""
+    record = state.get(LINEAGE) if isinstance(state, dict) else None
     return record if isinstance(record, dict) else None
 
 
