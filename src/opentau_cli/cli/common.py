@@ -34,6 +34,11 @@ ForceOpt = Annotated[bool, typer.Option("--force", help=(
 WeightsOpt = Annotated[Optional[str], typer.Option("--weights", help=(
     "ema or live, for a training checkpoint: the EMA of the weights (ema.decay) or the weights as trained; default: "
     "the EMA when the checkpoint holds one."))]
+# What `eval` and `serve` load, and where.
+PolicySourceArg = Annotated[str, typer.Argument(help=(
+    "A run or checkpoint directory, or a model: a file, a directory (e.g. from `checkpoint export`) or a Hugging Face "
+    "repo id, in any published layout."))]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 (default: cuda when there is a GPU).")]
 
 
 def make_app(help_text: str) -> typer.Typer:

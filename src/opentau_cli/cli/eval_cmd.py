@@ -7,14 +7,13 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, ForceOpt, WeightsOpt, handle_errors
+from opentau_cli.cli.common import OVERRIDES_CONTEXT, DeviceOpt, ForceOpt, PolicySourceArg, WeightsOpt, handle_errors
 
 
 @handle_errors
 def eval_cmd(
     ctx: typer.Context,
-    source: str = typer.Argument(..., help="A run or checkpoint directory, or a model: a file, a directory (e.g. from "
-                                            "`checkpoint export`) or a Hugging Face repo id, in any published layout."),
+    source: PolicySourceArg,
     episodes: Optional[str] = typer.Option(None, "--episodes", help="Episode indices, e.g. 0,3,5 (default: the run's "
                                                                     "held-out episodes; for a model, every episode)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="New (or empty) directory for eval.json and eval.png (default: outputs/eval/<name>)."),
@@ -22,7 +21,7 @@ def eval_cmd(
     batch_size: int = typer.Option(8, "--batch-size", "--batch_size", help="Chunks sampled per forward."),
     stride: int = typer.Option(1, "--stride", help="Evaluate a chunk every N frames."),
     plot_episodes: int = typer.Option(3, "--plot-episodes", help="Episodes drawn in eval.png."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 (default: cuda when there is a GPU)."),
+    device: DeviceOpt = None,
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling noise."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run to evaluate on, by its name "
                                                                  "(default: the first), with its own statistics."),

@@ -7,19 +7,18 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, WeightsOpt, handle_errors
+from opentau_cli.cli.common import OVERRIDES_CONTEXT, DeviceOpt, PolicySourceArg, WeightsOpt, handle_errors
 
 
 @handle_errors
 def serve_cmd(
     ctx: typer.Context,
-    source: str = typer.Argument(..., help="A run or checkpoint directory, or a model: a file, a directory (e.g. from "
-                                            "`checkpoint export`) or a Hugging Face repo id, in any published layout."),
+    source: PolicySourceArg,
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free one, printed)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Refuse clients that do not send "
                                                                  "'Authorization: Api-Key KEY' (default: env OPENTAU_SERVE_API_KEY)."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 (default: cuda when there is a GPU)."),
+    device: DeviceOpt = None,
     seed: int = typer.Option(0, "--seed", help="Seed of every request's sampling noise (a request's integer 'seed' overrides it)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run to serve, by its name "
                                                                  "(default: the first), with its own statistics."),
