@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from opentau_cli.train.trackers import Trackers, tracker_values
+
 
 def truncate_metrics(path: Path, last_step: int) -> None:
     """On resume, drop records past the checkpoint's step (logged by a run that died after it), so steps never repeat."""
@@ -88,9 +90,7 @@ class MetricsLogger:
     """Writes each record as one JSON line (rank 0 only), to TensorBoard via `accelerator.log`, and to the run's
     other trackers (train/trackers.py): every tracker gets every record metrics.jsonl gets."""
 
-    def __init__(self, accelerator, path: Path, *, tensorboard: bool, trackers=None):
-        from opentau_cli.train.trackers import Trackers
-
+    def __init__(self, accelerator, path: Path, *, tensorboard: bool, trackers: Trackers | None = None):
         self.accelerator = accelerator
         self.enabled = accelerator.is_main_process
         self.path = path
@@ -99,8 +99,6 @@ class MetricsLogger:
         self._file = open(path, "a") if self.enabled else None
 
     def log(self, record: dict) -> None:
-        from opentau_cli.train.trackers import tracker_values
-
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
