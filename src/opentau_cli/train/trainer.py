@@ -348,18 +348,21 @@ class Trainer:
         self.topologies = topologies(state)
         self.data.stream.load_state_dict(state["sampler"])
 
-    def restore(self, checkpoints, ckpt_dir) -> None:
+    def restore(self, checkpoints, ckpt_dir) -> dict:
         """Resume from `ckpt_dir`: Accelerate's load_state under the topology it was saved by (`checkpoints`: the
-        run's CheckpointManager), else an elastic resume (checkpoint/reshard.py)."""
+        run's CheckpointManager), else an elastic resume (checkpoint/reshard.py). Returns the checkpoint's training
+        state."""
         from opentau_cli.checkpoint.manager import read_training_state
         from opentau_cli.checkpoint.reshard import is_reshard, load_resharded
 
-        if is_reshard(read_training_state(ckpt_dir), self.setup):
+        resharded = is_reshard(read_training_state(ckpt_dir), self.setup)
+        if resharded:
             state = load_resharded(ckpt_dir, self.accelerator, self.model, self.optimizer, self.scheduler, seed=self.cfg.seed)
         else:
             state = checkpoints.load(ckpt_dir)
         self.load_state_dict(state)
-        self.ema = resume_ema(self.ema, state, ckpt_dir, self.accelerator, self.model, resharded=is_reshard(state, self.setup))
+        self.ema = resume_ema(self.ema, state, ckpt_dir, self.accelerator, self.model, resharded=resharded)
+        return state
 
 
 def min_over_ranks(accelerator, value: int) -> int:

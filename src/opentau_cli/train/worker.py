@@ -45,7 +45,6 @@ def fit(cfg, setup, launch: dict, console) -> int:
     from opentau_cli.checkpoint.layout import METRICS, TB_RUN, TENSORBOARD
     from opentau_cli.checkpoint.manager import BestCheckpoints, CheckpointManager
     from opentau_cli.runtime import keep_until_exit
-    from opentau_cli.checkpoint.manager import read_training_state
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
     from opentau_cli.train.trackers import Trackers
     from opentau_cli.train.trainer import build_trainer
@@ -64,16 +63,16 @@ def fit(cfg, setup, launch: dict, console) -> int:
                              async_save=cfg.checkpoint.async_save, extra_files=trainer.checkpoint_files,
                              best=BestCheckpoints(cfg.checkpoint.keep_best, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode),
                              report=lambda text: progress.message(text))  # progress exists before the first save
+    resume_state = None
     if resume_from is not None:
-        trainer.restore(ckpt, resume_from)
+        resume_state = trainer.restore(ckpt, resume_from)
         if acc.is_main_process:
             truncate_metrics(run_dir / METRICS, trainer.step)
     if tb_dir is not None:
         # One TensorBoard run per run directory; a resume purges what a dead or rolled-back launch logged past its step.
         acc.init_trackers(TB_RUN, init_kwargs={"tensorboard": {"purge_step": trainer.step + 1}} if resume_from else {})
     # W&B, MLflow, ...: continue (or fork) the tracked runs the checkpoint records (train/trackers.py).
-    trackers = Trackers.open(acc, cfg, run_dir, resume_state=read_training_state(resume_from) if resume_from else None,
-                             step=trainer.step)
+    trackers = Trackers.open(acc, cfg, run_dir, resume_state=resume_state, step=trainer.step)
     metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None, trackers=trackers)
     progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar)
     if resume_from is not None:
