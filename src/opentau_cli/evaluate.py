@@ -300,6 +300,14 @@ def _device(name: str | None) -> torch.device:
     return device
 
 
+def for_inference(policy, device: torch.device):
+    """The policy on `device`, in eval mode and the inference dtype: what eval and serve both sample with."""
+    policy.to(device).eval()
+    if inference_dtype(device) != torch.float32:
+        policy.cast_weights(inference_dtype(device))
+    return policy
+
+
 def inference_dtype(device: torch.device) -> torch.dtype:
     """bf16 on CUDA, as openpi serves pi05 (the fp32 set of the policy kept, modeling.FP32_PARAMETERS); fp32 elsewhere."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -330,9 +338,7 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
         policy, origin = _from_model(cfg, str(source), data.stats)
     _check_widths(policy, data)
 
-    policy.to(dev).eval()
-    if inference_dtype(dev) != torch.float32:
-        policy.cast_weights(inference_dtype(dev))
+    for_inference(policy, dev)
     steps, joints = policy.cfg.n_action_steps, data.action_dim
     mean = policy.action_mean[:joints].float().cpu()
     ours, baseline = _Errors(steps, joints), _Errors(steps, joints)

@@ -206,7 +206,9 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
                 device: str | None = None, seed: int = 0, weights: str | None = None) -> ServedPolicy:
     """The policy of a run / checkpoint directory (DDP, DeepSpeed shards, LoRA), an export or a repo id, loaded as
     `opentau eval` loads it, with the observation keys of the dataset it was trained on."""
-    from opentau_cli.evaluate import _device, _from_checkpoint, _from_model, _is_training_checkpoint, _model_policy_config
+    from opentau_cli.evaluate import (
+        _device, _from_checkpoint, _from_model, _is_training_checkpoint, _model_policy_config, for_inference,
+    )
     from opentau_cli.data.mixture import select_member
 
     overrides = dict(overrides or {})
@@ -224,7 +226,7 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
                             "serve a training checkpoint or an export of one.")
         features = _model_features(str(source))
     cameras, state_key = _observation_keys(cfg, member, features)
-    policy.to(dev).eval()
+    for_inference(policy, dev)  # as eval samples: bf16 on CUDA, so the served chunk is eval's
     return ServedPolicy(policy, cameras, state_key, str(source), origin, seed, dev)
 
 
