@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.config.load import _deep_merge
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 
@@ -238,7 +239,7 @@ def alternatives(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> list[st
     """Settings that would fit `card`, each one change away from `cfg`: gradient checkpointing, the largest smaller
     per-device batch that fits (the same batch_size through accumulation), ZeRO-2, LoRA."""
     def fits(change: dict, other_setup: AccelerateSetup | None = None) -> bool:
-        changed = TrainConfig.model_validate(_merge(cfg.model_dump(), change))
+        changed = TrainConfig.model_validate(_deep_merge(cfg.model_dump(), change))
         return plan_memory(changed, other_setup or setup).fits(card)
 
     found = []
@@ -259,13 +260,6 @@ def alternatives(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> list[st
     if not cfg.policy.lora.enabled and fits({"policy": {"lora": {"rank": 16}}}):
         found.append("--policy.lora.rank=16")
     return found
-
-
-def _merge(base: dict, change: dict) -> dict:
-    out = dict(base)
-    for k, v in change.items():
-        out[k] = _merge(base.get(k) or {}, v) if isinstance(v, dict) else v
-    return out
 
 
 def check_fits(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> None:
