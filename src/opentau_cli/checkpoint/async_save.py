@@ -105,11 +105,7 @@ class HostStaging:
             with torch.no_grad():
                 buf.copy_(t.detach(), non_blocking=t.is_cuda)
             self._cuda |= t.is_cuda
-            # Saved as the original would be: a Parameter stays one, requires_grad is kept (the copy stays a leaf).
-            if isinstance(t, torch.nn.Parameter):
-                out = torch.nn.Parameter(buf, requires_grad=t.requires_grad)
-            else:
-                out = buf.detach().requires_grad_(t.requires_grad)
+            out = _saved_as(buf, t.requires_grad, isinstance(t, torch.nn.Parameter))
             self._staged[id(out)] = (arena.id, off, str(t.dtype).removeprefix("torch."), tuple(t.shape),
                                      t.requires_grad, isinstance(t, torch.nn.Parameter))
             self._keep.append(out)
@@ -204,6 +200,14 @@ def _pin(buf, size: int) -> bool:
         return int(torch.cuda.cudart().cudaHostRegister(_address(buf), size, 0)) == 0
     except Exception:
         return False
+
+
+def _saved_as(buf: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A host copy as the original would be saved: a Parameter stays one, requires_grad is kept (the copy stays a
+    leaf)."""
+    if parameter:
+        return torch.nn.Parameter(buf, requires_grad=requires_grad)
+    return buf.detach().requires_grad_(requires_grad)
 
 
 def _tensor_at(buf, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
@@ -466,8 +470,7 @@ class _StateUnpickler(pickle.Unpickler):
         if pid not in self._made:
             arena, offset, dtype, shape, requires_grad, parameter = pid
             t = _tensor_at(self._arenas[arena], offset, getattr(torch, dtype), shape)
-            self._made[pid] = torch.nn.Parameter(t, requires_grad=requires_grad) if parameter \
-                else t.requires_grad_(requires_grad)
+            self._made[pid] = _saved_as(t, requires_grad, parameter)
         return self._made[pid]
 
 
