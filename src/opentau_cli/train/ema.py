@@ -203,9 +203,6 @@ def build_ema(cfg, accelerator, model) -> WeightEMA | None:
     return WeightEMA.build(cfg.ema.decay, accelerator, model) if cfg.ema.enabled else None
 
 
-EMA_KEY = EMA_STATE
-
-
 def ema_record(ema: WeightEMA) -> dict:
     return {"decay": ema.decay}
 
@@ -214,7 +211,7 @@ def resume_ema(ema: WeightEMA | None, state: dict, ckpt_dir: Path, accelerator, 
                ) -> WeightEMA | None:
     """The EMA a resumed launch continues: the checkpoint's (same topology), or, when the checkpoint holds none, a
     new one from the restored weights; each case that is not a plain continuation is said in the rank-0 log."""
-    saved = state.get(EMA_KEY)
+    saved = state.get(EMA_STATE)
     say = (lambda text: print(text, flush=True)) if accelerator.is_main_process else (lambda text: None)
     if ema is None:
         if saved:

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opentau_cli.checkpoint.layout import EMA_STATE
 from opentau_cli.checkpoint.reshard import topologies, topology_entry, with_topology
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.train.augment import ImageAugment
-from opentau_cli.train.ema import EMA_KEY, WeightEMA, build_ema, ema_record, resume_ema
+from opentau_cli.train.ema import WeightEMA, build_ema, ema_record, resume_ema
 from opentau_cli.train.schedule import lr_factor
 from opentau_cli.train.timing import NO_TIMER, StepTimer
 
@@ -335,7 +336,7 @@ class Trainer:
             "topologies": with_topology(self.topologies, topology_entry(self.launch_step, self.setup, self.cfg)),
             "versions": versions,
             **({BASE_KEY: self.lora_base} if self.lora_base is not None else {}),
-            **({EMA_KEY: ema_record(self.ema)} if self.ema is not None else {}),
+            **({EMA_STATE: ema_record(self.ema)} if self.ema is not None else {}),
         }
 
     def checkpoint_files(self) -> dict:
