@@ -6,6 +6,7 @@ Benchmarks print ratios against their anchors; they are scripts, never timed tes
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import shlex
@@ -65,6 +66,12 @@ def run(args: list[str], *, timeout: float = 3600, check: bool = True) -> tuple[
     return proc, wall
 
 
+def profile(args: list[str], json_path: Path, *, timeout: float = 3600) -> tuple[dict, subprocess.CompletedProcess, float]:
+    """`opentau profile ARGS --json JSON_PATH`: its report (the JSON it wrote), the process and its wall time."""
+    proc, wall = run([opentau_bin(), "profile", *args, "--json", str(json_path)], timeout=timeout)
+    return json.loads(Path(json_path).read_text()), proc, wall
+
+
 def verdict(value: float, target: float, higher_is_better: bool = True) -> str:
     ok = value >= target if higher_is_better else value <= target
     return "meets target" if ok else "BELOW target" if higher_is_better else "ABOVE target"
@@ -92,6 +99,15 @@ def append_result(title: str, rows: list[tuple[str, str]], notes: list[str], *, 
     with path.open("a") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+def report(args, title: str, rows: list[tuple[str, str]], notes: list[str]) -> None:
+    """Append the section to args.results unless --no-append; a --smoke run's first note says it is one."""
+    if args.no_append:
+        return
+    if args.smoke:
+        notes = ["smoke run: numbers only show the script works", *notes]
+    append_result(title, rows, notes, path=args.results)
 
 
 def base_parser(doc: str):

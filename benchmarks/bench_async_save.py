@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, print_rows, verdict  # noqa: E402
+from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, report, verdict  # noqa: E402
 
 TARGETS = {"quiet": 0.25, "loaded": 0.75}
 CEILING = 1.0  # in any round, under any load: never worse than not being asynchronous
@@ -255,16 +255,12 @@ def main() -> None:
         ("uptime before / after", f"{uptime_before} / {uptime()}"),
     ]
     print_rows("Benchmark 5: asynchronous checkpoints", rows)
-    if not args.no_append:
-        notes = [f"whole comparison took {took:.0f} s",
-                 "both managers keep_last=1; the sync peak is taken before the first async save, which makes the "
-                 "host copy that the process then keeps; the writer process's memory is not in the RSS",
-                 "loaded: one `while True: pass` process per core, at the benchmark's priority, through all of that "
-                 "load's rounds"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("Asynchronous checkpoints: training time lost per save, sync vs async_save", rows, notes,
-                      path=args.results)
+    report(args, "Asynchronous checkpoints: training time lost per save, sync vs async_save", rows,
+           [f"whole comparison took {took:.0f} s",
+            "both managers keep_last=1; the sync peak is taken before the first async save, which makes the host copy "
+            "that the process then keeps; the writer process's memory is not in the RSS",
+            "loaded: one `while True: pass` process per core, at the benchmark's priority, through all of that load's "
+            "rounds"])
 
 
 def uptime() -> str:

@@ -11,14 +11,13 @@ the ratio of step times and the augmentation's own milliseconds per step (the di
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
+from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, profile, report  # noqa: E402
 
 SIDES = {"without": [], "with": ["--dataset.augment=openpi"]}
 
@@ -51,24 +50,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         for round_ in range(args.rounds):
             for side, extra in SIDES.items():
-                out = Path(tmp) / f"{side}-{round_}.json"
                 # The demo dataset has one camera: every slot past it is padding, augmented like a real one.
-                proc, seconds = run([opentau_bin(), "profile", f"--config_path={config}", "--steps", str(args.steps),
-                                     "--warmup", str(args.warmup), "--json", str(out),
-                                     f"--dataset.num_cameras={args.cameras}", *extra])
+                result, _, seconds = profile([f"--config_path={config}", "--steps", str(args.steps), "--warmup",
+                                              str(args.warmup), f"--dataset.num_cameras={args.cameras}", *extra],
+                                             Path(tmp) / f"{side}-{round_}.json")
                 wall += seconds
-                reports[side].append(json.loads(out.read_text()))
+                reports[side].append(result)
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), 1 process, {args.cameras} camera slot(s), "
                        f"{args.warmup} warm-up + {args.steps} measured steps, {args.rounds} alternating round(s)")]
     rows += compare_rows(reports)
     print_rows("The cost of openpi's image augmentation on the device (1 process)", rows)
-    if not args.no_append:
-        notes = [f"both sides took {wall:.0f} s", "the augmentation runs in the data phase, after the batch reaches "
-                 "the device; on CPU the device is the CPU"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("The cost of openpi's image augmentation: without and with dataset.augment=openpi", rows, notes,
-                      path=args.results)
+    report(args, "The cost of openpi's image augmentation: without and with dataset.augment=openpi", rows,
+           [f"both sides took {wall:.0f} s", "the augmentation runs in the data phase, after the batch reaches the "
+            "device; on CPU the device is the CPU"])
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ EMA's ratio of step time and the extra memory per rank. Expected: the extra memo
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
+from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, profile, report  # noqa: E402
 
 BACKENDS = {"DDP": EXAMPLES / "accelerate_cpu_ddp_config.yaml", "ZeRO-3": EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"}
 DECAY = 0.99  # openpi's default
@@ -48,24 +47,19 @@ def main() -> None:
     sides, walls = {}, []
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         for side, extra in (("without", []), ("with", [f"--ema.decay={DECAY}"])):
-            out = Path(tmp) / f"{side}.json"
-            proc, wall = run([opentau_bin(), "profile", f"--config_path={config}", "--compare",
-                              ",".join(map(str, BACKENDS.values())), "--steps", str(args.steps), "--warmup",
-                              str(args.warmup), "--json", str(out), *extra])
+            result, proc, wall = profile([f"--config_path={config}", "--compare", ",".join(map(str, BACKENDS.values())),
+                                          "--steps", str(args.steps), "--warmup", str(args.warmup), *extra],
+                                         Path(tmp) / f"{side}.json")
             print(proc.stdout)
-            sides[side] = json.loads(out.read_text())["rows"]
+            sides[side] = result["rows"]
             walls.append(wall)
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), 2 CPU processes, {args.warmup} warm-up + "
                        f"{args.steps} measured steps per backend and side, ema.decay={DECAY}")]
     rows += compare_rows(sides["without"], sides["with"])
     print_rows("The cost of the EMA of the weights (2 CPU processes)", rows)
-    if not args.no_append:
-        notes = [f"both sides took {sum(walls):.0f} s", "peak RSS is each worker process's own peak (DataLoader workers "
-                 "not included); the EMA is one fp32 copy of what the rank averages"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("The cost of the EMA of the weights: DDP and ZeRO-3, without and with ema.decay", rows, notes,
-                      path=args.results)
+    report(args, "The cost of the EMA of the weights: DDP and ZeRO-3, without and with ema.decay", rows,
+           [f"both sides took {sum(walls):.0f} s", "peak RSS is each worker process's own peak (DataLoader workers "
+            "not included); the EMA is one fp32 copy of what the rank averages"])
 
 
 if __name__ == "__main__":

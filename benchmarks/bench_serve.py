@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from _common import SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, print_rows
+from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, report
 
 CAMERA, STATE = "observation.images.top", "observation.state"
 
@@ -157,12 +157,9 @@ def main() -> None:
         ("serve 1 client / in-process throughput", f"{(len(one) / one_wall) / (len(inproc) / inproc_wall):.2f}x"),
     ]
     print_rows("Benchmark: opentau serve vs in-process inference", rows)
-    if not args.no_append:
-        notes = ["requests include packing the observation (msgpack) and the loopback round trip; the server samples "
-                 "one chunk at a time, so 4 clients queue (their latency includes the wait)"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("opentau serve: requests/s and latency vs in-process", rows, notes, path=args.results)
+    report(args, "opentau serve: requests/s and latency vs in-process", rows,
+           ["requests include packing the observation (msgpack) and the loopback round trip; the server samples one "
+            "chunk at a time, so 4 clients queue (their latency includes the wait)"])
 
 
 if __name__ == "__main__":
