@@ -172,33 +172,31 @@ class Checker:
             "train", f"--config_path={self.config}", f"--accelerate-config={accel}", f"--output_dir={full}",
             "--steps", str(steps), "--save_freq", str(mid), "--log_freq", "1", "--batch_size", str(self.plan.batch),
             *extra])
-        backend = label
-        if not ok:
-            return [self.failed("train + checkpoint", backend, last, seconds, log),
-                    Row("exact resume", backend, "SKIP", "training failed", None)]
-        records = train_records(full)
+        records = train_records(full) if ok else []
         losses = {r["step"]: r["loss"] for r in records}
         ckpt = full / CHECKPOINTS / step_dir_name(mid, steps)
-        if sorted(losses) != list(range(1, steps + 1)) or not all(math.isfinite(v) for v in losses.values()):
-            train = Row("train + checkpoint", backend, "FAIL", f"metrics.jsonl holds steps {sorted(losses)}, losses "
+        if not ok:
+            train = self.failed("train + checkpoint", label, last, seconds, log)
+        elif sorted(losses) != list(range(1, steps + 1)) or not all(math.isfinite(v) for v in losses.values()):
+            train = Row("train + checkpoint", label, "FAIL", f"metrics.jsonl holds steps {sorted(losses)}, losses "
                         f"{[losses[s] for s in sorted(losses)]} (log: {log})", seconds)
         elif not ckpt.is_dir():
-            train = Row("train + checkpoint", backend, "FAIL", f"no checkpoint {ckpt} (log: {log})", seconds)
+            train = Row("train + checkpoint", label, "FAIL", f"no checkpoint {ckpt} (log: {log})", seconds)
         else:
             rate = statistics.median(r["samples_per_s"] for r in records[1:] or records)
-            train = Row("train + checkpoint", backend, "PASS",
+            train = Row("train + checkpoint", label, "PASS",
                         f"loss {losses[1]:.4f} -> {losses[steps]:.4f}, {rate:.1f} samples/s", seconds,
                         {"losses": losses, "samples_per_s": rate, "checkpoint": str(ckpt)})
         if train.result != "PASS":
-            return [train, Row("exact resume", backend, "SKIP", "training failed", None)]
+            return [train, Row("exact resume", label, "SKIP", "training failed", None)]
         copy = resumed / CHECKPOINTS / ckpt.name
         shutil.copytree(ckpt, copy, symlinks=True)
         elastic = [] if resume_procs is None else [f"--accelerate-config={self.yaml_for('ddp', resume_procs)}",
                                                    "--reshard=true"]
         ok, last, seconds, log = self.opentau(f"{name}-resume", ["resume", str(copy), *elastic])
         if not ok:
-            return [train, self.failed("elastic resume" if resume_procs else "exact resume", backend, last, seconds, log)]
-        rows = [train, resume_row(backend, losses, {r["step"]: r["loss"] for r in train_records(resumed)},
+            return [train, self.failed("elastic resume" if resume_procs else "exact resume", label, last, seconds, log)]
+        rows = [train, resume_row(label, losses, {r["step"]: r["loss"] for r in train_records(resumed)},
                                   range(mid + 1, steps + 1), seconds, log, elastic=resume_procs is not None)]
         if not self.keep_runs and all(r.result == "PASS" for r in rows):
             shutil.rmtree(home)  # pi05_small checkpoints are about 1 GB each; a failed backend's runs stay for a look
@@ -223,8 +221,8 @@ class Checker:
         planned = plan_memory(cfg, read_accelerate_config(accel))
         card = torch.cuda.get_device_properties(0).total_memory
         if not planned.fits(card):
-            reason = f"the memory plan needs {gb(planned.total)}, the card has {gb(card)}"
-            return [Row("one step", backend, "SKIP", reason), Row("memory plan vs peak", backend, "SKIP", reason)]
+            return skipped(backend, ("one step", "memory plan vs peak"),
+                           f"the memory plan needs {gb(planned.total)}, the card has {gb(card)}")
         report_path = self.out / "pi05_profile.json"
         ok, last, seconds, log = self.opentau("pi05-step", [
             "profile", f"--config_path={config}", f"--accelerate-config={accel}", "--steps", "1", "--warmup", "1",
@@ -293,6 +291,11 @@ class Checker:
         return Row("profile", "single", "PASS", f"{report['samples_per_s']:.1f} samples/s, {mfu} ({report['device']})",
                    seconds, {key: report[key] for key in ("samples_per_s", "step_time_s", "mfu", "flops_per_sample",
                                                           "peak_flops_per_device", "device", "global_batch_size")})
+
+
+def skipped(backend: str, checks: tuple[str, ...], reason: str) -> list[Row]:
+    """One SKIP row per check, all for the same reason."""
+    return [Row(check, backend, "SKIP", reason) for check in checks]
 
 
 def train_records(run_dir: Path) -> list[dict]:
@@ -414,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             done = checker.backend(parallel, f"{parallel}, async save", ("--checkpoint.async_save=true",))
         elif check == "elastic":
             if plan.procs < 2:
-                done = [Row(n, "zero2 -> ddp on half", "SKIP", "1 GPU visible") for n in ("train + checkpoint", "elastic resume")]
+                done = skipped("zero2 -> ddp on half", ("train + checkpoint", "elastic resume"), "1 GPU visible")
             else:
                 done = checker.backend("zero2", f"zero2 on {plan.procs} -> ddp on {plan.procs // 2}",
                                        resume_procs=plan.procs // 2)
@@ -423,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         elif check == "profile":
             done = [checker.profile()]
         elif check == "ddp" and plan.procs < 2:
-            done = [Row(name, "ddp", "SKIP", "1 GPU visible") for name in ("train + checkpoint", "exact resume")]
+            done = skipped("ddp", ("train + checkpoint", "exact resume"), "1 GPU visible")
         else:
             done = checker.backend(check)
         print(f"[gpu_check] {check}: " + ", ".join(f"{r.check} {r.result}" for r in done), flush=True)
