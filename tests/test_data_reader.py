@@ -40,17 +40,16 @@ def test_v21_and_v30_layouts_load_identical_samples(synth_pair):
 def test_sample_has_batch_format_with_padded_chunk_and_flagged_missing_camera(synth_pair):
     ds = LeRobotDataset(synth_pair[0], [1], **KW)
     last = ds[len(ds) - 2]  # second-to-last frame of episode 1: one real action, then padding
-    assert last["images"].shape == (3, 3, 32, 48) and last["images"].dtype == torch.float32
+    assert last["images"].shape == (3, 3, 32, 48) and last["images"].dtype == torch.uint8  # the device scales them
     assert last["image_masks"].tolist() == [True, True, False]
     assert torch.count_nonzero(last["images"][2]) == 0
-    assert 0.0 <= last["images"].min() and last["images"].max() <= 1.0
     assert last["action_is_pad"].tolist() == [False, False, True, True, True, True]
     assert torch.equal(last["actions"][2:], last["actions"][1].expand(4, -1))  # past the end: the last action repeats
     assert ds.state_dim == 4 and ds.action_dim == 2 and last["state"].shape == (4,)
     # 64x64 into 32x48 keeps the aspect ratio: 8 black columns each side, picture in the middle.
     img = last["images"][0]
     assert torch.count_nonzero(img[:, :, :8]) == 0 and torch.count_nonzero(img[:, :, -8:]) == 0
-    assert img[:, :, 8:40].mean() > 0.5
+    assert img[:, :, 8:40].float().mean() > 0.5 * 255
 
 
 def test_action_chunk_is_the_next_actions_of_the_same_episode(synth_pair):
@@ -101,7 +100,7 @@ def test_jpeg_bytes_in_parquet_are_decoded(synth_pair, tmp_path):
         cell["bytes"] = buf.getvalue()
     pq.write_table(table.set_column(table.schema.get_field_index(key), key, pa.array(cells, table.schema.field(key).type)), path)
     jpeg, png = LeRobotDataset(root, [0], **KW)[4]["images"][0], LeRobotDataset(synth_pair[0], [0], **KW)[4]["images"][0]
-    assert (jpeg - png).abs().mean() < 0.02 and not torch.equal(jpeg, png)
+    assert (jpeg.float() - png.float()).abs().mean() < 0.02 * 255 and not torch.equal(jpeg, png)
 
 
 def test_camera_keys_map_features_to_slots(synth_pair):
@@ -119,7 +118,7 @@ def test_g1_video_frames_match_a_sequential_decode(g1):
     with av.open(str(g1 / "videos/chunk-000/observation.images.cam_high/episode_000000.mp4")) as c:
         frames = [f.reformat(width=64, height=48, format="rgb24", interpolation="BILINEAR", threads=1).to_ndarray() for f in c.decode(video=0)]
     for i in (0, 1, 157, 64, 392, 3):  # out of order: every lookup seeks
-        got = (ds[i]["images"][0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+        got = ds[i]["images"][0].permute(1, 2, 0).numpy()
         assert np.array_equal(got, frames[i]), i
     last = ds[392]
     assert last["action_is_pad"].sum() == 49 and last["task"] == "Pick up the yellow bottle on the table."
@@ -137,7 +136,7 @@ def test_g1_batch_through_build_data_with_video_workers(isolated_env, g1):
         batch = next(data.stream)
         assert batch["images"].shape == (4, 1, 3, 64, 64) and batch["state"].shape == (4, 26)
         assert batch["actions"].shape == (4, 10, 26) and batch["action_is_pad"].shape == (4, 10)
-        assert batch["images"].mean() > 0.05 and len(batch["task"]) == 4
+        assert batch["images"].dtype == torch.uint8 and batch["images"].float().mean() > 0.05 * 255 and len(batch["task"]) == 4
         assert len(data.stats["action"]["mean"]) == 26 and data.state_dim == data.action_dim == 26
         assert len(data.train_dataset.episodes) == 2 and len(data.val_dataset.episodes) == 1
         val = next(iter(data.val_loader))
@@ -158,7 +157,7 @@ def test_video_layouts_show_the_frame_of_each_sample_including_v30_files_holding
         for ds in (v21, v30):
             got = ds[i]["images"]
             assert ds[i]["image_masks"].tolist() == [True, False, False]
-            dist = {j: (got - truth[j]).abs().mean().item() for j in range(max(0, i - 1), min(len(png), i + 2))}
+            dist = {j: (got.float() - truth[j].float()).abs().mean().item() for j in range(max(0, i - 1), min(len(png), i + 2))}
             assert min(dist, key=dist.get) == i, (i, dist)  # lossy, but the nearest picture is the right frame
 
 

@@ -251,7 +251,10 @@ def test_pixels_reach_siglip_in_minus_one_one_and_a_missing_camera_is_black_and_
     sample = LeRobotDataset(root, [0], chunk_size=CHUNK, image_resolution=(32, 32), num_cameras=3)[0]
     batch = {k: (v[None] if isinstance(v, torch.Tensor) else [v]) for k, v in sample.items()}
     inputs = build_policy(tiny_cfg(), stats=STATS)._prepare(batch, with_actions=True)
-    torch.testing.assert_close(inputs["images"], sample["images"][None] * 2 - 1)
+    # The sample's uint8 pixels (the batch format) scaled as the host scaled them when images travelled as float32.
+    assert sample["images"].dtype == torch.uint8
+    unit = torch.from_numpy(sample["images"].numpy().astype(np.float32) * np.float32(1 / 255))
+    assert torch.equal(inputs["images"], unit[None] * 2 - 1)
     assert inputs["images"].min() >= -1 and inputs["images"].max() <= 1
     assert inputs["image_masks"].tolist() == [[True, False, False]]
     assert bool((inputs["images"][0, 1:] == -1).all())  # openpi's zero uint8 image in [-1, 1]

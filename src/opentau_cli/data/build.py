@@ -14,7 +14,7 @@ from opentau_cli.data.hub import dataset_root, revisions
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.mixture import MixtureDataset, MixtureSampler, into_policy_space, mixture_stats
 from opentau_cli.normalization import mode_of
-from opentau_cli.data.sampler import BatchStream, ResumableSampler, collate
+from opentau_cli.data.sampler import BatchStream, ResumableSampler
 from opentau_cli.data.synth import resolve_dataset_root
 from opentau_cli.data.video import VideoFrames
 from opentau_cli.errors import UserError
@@ -57,6 +57,11 @@ class TrainData:
     @property
     def is_mixture(self) -> bool:
         return isinstance(self.train_dataset, MixtureDataset)
+
+    def set_prompt_tokenizer(self, prompt) -> None:
+        """Training and validation batches carry their prompt's token ids, made by `prompt` (the policy's rule and
+        statistics: Pi05Policy.prompt_tokenizer) in the data workers."""
+        self.stream.set_prompt_tokenizer(prompt)  # the validation loader shares the stream's collate
 
 
 def make_dataset(cfg: TrainConfig, member: MixtureMember, root: Path, episodes: list[int], video: VideoFrames | None = None) -> LeRobotDataset:
@@ -114,7 +119,7 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
         val_sampler = ResumableSampler(len(val_ds), seed=cfg.seed, rank=rank, world_size=world_size, shuffle=False)
         if len(val_sampler) > 0:
             # Workers 0: validation is occasional, and idle persistent workers would only hold memory.
-            val_loader = DataLoader(val_ds, batch_size=micro, sampler=val_sampler, num_workers=0, pin_memory=pin, collate_fn=collate,
+            val_loader = DataLoader(val_ds, batch_size=micro, sampler=val_sampler, num_workers=0, pin_memory=pin, collate_fn=stream.collate,
                                     generator=torch.Generator().manual_seed(cfg.seed))  # keeps the global RNG untouched
     return TrainData(stream=stream, val_loader=val_loader, stats=stats, state_dim=len(stats["state"]["mean"]),
                      action_dim=len(stats["action"]["mean"]), train_dataset=train_ds, val_dataset=val_ds,

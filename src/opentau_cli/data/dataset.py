@@ -185,8 +185,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 images[slot] = self._image(feature, ep, idx)
                 masks[slot] = True
         return {
-            # numpy, not torch: single-threaded and cheap; torch's intra-op threads only contend with the trainer here.
-            "images": torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2), dtype=np.float32) * np.float32(1 / 255)),
+            # uint8 (cameras, 3, H, W): a quarter of float32's bytes through the workers' queues and the host-device
+            # copy; the device scales them to [0, 1] (data/images.py to_unit_float).
+            "images": torch.from_numpy(np.ascontiguousarray(images.transpose(0, 3, 1, 2))),
             "image_masks": torch.from_numpy(masks),
             "wrist_cameras": self._wrist,
             "state": torch.from_numpy(self._state[idx].copy()),

@@ -1,4 +1,5 @@
-"""Image decoding and resize-with-padding, shared by parquet images and video frames."""
+"""Image decoding and resize-with-padding, shared by parquet images and video frames, and the one uint8 -> [0, 1]
+scaling that the device applies to the batch's images (docs/ARCHITECTURE.md, "Batch format")."""
 
 from __future__ import annotations
 
@@ -6,6 +7,21 @@ import io
 
 import numpy as np
 from PIL import Image
+
+# 1/255 as a float32: a uint8 pixel x becomes the float32 product x * UNIT_SCALE (a Python float that float32 holds exactly).
+UNIT_SCALE = float(np.float32(1 / 255))
+
+
+def to_unit_float(images):
+    """A tensor of images as the data pipeline sends them (uint8, 0-255) -> float32 in [0, 1], where the tensor is (on
+    the device in training): x.float() * float32(1/255), bit for bit the values the host made when images travelled as
+    float32. Float images (already in [0, 1], as clients may send them) only become float32. torch is imported here,
+    not above: `config validate` reads datasets through this package without loading torch."""
+    import torch
+
+    if images.dtype == torch.uint8:
+        return images.to(torch.float32) * UNIT_SCALE
+    return images.to(torch.float32)
 
 
 def fit_size(src_h: int, src_w: int, height: int, width: int) -> tuple[int, int]:

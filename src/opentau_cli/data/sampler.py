@@ -88,6 +88,21 @@ def collate(samples: list[dict]) -> dict:
     return out
 
 
+class PromptCollate:
+    """`collate`, then the prompt's token ids (`input_ids`, `text_valid`) by the policy's rule when one is given
+    (policies/pi05/tokenization.py PromptTokenizer): as the DataLoader's collate_fn it runs in the data workers, so
+    the training step neither tokenizes nor reads the state back from the device (docs/ARCHITECTURE.md, "Batch format")."""
+
+    def __init__(self, prompt=None):
+        self.prompt = prompt
+
+    def __call__(self, samples: list[dict]) -> dict:
+        batch = collate(samples)
+        if self.prompt is not None:
+            batch.update(self.prompt.batch_tokens(batch))
+        return batch
+
+
 def epoch_steps(num_samples: int, global_batch: int) -> int:
     """Optimizer steps in one epoch: the epoch's usable length is `num_samples` rounded down to a multiple of the
     global batch (per-device batch x processes x accumulation), so two launches with the same global batch split
@@ -113,10 +128,11 @@ class BatchStream:
                 + "): use a smaller batch, fewer processes or more episodes."
             )
         self._batches = _EpochBatches(sampler, batch_size, self.batches_per_epoch)
+        self.collate = PromptCollate()
         self._loader = DataLoader(
             dataset,
             batch_sampler=self._batches,
-            collate_fn=collate,
+            collate_fn=self.collate,
             num_workers=num_workers,
             pin_memory=pin_memory,
             persistent_workers=num_workers > 0,
@@ -159,6 +175,14 @@ class BatchStream:
         self.epoch, self.batch = epoch, batch
         self._batches.epoch, self._batches.start = epoch, batch
         self._it = None  # the next __next__ starts a fresh pass (persistent workers drop what they prefetched)
+
+    def set_prompt_tokenizer(self, prompt) -> None:
+        """Tokenize prompts in the workers with `prompt` from the next batch on. Running workers hold a copy of the
+        previous one: they are stopped, and the stream continues at its position with new ones."""
+        self.collate.prompt = prompt
+        if self._it is not None or getattr(self._loader, "_iterator", None) is not None:
+            self.close()
+            self.load_state_dict(self.state_dict())
 
     def __iter__(self):
         return self

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from opentau_cli.data.images import to_unit_float
+
 # What one sample's camera draws, in this order (each uniform in [0, 1)).
 DRAWS = ("crop_y", "crop_x", "angle", "brightness", "contrast", "saturation")
 CROP = 0.95
@@ -120,8 +122,7 @@ class ImageAugment:
     def __call__(self, batch: dict) -> dict:
         if not self.enabled:
             return batch
-        images = batch["images"]
-        if images.dtype == torch.uint8:
-            images = images.float() / 255
+        # The batch's uint8 images scaled as the policy scales them (data/images.py): the [0, 1] floats openpi augments.
+        images = to_unit_float(batch["images"])
         augmented = apply(images, batch.pop("augment_draws"), batch["wrist_cameras"])
-        return {**batch, "images": augmented.to(images.dtype)}
+        return {**batch, "images": augmented}

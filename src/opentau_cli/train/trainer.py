@@ -349,6 +349,11 @@ class Trainer:
         self.topologies = topologies(state)
         self.data.stream.load_state_dict(state["sampler"])
 
+    def share_prompt_tokenizer(self) -> None:
+        """The data workers tokenize prompts by the policy's rule with the statistics it holds now: after the build
+        (and accelerate.prepare), and again after a restore, whose checkpoint brings its own."""
+        self.data.set_prompt_tokenizer(self.accelerator.unwrap_model(self.model).prompt_tokenizer())
+
     def restore(self, checkpoints, ckpt_dir) -> dict:
         """Resume from `ckpt_dir`: Accelerate's load_state under the topology it was saved by (`checkpoints`: the
         run's CheckpointManager), else an elastic resume (checkpoint/reshard.py). Returns the checkpoint's training
@@ -362,6 +367,7 @@ class Trainer:
         else:
             state = checkpoints.load(ckpt_dir)
         self.load_state_dict(state)
+        self.share_prompt_tokenizer()
         self.ema = resume_ema(self.ema, state, ckpt_dir, self.accelerator, self.model, resharded=resharded)
         return state
 
@@ -467,5 +473,7 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
         lora = dict(lora_base=base, save_state_kwargs=save_kwargs, load_state_kwargs=load_kwargs)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
-    return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler, data=data,
-                   augment=ImageAugment(cfg.dataset.augment, cfg.seed), ema=build_ema(cfg, accelerator, model), **lora)
+    trainer = Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
+                      data=data, augment=ImageAugment(cfg.dataset.augment, cfg.seed), ema=build_ema(cfg, accelerator, model), **lora)
+    trainer.share_prompt_tokenizer()
+    return trainer

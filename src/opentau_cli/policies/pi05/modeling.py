@@ -31,10 +31,11 @@ from transformers.models.gemma.modeling_gemma import GemmaModel, GemmaRotaryEmbe
 from transformers.models.paligemma.modeling_paligemma import PaliGemmaModel
 
 from opentau_cli.config.model import PolicyConfig
+from opentau_cli.data.images import to_unit_float
 from opentau_cli.errors import UserError
 from opentau_cli.policies.pi05.configuration import arch_config
 from opentau_cli.normalization import IDENTITY, MEAN_STD, QUANTILE, STATS, STATS_OF, mode_of, normalize, unnormalize
-from opentau_cli.policies.pi05.tokenization import action_token_id, encode_prompts, load_tokenizer, state_bins
+from opentau_cli.policies.pi05.tokenization import PromptTokenizer, action_token_id, load_tokenizer
 
 # Parameters that openpi keeps in fp32 when the rest of the model is bf16 (matched as name fragments): SigLIP's patch
 # and position embeddings, every Gemma norm of the VLM and the expert (the adaRMS dense layers included), and the
@@ -312,6 +313,12 @@ class Pi05Policy(nn.Module):
     def _stats(self, key: str) -> dict[str, torch.Tensor]:
         return {stat: getattr(self, f"{key}_{stat}").float() for stat in STATS}
 
+    def prompt_tokenizer(self) -> PromptTokenizer:
+        """This policy's prompt rule with the statistics it holds now, on the host: what the data workers tokenize
+        training batches with (train/trainer.py hands it over after the build and after a restore)."""
+        stats = {k: v.detach().cpu() for k, v in self._stats("state").items()} if self.cfg.type == "pi05" else None
+        return PromptTokenizer(self.tokenizer, self.cfg.tokenizer_max_length, stats, self.norm_mode)
+
     def fp32_parameter_names(self) -> list[str]:
         """The parameters openpi keeps in fp32 when the rest is bf16 (FP32_PARAMETERS)."""
         return [n for n, _ in self.named_parameters() if any(fragment in n for fragment in FP32_PARAMETERS)]
@@ -385,19 +392,17 @@ class Pi05Policy(nn.Module):
         batch_size, state_dim = state.shape
         if state_dim > self.cfg.max_state_dim:
             raise UserError(f"The batch state has {state_dim} dims but policy.max_state_dim={self.cfg.max_state_dim}.")
+        # Training batches arrive tokenized by the data workers with this policy's statistics; other batches (eval,
+        # serve, hand-built) are tokenized here by the same rule, which reads the state back to the host.
+        tokens = batch if "input_ids" in batch else self.prompt_tokenizer().batch_tokens(batch)
         state = normalize(state, self._stats("state"), self.norm_mode)
-        # openpi bins the real dims only, before padding: a mixture's narrower member arrives padded and its samples
-        # say their own width. pi0 reads the state through its own token instead.
-        bins = None
-        if self.cfg.type == "pi05":
-            bins = [row[:width] for row, width in zip(state_bins(state), real_widths(batch, "state_dim", state_dim, "cpu").tolist())]
-        ids, lengths = encode_prompts(self.tokenizer, list(batch["task"]), bins, self.cfg.tokenizer_max_length)
+        images = to_unit_float(batch["images"].to(device))  # uint8 travels; scaled here, on the device
         out = {
-            "images": batch["images"].to(device=device, dtype=torch.float32) * 2 - 1,  # [0, 1] -> SigLIP's [-1, 1]
+            "images": images * 2 - 1,  # [0, 1] -> SigLIP's [-1, 1]
             "image_masks": batch["image_masks"].to(device=device, dtype=torch.bool),
             "state": F.pad(state, (0, self.cfg.max_state_dim - state_dim)),
-            "input_ids": torch.tensor(ids, device=device),
-            "text_valid": torch.arange(self.cfg.tokenizer_max_length, device=device)[None] < torch.tensor(lengths, device=device)[:, None],
+            "input_ids": tokens["input_ids"].to(device=device, dtype=torch.int64),
+            "text_valid": tokens["text_valid"].to(device=device, dtype=torch.bool),
             "batch_size": batch_size,
         }
         if with_actions:

@@ -8,6 +8,10 @@ Two tokenizers behind one small interface (`encode_prompt`, `start_id`, `pad_id`
 - `ByteTokenizer` (built in, offline; for tests and tiny presets): ids 0-2 are pad/bos/eos, then one id per byte,
   then one id per state bin.
 Discrete action tokens take the last ids of the model vocabulary (openpi does the same with PaliGemma's tail).
+
+`PromptTokenizer` is the whole prompt rule in one place (normalize the state with the policy's statistics, bin its
+real dims, encode, pad): the data workers run it on each training batch, the policy on batches that come without
+token ids (docs/ARCHITECTURE.md, "Batch format").
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 import torch
 
 from opentau_cli.errors import UserError
+from opentau_cli.normalization import normalize
 
 STATE_BINS = 256
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -122,3 +127,31 @@ def encode_prompts(tokenizer, tasks: list[str], bins_per_sample: list[tuple[int,
         lengths.append(len(ids))
         rows.append(ids + [tokenizer.pad_id] * (max_length - len(ids)))
     return rows, lengths
+
+
+class PromptTokenizer:
+    """Task text (+ for pi05 the state, normalized in fp32 with the policy's statistics and binned over each sample's
+    real dims) -> token ids padded to `max_length` and their valid mask. Picklable: a DataLoader worker gets a copy.
+
+    `state_stats` are the policy's state statistics buffers on the host (None: pi0, whose prompt holds no state).
+    Computes on the host, so the bins do not depend on the device the policy runs on."""
+
+    def __init__(self, tokenizer, max_length: int, state_stats: dict[str, torch.Tensor] | None, mode: str):
+        self.tokenizer, self.max_length, self.state_stats, self.mode = tokenizer, max_length, state_stats, mode
+
+    def __call__(self, tasks: list[str], state: torch.Tensor, widths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, max_length) int64 ids and bool valid mask; `widths`: each sample's real state dims (default: all)."""
+        bins = None
+        if self.state_stats is not None:
+            normalized = normalize(state.detach().to("cpu", torch.float32), self.state_stats, self.mode)
+            widths = widths if widths is not None else [normalized.shape[-1]] * len(tasks)
+            bins = [row[:width] for row, width in zip(state_bins(normalized), widths)]
+        ids, lengths = encode_prompts(self.tokenizer, list(tasks), bins, self.max_length)
+        valid = torch.arange(self.max_length)[None] < torch.tensor(lengths, dtype=torch.int64)[:, None]
+        return torch.tensor(ids, dtype=torch.int64), valid
+
+    def batch_tokens(self, batch: dict) -> dict[str, torch.Tensor]:
+        """`input_ids` and `text_valid` of a batch in the batch format (its `state_dim`, when a mixture's, gives the widths)."""
+        widths = torch.as_tensor(batch["state_dim"]).reshape(-1).tolist() if "state_dim" in batch else None
+        ids, valid = self(batch["task"], batch["state"], widths)
+        return {"input_ids": ids, "text_valid": valid}
