@@ -15,6 +15,11 @@ benchmark's priority for all of that load's rounds, as data workers keep a GPU n
 CPU seconds a save spends per GB, in the training thread (sync save; async copy into host memory) and in async_save's
 writer process by phase (hashing, copying into the write buffer, write and sync calls, serializing): on a machine
 whose cores are all busy, that is the floor of what any save costs.
+The training process runs torch on one intra-op thread (--threads): on a GPU node its CPU work is one Python thread
+launching kernels, and on this 2-core machine a pool of 2 OpenMP threads beside 2 spinning processes measures the
+thread pool, not the save: a thread that waits at a barrier for a descheduled sibling turned 5 s segments into 43 s
+ones whether or not a save ran (the 19:18 UTC run of 2026-12-01). The writer process runs at nice +10
+(async_save.WRITER_NICE), as in training.
 Targets on a 2-core CPU machine (there the snapshot is a memory copy and the writer competes with training for the
 cores): async loses <= 0.25x of what sync loses quiet, <= 0.75x loaded, and never more than sync (1.0x) in any round;
 on a GPU <= 0.05x quiet (a device-to-host copy).
@@ -116,7 +121,7 @@ def measure(config: Path, workdir: Path, *, every: int, rounds: int, warmup: int
         if mode == "sync":
             cpu[mode].append((spent, sum(p.stat().st_size for p in path.rglob("*") if p.is_file())))
         else:
-            cpu[mode].append((spent, managers[mode].snapshot_bytes - managers[mode]._staging.BOUNCE))
+            cpu[mode].append((spent, managers[mode]._staging.tensor_bytes))
         return took
 
     def segment(kind: str) -> tuple[float, float, int, float]:
@@ -157,7 +162,8 @@ def measure(config: Path, workdir: Path, *, every: int, rounds: int, warmup: int
         loads[mode] = (before, os.getloadavg()[0])
     rss.stop()
     peak["async"] = max(s[2] for seg in segments.values() for s in seg["async"])
-    snapshot = managers["async"].snapshot_bytes
+    staging = managers["async"]._staging
+    snapshot = (staging.nbytes, staging.tensor_bytes, staging.nbytes - staging.BOUNCE)
     writer = list(managers["async"]._staging.stats)
     trainer.data.stream.close()
     return {"segments": segments, "first": first, "snapshot": snapshot, "peak": peak, "cpu": cpu, "writer": writer,
@@ -201,11 +207,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="Rounds of the three kinds of segment, per load.")
     parser.add_argument("--warmup", type=int, default=2, help="Steps before anything is timed.")
     parser.add_argument("--batch", type=int, help="Samples per step (default: the config's); the saved state is the same.")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads in the training process (default 1: see the docstring).")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                         help="quiet: the machine as it is; loaded: a spinning process per core as well.")
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     rounds = 1 if args.smoke else args.rounds
+    import torch
+
+    torch.set_num_threads(args.threads)
     uptime_before = uptime()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
@@ -214,8 +225,9 @@ def main() -> None:
     took = time.perf_counter() - began
     mib = 2**20
     batch = f", batch {args.batch}" if args.batch else ""
-    rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}{batch}), 1 process, segments of "
-                       f"{args.every} steps, {rounds} rounds per load ({', '.join(args.modes)})")]
+    rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}{batch}), 1 process, {args.threads} torch "
+                       f"thread{'s' if args.threads > 1 else ''}, segments of {args.every} steps, {rounds} rounds per "
+                       f"load ({', '.join(args.modes)})")]
     for mode in args.modes:
         seg = result["segments"][mode]
         prefix = "" if mode == "quiet" else f"{mode}: "
@@ -249,7 +261,9 @@ def main() -> None:
     rows += [
         ("first async save blocks the loop", f"{result['first']['async']:.2f} s (allocates its copy, starts the writer)"),
         *cpu_per_gb(result),
-        ("async snapshot in host memory", f"{result['snapshot'] / mib:.0f} MiB (allocated once, reused by every save)"),
+        ("async snapshot in host memory", "%.0f MiB: one buffer of %d bytes of tensors rounded up to %d (whole pages), "
+                                          "and the 16 MiB write buffer (allocated once, reused by every save)"
+                                          % (result["snapshot"][0] / mib, *result["snapshot"][1:])),
         ("peak host memory (process RSS)", f"sync saves {result['peak']['sync'] / mib:.0f} MiB, async saves "
                                            f"{result['peak']['async'] / mib:.0f} MiB"),
         ("uptime before / after", f"{uptime_before} / {uptime()}"),

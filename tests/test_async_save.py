@@ -184,22 +184,61 @@ def test_every_named_fault_point_is_reached_in_the_background_writer_in_order(pa
     assert {thread for _, thread in first} == {"checkpoint-10"} and {thread for _, thread in second} == {"checkpoint-20"}
 
 
-def test_the_snapshot_is_one_host_copy_of_the_state_reused_by_every_save(parts, tmp_path):
+def test_the_snapshot_is_one_exact_size_buffer_reused_by_every_save_and_its_size_is_what_is_reported(parts, tmp_path):
+    import mmap
+
     staging = HostStaging()
     shared = torch.ones(3)
-    state = {"w": parts.model.state_dict(), "opt": parts.optimizer.state_dict(), "tied": [shared, shared]}
-    first = staging.copy(state, ("x",))
-    staging.end()
-    second = staging.copy(state, ("x",))
-    tensors = [t for t in parts.model.state_dict().values()]
-    tensors += [t for s in parts.optimizer.state_dict()["state"].values() for t in s.values()]
-    copied = sum(t.numel() * t.element_size() for t in tensors) + shared.numel() * 4
-    arena = staging.nbytes - HostStaging.BOUNCE  # and the writer's one aligned buffer
-    assert copied <= arena < copied + HostStaging.ALIGN * (len(tensors) + 1)  # each copy aligned, nothing more
+    weights, opt = parts.model.state_dict(), parts.optimizer.state_dict()
+
+    def take() -> tuple:  # one snapshot of two files, as snapshot() takes them
+        staging.begin()
+        files = staging.copy({"w": weights, "tied": [shared, shared]}), staging.copy(opt)
+        staging.end()
+        return files[0].value, files[1].value
+
+    first, first_opt = take()
+    tensors = list(weights.values()) + [t for s in opt["state"].values() for t in s.values()] + [shared]
+    assert {t.dtype for t in tensors} == {torch.float32}  # no alignment padding between fp32 tensors
+    copied = sum(t.numel() * t.element_size() for t in tensors)  # the tied tensor once
+    pages = -(-copied // mmap.PAGESIZE) * mmap.PAGESIZE
+    arena = staging._arena
+    assert staging.tensor_bytes == copied and arena.size == len(arena.map) == pages
+    assert staging.nbytes == pages + HostStaging.BOUNCE  # the one buffer and the writer's one aligned buffer
+    assert f"buffer of {copied} bytes of tensors rounded up to {pages} (whole pages)" in staging.describe()
+    base = torch.frombuffer(arena.map, dtype=torch.uint8).data_ptr()
+    copies = list(first["w"].values()) + [t for s in first_opt["state"].values() for t in s.values()]
+    assert all(base <= t.data_ptr() < base + copied for t in copies)  # both files' copies lie in that one buffer
     assert first["tied"][0] is first["tied"][1]  # one tensor saved twice is one copy, as torch.save stores it
+    parts.step()
+    second, _ = take()
+    assert staging._arena is arena  # the same buffer, filled again
     for key, t in first["w"].items():
-        assert second["w"][key].data_ptr() == t.data_ptr()  # the buffers of the first save, filled again
-        assert t.data_ptr() != parts.model.state_dict()[key].data_ptr() and torch.equal(t, parts.model.state_dict()[key])
+        assert second["w"][key].data_ptr() == t.data_ptr() != weights[key].data_ptr()
+        assert torch.equal(second["w"][key], parts.model.state_dict()[key])
+
+
+def test_on_cuda_the_one_buffer_is_pinned_whole_once_and_unpinned_when_replaced(monkeypatch):
+    """No GPU here: cudaHostRegister / Unregister are recorded, what they are asked for is checked (address, size)."""
+    from opentau_cli.checkpoint import async_save
+
+    calls = []
+    monkeypatch.setattr(async_save, "_pin", lambda buf, size: calls.append(("pin", async_save._address(buf), size)) or True)
+
+    class Cudart:
+        def cudaHostUnregister(self, address):
+            calls.append(("unpin", address))
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    staging = HostStaging(pin=True)
+    for state in ({"a": torch.ones(1000)}, {"a": torch.ones(1000)}, {"a": torch.ones(5000)}):
+        staging.begin()
+        staging.copy(state)
+        staging.end()
+    first = ("pin", calls[0][1], 4096)
+    assert calls[0] == first and calls[1] == ("unpin", first[1])  # one pinned buffer, reused by the second save
+    assert calls[2][0] == "pin" and calls[2][2] == 20480 and len(calls) == 3 and staging._arena.pinned
+    assert "one pinned buffer of 20000 bytes of tensors rounded up to 20480" in staging.describe()
 
 
 def test_a_writer_process_that_died_fails_the_save_and_keeps_the_previous_checkpoint(parts, tmp_path):
@@ -239,7 +278,11 @@ def test_the_report_names_the_host_memory_once_and_each_published_checkpoint(par
     save(m, 1)
     save(m, 2)
     m.wait()
-    assert len(lines) == 3 and "MiB of host memory on rank 0" in lines[0], lines
+    staging = m._staging
+    assert len(lines) == 3 and lines[0] == (
+        f"Asynchronous saves: rank 0 copies the state into {staging.nbytes / 2**20:.0f} MiB of host memory: one buffer "
+        f"of {staging.tensor_bytes} bytes of tensors rounded up to {staging._arena.size} (whole pages), and a 16 MiB "
+        "write buffer, kept for the next saves."), lines
     assert lines[1:] == [f"Saved checkpoint {tmp_path / 'run' / CHECKPOINTS / n}" for n in ("000001", "000002")]
 
 

@@ -27,7 +27,7 @@ import random
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -39,95 +39,127 @@ import xxhash
 from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, rank_state_file
 from opentau_cli.checkpoint.manifest import HASH_NAME
 
+WRITER_NICE = 10  # how much lower the writer process's priority is than the training process's
 Write = Callable[[], tuple[Path, int, str]]  # writes one file: (its path, size, hash as the manifest records it)
 Job = Callable[[], None]
 
 
 class HostStaging:
-    """Host-memory copies of the tensors a save writes, and the process that writes them. The copies are made by the
-    first save and reused by the next ones (a save waits for the previous one), so host memory stays at one snapshot,
-    `nbytes`. Each file's tensors lie in one shared-memory arena (a memfd; pinned on CUDA, filled by device-to-host
-    copies) that the writer process maps: it writes, hashes and syncs there, so the training process spends no CPU
-    and no GIL on it. Without memfd (not Linux) the writes run in the calling thread, through `bounce`."""
+    """Host-memory copies of the tensors a save writes, and the process that writes them. A snapshot's tensors, of
+    every file, lie back to back in one buffer of exactly their size (each at a multiple of its element size, the
+    whole rounded up to a page): a shared-memory mapping (memfd) the writer process maps, pinned on CUDA so that the
+    device-to-host copies run asynchronously. The first save allocates it and the next ones refill it (a save waits
+    for the previous one), so host memory stays at one snapshot, `nbytes`, which is what the mapping holds. The
+    writer process writes, hashes and syncs there, so the training process spends no CPU and no GIL on it. Without
+    memfd (not Linux) the writes run in the calling thread, through `bounce`."""
 
     BOUNCE = 16 << 20  # the writer's aligned buffer (UncachedFile)
-    ALIGN = 64  # of every tensor in an arena
 
-    def __init__(self):
-        self._arenas: dict[tuple, _Arena] = {}  # file key -> the arena holding that file's tensors
-        self._used: set[tuple] = set()
+    def __init__(self, pin: bool | None = None):
+        self._arena: _Arena | None = None  # the snapshot's one buffer
+        self._pending: list[Staged] = []  # the files of the snapshot being taken, copied by `end`
         self._staged: dict[int, tuple] = {}  # id(host copy) -> where it lies, for the writer process (_StatePickler)
         self._keep: list[torch.Tensor] = []  # the host copies of the snapshot in flight (their ids stay theirs)
-        self._cuda = False
+        self._pin = pin  # None: pin when the state is on CUDA
         self.bounce = mmap.mmap(-1, self.BOUNCE)  # page-aligned, as O_DIRECT needs
         self._writer: _WriterProcess | None = None
         self.stats: list[dict] = []  # per file written by the writer process: bytes and CPU seconds by phase
 
     @property
     def nbytes(self) -> int:
-        return sum(a.size for a in self._arenas.values()) + len(self.bounce)
+        """Host memory held: the snapshot's buffer (whole pages) and the write buffer."""
+        return (self._arena.size if self._arena else 0) + len(self.bounce)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors the last snapshot copied, alignment to their element sizes included."""
+        return self._arena.used if self._arena else 0
+
+    def describe(self) -> str:
+        """What the log says of the host memory a snapshot holds."""
+        mib = 2**20
+        return (f"{self.nbytes / mib:.0f} MiB of host memory: one {'pinned ' if self._arena and self._arena.pinned else ''}"
+                f"buffer of {self.tensor_bytes} bytes of tensors rounded up to {self._arena.size if self._arena else 0} "
+                f"(whole pages), and a {self.BOUNCE // mib} MiB write buffer")
 
     def begin(self) -> None:
-        self._used, self._staged, self._keep = set(), {}, []
+        self._pending, self._staged, self._keep = [], {}, []
         if self._writer is None and hasattr(os, "memfd_create"):
             # Started here, on the thread that runs the training loop: the writer dies with it (_writer_main).
             self._writer = _WriterProcess()
 
-    def end(self) -> None:
-        """Drop arenas this snapshot did not use; wait for the device-to-host copies."""
-        for key in [k for k in self._arenas if k not in self._used]:
-            self._drop(key)
-        if self._cuda:
-            torch.cuda.synchronize()
-
-    def copy(self, obj, key: tuple):
-        """obj with every tensor replaced by its host copy (containers rebuilt, other values deep-copied). Tensors that
-        are the same view of the same memory share one copy, as torch.save stores them once."""
+    def copy(self, obj) -> "Staged":
+        """obj to be copied into host memory by `end` (every tensor replaced by its host copy, containers rebuilt,
+        other values deep-copied). Tensors that are the same view of the same memory share one copy, as torch.save
+        stores them once."""
         tensors: dict[tuple, torch.Tensor] = {}
         _walk(obj, tensors)
-        offset = 0
-        for ident, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            offset = -(-offset // self.ALIGN) * self.ALIGN
-            tensors[ident] = (t, offset, nbytes)
-            offset += nbytes
-        shape_of = [(t.dtype, tuple(t.shape)) for t, _, _ in tensors.values()]
-        arena = self._arenas.get(key)
-        if arena is None or arena.layout != shape_of:
-            if arena is not None:
-                self._drop(key)
-            cuda = any(t.is_cuda for t, _, _ in tensors.values())
-            arena = self._arenas[key] = _Arena(max(offset, 1), shape_of, shared=self._writer is not None, pin=cuda)
-            arena.views = [arena.view(off, t.dtype, tuple(t.shape)) for t, off, _ in tensors.values()]
-        self._used.add(key)
-        copies = {}
-        for (ident, (t, off, _)), buf in zip(tensors.items(), arena.views):
-            with torch.no_grad():
-                buf.copy_(t.detach(), non_blocking=t.is_cuda)
-            self._cuda |= t.is_cuda
-            out = _saved_as(buf, t.requires_grad, isinstance(t, torch.nn.Parameter))
-            self._staged[id(out)] = (arena.id, off, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                     t.requires_grad, isinstance(t, torch.nn.Parameter))
-            self._keep.append(out)
-            copies[ident] = out
-        return _rebuild(obj, copies)
+        staged = Staged(obj, tensors)
+        self._pending.append(staged)
+        return staged
+
+    def end(self) -> None:
+        """Copy every file's tensors of this snapshot into the one buffer (the previous snapshot's when the tensors
+        are the same shapes, else a new one of exactly their size); wait for the device-to-host copies."""
+        places, offset = [], 0
+        for staged in self._pending:
+            for t in staged.tensors.values():
+                offset = -(-offset // t.element_size()) * t.element_size()
+                places.append((t, offset))
+                offset += t.numel() * t.element_size()
+        layout = [(t.dtype, tuple(t.shape)) for t, _ in places]
+        cuda = any(t.is_cuda for t, _ in places)
+        if self._arena is None or self._arena.layout != layout:
+            self._drop()
+            pin = cuda if self._pin is None else self._pin
+            self._arena = _Arena(offset, layout, shared=self._writer is not None, pin=pin)
+            self._arena.views = [self._arena.view(off, t.dtype, tuple(t.shape)) for t, off in places]
+        arena, views = self._arena, iter(zip(self._arena.views, places))
+        for staged in self._pending:
+            copies = {}
+            for ident in staged.tensors:
+                buf, (t, off) = next(views)
+                with torch.no_grad():
+                    buf.copy_(t.detach(), non_blocking=t.is_cuda)
+                out = _saved_as(buf, t.requires_grad, isinstance(t, torch.nn.Parameter))
+                self._staged[id(out)] = (arena.id, off, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                         t.requires_grad, isinstance(t, torch.nn.Parameter))
+                self._keep.append(out)
+                copies[ident] = out
+            staged.value = _rebuild(staged.obj, copies)
+            staged.obj = staged.tensors = None  # the live state is not held past the snapshot
+        self._pending = []
+        if cuda:
+            torch.cuda.synchronize()
 
     def write(self, job: "FileWrite") -> tuple[Path, int, str]:
         """Write one file of the snapshot: in the writer process when there is one, else in this thread."""
+        if isinstance(job.state, Staged):
+            job = replace(job, state=job.state.value)
         if self._writer is None:
             return job.run(self.bounce)
-        for arena in self._arenas.values():
-            if arena.id not in self._writer.arenas:
-                self._writer.share(arena)
+        if self._arena.id not in self._writer.arenas:
+            self._writer.share(self._arena)
         result, stats = self._writer.write(job, self._staged)
         self.stats.append(stats)
         return result
 
-    def _drop(self, key: tuple) -> None:
-        arena = self._arenas.pop(key)
+    def _drop(self) -> None:
+        if self._arena is None:
+            return
         if self._writer is not None:
-            self._writer.forget(arena)
-        arena.close()
+            self._writer.forget(self._arena)
+        self._arena.close()
+        self._arena = None
+
+
+@dataclass
+class Staged:
+    """One file's objects of a snapshot: the live ones until `HostStaging.end`, then `value`, their host copies."""
+
+    obj: object
+    tensors: dict
+    value: object = None
 
 
 def _ident(t: torch.Tensor) -> tuple:
@@ -162,26 +194,29 @@ def _rebuild(obj, copies: dict):
 
 
 class _Arena:
-    """One file's host copies, back to back in one mapping: a memfd the writer process maps (shared), else anonymous
-    memory. On CUDA it is pinned, so that the device-to-host copies run asynchronously."""
+    """A snapshot's host copies, back to back in one mapping of whole pages: a memfd the writer process maps (shared),
+    else anonymous memory. On CUDA it is pinned (page-locked), so that the device-to-host copies run asynchronously.
+    `used`: the bytes the tensors take; `size`: the mapping's length, `used` rounded up to a page."""
 
     _next = 0
 
-    def __init__(self, size: int, layout: list, *, shared: bool, pin: bool):
+    def __init__(self, used: int, layout: list, *, shared: bool, pin: bool):
         _Arena._next += 1
-        self.id, self.size, self.layout = _Arena._next, size, layout
+        page = mmap.PAGESIZE
+        self.id, self.used, self.layout = _Arena._next, used, layout
+        self.size = max(page, -(-used // page) * page)
         self.fd = os.memfd_create("opentau-checkpoint", os.MFD_CLOEXEC) if shared else -1
         if shared:
-            os.ftruncate(self.fd, size)
-        self.map = mmap.mmap(self.fd, size)
+            os.ftruncate(self.fd, self.size)
+        self.map = mmap.mmap(self.fd, self.size)
         self.views: list[torch.Tensor] = []
-        self._pinned = pin and _pin(self.map, size)
+        self.pinned = pin and _pin(self.map, self.size)
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         return _tensor_at(self.map, offset, dtype, shape)
 
     def close(self) -> None:
-        if self._pinned:
+        if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(_address(self.map))
         self.views = []
         if self.fd >= 0:
@@ -225,17 +260,14 @@ def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dic
     this rank adds ({name: tensors}, e.g. its EMA), copied with the rest."""
     Path(save_dir).mkdir(parents=True, exist_ok=True)  # as save_state does
     staging.begin()
-    try:
-        if accelerator.state.deepspeed_plugin is not None:
-            writes = _deepspeed_snapshot(accelerator, Path(save_dir), staging, save_kwargs)
-        else:
-            writes = _accelerate_snapshot(accelerator, Path(save_dir), staging)
-        for name, tensors in (extra or {}).items():
-            state = staging.copy(tensors, (name,))
-            writes.append(partial(staging.write, FileWrite(Path(save_dir) / name, state, safetensors=True)))
-        return writes
-    finally:
-        staging.end()
+    if accelerator.state.deepspeed_plugin is not None:
+        writes = _deepspeed_snapshot(accelerator, Path(save_dir), staging, save_kwargs)
+    else:
+        writes = _accelerate_snapshot(accelerator, Path(save_dir), staging)
+    for name, tensors in (extra or {}).items():
+        writes.append(partial(staging.write, FileWrite(Path(save_dir) / name, staging.copy(tensors), safetensors=True)))
+    staging.end()  # every file's tensors into the one buffer
+    return writes
 
 
 def _accelerate_snapshot(acc, save_dir: Path, staging: HostStaging) -> list[Write]:
@@ -255,13 +287,13 @@ def _accelerate_snapshot(acc, save_dir: Path, staging: HostStaging) -> list[Writ
         hook(acc._models, weights, str(save_dir))
     for i, state in enumerate(weights):
         name = _indexed(MODEL_WEIGHTS, i)
-        writes.append(partial(staging.write, FileWrite(save_dir / name, staging.copy(state, (name,)), safetensors=True)))
+        writes.append(partial(staging.write, FileWrite(save_dir / name, staging.copy(state), safetensors=True)))
     for base, objects in ((OPTIMIZER, acc._optimizers), (SCHEDULER, acc._schedulers)):
         for i, obj in enumerate(objects):
             name = _indexed(base, i)
-            writes.append(partial(staging.write, FileWrite(save_dir / name, staging.copy(obj.state_dict(), (name,)))))
+            writes.append(partial(staging.write, FileWrite(save_dir / name, staging.copy(obj.state_dict()))))
     if acc.scaler is not None:
-        state = staging.copy(acc.scaler.state_dict(), (SCALER_NAME,))
+        state = staging.copy(acc.scaler.state_dict())
         writes.append(partial(staging.write, FileWrite(save_dir / SCALER_NAME, state)))
     return writes
 
@@ -286,16 +318,15 @@ class _DeferredWrites:
     refuses ZeRO-2's optimizer state (tensors that require grad cannot cross into its writer process), needs
     DeepSpeed's own launcher, and holds the next optimizer step until its writes are done."""
 
-    def __init__(self, engine, save_dir: Path, staging: HostStaging):
-        self._engine, self._save_dir, self._staging = engine, save_dir, staging
+    def __init__(self, engine, staging: HostStaging):
+        self._engine, self._staging = engine, staging
         self.deferred: list[tuple[dict, str]] = []
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def save(self, state_dict, path: str) -> None:
-        key = (Path(path).relative_to(self._save_dir).as_posix(),)
-        self.deferred.append((self._staging.copy(state_dict, key), path))
+        self.deferred.append((self._staging.copy(state_dict), path))
 
     def preserves_storage_sharing(self) -> bool:
         return False  # DeepSpeed then skips its own clone: the staged copies are already compact
@@ -303,7 +334,7 @@ class _DeferredWrites:
 
 def _deepspeed_snapshot(acc, save_dir: Path, staging: HostStaging, save_kwargs: dict) -> list[Write]:
     engines = [m for m in acc._models if hasattr(m, "checkpoint_engine")]
-    capture = {id(e): _DeferredWrites(e.checkpoint_engine, save_dir, staging) for e in engines}
+    capture = {id(e): _DeferredWrites(e.checkpoint_engine, staging) for e in engines}
     originals = {id(e): e.checkpoint_engine for e in engines}
     for e in engines:
         e.checkpoint_engine = capture[id(e)]
@@ -551,6 +582,11 @@ def _writer_main(fd: int) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    # Below training and its data workers: on a machine whose cores are all busy the scheduler gives the writer the
+    # CPU they leave (a nice-10 process gets about a tenth of a nice-0 one's share), so a save slows no step by more
+    # than that share; it still finishes, only later (docs/ARCHITECTURE.md, "Asynchronous saves").
+    with contextlib.suppress(OSError):
+        os.nice(WRITER_NICE)
     conn = Connection(fd)
     arenas: dict[int, mmap.mmap] = {}
     bounce = mmap.mmap(-1, HostStaging.BOUNCE)

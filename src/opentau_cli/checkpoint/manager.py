@@ -354,8 +354,8 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise self._failed(step, error)
         if first:
-            self.report(f"Asynchronous saves: the state is copied into {self.snapshot_bytes / 2**20:.0f} MiB of host "
-                        f"memory on rank {acc.process_index}, kept for the next saves.")
+            self.report(f"Asynchronous saves: rank {acc.process_index} copies the state into "
+                        f"{self._staging.describe()}, kept for the next saves.")
 
         hashed = {}  # relative path -> (size, hash) of the files this rank's writer wrote, synced
 
