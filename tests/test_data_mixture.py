@@ -175,6 +175,37 @@ def test_each_members_prompt_holds_its_own_number_of_state_tokens_as_when_it_is_
         assert state_tokens.tolist() == [width] * 3, member.label
 
 
+def test_data_workers_bin_each_members_state_with_its_own_statistics_and_width(members):
+    """The ids a worker makes for a mixture batch are, per sample, the tokenizer's on the member's own raw state
+    normalized by hand with the member's own statistics, over its own dims (as when it is served alone)."""
+    from opentau_cli.policies import build_policy
+
+    cfg = config(members, extra=["--dataset.num_workers=1"])
+    data = build_data(cfg)
+    policy = build_policy(cfg.policy, data.stats)
+    data.set_prompt_tokenizer(policy.prompt_tokenizer())
+    mixture, sampler, length = data.train_dataset, data.stream.sampler, cfg.policy.tokenizer_max_length
+    alone = [LeRobotDataset(m.root, m.episodes, chunk_size=10, image_resolution=(32, 32), num_cameras=2) for m in mixture.members]
+    seen = set()
+    try:
+        for _ in range(4):
+            batch = next(data.stream)
+            for i, (epoch, position) in enumerate(batch["sample_key"].tolist()):
+                index = int(sampler.global_order(epoch)[position])
+                k = mixture.member_of(index)
+                own, state = data.member_stats[k]["state"], alone[k][index - int(mixture.offsets[k])]["state"].numpy()
+                q01, q99 = (np.asarray(own[s], dtype=np.float32) for s in ("q01", "q99"))
+                normalized = (state - q01) / (q99 - q01 + np.float32(1e-6)) * np.float32(2) - np.float32(1)
+                bins = np.digitize(normalized, np.linspace(-1, 1, 257)[:-1]) - 1  # openpi's
+                assert len(bins) == (4, 6)[k]
+                ids = policy.tokenizer.encode_prompt(batch["task"][i], tuple(int(b) for b in bins), length)
+                assert batch["input_ids"][i].tolist() == ids + [policy.tokenizer.pad_id] * (length - len(ids)), (k, position)
+                seen.add(k)
+    finally:
+        data.stream.close()
+    assert seen == {0, 1}
+
+
 def test_one_normalization_serves_the_data_layers_numpy_arrays_and_the_policys_tensors():
     """opentau_cli.normalization is the one formula: the data layer calls it on numpy arrays, the policy on tensors."""
     from opentau_cli.normalization import MEAN_STD, QUANTILE

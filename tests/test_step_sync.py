@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -34,3 +35,26 @@ def test_steps_between_log_steps_read_no_value_back_and_the_log_step_does(make_t
         reads.append(mode.count)
     assert reads[:3] == [0, 0, 0], reads
     assert reads[3] > 0 and result.record["loss"] == 2.5 and result.record["grad_norm"] == 0.0
+
+
+def test_pi05_trains_on_a_data_worker_batch_without_reading_a_value_back_and_tokenizing_in_the_step_would():
+    """The pi05 prompt path of a training step: the batch's tensors are fake (shapes, no values: any read of a value
+    into Python raises), so its forward and backward read nothing back from the device. Without the workers' token
+    ids (eval / serve batches) the policy reads the state to bin it, which this check sees."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    from opentau_cli.policies import build_policy
+    from test_policy import STATS, make_batch, tiny_cfg
+
+    policy = build_policy(tiny_cfg(), STATS)
+    batch = make_batch()
+    batch["images"] = (batch["images"] * 255).to(torch.uint8)
+    batch.update(policy.prompt_tokenizer().batch_tokens(batch))  # what the data workers' collate adds
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    with mode:
+        noise, time = torch.zeros(4, 10, 8), torch.full((4,), 0.5)
+        policy(fake, noise=noise, time=time)["loss"].backward()
+        untokenized = {k: v for k, v in fake.items() if k not in ("input_ids", "text_valid")}
+        with pytest.raises(DataDependentOutputException):
+            policy(untokenized, noise=noise, time=time)
