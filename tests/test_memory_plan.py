@@ -93,3 +93,50 @@ def test_the_memory_plan_benchmark_smoke_run_appends_every_launch_of_the_readme_
     text = results.read_text()
     for row in ("DDP, 8 x 1", "DDP, 4 x 2 (the example)", "ZeRO-2, 4 x 2", "ZeRO-3, 4 x 2", "DDP example: weights"):
         assert f"| {row} |" in text
+
+
+@pytest.mark.parametrize("launch, lora, ranks_share", [
+    (dict(backend="single"), False, 1),
+    (dict(backend="ddp", num_processes=4, mixed_precision="bf16"), False, 1),  # every rank keeps the whole EMA
+    (dict(backend="deepspeed", zero_stage=2, num_processes=4, mixed_precision="bf16"), False, 4),  # its partition
+    (dict(backend="deepspeed", zero_stage=3, num_processes=4, mixed_precision="bf16"), False, 4),
+    (dict(backend="ddp", num_processes=2, mixed_precision="bf16"), True, 1),  # LoRA: the trainable tensors only
+])
+def test_with_ema_the_plan_has_a_line_for_the_fp32_copy_each_rank_keeps(launch, lora, ranks_share):
+    from opentau_cli.policies import build_policy
+    from opentau_cli.policies.lora import apply_lora
+
+    policy = {"preset": "pi05_tiny", **({"lora": {"rank": 4}} if lora else {})}
+    setup = AccelerateSetup(**launch)
+    with_ema = plan_memory(TrainConfig(policy=policy, batch_size=2, ema={"decay": 0.99}), setup)
+    without = plan_memory(TrainConfig(policy=policy, batch_size=2), setup)
+    cfg = TrainConfig(policy=policy)
+    module = build_policy(cfg.policy)  # real tensors: what train/ema.py averages is what requires grad
+    if lora:
+        apply_lora(module, cfg.policy.lora)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert trainable < sum(p.numel() for p in module.parameters())  # pi05_tiny freezes its vision tower
+    expected = -(-4 * trainable // ranks_share)  # fp32, divided among the ranks under ZeRO
+    assert with_ema.parts["EMA of the weights (fp32)"] == expected
+    assert "EMA of the weights (fp32)" not in without.parts
+    assert with_ema.total - without.total == expected
+
+
+def test_under_ddp_the_gradients_are_the_buckets_so_the_plan_counts_them_once():
+    """train/trainer.py asks DDP for gradient_as_bucket_view (gradients are views into its all-reduce buckets) and
+    zeroes them in place; the plan then holds one gradient-sized part, not a second bucket copy."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from opentau_cli.train.trainer import make_accelerator
+
+    cfg = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=2)
+    setup = AccelerateSetup(backend="ddp", num_processes=2)
+    try:
+        acc = make_accelerator(cfg, setup)
+        assert acc.ddp_handler is not None and acc.ddp_handler.gradient_as_bucket_view is True
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    parts = plan_memory(cfg, setup).parts
+    assert parts["gradients"] == parts["AdamW state"] // 2  # 4 bytes per trainable parameter, once
+    assert not [name for name in parts if "bucket" in name.lower()]

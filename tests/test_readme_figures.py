@@ -47,9 +47,9 @@ FIGURES = [
     (r"ZeRO-3, bf16 \| 4 x 2 \| ([\d.]+) GB", PLAN, "ZeRO-3, 4 x 2", r"^([\d.]+) GB"),
     (r"ZeRO-3, bf16 \| 4 x 2 \| [\d.]+ GB \| fits, ([\d.]+) GB margin", PLAN, "ZeRO-3, 4 x 2", r"margin ([\d.]+) GB"),
     (r"fp32 weights \(([\d.]+) GB\)", PLAN, "DDP example: weights", r"^([\d.]+) GB"),
-    (r"gradients \(([\d.]+) GB\), DDP", PLAN, "DDP example: gradients", r"^([\d.]+) GB"),
-    (r"bucket copy of them \(([\d.]+) GB\)", PLAN, "DDP example: DDP buckets", r"^([\d.]+) GB"),
-    (r"moments \(([\d.]+) GB\) on every GPU", PLAN, "DDP example: AdamW state", r"^([\d.]+) GB"),
+    (r"gradients \(([\d.]+) GB, kept in DDP", PLAN, "DDP example: gradients", r"^([\d.]+) GB"),
+    (r"fp32 copy of the trained weights\s+\(([\d.]+) GB\)", PLAN, "DDP example: EMA of the weights (fp32)", r"^([\d.]+) GB"),
+    (r"AdamW's moments \(([\d.]+) GB\)", PLAN, "DDP example: AdamW state", r"^([\d.]+) GB"),
 ]
 
 # What a measured figure looks like in prose: a ratio ("0.49x"), a cost per unit ("0.5 s per GB", "0.2 CPU-seconds per

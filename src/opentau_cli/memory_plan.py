@@ -208,8 +208,8 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup) -> MemoryPlan:
         parts["weights"] = wbytes * total
         parts["gradients"] = grads
         parts["AdamW state"] = 8 * trainable
-        if setup.backend == "ddp" and world > 1:
-            parts["DDP buckets"] = 4 * trainable  # DDP's flat bucket copy of every gradient
+        # Under DDP the gradients are views into its all-reduce buckets (train/trainer.py, gradient_as_bucket_view):
+        # no second copy.
     else:
         shard = lambda n: -(-n // world)  # noqa: E731
         parts["weights"] = wbytes * (shard(total) if stage == 3 else total)
@@ -219,6 +219,10 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup) -> MemoryPlan:
             parts["fp32 master weights"] = shard(4 * trainable)
         parts["ZeRO buckets"] = wbytes * (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET
                                           + (DS_MAX_LIVE_PARAMETERS if stage == 3 else 0))
+    if cfg.ema.enabled:
+        # train/ema.py: an fp32 copy of what the optimizer trains (LoRA: the adapters and fully trained modules) on
+        # every rank under DDP; under ZeRO each rank averages its own partition of the fp32 master weights.
+        parts["EMA of the weights (fp32)"] = 4 * trainable if stage is None else -(-4 * trainable // world)
     # The step's two peaks never overlap: activations (forward / backward, freed before the optimizer runs) and the
     # optimizer step's temporaries (torch's foreach AdamW: about 3 fp32 copies of the parameters it updates).
     updated = trainable if stage is None else -(-trainable // world)

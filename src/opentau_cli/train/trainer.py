@@ -65,6 +65,13 @@ def make_accelerator(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_di
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[process_group_kwargs(cfg, setup, cuda)],
     )
+    if setup.backend == "ddp":
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        # The gradients are views into DDP's all-reduce buckets instead of a second copy of them (Trainer.update
+        # zeroes them in place so they stay there): one gradient-sized buffer less per GPU (docs/ARCHITECTURE.md,
+        # "Memory plan").
+        kwargs["kwargs_handlers"].append(DistributedDataParallelKwargs(gradient_as_bucket_view=True))
     if tensorboard_dir is not None:
         kwargs.update(log_with="tensorboard", project_config=ProjectConfiguration(project_dir=str(cfg.output_dir), logging_dir=str(tensorboard_dir)))
     if setup.backend != "deepspeed":
@@ -212,7 +219,9 @@ class Trainer:
                             self.ema.update()
                     with timer.phase("zero_grad_sched"):
                         self.scheduler.step()
-                        self.optimizer.zero_grad(set_to_none=True)
+                        # DDP: zeroed in place, the gradients stay views into DDP's buckets (make_accelerator); set
+                        # to None, the next backward would allocate a second copy beside the buckets.
+                        self.optimizer.zero_grad(set_to_none=self.setup.backend != "ddp")
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accelerate's backward, except that under DeepSpeed the engine's step (clip, optimizer step, ZeRO update),
