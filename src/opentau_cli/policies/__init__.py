@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from opentau_cli.config.model import PolicyConfig
 
 # Imported here, not inside build_policy: transformers imports lazily, and an import that happens inside DeepSpeed's
 # zero.Init (which patches tensor construction) fails in torch._dynamo.
 from opentau_cli.policies.pi05 import Pi05Policy
-from opentau_cli.policies.pretrained import LoadReport, check_pretrained, load_pretrained
+from opentau_cli.policies.pretrained import LoadReport, build_pretrained, check_pretrained, load_pretrained
 
-__all__ = ["build_policy", "check_pretrained", "count_parameters", "load_pretrained", "LoadReport"]
+__all__ = ["build_policy", "build_pretrained", "check_pretrained", "count_parameters", "load_pretrained", "LoadReport"]
 
 
-def build_policy(policy_cfg: PolicyConfig, stats: dict | None = None) -> torch.nn.Module:
+def build_policy(policy_cfg: PolicyConfig, stats: dict | None = None, *, empty: bool = False) -> torch.nn.Module:
     """Build the policy on the current default device / init context (meta, zero.Init); fp32 weights.
 
     Sets requires_grad per the config and turns on activation checkpointing when asked. A `tokenizer_path` that is
     a Hugging Face repo id is resolved to its local snapshot first. Does not load `pretrained_path` (call
-    `load_pretrained` once the weights are materialized) and does not compile.
+    `load_pretrained` once the weights are materialized, or `build_pretrained`) and does not compile.
+
+    `empty`: every parameter on the meta device (no storage, no initial values), every buffer real and computed as
+    in an ordinary build; the random initialization draws on scratch memory, so the global RNG ends where an
+    ordinary build leaves it (docs/ARCHITECTURE.md, "Starting from pretrained weights").
     """
     policy_cfg = _with_local_tokenizer(policy_cfg)
-    policy = _build_under_zero3(policy_cfg) if _zero3_init_active() else Pi05Policy(policy_cfg)
+    if empty:
+        with _parameters_without_storage():
+            policy = Pi05Policy(policy_cfg)
+    else:
+        policy = _build_under_zero3(policy_cfg) if _zero3_init_active() else Pi05Policy(policy_cfg)
     if stats is not None:
         policy.set_stats(stats)
     if policy_cfg.gradient_checkpointing:
@@ -40,6 +51,76 @@ def _with_local_tokenizer(policy_cfg: PolicyConfig) -> PolicyConfig:
     from opentau_cli.policies import hub
 
     return policy_cfg.model_copy(update={"tokenizer_path": hub.resolve(str(path), "policy.tokenizer_path")})
+
+
+class _DrawsOnScratch(TorchDispatchMode):
+    """Runs every random op aimed at a meta tensor once more on scratch memory of the same shape, strides and dtype:
+    the values are thrown away, the global RNG advances exactly as it does for a real tensor (how many numbers an
+    op draws depends on its size, strides and dtype only). One scratch buffer, as large as the largest parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def stand_in(self, t):
+        if not (isinstance(t, torch.Tensor) and t.is_meta):
+            return t
+        span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+        nbytes = span * t.element_size()
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(t.dtype).as_strided(t.shape, t.stride())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and any(
+                isinstance(a, torch.Tensor) and a.is_meta for a in tree_leaves((args, kwargs))):
+            func(*tree_map(self.stand_in, args), **tree_map(self.stand_in, kwargs))
+        return func(*args, **kwargs)
+
+
+# torch.nn.init returns early on a meta tensor in these (trunc_normal_ samples by rejection, so how much it draws
+# depends on the values): run them whole on a stand-in instead.
+_SKIP_META = ("trunc_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _parameters_without_storage():
+    """Parameters created on the meta device (buffers stay real); random initialization drawn on scratch."""
+    import transformers.initialization as hf_init
+    from accelerate import init_on_device
+
+    draws = _DrawsOnScratch()
+
+    def on_stand_in(init):
+        def run(tensor, *args, **kwargs):
+            if tensor.is_meta:
+                init(draws.stand_in(tensor), *args, **kwargs)
+                return tensor
+            return init(tensor, *args, **kwargs)
+        return run
+
+    # Where torch and transformers look these functions up (transformers patches the same places).
+    homes = [sys.modules[m] for m in hf_init.TORCH_MODULES_TO_PATCH if m in sys.modules]
+    saved = []
+    for name in _SKIP_META:
+        original = getattr(torch.nn.init, name)
+        saved += [(home, name, original) for home in homes if getattr(home, name, None) is original]
+        saved.append((hf_init.TORCH_INIT_FUNCTIONS, name, hf_init.TORCH_INIT_FUNCTIONS[name]))
+    try:
+        for home, name, original in saved:
+            if isinstance(home, dict):
+                home[name] = on_stand_in(original)
+            else:
+                setattr(home, name, on_stand_in(original))
+        with init_on_device(torch.device("meta"), include_buffers=False), draws:
+            yield
+    finally:
+        for home, name, original in saved:
+            if isinstance(home, dict):
+                home[name] = original
+            else:
+                setattr(home, name, original)
 
 
 def _zero3_init_active() -> bool:

@@ -4,6 +4,9 @@ checkpoint where it has them.
 
 A checkpoint is read through `safe_open`: its header gives names and shapes without reading data, so the match and
 its report (and every refusal) come before any weight is touched, identically on every rank.
+
+`build_pretrained` builds the policy without random initialization (parameters on the meta device) and reads each
+tensor from the file straight into its parameter's new storage: host RAM holds about one copy of the weights.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +54,7 @@ class Checkpoint:
         self.root = self.path if self.path.is_dir() else self.path.parent
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, object] = {}  # tensor name -> the open file holding it
+        self._data: dict[str, tuple[Path, int]] = {}  # tensor name -> its file and the offset of its first byte
         self.shapes: dict[str, tuple[int, ...]] = {}
         try:
             for file in weight_files(self.path):
@@ -57,9 +62,11 @@ class Checkpoint:
                     raise UserError(f"{file}: shard named by the index is missing.")
                 try:
                     handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+                    starts = _data_starts(file)
                     for key in handle.keys():
                         self.shapes[key] = tuple(handle.get_slice(key).get_shape())
                         self._handles[key] = handle
+                        self._data[key] = (file, starts[key])
                 except (SafetensorError, OSError) as exc:
                     raise UserError(f"{file}: not a readable safetensors file ({exc}).") from exc
             self.layout: Layout = detect_layout(self.shapes, self.source)
@@ -70,6 +77,26 @@ class Checkpoint:
     def tensor(self, key: str) -> torch.Tensor:
         return self._handles[key].get_tensor(key)
 
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Fill `out` (contiguous, on the CPU, the tensor's shape) with the tensor, cast to out's dtype. Read with
+        plain file reads, not through the memory map: mapped pages count in the process's resident memory for as
+        long as the file stays open, page-cache pages do not."""
+        dtype = self.tensor(key).dtype  # the mapped tensor: its dtype, no byte read
+        target = out if dtype == out.dtype else torch.empty(out.shape, dtype=dtype)
+        if target.numel():
+            view = memoryview(target.view(-1).view(torch.uint8).numpy())
+            file, start = self._data[key]
+            with open(file, "rb", buffering=0) as f:
+                f.seek(start)
+                done = 0
+                while done < len(view):  # one read returns at most ~2 GB
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise UserError(f"{file}: ends inside tensor {key} (a truncated download?).")
+                    done += n
+        if target is not out:
+            out.copy_(target)
+
     def close(self) -> None:
         self._stack.close()
 
@@ -78,6 +105,14 @@ class Checkpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _data_starts(file: Path) -> dict[str, int]:
+    """Where each tensor's bytes start in a safetensors file: 8 bytes of header length, the JSON header, the data."""
+    with open(file, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(length))
+    return {key: 8 + length + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"}
 
 
 def _shown(keys: list[str], limit: int = SHORT_LIST) -> str:
@@ -302,7 +337,8 @@ def _rank() -> int:
 def _copy(policy: torch.nn.Module, ckpt: Checkpoint, loaded: dict[str, str], partitioned: bool) -> None:
     """Copy the checkpoint's tensors into the policy, one at a time. Partitioned (ZeRO-3): each parameter is gathered
     alone, rank 0 fills it from the file and DeepSpeed re-partitions it, so no rank holds more than one full parameter
-    beyond its shard; buffers are not partitioned and every rank fills its own."""
+    beyond its shard; buffers are not partitioned and every rank fills its own. A parameter on the meta device
+    (build_policy(empty=True)) gets its storage here, read from the file into it."""
     params = dict(policy.named_parameters())
     targets = {**dict(policy.named_buffers()), **params}
     rank = _rank()
@@ -314,8 +350,24 @@ def _copy(policy: torch.nn.Module, ckpt: Checkpoint, loaded: dict[str, str], par
                 with deepspeed.zero.GatheredParameters([params[name]], modifier_rank=0):
                     if rank == 0:
                         params[name].copy_(ckpt.tensor(key))
+            elif targets[name].is_meta:
+                param = targets[name]
+                value = torch.empty(param.shape, dtype=param.dtype)
+                ckpt.read_into(key, value)
+                # In place: the module (and anything sharing the parameter) keeps the same object, now with storage.
+                torch.utils.swap_tensors(param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
             else:
                 targets[name].copy_(ckpt.tensor(key))
+
+
+def _load_matched(policy: torch.nn.Module, ckpt: Checkpoint, report: LoadReport, strict: bool,
+                  dataset_stats: dict | None, partitioned: bool) -> None:
+    if strict:
+        refuse_unless_clean(report, ckpt, policy.cfg.preset)
+    stats = _plan_statistics(ckpt, report, dataset_stats, strict)
+    _copy(policy, ckpt, report.loaded, partitioned)
+    if stats is not None:
+        policy.set_stats(stats)
 
 
 def load_pretrained(policy: torch.nn.Module, source: str | Path, strict: bool = True, *,
@@ -329,13 +381,32 @@ def load_pretrained(policy: torch.nn.Module, source: str | Path, strict: bool = 
     """
     with Checkpoint(source) as ckpt:
         report = match(policy, ckpt)
-        if strict:
-            refuse_unless_clean(report, ckpt, policy.cfg.preset)
-        stats = _plan_statistics(ckpt, report, dataset_stats, strict)
-        _copy(policy, ckpt, report.loaded, partitioned)
-        if stats is not None:
-            policy.set_stats(stats)
+        _load_matched(policy, ckpt, report, strict, dataset_stats, partitioned)
     return report
+
+
+def build_pretrained(policy_cfg, stats: dict | None = None, *, dataset_stats: dict | None = None
+                     ) -> tuple[torch.nn.Module, LoadReport]:
+    """The policy started from `policy_cfg.pretrained_path` (strict per `policy_cfg.pretrained_strict`), equal in
+    every tensor, requires_grad and global RNG state to `build_policy` followed by `load_pretrained`, without the
+    random initialization of weights the file replaces: the parameters are built on the meta device and each gets
+    its storage as it is read (about one copy of the weights in host RAM). `stats` as for build_policy.
+
+    A non-strict load that leaves a parameter unfilled (missing or mis-shaped in the file) needs that parameter's
+    initial value: the policy is then built as build_policy builds it, from the same RNG state."""
+    from opentau_cli.policies import build_policy
+
+    rng = torch.get_rng_state()
+    policy = build_policy(policy_cfg, stats, empty=True)
+    with Checkpoint(policy_cfg.pretrained_path) as ckpt:
+        report = match(policy, ckpt)
+        if policy_cfg.pretrained_strict:
+            refuse_unless_clean(report, ckpt, policy_cfg.preset)
+        if any(name not in report.loaded for name, _ in policy.named_parameters()):
+            torch.set_rng_state(rng)
+            policy = build_policy(policy_cfg, stats)
+        _load_matched(policy, ckpt, report, policy_cfg.pretrained_strict, dataset_stats, partitioned=False)
+    return policy, report
 
 
 def check_pretrained(policy_cfg) -> LoadReport:

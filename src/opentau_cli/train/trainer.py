@@ -426,20 +426,27 @@ def build_policy_model(cfg: TrainConfig, stats: dict, accelerator, console=None)
     # fail to import, so load them first (the policy package imports its own modules eagerly for the same reason).
     import torch._dynamo  # noqa: F401
 
-    from opentau_cli.policies import build_policy, load_pretrained
+    from opentau_cli.policies import build_policy, build_pretrained, load_pretrained
     from opentau_cli.policies.lora import apply_lora
 
+    lora = cfg.policy.lora
+    loads = cfg.policy.pretrained_path is not None and not (cfg.resume and not lora.enabled)
     with init_context(accelerator, cfg):
         set_seed(cfg.seed)  # seeded here, inside the context: entering zero.Init draws from the RNG
-        model = build_policy(cfg.policy, stats)
-    lora = cfg.policy.lora
-    if cfg.policy.pretrained_path is not None and cfg.resume and not lora.enabled:
+        if loads and not is_zero3(accelerator):
+            # Built without random initialization, each parameter read from the file into its own storage: about
+            # one copy of the weights in host RAM per rank.
+            model, report = build_pretrained(cfg.policy, stats, dataset_stats=stats)
+        else:
+            model = build_policy(cfg.policy, stats)
+    if cfg.policy.pretrained_path is not None and not loads:
         print(f"Resuming: the checkpoint's weights replace policy.pretrained_path={cfg.policy.pretrained_path} (not read).", flush=True)
-    elif cfg.policy.pretrained_path is not None:
-        # Every rank matches the checkpoint (the same refusals everywhere); under ZeRO-3 rank 0 fills one gathered
-        # parameter at a time, so no rank ever holds a second full copy of the model.
-        report = load_pretrained(model, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict,
-                                 dataset_stats=stats, partitioned=is_zero3(accelerator))
+    elif loads:
+        if is_zero3(accelerator):
+            # Every rank matches the checkpoint (the same refusals everywhere); rank 0 fills one gathered parameter
+            # at a time, so no rank ever holds a second full copy of the model.
+            report = load_pretrained(model, cfg.policy.pretrained_path, strict=cfg.policy.pretrained_strict,
+                                     dataset_stats=stats, partitioned=True)
         if accelerator.is_main_process:
             print(report.full(), flush=True)
             if console is not None:
