@@ -111,6 +111,18 @@ def test_disabled_augmentation_returns_the_batch_untouched():
     assert off(off.prepare(batch)) is batch
 
 
+def test_augmenting_the_uint8_batch_sees_and_gives_exactly_what_the_former_float32_batch_did():
+    """Images travel as uint8 and are scaled on the device: augmentation gets the [0, 1] floats the host made when
+    they travelled as float32 (x * float32(1/255)), so its output is the same to the bit."""
+    on = ImageAugment("openpi", 3)
+    pixels = torch.randint(0, 256, (2, 2, 3, H, W), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    batch = {"images": pixels, "wrist_cameras": torch.tensor([[False, True]] * 2),
+             "sample_key": torch.tensor([[0, 5], [1, 2]], dtype=torch.int64)}
+    former = {**batch, "images": torch.from_numpy(pixels.numpy().astype(np.float32) * np.float32(1 / 255))}
+    now, then = on(on.prepare(batch))["images"], on(on.prepare(former))["images"]
+    assert now.dtype == then.dtype == torch.float32 and torch.equal(now, then)
+
+
 def test_the_example_configs_choose_augmentation_as_documented():
     assert json.loads((EXAMPLES / "pi05_config.json").read_text())["dataset"]["augment"] == "openpi"
     for tiny in EXAMPLES.glob("pi05_tiny*.json"):

@@ -379,7 +379,8 @@ class Pi05Policy(nn.Module):
 
     # ------------------------------------------------------------------------------------------ inputs
     def _prepare(self, batch: dict, with_actions: bool) -> dict:
-        """Normalize, zero-pad to max dims, tokenize the prompt (with the binned state for pi05); floats stay fp32.
+        """Scale uint8 images, normalize, zero-pad to max dims, take the prompt's token ids (the batch's, else
+        tokenized here with the binned state for pi05); floats stay fp32.
 
         The batch's raw floats arrive as the data pipeline made them: everything here computes in fp32, outside any
         autocast, whatever the weights' dtype (docs/ARCHITECTURE.md, "Precision")."""
