@@ -63,3 +63,24 @@ def test_the_policy_prepares_a_worker_batch_exactly_as_the_former_float32_batch_
         for key in now:
             same = torch.equal(now[key], then[key]) if isinstance(now[key], torch.Tensor) else now[key] == then[key]
             assert same, key
+
+
+def test_a_new_prompt_rule_mid_stream_reaches_the_workers_and_the_stream_continues_where_it_was(tmp_path):
+    root = write_synth(tmp_path / "ds", episodes=3, steps_per_episode=8, cameras=1, seed=5)
+    cfg = load_config(TINY, [f"--dataset.root={root}", "--dataset.num_workers=1", "--batch_size=4",
+                             "--validation.val_split=0"], environ={})
+    uninterrupted, data = build_data(cfg), build_data(cfg)
+    policy = build_policy(cfg.policy, data.stats)
+    shifted = {**data.stats, "state": {**data.stats["state"], "q99": [v + 1.0 for v in data.stats["state"]["q99"]]}}
+    restored = build_policy(cfg.policy, shifted)  # as a checkpoint bringing other statistics
+    try:
+        expected = [next(uninterrupted.stream) for _ in range(3)]
+        data.set_prompt_tokenizer(policy.prompt_tokenizer())
+        next(data.stream), next(data.stream)
+        data.set_prompt_tokenizer(restored.prompt_tokenizer())
+        third = next(data.stream)
+    finally:
+        uninterrupted.stream.close(), data.stream.close()
+    assert torch.equal(third["state"], expected[2]["state"]) and torch.equal(third["sample_key"], expected[2]["sample_key"])
+    assert torch.equal(third["input_ids"], restored.prompt_tokenizer().batch_tokens(third)["input_ids"])
+    assert not torch.equal(third["input_ids"], policy.prompt_tokenizer().batch_tokens(third)["input_ids"])
