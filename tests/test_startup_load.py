@@ -120,3 +120,20 @@ def test_read_into_casts_and_reads_bf16_files(tmp_path):
         same = torch.empty(6)
         ckpt.read_into("b", same)
         assert torch.equal(same, torch.arange(6, dtype=torch.float32))
+
+
+def test_the_startup_benchmark_reports_copies_of_the_weights_and_ratios_on_canned_numbers():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_startup import MIB, compare_rows
+
+    runs = {"build + load": [{"peak_above_base": 700 * MIB, "wall_s": 4.0, "weights_bytes": 350 * MIB},
+                             {"peak_above_base": 650 * MIB, "wall_s": 5.0, "weights_bytes": 350 * MIB}],
+            "no init": [{"peak_above_base": 364 * MIB, "wall_s": 2.0, "weights_bytes": 350 * MIB}]}
+    rows = dict(compare_rows(runs))
+    assert rows["one copy of the weights (fp32)"] == "350 MiB"
+    assert rows["build + load: peak RSS above imports"] == "650 MiB (1.86 copies of the weights)"  # best of the rounds
+    assert rows["no init: peak RSS above imports"] == "364 MiB (1.04 copies of the weights)"
+    assert rows["no init / build + load: peak RSS"] == "0.56x" and rows["no init / build + load: wall time"] == "0.50x"
