@@ -4,6 +4,8 @@
 #   ${OPENTAU_PEERS_DIR:-$HOME/.cache/opentau/peers}/<name>-<version>
 # An environment that is already complete (its .complete marker exists) is reused as it is; a half-built one is
 # rebuilt. Usage: scripts/peer_envs.sh [NAME ...]   (default: every peer below)
+# lerobot-openpi (LeRobot's env + openpi's transformers_replace files) is built only when OPENPI_SRC names a checkout
+# of openpi's source (GitHub only: no package registry has it), as lerobot-<version>-openpi-<openpi commit>.
 set -euo pipefail
 PEERS_DIR="${OPENTAU_PEERS_DIR:-$HOME/.cache/opentau/peers}"
 PY="${PYTHON:-python3}"
@@ -71,4 +73,35 @@ if want lerobot; then
     "huggingface-hub>=0.34.2,<0.36" accelerate==1.15.0 einops==0.8.2 jsonlines==4.0.0 packaging==25.0 deepdiff==8.6.2 \
     termcolor==3.3.0 gymnasium==1.4.0 safetensors==0.8.0 imageio==2.38.2 av==15.1.0 pyserial==3.5 pynput==1.8.2 \
     "opencv-python-headless>=4.9,<4.13" "rerun-sdk>=0.24,<0.27" "setuptools>=71,<81"
+fi
+# LeRobot's and openpi's pi05 *models*: a copy of the LeRobot env with openpi's transformers_replace files copied over
+# its transformers, as openpi's README tells its users to do (LeRobot's pi05 checks for them). The lerobot env itself
+# is left as it is (a copy, never the same files).
+if want lerobot-openpi; then
+  if [ -z "${OPENPI_SRC:-}" ]; then
+    echo "peer env lerobot-openpi: skipped (OPENPI_SRC is not set; openpi's source, which its transformers_replace files come from, is on GitHub only)"
+  else
+    "$(dirname "$0")/peer_envs.sh" lerobot
+    replace="$OPENPI_SRC/src/openpi/models_pytorch/transformers_replace"
+    [ -d "$replace" ] || { echo "OPENPI_SRC=$OPENPI_SRC: no $replace (not a checkout of openpi's source)" >&2; exit 2; }
+    commit="$(git -C "$OPENPI_SRC" rev-parse --short=7 HEAD 2>/dev/null)" \
+      || commit="src-$(cd "$replace" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-7)"
+    dir="$PEERS_DIR/lerobot-$LEROBOT_VERSION-openpi-$commit"
+    if [ -f "$dir/.complete" ]; then
+      echo "peer env $dir: ready"
+    else
+      echo "peer env $dir: building (a copy of lerobot-$LEROBOT_VERSION + $replace)"
+      rm -rf "$dir"
+      cp -a "$PEERS_DIR/lerobot-$LEROBOT_VERSION" "$dir"
+      rm -f "$dir/.complete"
+      site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+      echo "$dir/stubs" > "$site/opentau_stubs.pth.new" && mv "$site/opentau_stubs.pth.new" "$site/opentau_stubs.pth"
+      cp -r "$replace"/. "$site/transformers/"
+      # openpi's normalization (openpi.shared.normalize) reads norm_stats.json through pydantic + numpydantic, at
+      # the versions of openpi's uv.lock.
+      "$dir/bin/python" -m pip install --quiet --disable-pip-version-check numpydantic==1.6.9 pydantic==2.11.5
+      "$dir/bin/python" -c 'from transformers.models.siglip import check; assert check.check_whether_transformers_replace_is_installed_correctly()'
+      touch "$dir/.complete"
+    fi
+  fi
 fi

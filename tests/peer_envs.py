@@ -22,3 +22,22 @@ def peer_python(name: str, version: str) -> str:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+def openpi_source() -> tuple[Path, str]:
+    """The openpi checkout OPENPI_SRC names and the version its peer venv is built for (the commit, as
+    scripts/peer_envs.sh names it). openpi's source is on GitHub only, out of CI's reach: without it, a skip."""
+    import hashlib
+    import subprocess
+
+    root = os.environ.get("OPENPI_SRC")
+    replace = Path(root or "-") / "src" / "openpi" / "models_pytorch" / "transformers_replace"
+    if not replace.is_dir():
+        pytest.skip("openpi's source is not available here (set OPENPI_SRC to a checkout; openpi is not on PyPI)")
+    found = subprocess.run(["git", "-C", root, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
+    if found.returncode == 0:
+        return Path(root), found.stdout.strip()
+    # Not a git checkout: the script names the venv after its transformers_replace files (sha256sum of each, sorted).
+    lines = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(replace)}\n"
+                    for p in sorted(replace.rglob("*.py"), key=lambda p: f"./{p.relative_to(replace)}"))
+    return Path(root), "src-" + hashlib.sha256(lines.encode()).hexdigest()[:7]

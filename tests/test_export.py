@@ -88,10 +88,11 @@ def test_a_published_model_trained_one_step_at_lr_1e_30_exports_to_each_layout_a
     exported = load_file(str(out / MODEL_WEIGHTS))
     # OpenTau's discrete-action head is its own (opentau never loads it), so an export cannot give it back.
     original = {k: v for k, v in original.items() if "discrete_action_embedding" not in k}
-    if layout == OPENPI:  # openpi's strict loader requires the expert's output head, never read: zeros
-        head = exported.pop("paligemma_with_expert.gemma_expert.lm_head.weight")
-        vocab = original["paligemma_with_expert.paligemma.lm_head.weight"].shape[0]
-        width = original["paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj.weight"].shape[0]
+    if layout in (OPENPI, LEROBOT):  # their strict loaders require the expert's output head, never read: zeros
+        prefix = "model." if layout == LEROBOT else ""
+        head = exported.pop(f"{prefix}paligemma_with_expert.gemma_expert.lm_head.weight")
+        vocab = original[f"{prefix}paligemma_with_expert.paligemma.lm_head.weight"].shape[0]
+        width = original[f"{prefix}paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj.weight"].shape[0]
         assert head.shape == (vocab, width) and head.dtype == torch.float32 and not head.any()
     assert sorted(exported) == sorted(original)
     different = [k for k in original if exported[k].dtype != original[k].dtype or not torch.equal(exported[k], original[k])]

@@ -278,8 +278,8 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     except ShardFormatError as exc:  # a shard that reads as truncated or corrupt only when its data is read
         raise UserError(str(exc)) from None
     entries = weight_entries(saved, params, published, DTYPES[dtype])
-    if layout == OPENPI:
-        entries.append(_expert_lm_head(saved.config.policy, DTYPES[dtype]))
+    if layout in (OPENPI, LEROBOT):
+        entries.append(_expert_lm_head(saved.config.policy, DTYPES[dtype], "model." if layout == LEROBOT else ""))
     cameras = camera_features(saved.config, member)
     if layout == OPENTAU:
         for name, tensor in opentau_stats_tensors(stats).items():
@@ -310,14 +310,15 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total)
 
 
-def _expert_lm_head(policy_cfg: PolicyConfig, dtype: torch.dtype) -> TensorEntry:
-    """The action expert's output head, which openpi's checkpoints carry and its strict loader requires; the expert's
-    hidden states never reach it (the action projection reads them), so zeros stand for it."""
+def _expert_lm_head(policy_cfg: PolicyConfig, dtype: torch.dtype, prefix: str = "") -> TensorEntry:
+    """The action expert's output head, which openpi's and LeRobot's own checkpoints carry and their strict loaders
+    require (`prefix`: LeRobot's `model.`); the expert's hidden states never reach it (the action projection reads
+    them), so zeros stand for it."""
     from opentau_cli.policies.pi05.configuration import arch_config
 
     arch = arch_config(policy_cfg)
     shape = (arch.vlm_config.text_config.vocab_size, arch.dit_config.hidden_size)
-    return TensorEntry(OPENPI_EXPERT_LM_HEAD, shape, dtype, lambda: torch.zeros(shape, dtype=dtype))
+    return TensorEntry(prefix + OPENPI_EXPERT_LM_HEAD, shape, dtype, lambda: torch.zeros(shape, dtype=dtype))
 
 
 def _served_statistics(saved: SavedPolicy, member: MixtureMember) -> dict:

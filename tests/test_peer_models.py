@@ -1,0 +1,159 @@
+"""Exports act in the peers' own code as opentau acts: a pi05_small-sized checkpoint with drawn weights (adaRMS gates
+off zero) and the demo dataset's statistics, exported in the LeRobot and openpi layouts, then LeRobot 0.4.4's
+`PI05Policy.from_pretrained` with its own processors, and openpi's PyTorch `PI0Pytorch` loaded strictly with its own
+normalization, return opentau's `sample_actions` chunk for the same observation and noise (fp32).
+
+Both peers' pi05 models need openpi's transformers_replace files, which only openpi's GitHub source holds (no package
+registry has it): the venv (scripts/peer_envs.sh lerobot-openpi) and these tests need OPENPI_SRC, and skip without it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import EXAMPLES
+from peer_envs import openpi_source, peer_python
+
+HERE = Path(__file__).parent
+TOLERANCE = 1e-4  # fp32, two implementations of the same maths
+
+
+def _tokenizer(directory: Path) -> Path:
+    """A byte-level Hugging Face tokenizer that puts BOS first (as PaliGemma's does), small enough for pi05_small's
+    vocabulary: opentau, LeRobot and openpi all tokenize the prompt with it in place of PaliGemma's (a download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(specials + sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>").save_pretrained(directory)
+    config = directory / "tokenizer_config.json"  # the class name that the peers' transformers 4.53 knows too
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory
+
+
+def _sizes(preset: str) -> dict:
+    """The model's sizes for the peers' classes, which know only PaliGemma-3B's (their `gemma_2b` / `gemma_300m`)."""
+    from opentau_cli.policies.pi05.configuration import PRESETS
+
+    p = PRESETS[preset]
+    vlm, expert = p["vlm"], p["expert"]
+
+    def gemma(width, depth, mlp):
+        return {"width": width, "depth": depth, "mlp_dim": mlp, "num_heads": vlm["num_attention_heads"],
+                "num_kv_heads": vlm["num_key_value_heads"], "head_dim": vlm["head_dim"]}
+
+    return {"vocab_size": vlm["vocab_size"], "vlm": {"width": vlm["hidden_size"]}, "vision": dict(p["vision"]),
+            "gemma": {"gemma_2b": gemma(vlm["hidden_size"], vlm["num_hidden_layers"], vlm["intermediate_size"]),
+                      "gemma_300m": gemma(expert["hidden_size"], expert["num_hidden_layers"], expert["intermediate_size"])}}
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """The checkpoint, its two exports, one observation + noise, and opentau's own action chunk for them."""
+    openpi_root, commit = openpi_source()
+    python = peer_python("lerobot-0.4.4-openpi", commit)
+    from opentau_cli.checkpoint.export import export
+    from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
+    from opentau_cli.config.load import load_config
+    from opentau_cli.data import build_data
+    from opentau_cli.normalization import QUANTILE, normalize
+    from opentau_cli.policies import build_policy
+    from opentau_cli.policies.pi05.tokenization import clean_task, state_bins
+    from opentau_cli.policies.layouts import LEROBOT, OPENPI
+
+    root = tmp_path_factory.mktemp("peer_models")
+    tokenizer = _tokenizer(root / "tokenizer")
+    # openpi's model reads 224 px images from 3 cameras (fixed in its code); the demo data's one camera fills slot 0.
+    cfg = load_config(str(EXAMPLES / "pi05_tiny_config.json"), [
+        f"--output_dir={root / 'run'}", "--policy.preset=pi05_small", "--policy.image_resolution=[224,224]",
+        "--dataset.num_cameras=3", "--policy.max_state_dim=32", "--policy.max_action_dim=32", "--policy.tokenizer_max_length=96",
+        f"--policy.tokenizer_path={tokenizer}"])
+    torch.manual_seed(7)
+    policy = build_policy(cfg.policy, build_data(cfg).stats)
+    with torch.no_grad():  # every weight drawn off its initial value: the expert's adaRMS gates start at zero
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    policy.eval()
+    ckpt = root / "run" / "checkpoints" / "000001"
+    ckpt.mkdir(parents=True)
+    save_file({k: v.contiguous().clone() for k, v in policy.state_dict().items()}, str(ckpt / MODEL_WEIGHTS))
+    (ckpt / TRAIN_CONFIG).write_text(json.dumps(cfg.to_json_dict()))
+    (ckpt / TRAINING_STATE).write_text(json.dumps({"step": 1}))
+    exports = {layout: export(ckpt, root / f"export_{layout}", layout=layout).output for layout in (LEROBOT, OPENPI)}
+
+    generator = torch.Generator().manual_seed(3)
+    images = torch.zeros(3, 3, 224, 224)
+    images[0] = torch.rand(3, 224, 224, generator=generator)
+    stats = build_data(cfg).stats["state"]
+    state = torch.tensor(stats["q01"]) + torch.rand(len(stats["q01"]), generator=generator) * (torch.tensor(stats["q99"]) - torch.tensor(stats["q01"]))
+    noise = torch.randn(1, cfg.policy.chunk_size, cfg.policy.max_action_dim, generator=generator)
+    task = "pick up the red_cube"
+    batch = {"images": images[None], "image_masks": torch.tensor([[True, False, False]]), "state": state[None].float(), "task": [task]}
+    with torch.no_grad():
+        ours = policy.sample_actions(batch, noise)[0]
+    # openpi's prompt: the task, then the quantile-normalized state's 256-level bins (the real dims)
+    state_stats = {k: torch.tensor(v) for k, v in stats.items()}
+    bins = state_bins(normalize(state[None].float(), state_stats, QUANTILE))[0]
+    prompt = f"Task: {clean_task(task)}, State: {' '.join(map(str, bins))};\nAction: "
+    given = root / "in.npz"
+    np.savez(given, images=images.numpy(), image_masks=np.array([True, False, False]), state=state.float().numpy(), task=np.array(task),
+             noise=noise.numpy(), num_steps=np.array(cfg.policy.num_inference_steps))
+    sizes = root / "sizes.json"
+    sizes.write_text(json.dumps(_sizes(cfg.policy.preset)))
+    return {"python": python, "openpi": openpi_root, "exports": exports, "tokenizer": tokenizer, "sizes": sizes, "given": given,
+            "ours": ours, "prompt": prompt, "root": root}
+
+
+def _run(case, driver: str, *args) -> dict:
+    out = case["root"] / f"{driver}.json"
+    proc = subprocess.run([case["python"], str(HERE / driver), *map(str, args), str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    return json.loads(out.read_text())
+
+
+def _text(case, ids: list) -> str:
+    """The prompt a peer tokenized: BOS, the text, padding."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(case["tokenizer"]))
+    length = max(i for i, token in enumerate(ids) if token != tok.pad_token_id) + 1
+    assert ids[0] == tok.bos_token_id
+    return tok.decode(ids[1:length])
+
+
+def _same_chunk(theirs: list, ours: torch.Tensor) -> float:
+    theirs = torch.tensor(theirs).reshape(ours.shape)
+    difference = (theirs - ours).abs().max().item()
+    print(f"max abs difference: {difference:.3g}")
+    assert difference <= TOLERANCE, f"max abs difference {difference:.3g} > {TOLERANCE}"
+    return difference
+
+
+def test_lerobots_pi05_policy_with_its_processors_acts_as_opentau_on_the_lerobot_export(case):
+    from opentau_cli.policies.layouts import LEROBOT
+
+    got = _run(case, "lerobot_policy_driver.py", case["exports"][LEROBOT], case["tokenizer"], case["sizes"], case["given"])
+    assert got["cameras"] == ["observation.images.top"]
+    (ids,) = got["input_ids"]
+    assert _text(case, ids) == case["prompt"]
+    _same_chunk(got["actions"], case["ours"])
+
+
+def test_openpis_pytorch_model_loads_the_openpi_export_strictly_and_acts_as_opentau_with_its_normalization(case):
+    from opentau_cli.policies.layouts import OPENPI
+
+    got = _run(case, "openpi_model_driver.py", case["openpi"], case["exports"][OPENPI], case["tokenizer"], case["sizes"], case["given"])
+    assert _text(case, got["input_ids"]) == case["prompt"]
+    _same_chunk(got["actions"], case["ours"])
