@@ -17,6 +17,7 @@ ASYNC = "Asynchronous checkpoints: training time lost per save, sync vs async_sa
 CONSOLIDATE_ZERO3 = "Streaming consolidation vs zero_to_fp32 (two-step and direct), ZeRO-3"
 LORA = "LoRA rank 16 vs full fine-tuning on 2 CPU processes (opentau profile)"
 PLAN = "Memory plan of the example pi05 config on 8 GPUs"
+STARTUP = "Starting from pretrained weights: build + load vs no init"
 
 
 def _mb_fp32_to_million_parameters(mb: float) -> float:
@@ -50,6 +51,9 @@ FIGURES = [
     (r"gradients \(([\d.]+) GB, kept in DDP", PLAN, "DDP example: gradients", r"^([\d.]+) GB"),
     (r"fp32 copy of the trained weights\s+\(([\d.]+) GB\)", PLAN, "DDP example: EMA of the weights (fp32)", r"^([\d.]+) GB"),
     (r"AdamW's moments \(([\d.]+) GB\)", PLAN, "DDP example: AdamW state", r"^([\d.]+) GB"),
+    (r"pi05_small took ([\d.]+) copies of its weights", STARTUP, "no init: peak RSS above imports", r"\(([\d.]+) copies"),
+    (r"against ([\d.]+) when built first and then loaded", STARTUP, "build + load: peak RSS above imports", r"\(([\d.]+) copies"),
+    (r"then loaded \(([\d.]+)x, `benchmarks/bench_startup.py`", STARTUP, "no init / build + load: peak RSS", r"^([\d.]+)x"),
 ]
 
 # What a measured figure looks like in prose: a ratio ("0.49x"), a cost per unit ("0.5 s per GB", "0.2 CPU-seconds per
