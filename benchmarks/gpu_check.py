@@ -4,9 +4,10 @@ On a CUDA machine, through the installed CLI (`opentau train`, `opentau resume`,
 single-GPU bf16 training of pi05_small, two steps of the full pi05 preset through `opentau profile` (the training
 step's code, no checkpoint written; skipped when the memory plan says the card is too small) with the memory plan's
 estimate next to torch.cuda.max_memory_allocated, DDP (when more than one GPU is visible), DeepSpeed ZeRO-2 and
-ZeRO-3 on every visible GPU; under each backend a run of N steps saving at N/2 and a resume of that checkpoint whose
-first resumed loss must equal the uninterrupted run's bit for bit and later ones within RESUME_TOLERANCE (cuBLAS in
-its deterministic mode); the same train + resume with gradient checkpointing, with LoRA, and with async saves; an
+ZeRO-3 on every visible GPU; under each backend a run of N steps saving at N/2, a resume of that checkpoint whose
+first resumed loss must equal the uninterrupted run's bit for bit and later ones within RESUME_TOLERANCE, and the
+restored state itself (the checkpoint restored on the same ranks and saved again before any step: every tensor equal
+to the bit, gpu_check_restore.py); every process runs PyTorch's deterministic settings (Checker.env); the same train + resume with gradient checkpointing, with LoRA, and with async saves; an
 elastic resume (ZeRO-2 on every GPU -> DDP on half, --reshard=true); `opentau eval` (bf16 on CUDA) on a checkpoint;
 the attention kernel pi05 runs in; then `opentau profile` with MFU.
 Prints one table and writes it as gpu_check.json and gpu_check.md (a section to paste into BENCHMARKS.md).
@@ -43,6 +44,12 @@ CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "gc", "lora", "async", "ela
 # Later resumed steps may differ by this much (relative): DDP rebuilds its gradient buckets after the first step, and
 # some CUDA kernels reduce in a varying order; the first resumed step, from the restored state, must be exact.
 RESUME_TOLERANCE = 1e-3
+# The sitecustomize every process of a check imports (Checker.env): PyTorch's deterministic settings.
+DETERMINISTIC = """import torch
+torch.use_deterministic_algorithms(True, warn_only=True)
+torch.backends.cudnn.deterministic = True
+torch.backends.cudnn.benchmark = False
+"""
 BACKENDS = ("single", "ddp", "zero2", "zero3")
 FULL_CONFIG = EXAMPLES / "pi05_config.json"
 
@@ -139,9 +146,8 @@ class Checker:
             f.write("$ opentau " + " ".join(args) + "\n")
             f.flush()
             try:
-                # cuBLAS's deterministic workspace: the same computation gives the same bits run to run.
                 rc = subprocess.run([opentau_bin(), *args], stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env={**env(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, timeout=self.plan.timeout).returncode
+                                    env=self.env(), timeout=self.plan.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = None
         seconds = time.perf_counter() - start
@@ -151,6 +157,54 @@ class Checker:
         else:
             last = lines[-1].strip() if lines else f"exit {rc}"
         return rc == 0, last, seconds, log
+
+    def env(self) -> dict:
+        """Every process of a check runs PyTorch's deterministic settings where it offers them: cuBLAS's
+        deterministic workspace, `torch.use_deterministic_algorithms` (warn only: an op without a deterministic
+        kernel warns instead of failing the check) and cuDNN without autotuning, through a sitecustomize that
+        every Python process of the launch imports."""
+        hook = self.setup / "deterministic"
+        hook.mkdir(exist_ok=True)
+        (hook / "sitecustomize.py").write_text(DETERMINISTIC)
+        path = [str(hook), *filter(None, [env().get("PYTHONPATH")])]
+        return {**env(), "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONPATH": ":".join(path)}
+
+    def restored_state(self, backend: str, label: str, ckpt: Path, home: Path) -> Row:
+        """Restore `ckpt` on the backend's ranks as `opentau resume` does and save again before any step
+        (benchmarks/gpu_check_restore.py): every tensor (weights, optimizer state, schedule, random states, EMA) must
+        equal the saved one to the bit."""
+        from opentau_cli.config import load_config, resolve_accelerate_config
+        from opentau_cli.launch import accelerate_yaml as launch_yaml, worker_env
+
+        out, name = home / "restored", re.sub(r"[^A-Za-z0-9.-]+", "_", label)
+        logs = self.logs / f"{name}-restore"
+        logs.mkdir(parents=True, exist_ok=True)
+        cfg = load_config(ckpt / "train_config.json", [f"--output_dir={out}"], environ={})
+        setup = resolve_accelerate_config(self.yaml_for(backend))
+        (logs / "config.json").write_text(json.dumps(cfg.to_json_dict()))
+        (logs / "accelerate.yaml").write_text(yaml.safe_dump(launch_yaml(setup, cfg, not self.plan.cpu)))
+        (logs / "launch.json").write_text(json.dumps({"accelerate": setup.to_dict(), "log_dir": str(logs),
+                                                      "run_id": "restore-check", "restore_from": str(ckpt)}))
+        start = time.perf_counter()
+        try:
+            rc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                                 str(logs / "accelerate.yaml"), str(REPO / "benchmarks" / "gpu_check_restore.py"),
+                                 "--config", str(logs / "config.json"), "--launch", str(logs / "launch.json")],
+                                cwd=REPO, env={**worker_env(setup, not self.plan.cpu), **self.env()},
+                                capture_output=True, text=True, timeout=self.plan.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        seconds = time.perf_counter() - start
+        saved = out / CHECKPOINTS / ckpt.name
+        if rc != 0 or not saved.is_dir():
+            return Row("restored state", label, "FAIL", f"restore + save exited {rc} (logs: {logs})", seconds)
+        from gpu_check_restore import differences
+
+        found, tensors = differences(ckpt, saved)
+        if found:
+            return Row("restored state", label, "FAIL", f"{len(found)} differences, first: {found[0]}", seconds,
+                       {"differences": found[:20]})
+        return Row("restored state", label, "PASS", f"{tensors} tensors equal to the bit after the resume", seconds)
 
     def failed(self, check: str, backend: str, last: str, seconds: float, log: Path) -> Row:
         return Row(check, backend, "FAIL", f"{last} (log: {log})", seconds)
@@ -198,6 +252,8 @@ class Checker:
             return [train, self.failed("elastic resume" if resume_procs else "exact resume", label, last, seconds, log)]
         rows = [train, resume_row(label, losses, {r["step"]: r["loss"] for r in train_records(resumed)},
                                   range(mid + 1, steps + 1), seconds, log, elastic=resume_procs is not None)]
+        if resume_procs is None:  # an elastic resume reshards: its files are another topology's
+            rows.append(self.restored_state(backend, label, ckpt, home))
         if not self.keep_runs and all(r.result == "PASS" for r in rows):
             shutil.rmtree(home)  # pi05_small checkpoints are about 1 GB each; a failed backend's runs stay for a look
         return rows

@@ -16,6 +16,7 @@ from conftest import EXAMPLES, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
+import gpu_check_restore  # noqa: E402
 
 sys.path.pop(0)
 
@@ -39,7 +40,7 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["cpu_dry_run"] is True
     assert [(row["check"], row["backend"], row["result"]) for row in report["rows"]] == [
-        ("train + checkpoint", "ddp", "PASS"), ("exact resume", "ddp", "PASS"),
+        ("train + checkpoint", "ddp", "PASS"), ("exact resume", "ddp", "PASS"), ("restored state", "ddp", "PASS"),
     ]
     for backend in ("ddp",):  # one backend: the others run the same code with another YAML
         full = losses(out / "runs" / backend / "full" / "metrics.jsonl")
@@ -54,8 +55,26 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("## GPU self-check (CPU dry run) (")
     assert "| check | backend | result | key number | seconds |" in md
-    assert md.count("| PASS |") == 2 and "| exact resume | ddp | PASS | steps 3-4: losses equal |" in md
+    assert md.count("| PASS |") == 3 and "| exact resume | ddp | PASS | steps 3-4: losses equal |" in md
     assert "exact resume        ddp" in r.stdout
+    # The restored state: the step-2 checkpoint restored on both ranks and saved again before any step, every tensor
+    # compared (weights, AdamW moments, schedule, both ranks' random states).
+    saved, again = out / "runs" / "ddp" / "full" / "checkpoints" / "000002", out / "runs" / "ddp" / "restored" / "checkpoints" / "000002"
+    assert gpu_check_restore.differences(saved, again)[0] == []
+    tensors = gpu_check_restore.differences(saved, again)[1]
+    assert f"| restored state | ddp | PASS | {tensors} tensors equal to the bit after the resume |" in md and tensors > 10
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"} <= set(
+        gpu_check_restore.tensor_files(saved))
+    # A checkpoint one value off is told apart (the comparison can fail).
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(again / "model.safetensors"))
+    name = next(k for k, t in weights.items() if t.is_floating_point())
+    weights[name].view(-1)[0] = torch.nextafter(weights[name].view(-1)[0], torch.tensor(float("inf")))
+    save_file(weights, str(again / "model.safetensors"), metadata={"format": "pt"})
+    assert gpu_check_restore.differences(saved, again)[0] == [f"model.safetensors/{name}: tensors differ"]
+    # Every process of the check ran PyTorch's deterministic settings (the sitecustomize the runs imported).
+    assert "use_deterministic_algorithms(True" in (out / "setup" / "deterministic" / "sitecustomize.py").read_text()
 
 
 def test_a_resume_passes_on_an_exact_first_step_and_later_steps_within_the_stated_tolerance():
