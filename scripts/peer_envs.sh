@@ -84,7 +84,7 @@ if want lerobot-openpi; then
     "$(dirname "$0")/peer_envs.sh" lerobot
     replace="$OPENPI_SRC/src/openpi/models_pytorch/transformers_replace"
     [ -d "$replace" ] || { echo "OPENPI_SRC=$OPENPI_SRC: no $replace (not a checkout of openpi's source)" >&2; exit 2; }
-    commit="$(git -C "$OPENPI_SRC" rev-parse --short=7 HEAD 2>/dev/null)" \
+    [ -e "$OPENPI_SRC/.git" ] && commit="$(git -C "$OPENPI_SRC" rev-parse --short=7 HEAD)" \
       || commit="src-$(cd "$replace" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-7)"
     dir="$PEERS_DIR/lerobot-$LEROBOT_VERSION-openpi-$commit"
     if [ -f "$dir/.complete" ]; then

@@ -34,8 +34,8 @@ def openpi_source() -> tuple[Path, str]:
     replace = Path(root or "-") / "src" / "openpi" / "models_pytorch" / "transformers_replace"
     if not replace.is_dir():
         pytest.skip("openpi's source is not available here (set OPENPI_SRC to a checkout; openpi is not on PyPI)")
-    found = subprocess.run(["git", "-C", root, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
-    if found.returncode == 0:
+    if (Path(root) / ".git").exists():
+        found = subprocess.run(["git", "-C", root, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, check=True)
         return Path(root), found.stdout.strip()
     # Not a git checkout: the script names the venv after its transformers_replace files (sha256sum of each, sorted).
     lines = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(replace)}\n"

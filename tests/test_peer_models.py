@@ -80,8 +80,9 @@ def case(tmp_path_factory):
         f"--output_dir={root / 'run'}", "--policy.preset=pi05_small", "--policy.image_resolution=[224,224]",
         "--dataset.num_cameras=3", "--policy.max_state_dim=32", "--policy.max_action_dim=32", "--policy.tokenizer_max_length=96",
         f"--policy.tokenizer_path={tokenizer}"])
+    dataset_stats = build_data(cfg).stats
     torch.manual_seed(7)
-    policy = build_policy(cfg.policy, build_data(cfg).stats)
+    policy = build_policy(cfg.policy, dataset_stats)
     with torch.no_grad():  # every weight drawn off its initial value: the expert's adaRMS gates start at zero
         for param in policy.parameters():
             param.add_(torch.randn_like(param) * 0.02)
@@ -96,19 +97,19 @@ def case(tmp_path_factory):
     generator = torch.Generator().manual_seed(3)
     images = torch.zeros(3, 3, 224, 224)
     images[0] = torch.rand(3, 224, 224, generator=generator)
-    stats = build_data(cfg).stats["state"]
-    state = torch.tensor(stats["q01"]) + torch.rand(len(stats["q01"]), generator=generator) * (torch.tensor(stats["q99"]) - torch.tensor(stats["q01"]))
+    state_stats = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in dataset_stats["state"].items()}
+    low, high = state_stats["q01"], state_stats["q99"]
+    state = low + torch.rand(len(low), generator=generator) * (high - low)  # a state inside the data's range
     noise = torch.randn(1, cfg.policy.chunk_size, cfg.policy.max_action_dim, generator=generator)
     task = "pick up the red_cube"
-    batch = {"images": images[None], "image_masks": torch.tensor([[True, False, False]]), "state": state[None].float(), "task": [task]}
+    batch = {"images": images[None], "image_masks": torch.tensor([[True, False, False]]), "state": state[None], "task": [task]}
     with torch.no_grad():
         ours = policy.sample_actions(batch, noise)[0]
     # openpi's prompt: the task, then the quantile-normalized state's 256-level bins (the real dims)
-    state_stats = {k: torch.tensor(v) for k, v in stats.items()}
-    bins = state_bins(normalize(state[None].float(), state_stats, QUANTILE))[0]
+    bins = state_bins(normalize(state[None], state_stats, QUANTILE))[0]
     prompt = f"Task: {clean_task(task)}, State: {' '.join(map(str, bins))};\nAction: "
     given = root / "in.npz"
-    np.savez(given, images=images.numpy(), image_masks=np.array([True, False, False]), state=state.float().numpy(), task=np.array(task),
+    np.savez(given, images=images.numpy(), image_masks=np.array([True, False, False]), state=state.numpy(), task=np.array(task),
              noise=noise.numpy(), num_steps=np.array(cfg.policy.num_inference_steps))
     sizes = root / "sizes.json"
     sizes.write_text(json.dumps(_sizes(cfg.policy.preset)))
