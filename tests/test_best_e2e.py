@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.layout import BEST, CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE
 
 pytestmark = pytest.mark.e2e
@@ -48,12 +48,13 @@ def test_the_two_best_by_val_loss_and_the_newest_are_kept_and_best_points_at_the
 def test_export_and_eval_take_run_best(run):
     tmp, out, env = run
     best = (out / CHECKPOINTS / BEST).resolve()
-    ok(run_cli(["checkpoint", "export", f"{out}:best", "--output", str(tmp / "by_name")], env=env))
-    ok(run_cli(["checkpoint", "export", str(best), "--output", str(tmp / "by_dir")], env=env))
+    # In-process: export and eval launch nothing (the run above is the launch).
+    ok(run_cli_in_process(["checkpoint", "export", f"{out}:best", "--output", str(tmp / "by_name")], env=env))
+    ok(run_cli_in_process(["checkpoint", "export", str(best), "--output", str(tmp / "by_dir")], env=env))
     assert (tmp / "by_name" / MODEL_WEIGHTS).read_bytes() == (tmp / "by_dir" / MODEL_WEIGHTS).read_bytes()
-    ok(run_cli(["eval", f"{out}:best", "--output", str(tmp / "eval_best"), "--device", "cpu", "--stride", "10",
+    ok(run_cli_in_process(["eval", f"{out}:best", "--output", str(tmp / "eval_best"), "--device", "cpu", "--stride", "10",
                 "--plot-episodes", "0"], env=env))
     report = (tmp / "eval_best" / "eval.json").read_text()
     assert json.dumps(str(best)) in report  # evaluated the checkpoint checkpoints/best points to
-    missing = run_cli(["checkpoint", "export", f"{tmp / 'nowhere'}:best", "--output", str(tmp / "x")], env=env)
+    missing = run_cli_in_process(["checkpoint", "export", f"{tmp / 'nowhere'}:best", "--output", str(tmp / "x")], env=env)
     assert missing.returncode == 2 and "keep_best" in missing.stderr and "Traceback" not in missing.stderr
