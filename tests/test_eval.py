@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, run_cli, run_cli_in_process
 from opentau_cli.cli.main import app
 from opentau_cli.config.load import load_config
 from opentau_cli.data.build import split_episodes
@@ -51,7 +51,7 @@ def fine_tuned(tmp_path_factory):
 def test_a_policy_fine_tuned_from_a_pretrained_one_beats_the_mean_action_on_held_out_episodes(fine_tuned, tmp_path):
     _, run, held_out = fine_tuned
     out = tmp_path / "eval"
-    result = run_cli(["eval", str(run), "--output", str(out), "--stride", "2"])
+    result = run_cli_in_process(["eval", str(run), "--output", str(out), "--stride", "2"])  # launches nothing
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     assert report["held_out"] is True and report["episodes"] == held_out
@@ -74,7 +74,7 @@ def test_an_exported_model_is_evaluated_from_its_published_files(fine_tuned, tmp
     assert exported.exit_code == 0, exported.output
     out = tmp_path / "eval"
     episodes = ",".join(map(str, held_out[:4]))
-    result = run_cli(["eval", str(model), "--episodes", episodes, "--output", str(out), "--stride", "2", "--plot-episodes", "1"])
+    result = run_cli_in_process(["eval", str(model), "--episodes", episodes, "--output", str(out), "--stride", "2", "--plot-episodes", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     assert report["layout"] == "openpi pi05" and report["held_out"] is False and report["episodes"] == held_out[:4]
