@@ -293,6 +293,7 @@ ZERO2 = str(EXAMPLES / "accelerate_cpu_deepspeed_config.yaml")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")
 KILL_HOOK = Path(__file__).parent / "kill_hook"
 STEPS = 6
+ZERO2_STEPS = 3
 
 
 def train_args(out: Path, accelerate_config: str, *extra: str) -> list[str]:
@@ -337,12 +338,13 @@ def logged(run_dir: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def zero2(e2e_env):
-    """A ZeRO-2 run with async saves SIGKILLed whole while rank 1's background writer has just written its shard of
-    step 4 (cut in half), as it was on disk then; then its resume from step 2, which runs to the end."""
+    """A ZeRO-2 run of 3 steps saving after each, with async saves, SIGKILLed whole while rank 1's background writer
+    has just written its shard of step 2 (cut in half), as it was on disk then; then its resume from step 1, which
+    runs to the end. (As few steps as show it: two launches of 2 ranks are most of its cost.)"""
     tmp, env = e2e_env
     killed = tmp / "killed"
-    proc = launch(train_args(killed, ZERO2, "--checkpoint.keep_last", "2"), env, TEST_KILL_AT="mid_file@4",
-                  TEST_KILL_RANK="1")
+    proc = launch(train_args(killed, ZERO2, "--steps", str(ZERO2_STEPS), "--save_freq", "1", "--checkpoint.keep_last",
+                             "2"), env, TEST_KILL_AT="mid_file@2", TEST_KILL_RANK="1")
     assert proc.returncode == -signal.SIGKILL, f"not killed\n{proc.stderr[-3000:]}"
     ckpts = killed / CHECKPOINTS
     after_kill = {
@@ -353,7 +355,7 @@ def zero2(e2e_env):
         "verify": run_cli(["checkpoint", "verify", str(killed)], env=env).returncode,
         "logged": logged(killed),
     }
-    after_kill["cut_shard"] = [p.name for p in after_kill["leftovers"].get(("save", "000004"), tmp).rglob(
+    after_kill["cut_shard"] = [p.name for p in after_kill["leftovers"].get(("save", "000002"), tmp).rglob(
         ds_shard_glob("optim", rank=1))]
     resumed = run_cli(["resume", str(killed)], env=env)
     ok(resumed)
@@ -362,35 +364,34 @@ def zero2(e2e_env):
 
 @pytest.mark.e2e
 def test_async_zero2_run_publishes_every_save_with_both_ranks_shards_and_the_last_before_it_exits(zero2):
-    ckpts = zero2["killed"] / CHECKPOINTS  # the resumed run's saves 4 and 6 (its last), beside its source 2
-    assert step_dirs(ckpts) == ["000002", "000004", "000006"] and read_last(ckpts) == "000006"
+    ckpts = zero2["killed"] / CHECKPOINTS  # the resumed run's saves 2 and 3 (its last), beside its source 1
+    assert step_dirs(ckpts) == ["000001", "000002", "000003"] and read_last(ckpts) == "000003"
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".")]  # the killed save's leftover removed
     for name in step_dirs(ckpts):
         assert verify_manifest(ckpts / name) == [], name
         assert json.loads((ckpts / name / TRAINING_STATE).read_text())["step"] == int(name)
         for rank in (0, 1):
             assert list((ckpts / name).rglob(ds_shard_glob("optim", rank))), (name, rank)
-    assert sorted(losses(zero2["killed"])) == list(range(1, STEPS + 1))
+    assert sorted(losses(zero2["killed"])) == list(range(1, ZERO2_STEPS + 1))
 
 
 @pytest.mark.e2e
 def test_sigkill_during_a_background_write_keeps_previous_checkpoints_and_the_resume_is_exact(zero2):
     after = zero2["after_kill"]
-    # Save 4 was being written (rank 1's shard cut in half in its temp dir); save 2 was published before it began.
-    assert list(after["leftovers"]) == [("save", "000004")] and after["cut_shard"], after
-    assert after["steps"] == after["sound"] == ["000002"] and after["latest"].name == "000002"
+    # Save 2 was being written (rank 1's shard cut in half in its temp dir); save 1 was published before it began.
+    assert list(after["leftovers"]) == [("save", "000002")] and after["cut_shard"], after
+    assert after["steps"] == after["sound"] == ["000001"] and after["latest"].name == "000001"
     assert after["verify"] == 0
-    # The killed run logged steps 1-4 (the kill came in save 4); the resume from step 2 cuts the log back to step 2
-    # and logs 3-6 again: its 3 and 4 are the killed run's.
+    # The killed run logged steps 1-2 (the kill came in save 2); the resume from step 1 cuts the log back to step 1
+    # and logs 2-3 again: its step 2 is the killed run's, to the bit (same ranks, same backend).
     before = dict(after["logged"])
-    assert [step for step, _ in after["logged"]] == [1, 2, 3, 4]
+    assert [step for step, _ in after["logged"]] == [1, 2]
     resumed = dict(logged(zero2["killed"]))
-    assert [step for step, _ in logged(zero2["killed"])] == [1, 2, 3, 4, 5, 6]
-    for step in (3, 4):
-        assert resumed[step] == pytest.approx(before[step], rel=1e-5), f"step {step}"
+    assert [step for step, _ in logged(zero2["killed"])] == [1, 2, 3]
+    assert resumed[2] == before[2]
     ckpts = zero2["killed"] / CHECKPOINTS
     # keep_last=2, and the checkpoint the run resumed from is never deleted; leftovers removed.
-    assert sorted(p.name for p in ckpts.iterdir()) == ["000002", "000004", "000006", LAST]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["000001", "000002", "000003", LAST]
 
 
 @pytest.mark.e2e
