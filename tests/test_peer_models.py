@@ -1,7 +1,8 @@
 """Exports act in the peers' own code as opentau acts: a pi05_small-sized checkpoint with drawn weights (adaRMS gates
 off zero) and the demo dataset's statistics, exported in the LeRobot and openpi layouts, then LeRobot 0.4.4's
 `PI05Policy.from_pretrained` with its own processors, and openpi's PyTorch `PI0Pytorch` loaded strictly with its own
-normalization, return opentau's `sample_actions` chunk for the same observation and noise (fp32).
+normalization, return opentau's `sample_actions` chunk for the same observation and noise (fp32): the checkpoint's
+policy's, and the export's as `opentau eval` / `opentau serve` load it.
 
 Both peers' pi05 models need openpi's transformers_replace files, which only openpi's GitHub source holds (no package
 registry has it): the venv (scripts/peer_envs.sh lerobot-openpi) and these tests need OPENPI_SRC, and skip without it."""
@@ -66,12 +67,13 @@ def case(tmp_path_factory):
     python = peer_python("lerobot-0.4.4-openpi", commit)
     from opentau_cli.checkpoint.export import export
     from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
-    from opentau_cli.config.load import load_config
+    from opentau_cli.config.load import load_config, parse_overrides
     from opentau_cli.data import build_data
     from opentau_cli.normalization import QUANTILE, normalize
     from opentau_cli.policies import build_policy
     from opentau_cli.policies.pi05.tokenization import clean_task, state_bins
     from opentau_cli.policies.layouts import LEROBOT, OPENPI
+    from opentau_cli.serve import load_served
 
     root = tmp_path_factory.mktemp("peer_models")
     tokenizer = _tokenizer(root / "tokenizer")
@@ -103,8 +105,12 @@ def case(tmp_path_factory):
     noise = torch.randn(1, cfg.policy.chunk_size, cfg.policy.max_action_dim, generator=generator)
     task = "pick up the red_cube"
     batch = {"images": images[None], "image_masks": torch.tensor([[True, False, False]]), "state": state[None], "task": [task]}
+    # opentau's chunk: the checkpoint's policy, and each export as `opentau eval` / `opentau serve` load it
+    as_served = parse_overrides([f"--policy.tokenizer_path={tokenizer}", "--dataset.num_cameras=3"])
     with torch.no_grad():
         ours = policy.sample_actions(batch, noise)[0]
+        served = {layout: load_served(path, overrides=as_served, device="cpu").policy.sample_actions(batch, noise)[0]
+                  for layout, path in exports.items()}
     # openpi's prompt: the task, then the quantile-normalized state's 256-level bins (the real dims)
     bins = state_bins(normalize(state[None], state_stats, QUANTILE))[0]
     prompt = f"Task: {clean_task(task)}, State: {' '.join(map(str, bins))};\nAction: "
@@ -114,7 +120,7 @@ def case(tmp_path_factory):
     sizes = root / "sizes.json"
     sizes.write_text(json.dumps(_sizes(cfg.policy.preset)))
     return {"python": python, "openpi": openpi_root, "exports": exports, "tokenizer": tokenizer, "sizes": sizes, "given": given,
-            "ours": ours, "prompt": prompt, "root": root}
+            "ours": ours, "served": served, "prompt": prompt, "root": root}
 
 
 def _run(case, driver: str, *args) -> dict:
@@ -150,6 +156,7 @@ def test_lerobots_pi05_policy_with_its_processors_acts_as_opentau_on_the_lerobot
     (ids,) = got["input_ids"]
     assert _text(case, ids) == case["prompt"]
     _same_chunk(got["actions"], case["ours"])
+    _same_chunk(got["actions"], case["served"][LEROBOT])
 
 
 def test_openpis_pytorch_model_loads_the_openpi_export_strictly_and_acts_as_opentau_with_its_normalization(case):
@@ -158,3 +165,4 @@ def test_openpis_pytorch_model_loads_the_openpi_export_strictly_and_acts_as_open
     got = _run(case, "openpi_model_driver.py", case["openpi"], case["exports"][OPENPI], case["tokenizer"], case["sizes"], case["given"])
     assert _text(case, got["input_ids"]) == case["prompt"]
     _same_chunk(got["actions"], case["ours"])
+    _same_chunk(got["actions"], case["served"][OPENPI])
