@@ -103,23 +103,13 @@ def test_an_empty_build_has_real_buffers_and_leaves_the_rng_where_an_ordinary_bu
     assert all(torch.equal(again.state_dict()[k], v) for k, v in ordinary.state_dict().items())
 
 
-def test_read_into_casts_and_reads_bf16_files(tmp_path):
-    from safetensors.torch import save_file
-
-    values = torch.randn(5, 7).to(torch.bfloat16)
-    save_file({"a": values, "b": torch.arange(6, dtype=torch.float32)}, str(tmp_path / "model.safetensors"))
-    ckpt = pretrained.Checkpoint.__new__(pretrained.Checkpoint)  # only the file parts, not the layout detection
-    ckpt._data = {k: (tmp_path / "model.safetensors", s) for k, s in pretrained._data_starts(tmp_path / "model.safetensors").items()}
-    from safetensors import safe_open
-
-    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
-        ckpt._handles = {"a": handle, "b": handle}
-        out = torch.empty(5, 7)
-        ckpt.read_into("a", out)
-        assert torch.equal(out, values.float())
-        same = torch.empty(6)
-        ckpt.read_into("b", same)
-        assert torch.equal(same, torch.arange(6, dtype=torch.float32))
+def test_a_bf16_checkpoint_is_read_and_cast_as_todays_load_casts_it(tmp_path):
+    ckpt = published(tmp_path, LEROBOT, seed=3, stats=STATS)
+    edit_weights(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items() if v.is_floating_point()}))
+    cfg = tiny_cfg(pretrained_path=ckpt)
+    old, new = todays_way(cfg, lora=False), new_way(cfg, lora=False)
+    assert_same(old, new)
+    assert new[0].vlm.language_model.norm.weight.dtype == torch.float32
 
 
 def test_the_startup_benchmark_reports_copies_of_the_weights_and_ratios_on_canned_numbers():
