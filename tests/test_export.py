@@ -132,8 +132,8 @@ def test_lerobots_own_loaders_read_the_lerobot_export_as_opentau_acts(round_trip
     """LeRobot 0.4.4's own code (its venv: scripts/peer_envs.sh) reads the export's config.json (every camera an image
     feature) and its processor files: its preprocessor normalizes the state and bins it into the prompt as opentau
     does, and its postprocessor un-normalizes an action chunk as opentau does (LeRobot's quantile normalization has no
-    1e-6 epsilon: equal up to what that epsilon makes). Its pi05 model is not run: it needs openpi's transformers_replace files, which no
-    package registry holds."""
+    1e-6 epsilon: equal up to what that epsilon makes). Its pi05 model runs in tests/test_peer_models.py: it needs
+    openpi's transformers_replace files, which no package registry holds."""
     import subprocess
 
     import numpy as np
