@@ -43,10 +43,10 @@ def run_cli(args: list[str], *, cwd: Path | None = None, env: dict | None = None
     return subprocess.run([opentau_bin(script), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_cli_in_process(args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli_in_process(args: list[str], *, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`opentau ARGS` in this process (Typer's CliRunner), for refusals, checks and tools that launch nothing: the same
-    command code without a new interpreter's start-up (seconds each on a busy machine). `env` is set for the call
-    only. Returns what run_cli does: returncode, stdout, stderr."""
+    command code without a new interpreter's start-up (seconds each on a busy machine). `env` and `cwd` hold for the
+    call only. Returns what run_cli does: returncode, stdout, stderr."""
     from typer.testing import CliRunner
 
     from opentau_cli.cli.main import app
@@ -55,9 +55,13 @@ def run_cli_in_process(args: list[str], *, env: dict | None = None) -> subproces
     saved = {name: os.environ.get(name) for name in [*env, "OPENTAU_DEBUG"]}
     os.environ.update(env)
     os.environ.pop("OPENTAU_DEBUG", None)
+    here = os.getcwd()
     try:
+        if cwd is not None:
+            os.chdir(cwd)
         result = CliRunner().invoke(app, args)
     finally:
+        os.chdir(here)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, LOGS, MANIFEST, METRICS, TENSORBOARD, TRAIN_CONFIG, TRAINING_STATE
 
 pytestmark = pytest.mark.e2e
@@ -82,10 +82,15 @@ class History:
         for d in self.cwd.values():
             d.mkdir()
         self.env = {"HF_HOME": str(tmp / "hf_home")}
-        ok(run_cli(["dataset", "synth", "data/reach", "--episodes", "8", "--steps-per-episode", "20"], cwd=self.cwd["work"]))
+        ok(run_cli_in_process(["dataset", "synth", "data/reach", "--episodes", "8", "--steps-per-episode", "20"],
+                              cwd=self.cwd["work"], env=self.env))
 
     def cli(self, args: list[str], where: str, **env):
         return run_cli(args, cwd=self.cwd[where], env={**self.env, **env})
+
+    def refused(self, args: list[str], where: str):
+        """A command that stops at its checks, in-process (no interpreter start-up): the launches are run by `cli`."""
+        return run_cli_in_process(args, cwd=self.cwd[where], env=self.env)
 
     def train(self, yaml: str, steps: int, *extra: str):
         return ok(self.cli(["train", f"--config_path={TINY}", f"--accelerate-config={yaml}", "--output_dir=runs/r", *extra,
@@ -109,9 +114,9 @@ def ddp(tmp_path_factory):
                          for name in published(run)}
     old = run / CHECKPOINTS / "000002"
     h.refusals = {
-        "resume": h.cli(["resume", str(old), "--steps=8"], "other"),
-        "train": h.cli(["train", f"--config_path={old / TRAIN_CONFIG}", "--resume=true", "--steps=8"], "other"),
-        "validate": h.cli(["config", "validate", str(old / TRAIN_CONFIG), "--resume=true", "--steps=8"], "other"),
+        "resume": h.refused(["resume", str(old), "--steps=8"], "other"),
+        "train": h.refused(["train", f"--config_path={old / TRAIN_CONFIG}", "--resume=true", "--steps=8"], "other"),
+        "validate": h.refused(["config", "validate", str(old / TRAIN_CONFIG), "--resume=true", "--steps=8"], "other"),
     }
     h.tree_after_refusals = tree(run / CHECKPOINTS)
     h.rollback = ok(h.cli(["resume", str(old), "--rollback=true", "--steps=8"], "other"))
@@ -123,7 +128,7 @@ def ddp(tmp_path_factory):
     h.moved.parent.mkdir()
     shutil.move(run, h.moved)
     shutil.move(h.cwd["work"] / "data" / "reach", h.tmp / "moved" / "reach")
-    h.missing = h.cli(["resume", "../moved/r", "--steps=12"], "third")
+    h.missing = h.refused(["resume", "../moved/r", "--steps=12"], "third")
     # Ctrl-C reaches the launcher (which leads its own session, as in a terminal) once step 10 is published.
     h.interrupted = subprocess.run(
         [opentau_bin(), "resume", "../moved/r", "--dataset.root=../moved/reach", "--steps=12"], cwd=h.cwd["third"],
