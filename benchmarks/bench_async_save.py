@@ -179,6 +179,13 @@ def lost_per_save(seg: dict) -> tuple[dict[str, list[float]], dict[str, float], 
     return paired, lost, per_round
 
 
+def swung_rounds(seg: dict, sync_lost: float) -> list[int]:
+    """Rounds (1-based) whose segment without a save is further from the median of those segments than a sync save
+    costs: there the load moved more than a save does, and the round's ratio measures the load, not the save."""
+    middle = statistics.median(s[0] for s in seg["none"])
+    return [r + 1 for r, s in enumerate(seg["none"]) if abs(s[0] - middle) > abs(sync_lost)]
+
+
 def cpu_per_gb(result: dict) -> list[tuple[str, str]]:
     """CPU seconds per GB saved: the synchronous save (training thread), the async copy into host memory (training
     thread) and the async writer process by phase."""
@@ -242,6 +249,7 @@ def main() -> None:
         paired, lost, per_round = lost_per_save(seg)
         ratio = lost["async"] / lost["sync"] if lost["sync"] > 0 else float("nan")
         worst = max(per_round)
+        swung = swung_rounds(seg, lost["sync"])
         rows += [
             *[(f"{prefix}segment, {label} (median s)", f"{median(kind):.2f} (runs: {runs(kind)})")
               for kind, label in (("none", "no save"), ("sync", "starts with a sync save"),
@@ -256,6 +264,9 @@ def main() -> None:
                                       f"{verdict(ratio, target, higher_is_better=False)})"),
             (f"{prefix}async / sync, each round", f"{', '.join(f'{r:.2f}' for r in per_round)}x (worst {worst:.2f}x; "
                                                   f"never above {CEILING}x: {verdict(worst, CEILING, higher_is_better=False)})"),
+            (f"{prefix}rounds the load swung more than a sync save costs", f"{len(swung)} of {len(per_round)}"
+                                                                          + (f" (rounds {', '.join(map(str, swung))}: "
+                                                                             "their ratios measure the load)" if swung else "")),
             (f"{prefix}load average before / after", "%.1f / %.1f" % result["loads"][mode]),
         ]
     rows += [

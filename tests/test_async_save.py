@@ -416,7 +416,7 @@ def test_the_benchmark_arithmetic_on_canned_numbers():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_async_save import cpu_per_gb, lost_per_save
+    from bench_async_save import cpu_per_gb, lost_per_save, swung_rounds
 
     seg = {"none": [(10.0, 0, 0, 0), (12.0, 0, 0, 0), (11.0, 0, 0, 0)],
            "sync": [(14.0, 2, 0, 0), (16.0, 2, 0, 0), (13.0, 2, 0, 0)],
@@ -425,6 +425,8 @@ def test_the_benchmark_arithmetic_on_canned_numbers():
     assert paired == {"sync": [4.0, 4.0, 2.0], "async": [1.0, 0.5, 2.5]}
     assert lost == {"sync": 4.0, "async": 1.0}
     assert per_round == [0.25, 0.125, 1.25]
+    assert swung_rounds(seg, lost["sync"]) == []  # no-save segments 10, 12, 11: within 4 s of their median 11
+    assert swung_rounds(seg, 0.75) == [1, 2]  # a save costing 0.75 s: rounds 1 and 2 moved 1 s
     rows = dict(cpu_per_gb({"cpu": {"sync": [(1.5, 5e8), (2.5, 5e8)], "async": [(0.25, 5e8)]},
                             "writer": [{"bytes": 5e8, "cpu": 1.0, "hash": 0.125, "copy": 0.125, "write": 0.25}] * 2}))
     assert rows["save CPU per GB, sync (training thread: serialize, write, hash for the manifest)"] == "4.00 CPU-s/GB"
