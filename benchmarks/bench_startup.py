@@ -3,7 +3,9 @@
 Both sides load the same pi05_small checkpoint (written here, seeded, as opentau saves weights) in a fresh process:
 "build + load" builds the policy with its random initialization and then copies the file into it
 (`build_policy` + `load_pretrained`, the path before this change and still the ZeRO-3 one); "no init" is
-`build_pretrained` (parameters on the meta device, each read from the file into its own storage). Each child reports
+`build_pretrained` (parameters on the meta device, each read from the file into its own storage; the
+initialization's random draws still made on scratch so the RNG ends as before, as train does with LoRA); "no init,
+no draws" skips those draws (train without LoRA). Each child reports
 its peak resident memory above what it held once imports were done (the kernel's peak counter reset at that point),
 and the wall time of build + load. The table puts both next to the size of one copy of the weights, with ratios.
 
@@ -23,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, env, print_rows, report  # noqa: E402
 
-SIDES = ("build + load", "no init")
+SIDES = ("build + load", "no init", "no init, no draws")
 POLICY = {"small": dict(preset="pi05_small", chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8,
                         image_resolution=(112, 112), tokenizer_max_length=48, freeze_vision_encoder=False),
           "tiny": dict(preset="pi05_tiny", chunk_size=10, n_action_steps=8, max_state_dim=8, max_action_dim=8,
@@ -55,7 +57,7 @@ def child(side: str, preset: str, checkpoint: str) -> None:
         policy = build_policy(cfg)
         load_pretrained(policy, checkpoint)
     else:
-        policy, _ = build_pretrained(cfg)
+        policy, _ = build_pretrained(cfg, rng_draws=side == SIDES[1])
     wall = time.perf_counter() - start
     weights = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
     print(json.dumps({"peak_above_base": _status("VmHWM") - base, "wall_s": wall, "weights_bytes": weights}))
@@ -84,7 +86,7 @@ def measure(side: str, preset: str, checkpoint: Path) -> dict:
 
 def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
     """Rows of the table: one copy of the weights, each side's best (lowest) peak memory and time over its rounds,
-    and the ratios no init / build + load."""
+    and the ratios of each other side to build + load."""
     weights = runs[SIDES[0]][0]["weights_bytes"]
     best = {side: {k: min(r[k] for r in rounds) for k in ("peak_above_base", "wall_s")} for side, rounds in runs.items()}
     rows = [("one copy of the weights (fp32)", f"{weights / MIB:.0f} MiB")]
@@ -92,9 +94,11 @@ def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
         peak = best[side]["peak_above_base"]
         rows.append((f"{side}: peak RSS above imports", f"{peak / MIB:.0f} MiB ({peak / weights:.2f} copies of the weights)"))
         rows.append((f"{side}: wall time of build + load", f"{best[side]['wall_s']:.2f} s"))
-    old, new = best[SIDES[0]], best[SIDES[1]]
-    rows.append(("no init / build + load: peak RSS", f"{new['peak_above_base'] / old['peak_above_base']:.2f}x"))
-    rows.append(("no init / build + load: wall time", f"{new['wall_s'] / old['wall_s']:.2f}x"))
+    old = best[SIDES[0]]
+    for side in SIDES[1:]:
+        new = best[side]
+        rows.append((f"{side} / build + load: peak RSS", f"{new['peak_above_base'] / old['peak_above_base']:.2f}x"))
+        rows.append((f"{side} / build + load: wall time", f"{new['wall_s'] / old['wall_s']:.2f}x"))
     return rows
 
 

@@ -385,19 +385,20 @@ def load_pretrained(policy: torch.nn.Module, source: str | Path, strict: bool = 
     return report
 
 
-def build_pretrained(policy_cfg, stats: dict | None = None, *, dataset_stats: dict | None = None
-                     ) -> tuple[torch.nn.Module, LoadReport]:
+def build_pretrained(policy_cfg, stats: dict | None = None, *, dataset_stats: dict | None = None,
+                     rng_draws: bool = True) -> tuple[torch.nn.Module, LoadReport]:
     """The policy started from `policy_cfg.pretrained_path` (strict per `policy_cfg.pretrained_strict`), equal in
     every tensor, requires_grad and global RNG state to `build_policy` followed by `load_pretrained`, without the
     random initialization of weights the file replaces: the parameters are built on the meta device and each gets
-    its storage as it is read (about one copy of the weights in host RAM). `stats` as for build_policy.
+    its storage as it is read (about one copy of the weights in host RAM). `stats` and `rng_draws` as for
+    build_policy (without the draws the RNG state is the one before the call; the tensors are the same).
 
     A non-strict load that leaves a parameter unfilled (missing or mis-shaped in the file) needs that parameter's
     initial value: the policy is then built as build_policy builds it, from the same RNG state."""
     from opentau_cli.policies import build_policy
 
     rng = torch.get_rng_state()
-    policy = build_policy(policy_cfg, stats, empty=True)
+    policy = build_policy(policy_cfg, stats, empty=True, rng_draws=rng_draws)
     with Checkpoint(policy_cfg.pretrained_path) as ckpt:
         report = match(policy, ckpt)
         if policy_cfg.pretrained_strict:

@@ -435,8 +435,9 @@ def build_policy_model(cfg: TrainConfig, stats: dict, accelerator, console=None)
         set_seed(cfg.seed)  # seeded here, inside the context: entering zero.Init draws from the RNG
         if loads and not is_zero3(accelerator):
             # Built without random initialization, each parameter read from the file into its own storage: about
-            # one copy of the weights in host RAM per rank.
-            model, report = build_pretrained(cfg.policy, stats, dataset_stats=stats)
+            # one copy of the weights in host RAM per rank. Before build_trainer seeds each rank, only LoRA's
+            # adapters draw from the RNG: without LoRA the initialization's draws are skipped too.
+            model, report = build_pretrained(cfg.policy, stats, dataset_stats=stats, rng_draws=lora.enabled)
         else:
             model = build_policy(cfg.policy, stats)
     if cfg.policy.pretrained_path is not None and not loads:
