@@ -86,6 +86,23 @@ def isolated_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+# The whole suite's time by module, printed after pytest's slowest tests: where CI's minutes go, at a glance.
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if len(_MODULE_SECONDS) < 10:  # a few modules run by hand: pytest's own --durations says enough
+        return
+    terminalreporter.section("slowest 15 modules (setup + call + teardown; a session fixture counts where first used)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {module}")
+
+
 @pytest.fixture(scope="session")
 def published_pi05_cache(tmp_path_factory) -> Path:
     """A Hugging Face cache holding what configs/examples/pi05_config.json starts from, laid out as `hf download`
