@@ -73,19 +73,21 @@ class Runs:
         # The copy's records past step 3 get a loss no run logs: the resumes must replace them with their own.
         lines = [json.dumps({**r, "loss": STALE} if r.get("step", 0) > 3 and "loss" in r else r) for r in _records(self.run)]
         (self.run / METRICS).write_text("".join(line + "\n" for line in lines))
-        self.refused = self.cli(["resume", str(self.run), f"--accelerate-config={ZERO2}", "--steps", "6"], "refused")
+        # In-process (it stops at its checks); a launch it made would still start workers with the sample hook.
+        self.refused = self.cli(["resume", str(self.run), f"--accelerate-config={ZERO2}", "--steps", "6"], "refused",
+                                in_process=True)
         self.to_zero2 = _ok(self.cli(["resume", str(self.run), "--reshard=true", f"--accelerate-config={ZERO2}",
                                       "--steps", "6"], "to_zero2"))
         self.to_one = _ok(self.cli(["resume", str(self.run), "--reshard=true", f"--accelerate-config={single}",
                                     "--steps", str(STEPS)], "to_one"))
 
-    def cli(self, args: list[str], record: str):
+    def cli(self, args: list[str], record: str, in_process: bool = False):
         out = self.tmp / "samples" / record
         out.mkdir(parents=True)
         env = {"HF_HOME": str(self.tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(self.cache),
                "PYTHONPATH": os.pathsep.join([str(SAMPLE_HOOK), os.environ.get("PYTHONPATH", "")]),
                "TEST_RECORD_SAMPLES": str(out)}
-        return run_cli(args, env=env)
+        return (run_cli_in_process if in_process else run_cli)(args, env=env)
 
 
 @pytest.fixture(scope="module")
