@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite. Prints what explains a slow run: the set-up time, the machine's
-# load before and after (a busy machine stretches every launch), and pytest's 15 slowest tests.
+# load before and after (a busy machine stretches every launch), and the 15 slowest tests and modules.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "load before: $(cat /proc/loadavg 2>/dev/null || uptime) on $(nproc) cores"
