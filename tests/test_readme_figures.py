@@ -51,9 +51,10 @@ FIGURES = [
     (r"gradients \(([\d.]+) GB, kept in DDP", PLAN, "DDP example: gradients", r"^([\d.]+) GB"),
     (r"fp32 copy of the trained weights\s+\(([\d.]+) GB\)", PLAN, "DDP example: EMA of the weights (fp32)", r"^([\d.]+) GB"),
     (r"AdamW's moments \(([\d.]+) GB\)", PLAN, "DDP example: AdamW state", r"^([\d.]+) GB"),
-    (r"pi05_small took ([\d.]+) copies of its weights", STARTUP, "no init: peak RSS above imports", r"\(([\d.]+) copies"),
+    (r"pi05_small took ([\d.]+) copies of its weights", STARTUP, "no init, no draws: peak RSS above imports", r"\(([\d.]+) copies"),
     (r"against ([\d.]+) when built first and then loaded", STARTUP, "build + load: peak RSS above imports", r"\(([\d.]+) copies"),
-    (r"then loaded \(([\d.]+)x, `benchmarks/bench_startup.py`", STARTUP, "no init / build + load: peak RSS", r"^([\d.]+)x"),
+    (r"then loaded \(([\d.]+)x, and", STARTUP, "no init, no draws / build + load: peak RSS", r"^([\d.]+)x"),
+    (r"and ([\d.]+)x the time, `benchmarks/bench_startup.py`", STARTUP, "no init, no draws / build + load: wall time", r"^([\d.]+)x"),
 ]
 
 # What a measured figure looks like in prose: a ratio ("0.49x"), a cost per unit ("0.5 s per GB", "0.2 CPU-seconds per
