@@ -257,7 +257,7 @@ def test_resuming_on_a_changed_base_exits_2_in_one_line_and_writes_nothing(runs,
 def test_export_merges_base_plus_scaled_b_a_and_the_merged_model_loads_strictly_with_the_lora_policy_s_actions(runs, base, home, tmp_path):
     step_dir = ckpt(runs("ddp"), STEPS)
     out = tmp_path / "exported"
-    ok(run_cli(["checkpoint", "export", str(step_dir), "--output", str(out)]))
+    ok(run_cli_in_process(["checkpoint", "export", str(step_dir), "--output", str(out)]))  # export and eval launch nothing
     trained = load_file(str(step_dir / MODEL_WEIGHTS))
     base_weights = load_file(str(base / MODEL_WEIGHTS))
 
@@ -284,7 +284,7 @@ def test_export_merges_base_plus_scaled_b_a_and_the_merged_model_loads_strictly_
     # same episodes (the same seed draws the same noise), so the same errors within float tolerance.
     reports = []
     for source, name in ((step_dir, "eval-lora"), (out, "eval-merged")):
-        ok(run_cli(["eval", str(source), "--dataset.root=@demo", "--episodes", "0,1", "--output", str(tmp_path / name),
+        ok(run_cli_in_process(["eval", str(source), "--dataset.root=@demo", "--episodes", "0,1", "--output", str(tmp_path / name),
                     "--stride", "4", "--plot-episodes", "0"], env=env_for(home)))
         reports.append(json.loads((tmp_path / name / "eval.json").read_text()))
     lora_report, merged_report = reports
