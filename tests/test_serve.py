@@ -225,3 +225,20 @@ def test_serve_mistakes_exit_2_in_one_line(tmp_path):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, result.output
         assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr and "Traceback" not in result.output
+
+
+def test_a_model_listing_its_cameras_is_served_with_every_one_and_a_smaller_slot_count_is_refused():
+    """A LeRobot-layout config.json lists each camera; the default dataset.num_cameras (1) must not drop the second."""
+    from opentau_cli.config.load import load_config
+    from opentau_cli.errors import UserError
+    from opentau_cli.serve import _observation_keys
+
+    features = {"observation.images.top": {"type": "VISUAL", "shape": [3, 224, 224]},
+                "observation.images.wrist": {"type": "VISUAL", "shape": [3, 224, 224]},
+                "observation.state": {"type": "STATE", "shape": [8]}}
+    cams, state = _observation_keys(load_config(None, {}), None, features)
+    assert cams == ["observation.images.top", "observation.images.wrist"] and state == "observation.state"
+    cams, _ = _observation_keys(load_config(None, {"dataset.num_cameras": "3"}), None, features, given_slots=True)
+    assert cams == ["observation.images.top", "observation.images.wrist", None]
+    with pytest.raises(UserError, match=r"lists 2 cameras .* but --dataset.num_cameras=1: give it at least 2"):
+        _observation_keys(load_config(None, {"dataset.num_cameras": "1"}), None, features, given_slots=True)

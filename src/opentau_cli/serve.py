@@ -225,7 +225,7 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
             raise UserError(f"{source}: the model carries no normalization statistics ({origin['statistics']}); "
                             "serve a training checkpoint or an export of one.")
         features = _model_features(str(source))
-    cameras, state_key = _observation_keys(cfg, member, features)
+    cameras, state_key = _observation_keys(cfg, member, features, given_slots="dataset.num_cameras" in overrides)
     for_inference(policy, dev)  # as eval samples: bf16 on CUDA, so the served chunk is eval's
     return ServedPolicy(policy, cameras, state_key, str(source), origin, seed, dev)
 
@@ -248,15 +248,19 @@ def _model_features(source: str) -> dict | None:
     return features if isinstance(features, dict) and features else None
 
 
-def _observation_keys(cfg, member, features: dict | None) -> tuple[list[str | None], str]:
-    """(camera feature per slot, state feature): the model's declared features, else the training dataset's."""
+def _observation_keys(cfg, member, features: dict | None, given_slots: bool = False) -> tuple[list[str | None], str]:
+    """(camera feature per slot, state feature): the model's declared features, else the training dataset's. A model
+    that lists its cameras gets a slot for each (the default dataset.num_cameras is 1); a camera is never dropped:
+    the policy would act on fewer images than it was trained on."""
     num = cfg.dataset.num_cameras
     if features:
         cams = [k for k, f in features.items() if isinstance(f, dict) and f.get("type") == "VISUAL"]
         states = [k for k, f in features.items() if isinstance(f, dict) and f.get("type") == "STATE"]
         if cams and states:
-            if len(cams) > num:
-                cams = cams[:num]
+            if len(cams) > num and given_slots:
+                raise UserError(f"the model lists {len(cams)} cameras ({', '.join(cams)}) but --dataset.num_cameras={num}: "
+                                f"give it at least {len(cams)} or leave it out.")
+            num = max(num, len(cams))
             return cams + [None] * (num - len(cams)), states[0]
     from opentau_cli.checkpoint.export import camera_features
 
