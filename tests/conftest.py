@@ -149,21 +149,51 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# One uninterrupted 2-process DDP run of pi05_tiny on the demo data, launched once per session and shared by every
-# module that compares with such a run (train end to end, several machines): the same config, so the same losses.
-DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE = 6, 3
-DDP_REFERENCE_ARGS = ["--config_path", str(EXAMPLES / "pi05_tiny_config.json"), "--steps", str(DDP_REFERENCE_STEPS),
-                      "--save_freq", str(DDP_REFERENCE_SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "2",
-                      "--batch_size", "4", f"--accelerate-config={EXAMPLES / 'accelerate_cpu_ddp_config.yaml'}"]
+# Two uninterrupted 2-process runs of pi05_tiny on the demo data, each launched once per session and shared by every
+# module that compares with such a run or reads what it wrote: DDP (train end to end, several machines, the EMA) and
+# ZeRO-3 (train end to end, the EMA). Both keep an EMA of the weights and validate at each save (neither changes a
+# training loss: validation forks the random stream) and record their weights at every step (tests/ema_hook).
+REFERENCE_STEPS, REFERENCE_SAVE, REFERENCE_EMA_DECAY = 6, 3, 0.9
+DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE = REFERENCE_STEPS, REFERENCE_SAVE
+
+
+def _reference_args(accelerate_config: str, *extra: str) -> list[str]:
+    return ["--config_path", str(EXAMPLES / "pi05_tiny_config.json"), "--steps", str(REFERENCE_STEPS), "--save_freq",
+            str(REFERENCE_SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "2", "--batch_size", "4",
+            f"--accelerate-config={EXAMPLES / accelerate_config}", f"--ema.decay={REFERENCE_EMA_DECAY}",
+            "--validation.val_freq", str(REFERENCE_SAVE), "--validation.max_batches", "2", *extra]
+
+
+DDP_REFERENCE_ARGS = _reference_args("accelerate_cpu_ddp_config.yaml")
+# ZeRO-3 saves asynchronously: its EMA partitions are copied into host memory with the rest while training goes on.
+ZERO3_REFERENCE_ARGS = _reference_args("accelerate_cpu_deepspeed_zero3_config.yaml", "--checkpoint.async_save=true")
+EMA_HOOK = Path(__file__).parent / "ema_hook"
+
+
+def recorded_weights(reference: Path) -> Path:
+    """Where a shared reference run recorded its weights: step_<k>.safetensors before step 1 (k=0) and after each."""
+    return reference.parent / "weights"
+
+
+def _reference(tmp_path_factory, name: str, args: list[str]) -> Path:
+    home = tmp_path_factory.mktemp(name)
+    run = home / "run"
+    recorded_weights(run).mkdir()
+    env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(EMA_HOOK),
+           "TEST_RECORD_WEIGHTS": str(recorded_weights(run))}
+    result = run_cli(["train", *args, f"--output_dir={run}"], env=env)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-5000:]}"
+    return run
 
 
 @pytest.fixture(scope="session")
 def ddp_reference(tmp_path_factory) -> Path:
     """The run directory of the shared DDP reference run (`DDP_REFERENCE_ARGS`: checkpoints at steps 3 and 6,
     metrics.jsonl), with its own demo-data cache. Read only: copy it before resuming into it."""
-    home = tmp_path_factory.mktemp("ddp_reference")
-    run = home / "run"
-    env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache")}
-    result = run_cli(["train", *DDP_REFERENCE_ARGS, f"--output_dir={run}"], env=env)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-5000:]}"
-    return run
+    return _reference(tmp_path_factory, "ddp_reference", DDP_REFERENCE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def zero3_reference(tmp_path_factory) -> Path:
+    """The run directory of the shared ZeRO-3 reference run (`ZERO3_REFERENCE_ARGS`). Read only, as ddp_reference."""
+    return _reference(tmp_path_factory, "zero3_reference", ZERO3_REFERENCE_ARGS)

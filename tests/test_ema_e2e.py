@@ -1,12 +1,13 @@
-"""The EMA of the weights (`ema.decay`) in real 2-process launches (pi05_tiny, 4 steps, a save every 2).
+"""The EMA of the weights (`ema.decay`) in real 2-process launches: the session's shared DDP and ZeRO-3 reference runs
+(conftest.ddp_reference, conftest.zero3_reference: pi05_tiny, 6 steps, a save and a validation every 3).
 
 A test hook (tests/ema_hook) records the live trainable weights before the first step and after each step
 (DeepSpeed's own gather of its fp32 master weights under ZeRO-3); the test computes openpi's EMA from them and
 compares it, exactly, with the EMA the checkpoints hold: DDP's ema.safetensors, and ZeRO-3's per-rank partitions
-consolidated by `opentau checkpoint consolidate --weights ema`. The DDP run is then resumed from its middle
-checkpoint: losses and EMA tensors equal the uninterrupted run's bit for bit (ZeRO-2, ZeRO-3 and a single process
-are resumed in tests/test_train_e2e.py). Each run validates at its middle step with the live and the EMA weights,
-and trains on from the live weights given back (which the step-by-step comparison would catch if they were not).
+consolidated by `opentau checkpoint consolidate --weights ema`. A resume's losses and EMA tensors equal the
+uninterrupted run's bit for bit under every backend: tests/test_train_e2e.py (whose runs all keep an EMA). Each run
+validates at its middle step with the live and the EMA weights, and trains on from the live weights given back (which
+the step-by-step comparison would catch if they were not).
 """
 
 from __future__ import annotations
@@ -20,26 +21,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
+from conftest import (
+    EMA_HOOK, EXAMPLES, REFERENCE_EMA_DECAY, REFERENCE_SAVE, REFERENCE_STEPS, recorded_weights, run_cli, run_cli_in_process,
+)
 from opentau_cli.checkpoint.layout import CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, ema_rank_file
 
 pytestmark = pytest.mark.e2e
 
-TINY = str(EXAMPLES / "pi05_tiny_config.json")
 YAML = {"ddp": str(EXAMPLES / "accelerate_cpu_ddp_config.yaml"),
         "zero3": str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")}
-HOOK = Path(__file__).parent / "ema_hook"
-DECAY = 0.9  # far from 1, so that every step's weights weigh in visibly
-STEPS, SAVE = 4, 2
+DECAY = REFERENCE_EMA_DECAY  # 0.9: far from 1, so that every step's weights weigh in visibly
+STEPS, SAVE = REFERENCE_STEPS, REFERENCE_SAVE
 
 
 def ok(result) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
 
 
 def reference_ema(recorded: Path, upto: int) -> dict[str, torch.Tensor]:
@@ -53,32 +49,25 @@ def reference_ema(recorded: Path, upto: int) -> dict[str, torch.Tensor]:
 
 
 class EmaRun:
-    def __init__(self, backend: str, tmp: Path):
-        self.dir, self.recorded = tmp / backend, tmp / f"{backend}_weights"
-        self.recorded.mkdir()
-        self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(HOOK),
-                    "TEST_RECORD_WEIGHTS": str(self.recorded)}
-        # ZeRO-3 saves asynchronously: its EMA is copied into host memory with the rest while training goes on.
-        asynchronous = ["--checkpoint.async_save=true"] if backend == "zero3" else []
-        ok(run_cli(["train", f"--config_path={TINY}", f"--output_dir={self.dir}", f"--accelerate-config={YAML[backend]}", *asynchronous,
-                    "--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--batch_size", "4",
-                    "--scheduler.warmup_steps", "1", f"--ema.decay={DECAY}",
-                    # Validation at step 2 swaps the EMA in and the live weights back: training goes on from them.
-                    "--validation.val_freq", str(SAVE), "--validation.max_batches", "1"], env=self.env))
-        self.full = losses(self.dir)
+    """One of the session's shared reference runs (read only), with the weights it recorded: DDP, and ZeRO-3 saving
+    asynchronously."""
+
+    def __init__(self, reference: Path, tmp: Path):
+        self.dir, self.recorded = reference, recorded_weights(reference)
+        self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(EMA_HOOK)}
 
     def ckpt(self, step: int) -> Path:
         return self.dir / CHECKPOINTS / f"{step:06d}"
 
 
 @pytest.fixture(scope="module")
-def ema_runs(tmp_path_factory):
+def ema_runs(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("ema")
     made: dict[str, EmaRun] = {}
 
     def get(backend: str) -> EmaRun:
         if backend not in made:
-            made[backend] = EmaRun(backend, tmp)
+            made[backend] = EmaRun(request.getfixturevalue(f"{backend}_reference"), tmp)
         return made[backend]
 
     return get
@@ -136,16 +125,6 @@ def test_zero3_consolidate_defaults_to_the_ema_and_refuses_to_mix_them_up(ema_ru
     ok(run_cli_in_process(["checkpoint", "verify", str(ckpt)]))
 
 
-def test_ddp_resume_continues_the_ema_bit_for_bit(ema_runs):
-    run = ema_runs("ddp")
-    full_ema = load_file(str(run.ckpt(STEPS) / EMA_WEIGHTS))
-    env = {k: v for k, v in run.env.items() if k not in ("PYTHONPATH", "TEST_RECORD_WEIGHTS")}
-    ok(run_cli(["resume", str(run.ckpt(SAVE)), "--rollback=true"], env=env))
-    resumed = losses(run.dir)
-    assert [resumed[s] for s in range(SAVE + 1, STEPS + 1)] == [run.full[s] for s in range(SAVE + 1, STEPS + 1)]
-    assert_same(load_file(str(run.ckpt(STEPS) / EMA_WEIGHTS)), full_ema)
-
-
 def test_verify_and_resume_refuse_a_checkpoint_missing_its_ema(ema_runs, tmp_path):
     run = ema_runs("zero3")
     broken = tmp_path / "run"
@@ -200,7 +179,8 @@ def test_eval_takes_weights(ema_runs, tmp_path):
 
 @pytest.mark.parametrize("backend", ["ddp", "zero3"])
 def test_validation_reports_the_live_and_the_ema_loss(ema_runs, backend):
-    records = [json.loads(line) for line in (ema_runs(backend).dir / METRICS).read_text().splitlines()]
+    run = ema_runs(backend)
+    records = [json.loads(line) for line in (run.dir / METRICS).read_text().splitlines()]
     val = [r for r in records if r.get("kind") == "val"]
     assert [r["step"] for r in val] == [SAVE, STEPS]
     for r in val:

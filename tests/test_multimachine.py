@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, opentau_bin, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, MANIFEST, METRICS, TRAINING_STATE, rank_state_file, step_of
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, EMA_WEIGHTS, LOGS, MANIFEST, METRICS, TRAINING_STATE, rank_state_file, step_of,
+)
 from opentau_cli.checkpoint.manager import CheckpointManager, latest
 from opentau_cli.checkpoint.manifest import MissingRankState, add_to_manifest, is_complete, verify_manifest, write_manifest
 from opentau_cli.errors import RunError
@@ -106,7 +108,9 @@ def test_the_checkpoint_holds_both_ranks_state_and_verifies(runs):
     ckpt = runs["dir"] / CHECKPOINTS / "000003"
     assert (ckpt / rank_state_file(0)).is_file() and (ckpt / rank_state_file(1)).is_file()
     manifest = json.loads((ckpt / MANIFEST).read_text())
-    assert manifest["world_size"] == 2 and manifest["rank_files"] == {"0": [rank_state_file(0)], "1": [rank_state_file(1)]}
+    # The run keeps an EMA (the shared reference's config): DDP's is one file, written by rank 0.
+    assert manifest["world_size"] == 2
+    assert manifest["rank_files"] == {"0": [EMA_WEIGHTS, rank_state_file(0)], "1": [rank_state_file(1)]}
     assert not [p for p in (runs["dir"] / CHECKPOINTS).iterdir() if p.name.startswith(".")]  # no orphaned temp dir
     verify = run_cli_in_process(["checkpoint", "verify", str(runs["dir"])], env=env_for(runs["tmp"]))
     assert verify.returncode == 0, verify.stdout + verify.stderr

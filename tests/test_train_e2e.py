@@ -2,7 +2,8 @@
 
 Runs are shared between assertions (module-scoped fixtures): per backend one uninterrupted run and one resume of
 its middle checkpoint into the same run directory (so the resume also saves again over an existing step). The DDP
-uninterrupted run is the session's shared reference (conftest.ddp_reference), copied before it is resumed into.
+and ZeRO-3 uninterrupted runs are the session's shared ones (conftest.ddp_reference, conftest.zero3_reference),
+copied before they are resumed into.
 """
 
 from __future__ import annotations
@@ -112,34 +113,35 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, ddp_reference):
+def runs(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("train")
     made: dict[str, Run] = {}
 
     def get(backend: str) -> Run:
         if backend == "mixture" and backend not in made:
             made[backend] = Run("ddp", tmp, *mixture_args(tmp), name="mixture")
-        if backend == "ddp" and backend not in made:
-            made[backend] = Run("ddp", tmp, reference=ddp_reference)  # train_args("ddp", ...) as the reference ran
+        if backend == "ddp" and backend not in made:  # train_args("ddp", ..., *EMA), validated at each save
+            made[backend] = Run("ddp", tmp, reference=request.getfixturevalue("ddp_reference"))
+        if backend == "zero3" and backend not in made:  # the same, saving asynchronously
+            made[backend] = Run("zero3", tmp, reference=request.getfixturevalue("zero3_reference"))
         if backend not in made:
-            extra = ("--validation.val_freq", str(SAVE), "--validation.max_batches", "2") if backend == "zero3" else ()
-            made[backend] = Run(backend, tmp, *extra, *EMA)
+            made[backend] = Run(backend, tmp, *EMA)
         return made[backend]
 
     return get
 
 
-# Every run but the shared DDP reference keeps an EMA (train/ema.py): nothing else about the run changes.
+# Every run keeps an EMA (train/ema.py; the shared DDP reference too): nothing else about the run changes.
 EMA = ("--ema.decay=0.9",)
 
 
-@pytest.mark.parametrize("backend", ["single", "zero2", "zero3"])
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
 def test_resume_continues_the_ema_bit_for_bit(runs, backend):
     run = runs(backend)
     uninterrupted = list(run.dir.glob(f"{ROLLED_BACK}/*/{CHECKPOINTS}/000006"))
     assert len(uninterrupted) == 1  # the uninterrupted run's last checkpoint, moved aside by the resume's rollback
     names = sorted(p.name for p in uninterrupted[0].glob("ema*.safetensors"))
-    assert names == (["ema.safetensors"] if backend == "single" else ["ema_rank0.safetensors", "ema_rank1.safetensors"])
+    assert names == (["ema.safetensors"] if backend in ("single", "ddp") else ["ema_rank0.safetensors", "ema_rank1.safetensors"])
     for name in names:
         full, resumed = load_file(str(uninterrupted[0] / name)), load_file(str(run.dir / CHECKPOINTS / "000006" / name))
         assert sorted(full) == sorted(resumed) and all(torch.equal(full[k], resumed[k]) for k in full), name
