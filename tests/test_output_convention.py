@@ -1,6 +1,7 @@
 """What a command tells and writes, through the installed CLI: the one output convention (export, consolidate, eval,
 dataset synth: missing parents made, a non-empty target refused unless --force, published whole), file modes that
-follow the umask, and the 8-GPU example YAMLs refused on a machine without CUDA."""
+follow the umask, and the 8-GPU example YAMLs refused on a machine without CUDA. What a umask governs runs in a child
+process (the umask is set there only); the refusals and --force replacements run in-process (they launch nothing)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
@@ -86,18 +87,18 @@ def test_dataset_synth_makes_parents_refuses_a_used_target_and_replaces_it_with_
     assert not [p.name for p in target.parent.iterdir() if p.name != "reach"]  # no temp sibling left
 
     before = (target / "meta" / "info.json").read_text()
-    _refused(run_cli(["dataset", "synth", str(target), "--episodes", "3"]),
+    _refused(run_cli_in_process(["dataset", "synth", str(target), "--episodes", "3"]),
              f"{target} already exists and is not empty: choose a new path, or pass --force to replace it.")
     assert (target / "meta" / "info.json").read_text() == before
 
-    again = run_cli(["dataset", "synth", str(target), "--episodes", "3", "--steps-per-episode", "4", "--force"])
+    again = run_cli_in_process(["dataset", "synth", str(target), "--episodes", "3", "--steps-per-episode", "4", "--force"])
     assert again.returncode == 0, again.stderr
     assert json.loads((target / "meta" / "info.json").read_text())["total_episodes"] == 3
     assert sorted(p.name for p in target.parent.iterdir()) == ["reach"]
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert run_cli(["dataset", "synth", str(empty), "--episodes", "1", "--steps-per-episode", "4"]).returncode == 0
+    assert run_cli_in_process(["dataset", "synth", str(empty), "--episodes", "1", "--steps-per-episode", "4"]).returncode == 0
 
 
 def test_a_write_that_fails_midway_leaves_no_temp_sibling_no_parents_it_made_and_the_old_target_intact(tmp_path):
@@ -152,10 +153,10 @@ def test_export_makes_parents_follows_the_umask_refuses_a_used_target_and_replac
     assert sorted(p.name for p in out.parent.iterdir()) == ["lerobot"]  # no temp sibling left
 
     weights = (out / MODEL_WEIGHTS).read_bytes()
-    _refused(run_cli(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi"]),
+    _refused(run_cli_in_process(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi"]),
              f"{out} already exists and is not empty: choose a new path, or pass --force to replace it.")
     assert (out / MODEL_WEIGHTS).read_bytes() == weights and not list(out.glob("assets"))
-    forced = run_cli(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi", "--force"])
+    forced = run_cli_in_process(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi", "--force"])
     assert forced.returncode == 0, forced.stderr
     assert list(out.glob("assets/*/norm_stats.json")) and not list(out.glob("*normalizer_processor.safetensors"))
     assert sorted(p.name for p in out.parent.iterdir()) == ["lerobot"]
@@ -164,11 +165,11 @@ def test_export_makes_parents_follows_the_umask_refuses_a_used_target_and_replac
 def test_eval_output_makes_parents_refuses_a_used_target_and_replaces_it_with_force(run_under_umask, tmp_path):
     out = tmp_path / "evals" / "nested" / "tiny"
     args = ["eval", str(run_under_umask), "--episodes", "0", "--stride", "25", "--plot-episodes", "0", "--device", "cpu"]
-    made = run_cli([*args, "--output", str(out)])
+    made = run_cli_in_process([*args, "--output", str(out)])
     assert made.returncode == 0, made.stderr
     assert sorted(p.name for p in out.iterdir()) == ["eval.json"]
-    _refused(run_cli([*args, "--output", str(out)]),
+    _refused(run_cli_in_process([*args, "--output", str(out)]),
              f"{out} already exists and is not empty: choose a new path, or pass --force to replace it.")
-    forced = run_cli([*args, "--output", str(out), "--force"])
+    forced = run_cli_in_process([*args, "--output", str(out), "--force"])
     assert forced.returncode == 0, forced.stderr
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
