@@ -187,7 +187,7 @@ def test_validation_reports_the_live_and_the_ema_loss(ema_runs, backend):
         assert r["val_loss"] > 0 and r["ema_val_loss"] > 0 and r["ema_val_loss"] != r["val_loss"]
 
 
-def test_the_ema_benchmark_smoke_run_reports_both_backends_with_and_without(tmp_path):
+def test_the_ema_benchmark_smoke_run_reports_ddp_with_and_without(tmp_path):
     import subprocess
     import sys
 
@@ -200,6 +200,5 @@ def test_the_ema_benchmark_smoke_run_reports_both_backends_with_and_without(tmp_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = results.read_text()
     assert "The cost of the EMA of the weights" in text and "--smoke" in text
-    for backend in ("| DDP |", "| ZeRO-3 |"):
-        assert backend in text
-    assert text.count("with EMA") == 2 and "MiB/rank" in text
+    assert "| DDP |" in text and "| ZeRO-3 |" not in text  # the smoke runs one backend; both: tests/test_ema.py
+    assert text.count("with EMA") == 1 and "MiB/rank" in text
