@@ -109,6 +109,12 @@ def test_a_published_model_trained_one_step_at_lr_1e_30_exports_to_each_layout_a
     assert config.get("chunk_size", config.get("action_horizon")) == 10
 
 
+def test_the_openpi_export_lists_the_cameras_and_state_it_was_trained_on_for_serve(round_trips):
+    _, out = round_trips(OPENPI)
+    assert json.loads((out / "config.json").read_text())["input_features"] == {
+        "observation.images.top": {"type": "VISUAL", "shape": [3, 32, 32]}, "observation.state": {"type": "STATE", "shape": [4]}}
+
+
 def test_the_lerobot_export_declares_every_camera_and_lerobots_pi05_prompt_steps(round_trips):
     """What LeRobot 0.4.4's pi05 reads: its image inputs come from config.input_features' VISUAL entries, and its
     preprocessor bins the normalized state into the prompt (after padding it to max_state_dim, so max_state_dim is

@@ -203,6 +203,11 @@ def model_config(layout: str, policy_cfg: PolicyConfig, stats: dict, dtype: str,
             config.update({"resize_imgs_with_padding": list(p.image_resolution), "num_steps": p.num_inference_steps})
     if variants:
         config["paligemma_variant"], config["action_expert_variant"] = variants
+    if layout != LEROBOT and cameras:
+        # openpi's and OpenTau's loaders ignore this key; `opentau serve` reads it, so that a model trained on several
+        # cameras is served with all of them (docs/ARCHITECTURE.md, "Exports in the peers' own code").
+        config["input_features"] = {**lerobot_image_features(cameras, p.image_resolution),
+                                    "observation.state": {"type": "STATE", "shape": [len(stats["state"]["q01"])]}}
     return config
 
 
