@@ -161,10 +161,11 @@ def _model_policy_config(source: str, overrides: dict) -> TrainConfig:
 
 def _from_model(cfg: TrainConfig, source: str, dataset_stats: dict) -> tuple[torch.nn.Module, dict]:
     """The model's weights and its own statistics; the evaluated episodes' statistics only where it has none."""
-    from opentau_cli.policies import build_policy, load_pretrained
+    from opentau_cli.policies import build_pretrained
 
-    policy = build_policy(cfg.policy)
-    report = load_pretrained(policy, source, strict=cfg.policy.pretrained_strict, dataset_stats=dataset_stats)
+    # Built without random initialization (about one copy of the weights in host RAM); no random draws either:
+    # sampling takes its noise from its own generator.
+    policy, report = build_pretrained(cfg.policy, dataset_stats=dataset_stats, rng_draws=False)
     return policy, {"model": source, "layout": report.layout.label, "statistics": report.stats_source}
 
 
