@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import sys
 
 from opentau_cli import __version__
@@ -9,6 +11,10 @@ from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, eval_cmd, p
 from opentau_cli.cli.common import make_app
 
 import typer
+
+# At exit, the interpreter's last garbage collections walk every object torch and transformers made (about a second
+# per command, measured); freezing them first skips that walk. Files are closed by the commands themselves.
+atexit.register(gc.freeze)
 
 app = make_app(
     "Train pi05 robot policies with Accelerate (single process, DDP, DeepSpeed ZeRO-2/3); "
