@@ -24,11 +24,11 @@ import lerobot.policies.pi05.modeling_pi05 as modeling_pi05
 from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 from lerobot.processor import PolicyProcessorPipeline
 from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
+from peer_model_sizes import sized_classes
 
 export, tokenizer_dir, sizes_path, in_path, out_path = sys.argv[1:6]
 with open(sizes_path) as f:
     sizes = json.load(f)
-vocab, vision, vlm = sizes["vocab_size"], sizes["vision"], sizes["vlm"]
 
 
 def sized_gemma_config(variant: str):
@@ -37,21 +37,8 @@ def sized_gemma_config(variant: str):
                                      num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"])
 
 
-def sized_paligemma(config):
-    config.text_config.vocab_size = config._vocab_size = vocab  # noqa: SLF001
-    config.image_token_index = vocab - 1
-    for key, value in vision.items():
-        setattr(config.vision_config, key, value)
-    config.vision_config.projection_dim = vlm["width"]
-    return paligemma_class(config=config)
-
-
-def sized_expert(config):
-    config.vocab_size = vocab
-    return expert_class(config=config)
-
-
-paligemma_class, expert_class = modeling_pi05.PaliGemmaForConditionalGeneration, modeling_pi05.GemmaForCausalLM
+sized_paligemma, sized_expert = sized_classes(modeling_pi05.PaliGemmaForConditionalGeneration,
+                                             modeling_pi05.GemmaForCausalLM, sizes)
 modeling_pi05.get_gemma_config = sized_gemma_config
 modeling_pi05.PaliGemmaForConditionalGeneration = sized_paligemma
 modeling_pi05.GemmaForCausalLM = sized_expert

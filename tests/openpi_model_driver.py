@@ -26,7 +26,6 @@ openpi_src, export, tokenizer_dir, sizes_path, in_path, out_path = sys.argv[1:7]
 sys.path.insert(0, str(Path(openpi_src) / "src"))
 with open(sizes_path) as f:
     sizes = json.load(f)
-vocab, vision, vlm = sizes["vocab_size"], sizes["vision"], sizes["vlm"]
 
 
 class Inert:
@@ -88,24 +87,10 @@ import openpi.models_pytorch.pi0_pytorch as pi0_pytorch  # noqa: E402
 import openpi.transforms as transforms  # noqa: E402
 from openpi.models.tokenizer import PaligemmaTokenizer  # noqa: E402
 from openpi.shared import normalize  # noqa: E402
+from peer_model_sizes import sized_classes  # noqa: E402
 
-paligemma_class, expert_class = gemma_pytorch.PaliGemmaForConditionalGeneration, gemma_pytorch.GemmaForCausalLM
-
-
-def sized_paligemma(config):
-    config.text_config.vocab_size = config._vocab_size = vocab  # noqa: SLF001
-    config.image_token_index = vocab - 1
-    for key, value in vision.items():
-        setattr(config.vision_config, key, value)
-    config.vision_config.projection_dim = vlm["width"]
-    return paligemma_class(config=config)
-
-
-def sized_expert(config):
-    config.vocab_size = vocab
-    return expert_class(config=config)
-
-
+sized_paligemma, sized_expert = sized_classes(gemma_pytorch.PaliGemmaForConditionalGeneration,
+                                             gemma_pytorch.GemmaForCausalLM, sizes)
 gemma_pytorch.PaliGemmaForConditionalGeneration = sized_paligemma
 gemma_pytorch.GemmaForCausalLM = sized_expert
 

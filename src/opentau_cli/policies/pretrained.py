@@ -54,7 +54,8 @@ class Checkpoint:
         self.root = self.path if self.path.is_dir() else self.path.parent
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, object] = {}  # tensor name -> the open file holding it
-        self._data: dict[str, tuple[Path, int]] = {}  # tensor name -> its file and the offset of its first byte
+        self._files: dict[str, Path] = {}  # tensor name -> the file holding it
+        self._starts: dict[Path, dict[str, int]] = {}  # file -> where each tensor's bytes start (read_into only)
         self.shapes: dict[str, tuple[int, ...]] = {}
         try:
             for file in weight_files(self.path):
@@ -62,11 +63,10 @@ class Checkpoint:
                     raise UserError(f"{file}: shard named by the index is missing.")
                 try:
                     handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
-                    starts = _data_starts(file)
                     for key in handle.keys():
                         self.shapes[key] = tuple(handle.get_slice(key).get_shape())
                         self._handles[key] = handle
-                        self._data[key] = (file, starts[key])
+                        self._files[key] = file
                 except (SafetensorError, OSError) as exc:
                     raise UserError(f"{file}: not a readable safetensors file ({exc}).") from exc
             self.layout: Layout = detect_layout(self.shapes, self.source)
@@ -85,7 +85,10 @@ class Checkpoint:
         target = out if dtype == out.dtype else torch.empty(out.shape, dtype=dtype)
         if target.numel():
             view = memoryview(target.view(-1).view(torch.uint8).numpy())
-            file, start = self._data[key]
+            file = self._files[key]
+            if file not in self._starts:  # the header again, once per file: safe_open does not give the offsets
+                self._starts[file] = _data_starts(file)
+            start = self._starts[file][key]
             with open(file, "rb", buffering=0) as f:
                 f.seek(start)
                 done = 0
