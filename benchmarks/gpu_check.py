@@ -9,7 +9,8 @@ first resumed loss must equal the uninterrupted run's bit for bit and later ones
 restored state itself (the checkpoint restored on the same ranks and saved again before any step: every tensor equal
 to the bit, gpu_check_restore.py); every process runs PyTorch's deterministic settings (Checker.env); the same train + resume with gradient checkpointing, with LoRA, and with async saves; an
 elastic resume (ZeRO-2 on every GPU -> DDP on half, --reshard=true); `opentau eval` (bf16 on CUDA) on a checkpoint;
-the attention kernel pi05 runs in; then `opentau profile` with MFU.
+the full pi05's inference latency through `opentau serve`'s code, eager and torch.compiled, next to the upstream
+tool's published 152.9 ms; the attention kernel pi05 runs in; then `opentau profile` with MFU.
 Prints one table and writes it as gpu_check.json and gpu_check.md (a section to paste into BENCHMARKS.md).
 
     scripts/gpu_check.sh                        # on a CUDA machine (a few minutes)
@@ -40,10 +41,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, command_line, env, machine, opentau_bin  # noqa: E402
 from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, step_dir_name  # noqa: E402
 
-CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "gc", "lora", "async", "elastic", "eval", "attention", "profile")
+CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "gc", "lora", "async", "elastic", "eval", "inference", "attention",
+          "profile")
 # Later resumed steps may differ by this much (relative): DDP rebuilds its gradient buckets after the first step, and
 # some CUDA kernels reduce in a varying order; the first resumed step, from the restored state, must be exact.
 RESUME_TOLERANCE = 1e-3
+# The upstream tool's published pi05 inference latency: one action chunk, RTX 5090, batch 1, 3 cameras, chunk 50,
+# 10 denoising steps. The inference check samples the same sizes through `opentau serve`'s code.
+UPSTREAM_CHUNK_MS = 152.9
+INFERENCE_CAMERAS = 3
+# A compiled chunk may differ from the eager one by this much of the eager chunk's largest action: fused kernels
+# round bf16 differently, and ten Euler steps carry that on; a wrong graph is far off.
+COMPILE_TOLERANCE = 0.05
 # The sitecustomize every process of a check imports (Checker.env): PyTorch's deterministic settings.
 DETERMINISTIC = """import torch
 torch.use_deterministic_algorithms(True, warn_only=True)
@@ -310,6 +319,70 @@ class Checker:
         return Row("eval", "single", "PASS", f"{report['samples']} chunks, MSE {report['policy']['mse']:.4f} "
                    f"({report['mse_ratio']:.2f}x the mean action's)", seconds, {"mse_ratio": report["mse_ratio"]})
 
+    def inference(self) -> list[Row]:
+        """One action chunk per request through `opentau serve`'s code (ServedPolicy.infer: images resized, state
+        normalized and binned, the chunk sampled and un-normalized) at the upstream anchor's sizes: batch 1, 3
+        cameras, chunk 50, 10 denoising steps; the full pi05 in bf16 on CUDA (pi05_tiny in fp32 on the CPU dry run).
+        Eager, then with sampling's loop torch.compiled (`opentau serve --compile`); p50 / p99 over the requests
+        after a warm-up, next to the upstream tool's 152.9 ms."""
+        import numpy as np
+        import torch
+
+        from opentau_cli.config.model import PolicyConfig
+        from opentau_cli.evaluate import for_inference
+        from opentau_cli.policies import build_policy
+        from opentau_cli.serve import ServedPolicy
+
+        preset = "pi05_tiny" if self.plan.cpu else "pi05"
+        device = torch.device("cpu" if self.plan.cpu else "cuda")
+        label = f"{preset}, {'fp32 CPU' if self.plan.cpu else 'bf16'}, {INFERENCE_CAMERAS} cameras"
+        start = time.perf_counter()
+        torch.manual_seed(0)
+        cfg = PolicyConfig(preset=preset, chunk_size=50, n_action_steps=50, num_inference_steps=10)
+        with device:  # random weights, drawn where they run (speed does not depend on their values)
+            policy = build_policy(cfg)
+        width = 8
+        policy.set_stats({key: {"mean": [0.0] * width, "std": [1.0] * width, "q01": [-1.0] * width,
+                                "q99": [1.0] * width} for key in ("state", "action")})
+        cameras = [f"observation.images.camera{i}" for i in range(INFERENCE_CAMERAS)]
+        served = ServedPolicy(for_inference(policy, device), cameras, "observation.state", preset, seed=0, device=device)
+        rng = np.random.default_rng(0)
+        obs = {**{c: rng.integers(0, 256, (224, 224, 3), dtype=np.uint8) for c in cameras},
+               "observation.state": rng.uniform(-1, 1, width).astype(np.float32), "prompt": "pick up the cube"}
+        requests = 3 if self.plan.cpu else 20
+
+        def measure() -> tuple[list[float], np.ndarray]:
+            chunk = served.infer(obs)["actions"]  # warm-up (and, compiled, the compilation)
+            times = []
+            for _ in range(requests):
+                began = time.perf_counter()
+                served.infer(obs)
+                times.append((time.perf_counter() - began) * 1000)
+            return sorted(times), chunk
+
+        def key(times: list[float]) -> str:
+            p50, p99 = statistics.median(times), times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+            return (f"p50 {p50:.1f} ms, p99 {p99:.1f} ms per chunk ({len(times)} requests); "
+                    f"{p50 / UPSTREAM_CHUNK_MS:.2f}x the upstream {UPSTREAM_CHUNK_MS} ms (RTX 5090)")
+
+        eager, eager_chunk = measure()
+        rows = [Row("inference, eager", label, "PASS" if np.isfinite(eager_chunk).all() else "FAIL", key(eager),
+                    time.perf_counter() - start, {"ms": eager, "anchor_ms": UPSTREAM_CHUNK_MS})]
+        start = time.perf_counter()
+        try:
+            policy.compile_sampling()
+            compiled, compiled_chunk = measure()
+        except Exception as exc:  # a compiler failure is this row's result, not the self-check's end
+            return rows + [Row("inference, torch.compile", label, "FAIL", f"{type(exc).__name__}: {exc}"[:300],
+                               time.perf_counter() - start)]
+        off = float(np.abs(compiled_chunk - eager_chunk).max() / max(np.abs(eager_chunk).max(), 1e-12))
+        result = "PASS" if np.isfinite(compiled_chunk).all() and off <= COMPILE_TOLERANCE else "FAIL"
+        rows.append(Row("inference, torch.compile", label, result,
+                        f"{key(compiled)}; eager p50 / compiled p50 = "
+                        f"{statistics.median(eager) / statistics.median(compiled):.2f}x, chunk within {off:.1e} of eager's", time.perf_counter() - start,
+                        {"ms": compiled, "anchor_ms": UPSTREAM_CHUNK_MS, "relative_difference": off}))
+        return rows
+
     def attention(self) -> Row:
         """The kernel pi05_small's attention runs in, one bf16 forward and backward on this machine's device."""
         import torch
@@ -462,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if check == "pi05":
             done = checker.full_pi05_step()
+        elif check == "inference":
+            done = checker.inference()
         elif check == "attention":
             done = [checker.attention()]
         elif check == "gc":

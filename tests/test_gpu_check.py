@@ -18,6 +18,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_check  # noqa: E402
 import gpu_check_restore  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+
 sys.path.pop(0)
 
 
@@ -103,14 +105,21 @@ def test_the_memory_plan_row_fails_only_when_the_plan_underestimates_by_more_tha
     assert under.result == "FAIL" and under.key == "planned 60.0 GB, measured 70.0 GB (max_memory_allocated / plan = 1.17)"
 
 
-def test_cpu_dry_run_names_the_attention_kernel_and_skips_the_full_pi05_with_the_reason(tmp_path):
+def test_cpu_dry_run_times_inference_eager_and_compiled_names_the_attention_kernel_and_skips_the_full_pi05(tmp_path):
     out = tmp_path / "check"
-    r = run_check("--cpu-dry-run", "--only", "pi05,attention", "--out", str(out), tmp_path=tmp_path)
+    r = run_check("--cpu-dry-run", "--only", "pi05,inference,attention", "--out", str(out), tmp_path=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads((out / "gpu_check.json").read_text())["rows"]
     assert [(row["check"], row["result"]) for row in rows] == [
-        ("one step", "SKIP"), ("memory plan vs peak", "SKIP"), ("attention kernel", "PASS")]
-    assert rows[2]["key"].startswith("flash (CPU) x") and rows[2]["backend"] == "pi05_tiny, cpu"
+        ("one step", "SKIP"), ("memory plan vs peak", "SKIP"), ("inference, eager", "PASS"),
+        ("inference, torch.compile", "PASS"), ("attention kernel", "PASS")]
+    eager, compiled = rows[2], rows[3]
+    assert eager["backend"] == compiled["backend"] == "pi05_tiny, fp32 CPU, 3 cameras"
+    for row in (eager, compiled):  # 3 timed requests after a warm-up, next to the upstream tool's published figure
+        assert len(row["detail"]["ms"]) == 3 and row["detail"]["anchor_ms"] == 152.9
+        assert "x the upstream 152.9 ms (RTX 5090)" in row["key"]
+    assert compiled["detail"]["relative_difference"] <= gpu_check.COMPILE_TOLERANCE
+    assert rows[4]["key"].startswith("flash (CPU) x") and rows[4]["backend"] == "pi05_tiny, cpu"
 
 
 @pytest.mark.parametrize("backend, example", [

@@ -242,3 +242,21 @@ def test_a_model_listing_its_cameras_is_served_with_every_one_and_a_smaller_slot
     assert cams == ["observation.images.top", "observation.images.wrist", None]
     with pytest.raises(UserError, match=r"lists 2 cameras .* but --dataset.num_cameras=1: give it at least 2"):
         _observation_keys(load_config(None, {"dataset.num_cameras": "1"}), None, features, given_slots=True)
+
+
+def test_serve_compile_compiles_before_the_first_client_and_serves_the_eager_chunk(tiny_run):
+    """`opentau serve --compile`: sampling's loop is torch.compiled and compiled while loading (a warm-up chunk), so
+    the first robot request compiles nothing; the chunk is the eager one up to fused kernels' rounding."""
+    from torch._dynamo.utils import counters
+
+    from opentau_cli.serve import load_served
+
+    image, state, task, _ = _first_frame(tiny_run)
+    obs = {CAMERA: image, STATE: state, "prompt": task}
+    eager = load_served(tiny_run).infer(obs)["actions"]
+    compiled = load_served(tiny_run, compiled=True)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # compiled while loading
+    got = compiled.infer(obs)["actions"]
+    assert counters["stats"]["unique_graphs"] == graphs  # the request reused what loading compiled
+    np.testing.assert_allclose(got, eager, rtol=0, atol=1e-5 * np.abs(eager).max())

@@ -152,6 +152,12 @@ class ServedPolicy:
             "task": [prompt],
         }
 
+    def blank_observation(self) -> dict:
+        """A valid observation of black images and a zero state (a warm-up request)."""
+        height, width = self.policy.cfg.image_resolution
+        obs = {camera: np.zeros((height, width, 3), np.uint8) for camera in self.cameras if camera}
+        return {**obs, self.state_key: np.zeros(self.state_width, np.float32), PROMPT_KEY: ""}
+
     def request_seed(self, obs: dict) -> int:
         seed = obs.get(SEED_KEY, self.seed) if isinstance(obs, dict) else self.seed
         if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
@@ -203,9 +209,11 @@ def _state(key: str, value, width: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- loading
 def load_served(source: str | Path, *, overrides: dict | None = None, dataset: str | None = None,
-                device: str | None = None, seed: int = 0, weights: str | None = None) -> ServedPolicy:
+                device: str | None = None, seed: int = 0, weights: str | None = None,
+                compiled: bool = False) -> ServedPolicy:
     """The policy of a run / checkpoint directory (DDP, DeepSpeed shards, LoRA), an export or a repo id, loaded as
-    `opentau eval` loads it, with the observation keys of the dataset it was trained on."""
+    `opentau eval` loads it, with the observation keys of the dataset it was trained on. `compiled`: sampling's loop
+    torch.compiled and compiled here, on one blank observation, before the first client waits for it."""
     from opentau_cli.evaluate import (
         _device, _from_checkpoint, _from_model, _is_training_checkpoint, _model_policy_config, for_inference,
     )
@@ -227,7 +235,11 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
         features = _model_features(str(source))
     cameras, state_key = _observation_keys(cfg, member, features, given_slots="dataset.num_cameras" in overrides)
     for_inference(policy, dev)  # as eval samples: bf16 on CUDA, so the served chunk is eval's
-    return ServedPolicy(policy, cameras, state_key, str(source), origin, seed, dev)
+    served = ServedPolicy(policy, cameras, state_key, str(source), origin, seed, dev)
+    if compiled:
+        policy.compile_sampling()
+        served.infer(served.blank_observation())
+    return served
 
 
 def _model_features(source: str) -> dict | None:

@@ -23,6 +23,8 @@ def serve_cmd(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run to serve, by its name "
                                                                  "(default: the first), with its own statistics."),
     weights: WeightsOpt = None,
+    compiled: bool = typer.Option(False, "--compile", help="torch.compile sampling's loop before serving (tens of "
+                                                           "seconds at start; faster chunks on a GPU)."),
 ) -> None:
     """Serve a policy over openpi's websocket policy protocol: robot code written for `openpi-client` works unchanged.
 
@@ -44,7 +46,7 @@ def serve_cmd(
         raise UserError(f"--port={port}: a TCP port is 0-65535.")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     served = load_served(source, overrides=parse_overrides(list(ctx.args)), dataset=dataset, device=device, seed=seed,
-                         weights=weights)
+                         weights=weights, compiled=compiled)
     server = PolicyServer(served, host, port, key)
     meta = served.metadata()
 

@@ -577,6 +577,16 @@ class Pi05Policy(nn.Module):
         out["loss"] = loss
         return out
 
+    def _velocity(self, state, x, time, cache, expert_keys, context_end):
+        """The action expert's velocity at flow time `time`: the body of sampling's loop (compile_sampling)."""
+        tokens, cond, blocks = self._embed_suffix(state, x, time)
+        return self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end)
+
+    def compile_sampling(self, mode: str | None = None) -> None:
+        """torch.compile the body of sampling's loop, which runs num_inference_steps times per chunk on the same
+        shapes (the prefix runs once). The first chunk after this compiles (tens of seconds); later ones reuse it."""
+        self._velocity = torch.compile(self._velocity, mode=mode, dynamic=False)
+
     @torch.no_grad()
     def sample_actions(self, batch: dict, noise: torch.Tensor | None = None) -> torch.Tensor:
         """Integrate the flow from noise (t=1) to actions (t=0) in num_inference_steps Euler steps; un-normalized."""
@@ -591,8 +601,7 @@ class Pi05Policy(nn.Module):
         dt = torch.tensor(-1.0 / self.cfg.num_inference_steps, device=device)
         time = torch.ones((), device=device)  # accumulated in fp32 step by step, as openpi does
         for _ in range(self.cfg.num_inference_steps):
-            tokens, cond, blocks = self._embed_suffix(inputs["state"], x, time.expand(batch_size))
-            x = x + dt * self._run_expert(tokens, cond, blocks, cache, expert_keys, context_end)
+            x = x + dt * self._velocity(inputs["state"], x, time.expand(batch_size), cache, expert_keys, context_end)
             time = time + dt
         action_dim = int(self.action_dim.item())
         return unnormalize(x[:, : self.cfg.n_action_steps, :action_dim], self._stats("action"), self.norm_mode)
