@@ -159,5 +159,6 @@ def test_an_unknown_check_exits_2_naming_it_and_writes_nothing(tmp_path, capsys)
     r = check_in_process(capsys, "--cpu-dry-run", "--only", "single,fsdp", "--out", str(tmp_path / "check"))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "--only takes checks of single, pi05, ddp, zero2, zero3, gc, lora, async, elastic, eval, attention, profile; got 'fsdp'."]
+        "--only takes checks of single, pi05, ddp, zero2, zero3, gc, lora, async, elastic, eval, inference, attention, "
+        "profile; got 'fsdp'."]
     assert not (tmp_path / "check").exists()
