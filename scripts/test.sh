@@ -11,7 +11,10 @@ export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"
 ./scripts/peer_envs.sh  # the peers' own packages the tests check against (built once, cached)
 tests_start=$SECONDS
 status=0
-.venv/bin/python -m pytest -q --durations=15 "$@" || status=$?
+# Two workers (pytest-xdist), each taking whole modules so a module's shared runs are made once, in the order
+# tests/conftest.py gives (slow modules first): a 2-process launch leaves a core idle while it plans, starts and
+# saves, and a single-process test uses one core of two. TEST_WORKERS=0 runs in this process.
+.venv/bin/python -m pytest -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" || status=$?
 echo "tests: $((SECONDS - tests_start)) s"
 echo "load after: $(cat /proc/loadavg 2>/dev/null || uptime)"
 exit $status

@@ -86,6 +86,14 @@ def isolated_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Modules with a test marked `slow` run first, each module's tests kept together: under two workers
+    (scripts/test.sh) the long modules then overlap with each other and the short ones fill in at the end, instead of
+    one long module running alone after everything else."""
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)
+
+
 # The whole suite's time by module, printed after pytest's slowest tests: where CI's minutes go, at a glance.
 _MODULE_SECONDS: dict[str, float] = {}
 
@@ -176,14 +184,30 @@ def recorded_weights(reference: Path) -> Path:
 
 
 def _reference(tmp_path_factory, name: str, args: list[str]) -> Path:
-    home = tmp_path_factory.mktemp(name)
+    """One run per test session, also across pytest-xdist workers: the first worker to ask makes it under a file lock
+    in the directory the workers' temporary directories share, the others wait and read it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    home, done = shared / f"shared_{name}", shared / f"shared_{name}.done"
+    with FileLock(str(shared / f"shared_{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(home, ignore_errors=True)  # a worker that failed making it left a part
+            home.mkdir()
+            _make_reference(home, args)
+            done.touch()
+    return home / "run"
+
+
+def _make_reference(home: Path, args: list[str]) -> None:
     run = home / "run"
     recorded_weights(run).mkdir()
     env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(EMA_HOOK),
            "TEST_RECORD_WEIGHTS": str(recorded_weights(run))}
     result = run_cli(["train", *args, f"--output_dir={run}"], env=env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-5000:]}"
-    return run
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,8 @@ from opentau_cli.checkpoint.manager import CheckpointManager, latest
 from opentau_cli.checkpoint.manifest import hash_file, is_complete, verify_manifest
 from opentau_cli.errors import RunError
 
+pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+
 
 class Parts:
     """A model, AdamW and a schedule prepared by a real single-process CPU Accelerator, and one training step whose

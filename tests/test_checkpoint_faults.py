@@ -21,6 +21,8 @@ from opentau_cli.cli.main import app
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_save_driver import MOMENTS  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module", params=["sync", "async"])
 def killed_runs(tmp_path_factory, request):

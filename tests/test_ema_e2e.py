@@ -26,7 +26,7 @@ from conftest import (
 )
 from opentau_cli.checkpoint.layout import CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, ema_rank_file
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 YAML = {"ddp": str(EXAMPLES / "accelerate_cpu_ddp_config.yaml"),
         "zero3": str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")}

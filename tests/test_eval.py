@@ -19,7 +19,7 @@ from opentau_cli.policies.layouts import LEROBOT
 from published import write_published
 from test_policy_learning import STEPS, train
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 runner = CliRunner()

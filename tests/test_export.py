@@ -23,7 +23,7 @@ from opentau_cli.policies import build_policy
 from opentau_cli.policies.layouts import LEROBOT, LEROBOT_NORMALIZER, OPENPI, OPENTAU
 from published import write_published
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 ZERO3 = str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")

@@ -10,6 +10,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+
 SCRIPT = r"""
 import json
 import torch, torch.distributed as dist

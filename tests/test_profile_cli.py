@@ -8,6 +8,8 @@ import pytest
 
 from conftest import EXAMPLES, run_cli
 
+pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 # One thread per worker: on a busy 2-core CI box, two spinning OpenMP threads per process slow a step down 5-10x.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -23,6 +23,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+
 README = REPO / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip:?\s*(.*?)\s*-->")
 TIMEOUT_S = 900  # per block

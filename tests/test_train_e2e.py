@@ -26,7 +26,7 @@ from opentau_cli.checkpoint.layout import (
 )
 from opentau_cli.checkpoint.lineage import ROLLED_BACK
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 YAML = {
