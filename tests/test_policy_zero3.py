@@ -46,8 +46,9 @@ out["rope_dtype"] = str(policy.vlm.language_model.rotary_emb.inv_freq.dtype)
 out["stats_dtype"] = str(policy.action_q99.dtype)
 out["action_std"] = policy.action_std[:2].tolist()
 out["action_q99"] = policy.action_q99[:2].tolist()
-engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
-                                  config={**ds_config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+# torch's AdamW handed to DeepSpeed, as the trainer does (DeepSpeed's own would compile its fused_adam op first).
+optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
 # DeepSpeed bf16 casts every weight to bf16; openpi's fp32 set still computes in fp32 (from the bf16-stored weights).
 dtypes = {}
 def note_dtype(name):
