@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,12 +96,20 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 # The whole suite's time by module, printed after pytest's slowest tests: where CI's minutes go, at a glance.
+# Under pytest-xdist, each worker's busy seconds and when it finished: an idle worker at the end shows as a gap.
 _MODULE_SECONDS: dict[str, float] = {}
+_WORKERS: dict[str, list[float]] = {}
+_STARTED = time.monotonic()
 
 
 def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::", 1)[0]
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+    if worker is not None:
+        busy = _WORKERS.setdefault(worker, [0.0, 0.0])
+        busy[0] += report.duration
+        busy[1] = time.monotonic() - _STARTED
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -109,6 +118,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("slowest 15 modules (setup + call + teardown; a session fixture counts where first used)")
     for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda item: -item[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}s {module}")
+    for worker, (busy, finished) in sorted(_WORKERS.items()):
+        terminalreporter.write_line(f"worker {worker}: {busy:.0f} s in tests, its last one ended {finished:.0f} s in")
 
 
 @pytest.fixture(scope="session")
