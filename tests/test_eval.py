@@ -17,12 +17,13 @@ from opentau_cli.data.build import split_episodes
 from opentau_cli.data.synth import resolve_dataset_root
 from opentau_cli.policies.layouts import LEROBOT
 from published import write_published
-from test_policy_learning import STEPS, train
+from test_policy_learning import STEPS, learning, train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 runner = CliRunner()
+LEARNED: dict = {}  # what the fixture's in-process training achieved (first / last losses, held-out errors)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,11 @@ def fine_tuned(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as test_policy_learning trains: other jobs share the CPU
     try:
-        policy, _, _ = train("pi05", STEPS, root)
+        policy, data, losses = train("pi05", STEPS, root)
+        learned = learning(policy, data, losses)  # test_policy_learning's check of pi05, on this same training
     finally:
         torch.set_num_threads(threads)
+    LEARNED.update(learned)
     pretrained = write_published(policy, root / "pretrained", LEROBOT)
     run = root / "run"
     trained = run_cli(["train", f"--config_path={TINY}", f"--output_dir={run}", f"--policy.pretrained_path={pretrained}",
@@ -46,6 +49,12 @@ def fine_tuned(tmp_path_factory):
     cfg = load_config(TINY, [])
     _, held_out = split_episodes(resolve_dataset_root(cfg.dataset.root), cfg.validation.val_split, cfg.seed)
     return pretrained, run, held_out
+
+
+def test_the_pretrained_tiny_pi05_learned_the_demo_task_and_beats_the_mean_action_on_held_out_episodes(fine_tuned):
+    """tests/test_policy_learning.py's promise for pi05, checked on the in-process training this module starts from."""
+    assert LEARNED["last"] <= 0.6 * LEARNED["first"], f"flow-matching loss {LEARNED['first']:.3f} -> {LEARNED['last']:.3f}"
+    assert LEARNED["policy_err"] < LEARNED["mean_err"], LEARNED
 
 
 def test_a_policy_fine_tuned_from_a_pretrained_one_beats_the_mean_action_on_held_out_episodes(fine_tuned, tmp_path):
