@@ -238,7 +238,12 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
     served = ServedPolicy(policy, cameras, state_key, str(source), origin, seed, dev)
     if compiled:
         policy.compile_sampling()
-        served.infer(served.blank_observation())
+        try:
+            served.infer(served.blank_observation())
+        except Exception as exc:  # no C++ compiler, an op the compiler refuses: the policy serves as well without
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"--compile: torch.compile could not compile the sampling loop on this machine "
+                            f"({type(exc).__name__}: {first}); serve without --compile.") from None
     return served
 
 
