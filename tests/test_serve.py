@@ -260,3 +260,17 @@ def test_serve_compile_compiles_before_the_first_client_and_serves_the_eager_chu
     got = compiled.infer(obs)["actions"]
     assert counters["stats"]["unique_graphs"] == graphs  # the request reused what loading compiled
     np.testing.assert_allclose(got, eager, rtol=0, atol=1e-5 * np.abs(eager).max())
+
+
+def test_serve_compile_where_the_compiler_fails_is_refused_in_one_line(tiny_run, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from opentau_cli.errors import UserError
+    from opentau_cli.serve import load_served
+
+    torch._dynamo.reset()  # compile anew rather than reuse a graph compiled by another test in this process
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached build would need no compiler
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    with pytest.raises(UserError, match=r"^--compile: torch.compile could not compile the sampling loop on this "
+                                        r"machine \(.*\); serve without --compile\.$"):
+        load_served(tiny_run, compiled=True)
