@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, run_cli, run_cli_in_process
 
 pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
 
@@ -111,11 +111,11 @@ def test_a_user_error_found_late_in_the_data_exits_2_with_one_line_under_profile
     """Truncated videos pass the checks made before launch (they only look at the metadata); the first batch finds
     them. Both commands read the rank's marked line the same way."""
     data = isolated_env / "videos"
-    r = run_cli(["dataset", "synth", str(data), "--episodes", "2", "--steps-per-episode", "12", "--video"])
+    r = run_cli_in_process(["dataset", "synth", str(data), "--episodes", "2", "--steps-per-episode", "12", "--video"])
     assert r.returncode == 0, r.stderr
     for video in data.rglob("*.mp4"):
         video.write_bytes(video.read_bytes()[:600])
-    checked = run_cli(["config", "validate", TINY, f"--dataset.root={data}", f"--output_dir={isolated_env / 'run'}"])
+    checked = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={data}", f"--output_dir={isolated_env / 'run'}"])
     assert checked.returncode == 0, checked.stderr  # so the error below is found late, inside a worker
     errors = {}
     for command, extra in (("profile", ["--warmup", "0"]), ("train", [f"--output_dir={isolated_env / 'run'}"])):
