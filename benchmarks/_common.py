@@ -72,6 +72,11 @@ def profile(args: list[str], json_path: Path, *, timeout: float = 3600) -> tuple
     return json.loads(Path(json_path).read_text()), proc, wall
 
 
+def p99(ordered: list[float]) -> float:
+    """The 99th percentile of sorted values (the nearest rank; the largest value below 100 of them)."""
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
 def verdict(value: float, target: float, higher_is_better: bool = True) -> str:
     ok = value >= target if higher_is_better else value <= target
     return "meets target" if ok else "BELOW target" if higher_is_better else "ABOVE target"

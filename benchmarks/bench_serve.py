@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, report
+from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, p99, print_rows, report
 
 CAMERA, STATE = "observation.images.top", "observation.state"
 
@@ -129,8 +129,7 @@ def _in_process(served, requests: int) -> tuple[list[float], float]:
 
 def _summary(latencies: list[float], wall: float) -> str:
     ms = sorted(x * 1000 for x in latencies)
-    p99 = ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
-    return f"{len(ms) / wall:.2f} req/s, p50 {statistics.median(ms):.0f} ms, p99 {p99:.0f} ms ({len(ms)} requests)"
+    return f"{len(ms) / wall:.2f} req/s, p50 {statistics.median(ms):.0f} ms, p99 {p99(ms):.0f} ms ({len(ms)} requests)"
 
 
 def main() -> None:
