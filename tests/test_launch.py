@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import json
@@ -137,6 +138,40 @@ def test_command_runs_the_worker_module_through_accelerate_launch(tmp_path):
     cmd = build_command(tmp_path / "a.yaml", tmp_path / "c.json", tmp_path / "l.json")
     assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("-m", 3) + 1] == "opentau_cli.train.worker" and "--config" in cmd
+
+
+def test_import_paused_collects_nothing_while_it_imports_freezes_what_was_made_and_restores_the_collector(tmp_path):
+    """docs/ARCHITECTURE.md "Start-up" (in a fresh interpreter: freezing is for the life of a process)."""
+    (tmp_path / "made_garbage.py").write_text("import gc\n"
+                                             "cycles = [[] for _ in range(3)]\n"
+                                             "for c in cycles:\n    c.append(c)\n"
+                                             "del cycles\n"
+                                             "COLLECTIONS = sum(s['collections'] for s in gc.get_stats())\n")
+    (tmp_path / "broken.py").write_text("raise ImportError('broken on purpose')\n")
+    script = """
+import gc, json, sys
+from opentau_cli.runtime import import_paused
+before = sum(s["collections"] for s in gc.get_stats())
+import_paused("made_garbage", "json")
+import made_garbage
+out = {"collected_while_importing": made_garbage.COLLECTIONS - before, "enabled": gc.isenabled(),
+       "frozen": gc.get_freeze_count()}
+try:
+    import_paused("broken")
+except ImportError as e:
+    out["error"] = str(e)
+out["enabled_after_error"] = gc.isenabled()
+gc.disable()
+import_paused("json")
+out["still_disabled"] = not gc.isenabled()
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["collected_while_importing"] == 0 and out["enabled"] and out["frozen"] > 0
+    assert out["error"] == "broken on purpose" and out["enabled_after_error"] and out["still_disabled"]
 
 
 def test_failed_log_names_the_rank_that_failed_first_not_the_one_that_lost_its_peer(tmp_path):

@@ -169,3 +169,22 @@ def test_lora_side_takes_the_median_over_repeats_of_speed_and_of_each_rank_s_pea
     side = lora.side(reports)
     assert side["samples_per_s"] == 2.0 and side["runs"] == [2.0, 1.0, 3.0] and side["peaks_mib"] == [1100, 1150]
     assert lora.describe(side) == "2.000 samples/s (median of 3: 2.000, 1.000, 3.000); peak memory rank 0 1100 MiB, rank 1 1150 MiB"
+
+
+def test_imports_benchmark_smoke_times_the_rank_imports_both_ways_and_the_paused_side_collects_nothing(tmp_path):
+    out = run_benchmark("bench_imports.py", tmp_path / "B.md")
+    assert re.search(r"paused / running: wall time\s+\d+\.\d\dx", out) and re.search(r"paused / running: CPU time\s+\d+\.\d\dx", out)
+    assert re.search(r"collector running: full collections\s+[1-9]\d*$", out, re.M)  # the imports do trigger them
+    assert re.search(r"collector paused: full collections\s+0$", out, re.M)
+
+
+def test_imports_rows_are_the_medians_of_each_side_and_their_ratios():
+    imports = _benchmark_module("bench_imports")
+    rows = dict(imports.compare_rows({
+        "collector running": [{"wall_s": 4.0, "cpu_s": 4.4, "full_collections": 5}, {"wall_s": 3.0, "cpu_s": 3.3, "full_collections": 4},
+                              {"wall_s": 5.0, "cpu_s": 5.5, "full_collections": 4}],
+        "collector paused": [{"wall_s": 3.0, "cpu_s": 3.3, "full_collections": 0}, {"wall_s": 2.0, "cpu_s": 2.2, "full_collections": 0},
+                             {"wall_s": 9.0, "cpu_s": 9.9, "full_collections": 0}]}))
+    assert rows["collector running: wall time"] == "4.00 s" and rows["collector paused: CPU time"] == "3.30 s"
+    assert rows["collector running: full collections"] == "4" and rows["collector paused: full collections"] == "0"
+    assert rows["paused / running: wall time"] == "0.75x" and rows["paused / running: CPU time"] == "0.75x"

@@ -6,6 +6,12 @@ import contextlib
 import sys
 from pathlib import Path
 
+from opentau_cli.runtime import import_paused
+
+# torch and transformers' Gemma and PaliGemma, imported with the garbage collector paused (docs/ARCHITECTURE.md
+# "Start-up"): every command and rank that builds a policy starts here.
+import_paused("torch", "opentau_cli.policies.pi05")
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map

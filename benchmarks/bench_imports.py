@@ -1,0 +1,97 @@
+"""Benchmark: what a rank (and every command that builds a policy) spends importing its libraries, with the garbage
+collector running as usual vs paused during the imports (`opentau_cli.runtime.import_paused`, as the ranks and
+`opentau_cli.policies` do).
+
+Each side imports the same modules in the same order in a fresh interpreter: what every rank imports before it
+builds anything (`runtime.RANK_IMPORTS`: opentau's config, torch, accelerate, DeepSpeed, opentau_cli.policies with
+transformers' Gemma and PaliGemma). "collector running" imports them with plain `importlib.import_module`, as before the change; "collector
+paused" through `import_paused`. Each child reports the wall time and the process's CPU time (user + system) of the
+imports, and the full collections the collector made meanwhile. Sides alternate, so a change in the machine's load
+hits both alike; the table gives each side's median and the ratios.
+
+    python benchmarks/bench_imports.py            # 7 rounds per side
+    python benchmarks/bench_imports.py --smoke    # 1 round (checks the script works)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import base_parser, env, print_rows, report  # noqa: E402
+
+from opentau_cli.runtime import RANK_IMPORTS as MODULES  # noqa: E402
+
+SIDES = ("collector running", "collector paused")
+
+
+def child(side: str) -> None:
+    """One side in this (fresh) process: prints its measurements as one JSON line."""
+    import gc
+    import importlib
+    import os
+    import time
+
+    start, cpu = time.perf_counter(), os.times()
+    if side == SIDES[0]:
+        for name in MODULES:
+            importlib.import_module(name)
+    else:
+        from opentau_cli.runtime import import_paused
+
+        import_paused(*MODULES)
+    wall, after = time.perf_counter() - start, os.times()
+    print(json.dumps({"wall_s": wall, "cpu_s": after.user + after.system - cpu.user - cpu.system,
+                      "full_collections": gc.get_stats()[2]["collections"]}))
+
+
+def measure(side: str) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", side], capture_output=True, text=True, env=env(),
+                          timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """Each side's median wall and CPU seconds and full collections over its rounds, then paused / running."""
+    median = {side: {k: statistics.median(r[k] for r in rounds) for k in ("wall_s", "cpu_s", "full_collections")}
+              for side, rounds in runs.items()}
+    rows = []
+    for side in SIDES:
+        m = median[side]
+        rows.append((f"{side}: wall time", f"{m['wall_s']:.2f} s"))
+        rows.append((f"{side}: CPU time", f"{m['cpu_s']:.2f} s"))
+        rows.append((f"{side}: full collections", f"{m['full_collections']:.0f}"))
+    old, new = median[SIDES[0]], median[SIDES[1]]
+    rows.append(("paused / running: wall time", f"{new['wall_s'] / old['wall_s']:.2f}x"))
+    rows.append(("paused / running: CPU time", f"{new['cpu_s'] / old['cpu_s']:.2f}x"))
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
+    parser = base_parser(__doc__)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    rounds = 1 if args.smoke else args.rounds
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for _ in range(rounds):  # alternating, so a change in machine load hits both sides alike
+        for side in SIDES:
+            runs[side].append(measure(side))
+    rows = [("imports", f"{', '.join(MODULES)}; {rounds} round(s) per side in fresh processes, median")]
+    rows += compare_rows(runs)
+    title = "Start-up imports: collector running vs paused"
+    print_rows(title, rows)
+    report(args, title, rows, ["every side's rounds (wall / CPU s): " + "; ".join(
+        f"{side}: " + ", ".join(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in rounds_) for side, rounds_ in runs.items())])
+
+
+if __name__ == "__main__":
+    main()
