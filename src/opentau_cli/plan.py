@@ -11,6 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentau_cli.runtime import import_paused
+
+# Every plan asks torch for this machine's GPUs and builds the policy on the meta device: torch and transformers are
+# imported first, with the garbage collector paused (docs/ARCHITECTURE.md "Start-up").
+import_paused("torch", "opentau_cli.policies")
+
 from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run
 from opentau_cli.checkpoint.manager import (
     RESHARD_FLAG, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,

@@ -29,9 +29,6 @@ class Machine:
 
     @classmethod
     def this(cls) -> "Machine":
-        from opentau_cli.runtime import import_paused
-
-        import_paused("torch")  # a planning command's first torch import (runtime.import_paused says why)
         import torch
 
         cuda = torch.cuda.is_available()
