@@ -136,8 +136,12 @@ def test_worker_env_sets_the_allocator_hint_and_deepspeed_cpu_accelerator(monkey
 
 def test_command_runs_the_worker_module_through_accelerate_launch(tmp_path):
     cmd = build_command(tmp_path / "a.yaml", tmp_path / "c.json", tmp_path / "l.json")
-    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[1:3] == ["-m", "opentau_cli.accelerate_launcher"]
     assert cmd[cmd.index("-m", 3) + 1] == "opentau_cli.train.worker" and "--config" in cmd
+    # That module is Accelerate's own launcher: the same parser and entry point as `python -m accelerate.commands.launch`.
+    ours, theirs = (subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+                    for module in ("opentau_cli.accelerate_launcher", "accelerate.commands.launch"))
+    assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout and "--config_file" in ours.stdout
 
 
 def test_import_paused_collects_nothing_while_it_imports_freezes_what_was_made_and_restores_the_collector(tmp_path):

@@ -203,7 +203,7 @@ def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, 
 
 def build_command(accel_path: Path, cfg_path: Path, launch_path: Path, module: str = TRAIN_WORKER.module) -> list[str]:
     return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_path),
+        sys.executable, "-m", "opentau_cli.accelerate_launcher", "--config_file", str(accel_path),
         "-m", module, "--config", str(cfg_path), "--launch", str(launch_path),
     ]
 
