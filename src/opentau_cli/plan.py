@@ -13,9 +13,10 @@ from pathlib import Path
 
 from opentau_cli.runtime import import_paused
 
-# Every plan asks torch for this machine's GPUs and builds the policy on the meta device: torch and transformers are
-# imported first, with the garbage collector paused (docs/ARCHITECTURE.md "Start-up").
-import_paused("torch", "opentau_cli.policies")
+# Every plan asks torch for this machine's GPUs: torch is imported first, with the garbage collector paused
+# (docs/ARCHITECTURE.md "Start-up"; opentau_cli.policies does the same for transformers when a check builds the
+# policy, which `profile --dataloader-only` never imports).
+import_paused("torch")
 
 from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run
 from opentau_cli.checkpoint.manager import (
