@@ -4,8 +4,8 @@ collector running as usual vs paused during the imports (`opentau_cli.runtime.im
 
 Each side imports the same modules in the same order in a fresh interpreter: what every rank imports before it
 builds anything (`runtime.RANK_IMPORTS`: opentau's config, torch, accelerate, DeepSpeed, opentau_cli.policies with
-transformers' Gemma and PaliGemma). "collector running" imports them with plain `importlib.import_module`, as before the change; "collector
-paused" through `import_paused`. Each child reports the wall time and the process's CPU time (user + system) of the
+transformers' Gemma and PaliGemma). "collector running" imports them with plain `importlib.import_module`, as before
+the change; "collector paused" through `import_paused`. Each child reports the wall time and the process's CPU time (user + system) of the
 imports, and the full collections the collector made meanwhile. Sides alternate, so a change in the machine's load
 hits both alike; the table gives each side's median and the ratios.
 
