@@ -4,11 +4,16 @@
 #   ${OPENTAU_PEERS_DIR:-$HOME/.cache/opentau/peers}/<name>-<version>
 # An environment that is already complete (its .complete marker exists) is reused as it is; a half-built one is
 # rebuilt. Usage: scripts/peer_envs.sh [NAME ...]   (default: every peer below)
-# lerobot-openpi (LeRobot's env + openpi's transformers_replace files) is built only when OPENPI_SRC names a checkout
-# of openpi's source (GitHub only: no package registry has it), as lerobot-<version>-openpi-<openpi commit>.
+# lerobot-openpi (LeRobot's env + openpi's transformers_replace files) is built from openpi's source (GitHub only: no
+# package registry has it): OPENPI_SRC, by default the pinned copy beside the checkout (../shared/peers/openpi-<commit>),
+# as lerobot-<version>-openpi-<openpi commit>.
 set -euo pipefail
 PEERS_DIR="${OPENTAU_PEERS_DIR:-$HOME/.cache/opentau/peers}"
 PY="${PYTHON:-python3}"
+# openpi's source, for the lerobot-openpi env: a checkout named by OPENPI_SRC, else the pinned copy beside the checkout
+# (tests/peer_envs.py picks the same default).
+PINNED_OPENPI="$(cd "$(dirname "$0")/.." && pwd)/../shared/peers/openpi-15a9616"
+if [ -z "${OPENPI_SRC:-}" ] && [ -d "$PINNED_OPENPI" ]; then OPENPI_SRC="$(cd "$PINNED_OPENPI" && pwd)"; fi
 OPENPI_CLIENT_VERSION=0.1.2
 LEROBOT_VERSION=0.4.4
 
@@ -79,13 +84,18 @@ fi
 # is left as it is (a copy, never the same files).
 if want lerobot-openpi; then
   if [ -z "${OPENPI_SRC:-}" ]; then
-    echo "peer env lerobot-openpi: skipped (OPENPI_SRC is not set; openpi's source, which its transformers_replace files come from, is on GitHub only)"
+    echo "peer env lerobot-openpi: not built: OPENPI_SRC is not set and $PINNED_OPENPI is missing (openpi's source, which its transformers_replace files come from, is on GitHub only)" >&2
+    if [ -n "${CI:-}" ]; then exit 1; fi
   else
     "$(dirname "$0")/peer_envs.sh" lerobot
     replace="$OPENPI_SRC/src/openpi/models_pytorch/transformers_replace"
     [ -d "$replace" ] || { echo "OPENPI_SRC=$OPENPI_SRC: no $replace (not a checkout of openpi's source)" >&2; exit 2; }
-    [ -e "$OPENPI_SRC/.git" ] && commit="$(git -C "$OPENPI_SRC" rev-parse --short=7 HEAD)" \
-      || commit="src-$(cd "$replace" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-7)"
+    # The version: the checkout's commit, the commit a pinned copy is named after (openpi-<commit>), else a hash of the files.
+    base="$(basename "$OPENPI_SRC")"
+    if [ -e "$OPENPI_SRC/.git" ]; then commit="$(git -C "$OPENPI_SRC" rev-parse --short=7 HEAD)"
+    elif [[ "$base" =~ ^openpi-([0-9a-f]{7,40})$ ]]; then commit="${BASH_REMATCH[1]:0:7}"
+    else commit="src-$(cd "$replace" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-7)"
+    fi
     dir="$PEERS_DIR/lerobot-$LEROBOT_VERSION-openpi-$commit"
     if [ -f "$dir/.complete" ]; then
       echo "peer env $dir: ready"

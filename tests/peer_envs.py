@@ -18,26 +18,44 @@ def peer_python(name: str, version: str) -> str:
     venv = root / f"{name}-{version}"
     if (venv / ".complete").is_file():
         return str(venv / "bin" / "python")
-    message = f"{venv} is not built: run scripts/peer_envs.sh {name}"
+    _missing(f"{venv} is not built: run scripts/peer_envs.sh {name}")
+
+
+PINNED_OPENPI = REPO.parent / "shared" / "peers" / "openpi-15a9616"  # openpi's files at that commit, unchanged
+
+
+def _missing(message: str):
+    """A peer that is not here: a failure under CI (CI has it), a skip that says why elsewhere."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(message)
     pytest.skip(message)
 
 
+def openpi_root() -> Path:
+    """openpi's source: the checkout OPENPI_SRC names, else the pinned copy beside the checkout (openpi is on GitHub
+    only; scripts/peer_envs.sh builds its peer venv from the same default)."""
+    root = Path(os.environ.get("OPENPI_SRC") or PINNED_OPENPI)
+    if not (root / "src" / "openpi" / "models_pytorch" / "transformers_replace").is_dir():
+        _missing(f"openpi's source is not at {root} (set OPENPI_SRC to a checkout of it; openpi is not on PyPI)")
+    return root
+
+
 def openpi_source() -> tuple[Path, str]:
-    """The openpi checkout OPENPI_SRC names and the version its peer venv is built for (the commit, as
-    scripts/peer_envs.sh names it). openpi's source is on GitHub only, out of CI's reach: without it, a skip."""
+    """openpi's source (openpi_root) and the version its peer venv is built for, as scripts/peer_envs.sh names it:
+    the checkout's commit, the commit a pinned copy is named after (openpi-<commit>), else a hash of its files."""
     import hashlib
+    import re
     import subprocess
 
-    root = os.environ.get("OPENPI_SRC")
-    replace = Path(root or "-") / "src" / "openpi" / "models_pytorch" / "transformers_replace"
-    if not replace.is_dir():
-        pytest.skip("openpi's source is not available here (set OPENPI_SRC to a checkout; openpi is not on PyPI)")
-    if (Path(root) / ".git").exists():
+    root = openpi_root()
+    replace = root / "src" / "openpi" / "models_pytorch" / "transformers_replace"
+    pinned = re.fullmatch(r"openpi-([0-9a-f]{7,40})", root.name)
+    if (root / ".git").exists():
         found = subprocess.run(["git", "-C", root, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, check=True)
-        return Path(root), found.stdout.strip()
+        return root, found.stdout.strip()
+    if pinned:
+        return root, pinned.group(1)[:7]
     # Not a git checkout: the script names the venv after its transformers_replace files (sha256sum of each, sorted).
     lines = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(replace)}\n"
                     for p in sorted(replace.rglob("*.py"), key=lambda p: f"./{p.relative_to(replace)}"))
-    return Path(root), "src-" + hashlib.sha256(lines.encode()).hexdigest()[:7]
+    return root, "src-" + hashlib.sha256(lines.encode()).hexdigest()[:7]

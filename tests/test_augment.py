@@ -6,10 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,12 +128,11 @@ def test_the_example_configs_choose_augmentation_as_documented():
 
 
 def _openpi_preprocess():
-    """openpi's own preprocess_observation_pytorch, from a checkout named by OPENPI_SRC (openpi is not on PyPI);
-    its one JAX-side import, image_tools, is only used to resize, which these images do not need."""
-    root = os.environ.get("OPENPI_SRC")
-    path = Path(root or "-") / "src" / "openpi" / "models_pytorch" / "preprocessing_pytorch.py"
-    if not path.is_file():
-        pytest.skip("openpi's source is not available here (set OPENPI_SRC to a checkout; openpi is not on PyPI)")
+    """openpi's own preprocess_observation_pytorch, from openpi's source (tests/peer_envs.py openpi_root: OPENPI_SRC or
+    the pinned copy); its one JAX-side import, image_tools, is only used to resize, which these images do not need."""
+    from peer_envs import openpi_root
+
+    path = openpi_root() / "src" / "openpi" / "models_pytorch" / "preprocessing_pytorch.py"
     shared = types.ModuleType("openpi.shared")
     shared.image_tools = types.ModuleType("openpi.shared.image_tools")
     sys.modules.setdefault("openpi", types.ModuleType("openpi"))

@@ -5,7 +5,8 @@ normalization, return opentau's `sample_actions` chunk for the same observation 
 policy's, and the export's as `opentau eval` / `opentau serve` load it.
 
 Both peers' pi05 models need openpi's transformers_replace files, which only openpi's GitHub source holds (no package
-registry has it): the venv (scripts/peer_envs.sh lerobot-openpi) and these tests need OPENPI_SRC, and skip without it."""
+registry has it): the venv (scripts/peer_envs.sh lerobot-openpi) and these tests take it from OPENPI_SRC, else from the
+pinned copy beside the checkout (../shared/peers/openpi-15a9616); under CI a missing source or venv fails."""
 
 from __future__ import annotations
 
