@@ -37,11 +37,15 @@ def opentau_bin(name: str = "opentau") -> str:
     return found
 
 
-def run_cli(args: list[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 600, script: str = "opentau"):
-    """Run the installed CLI as a real subprocess; returns CompletedProcess with text stdout/stderr."""
+def run_cli(args: list[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 600, script: str = "opentau",
+            umask: int | None = None):
+    """Run the installed CLI as a real subprocess (under `umask` when given); returns CompletedProcess with text
+    stdout/stderr."""
     full_env = {**os.environ, **(env or {})}
     full_env.pop("OPENTAU_DEBUG", None)
-    return subprocess.run([opentau_bin(script), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    preexec = None if umask is None else (lambda: os.umask(umask))
+    return subprocess.run([opentau_bin(script), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec)
 
 
 def run_cli_in_process(args: list[str], *, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -173,6 +177,9 @@ def one_thread():
 # ZeRO-3 (train end to end, the EMA). Both keep an EMA of the weights and validate at each save (neither changes a
 # training loss: validation forks the random stream) and record their weights at every step (tests/ema_hook).
 REFERENCE_STEPS, REFERENCE_SAVE, REFERENCE_EMA_DECAY = 6, 3, 0.9
+# The shared runs are written under this umask (not the usual 022, so a mode that merely happens to be 0644 does not
+# pass): test_file_modes checks every file they hold against it.
+REFERENCE_UMASK = 0o027
 DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE = REFERENCE_STEPS, REFERENCE_SAVE
 
 
@@ -217,7 +224,7 @@ def _make_reference(home: Path, args: list[str]) -> None:
     recorded_weights(run).mkdir()
     env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(EMA_HOOK),
            "TEST_RECORD_WEIGHTS": str(recorded_weights(run))}
-    result = run_cli(["train", *args, f"--output_dir={run}"], env=env)
+    result = run_cli(["train", *args, f"--output_dir={run}"], env=env, umask=REFERENCE_UMASK)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-5000:]}"
 
 
