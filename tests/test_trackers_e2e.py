@@ -104,6 +104,9 @@ def test_mlflow_holds_every_record_of_metrics_jsonl_in_the_same_run(tracked_run,
     import mlflow
 
     run_id = state["trackers"]["mlflow"]
+    # The resume continued the preempted launch's MLflow run, and made no other.
+    assert json.loads((tracked_run["preempted"] / TRAINING_STATE).read_text())["trackers"]["mlflow"] == run_id
+    assert [r.info.run_id for r in mlflow.search_runs(search_all_experiments=True, output_format="list")] == [run_id]
     assert mlflow_metric(run_id, "train/loss") == [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
     assert mlflow_metric(run_id, "val/val_loss") == [(r["step"], r["val_loss"]) for r in records if r["kind"] == "val"]
     run = mlflow.MlflowClient().get_run(run_id)
