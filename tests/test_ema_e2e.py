@@ -24,7 +24,9 @@ from safetensors.torch import load_file
 from conftest import (
     EMA_HOOK, EXAMPLES, REFERENCE_EMA_DECAY, REFERENCE_SAVE, REFERENCE_STEPS, recorded_weights, run_cli, run_cli_in_process,
 )
-from opentau_cli.checkpoint.layout import CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, ema_rank_file
+from opentau_cli.checkpoint.layout import (
+    CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, ema_rank_file,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -202,3 +204,50 @@ def test_the_ema_benchmark_smoke_run_reports_ddp_with_and_without(tmp_path):
     assert "The cost of the EMA of the weights" in text and "--smoke" in text
     assert "| DDP |" in text and "| ZeRO-3 |" not in text  # the smoke runs one backend; both: tests/test_ema.py
     assert text.count("with EMA") == 1 and "MiB/rank" in text
+
+
+def independent_validation(ckpt: Path, weights: dict[str, torch.Tensor], world_size: int) -> float:
+    """The validation loss of `weights` (loaded over the checkpoint's policy) computed here, not by the trainer: each
+    rank's validation batches rebuilt from the checkpoint's config, the noise seeded per rank as validation documents
+    (seed + 7 x rank + 1), the batch losses summed per rank, then averaged over ranks and batches."""
+    from opentau_cli.config import load_config
+    from opentau_cli.data import build_data
+    from opentau_cli.policies import build_policy
+
+    cfg = load_config(ckpt / TRAIN_CONFIG, {})
+    policy = build_policy(cfg.policy)
+    policy.load_state_dict(load_file(str(ckpt / MODEL_WEIGHTS)))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if name in weights:
+                p.copy_(weights[name])
+    policy.eval()
+    loaders = [build_data(cfg, rank=r, world_size=world_size) for r in range(world_size)]
+    try:
+        n = min(min(len(d.val_loader), cfg.validation.max_batches) for d in loaders)
+        sums = []
+        for rank, data in enumerate(loaders):
+            torch.manual_seed(cfg.seed + 7 * rank + 1)
+            batches = iter(data.val_loader)
+            total = 0.0
+            with torch.no_grad():
+                for _ in range(n):
+                    total = total + policy(next(batches))["loss"].float()
+            sums.append(total)
+    finally:
+        for data in loaders:
+            data.stream.close()
+    return float(sum(sums) / world_size / n)
+
+
+def test_ddp_ema_val_loss_equals_an_independent_evaluation_of_the_ema_weights(ema_runs, tmp_path, monkeypatch):
+    """ema_val_loss is the validation loss of the EMA computed here from the recorded weights (not the EMA the trainer
+    keeps), on the same batches and noise; val_loss that of the live weights. Exact (fp32 on CPU, same operations)."""
+    run = ema_runs("ddp")
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path / "cache"))  # the demo data, generated again (deterministic)
+    val = {r["step"]: r for r in (json.loads(line) for line in (run.dir / METRICS).read_text().splitlines())
+           if r.get("kind") == "val"}
+    ckpt = run.ckpt(SAVE)
+    live = load_file(str(run.recorded / f"step_{SAVE}.safetensors"))
+    assert independent_validation(ckpt, live, 2) == val[SAVE]["val_loss"]
+    assert independent_validation(ckpt, reference_ema(run.recorded, SAVE), 2) == val[SAVE]["ema_val_loss"]
