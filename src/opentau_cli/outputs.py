@@ -1,8 +1,13 @@
 """Where a command writes what the user asked for: one convention for `checkpoint export --output`,
 `checkpoint consolidate --output`, `eval --output` and `dataset synth OUT` (docs/ARCHITECTURE.md, "Outputs").
 
+- An output never overlaps a run: a target that is, lies inside or contains a run directory, a `checkpoints/`
+  folder or a checkpoint (read from disk: checkpoint/layout.py `run_part`), or that is, lies inside or contains the
+  source the command reads, is refused (one sentence, exit 2), with or without `--force`.
 - Missing parent directories are created.
-- An existing target that is not an empty directory is refused (one sentence, exit 2) unless `--force`.
+- An existing target that is not an empty directory is refused; `--force` replaces only an earlier output of the
+  same command: a directory `publishing` wrote carries a marker (`.opentau-output.json`, naming the command), a
+  safetensors file the producer opentau records in its header. Anything else stays refused, `--force` or not.
 - The result is written into a hidden temporary sibling (`.<name>.tmp-<pid>`) and renamed into place, so the target
   is only ever absent, the old one, or complete; `--force` replaces the old target only once the new one is complete.
 - Files get the mode `open()` gives them under the umask (`follow_umask`): some writers (safetensors' `save_file`)
@@ -13,24 +18,127 @@ Imports nothing heavy.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
+import struct
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from opentau_cli.checkpoint.layout import run_part
 from opentau_cli.errors import UserError
 
+MARKER = ".opentau-output.json"  # in every directory `publishing` writes: {"command": ..., "source": ...}
+_WALK_LIMIT = 10_000  # directories looked at for a run inside an existing target (beyond: refused as not ours anyway)
 
-def check_target(target: Path, *, force: bool) -> None:
-    """Refuse, before any work, a target that exists and is not an empty directory, unless `force`."""
+
+def check_target(target: Path, *, force: bool, source: Path | str | None = None, command: str | None = None) -> None:
+    """Refuse, before any work, a target that overlaps a run or `source` (the run, checkpoint or model the command
+    reads), and one that exists and is not an empty directory unless `force` and it is an earlier output of
+    `command` (e.g. "checkpoint export"; None: of any opentau command)."""
     target = Path(target)
-    if force or not (target.exists() or target.is_symlink()):
+    check_overlap(target, source)
+    if not (target.exists() or target.is_symlink()):
         return
     if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
         return
-    raise UserError(f"{target} already exists and is not empty: choose a new path, or pass --force to replace it.")
+    inside = _run_inside(target)
+    if inside is not None:
+        raise UserError(f"{target} contains {inside[0]} {inside[1]}: an output never replaces a run or its "
+                        f"checkpoints; choose a new path.")
+    ours = written_by(target, command)
+    name = f"`opentau {command}`" if command else "opentau"
+    if not force:
+        also = f", or pass --force to replace this earlier output of {name}" if ours else ""
+        raise UserError(f"{target} already exists and is not empty: choose a new path{also}.")
+    if not ours:
+        raise UserError(f"{target} already exists and was not written by {name}: --force replaces only an earlier "
+                        f"output of the same command; choose a new path.")
+
+
+def check_overlap(target: Path, source: Path | str | None = None) -> None:
+    """Refuse a target that is or lies inside a run, its `checkpoints/` folder or a checkpoint (the `last` / `best`
+    links included), and one that is, lies inside or contains `source`."""
+    target = Path(target)
+    forms = _forms(target)
+    if source is not None and Path(source).exists():
+        for src in _forms(Path(source)):
+            for form in forms:
+                if form == src or src in form.parents or form in src.parents:
+                    raise UserError(f"{target} overlaps {source}, which this command reads: choose an output path "
+                                    f"outside it.")
+    for form in forms:
+        for at in (form, *form.parents):
+            what = run_part(at)
+            if what is not None:
+                where = "is" if at == form else "lies inside"
+                raise UserError(f"{target} {where} {what} {at}: an output never goes into a run or its checkpoints; "
+                                f"choose a path outside it.")
+
+
+def written_by(target: Path, command: str | None = None) -> bool:
+    """Whether `target` is an earlier output of `command` (None: of any opentau command): a directory with the marker
+    `publishing` writes, a safetensors file (or a sharded one's index) whose header names the opentau producer."""
+    target = Path(target)
+    if target.is_symlink():
+        return False
+    if target.is_dir():
+        try:
+            recorded = json.loads((target / MARKER).read_text()).get("command")
+        except (OSError, ValueError, AttributeError):
+            return False
+        return command is None or recorded == command
+    if target.name.endswith(".index.json"):  # a sharded safetensors output: its shards say who wrote them
+        try:
+            shards = sorted(set(json.loads(target.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return bool(shards) and all(written_by(target.with_name(Path(s).name), command) for s in shards)
+    producer = _safetensors_producer(target)
+    if producer is None or not producer.startswith("opentau "):
+        return False
+    return command is None or producer == f"opentau {command}"
+
+
+def _safetensors_producer(path: Path) -> str | None:
+    """The `producer` a safetensors file records in its header's metadata (read by hand: 8-byte length, JSON)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    producer = meta.get("producer") if isinstance(meta, dict) else None
+    return producer if isinstance(producer, str) else None
+
+
+def _forms(path: Path) -> list[Path]:
+    """The path as given (made absolute) and with its symlinks resolved: a link into a run is refused as the run."""
+    plain = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(path))
+    return [plain] if plain == real else [plain, real]
+
+
+def _run_inside(target: Path) -> tuple[str, Path] | None:
+    """(what, where) of the first run, checkpoints folder or checkpoint inside the directory `target`; links are not
+    followed (replacing the target removes a link, never what it points at)."""
+    if not target.is_dir() or target.is_symlink():
+        return None
+    seen = 0
+    for root, dirs, _ in os.walk(target):
+        for d in dirs:
+            what = run_part(Path(root, d)) if not Path(root, d).is_symlink() else None
+            if what is not None:
+                return what, Path(root, d)
+        seen += len(dirs)
+        if seen > _WALK_LIMIT:
+            return None
+    return None
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -53,23 +161,27 @@ def writable_parent(target: Path) -> Path:
 
 
 @contextmanager
-def publishing(target: Path, *, force: bool) -> Iterator[Path]:
+def publishing(target: Path, *, force: bool, source: Path | str | None = None,
+               command: str | None = None) -> Iterator[Path]:
     """Yield a hidden temporary sibling path of `target` (the caller makes it a directory or a file); when the block
-    succeeds, rename it into place (replacing an empty directory, or with `force` any old target, which is removed
-    only after the new one is in place); when it fails, remove it and the parent directories this call made."""
+    succeeds, mark a directory as `command`'s output (MARKER) and rename it into place (replacing an empty
+    directory, or with `force` an earlier output of `command`, which is removed only after the new one is in place);
+    when it fails, remove it and the parent directories this call made. Refuses what check_target refuses."""
     target = Path(target)
-    check_target(target, force=force)
+    check_target(target, force=force, source=source, command=command)
     made = make_parents(target.parent)
     staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     _remove(staging)
     try:
         yield staging
+        if staging.is_dir() and not staging.is_symlink():
+            (staging / MARKER).write_text(json.dumps({"command": command, "source": None if source is None else str(source)}) + "\n")
         follow_umask(staging)
         old = None
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
             target.rmdir()
         elif target.exists() or target.is_symlink():
-            check_target(target, force=force)  # appeared while we worked
+            check_target(target, force=force, source=source, command=command)  # appeared while we worked
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             _remove(old)
             os.replace(target, old)

@@ -33,6 +33,7 @@ from opentau_cli.errors import RunError, UserError
 from opentau_cli.outputs import check_target, make_parents, publishing, remove_made, writable_parent
 from opentau_cli.units import parse_size
 
+CONSOLIDATE_COMMAND = "checkpoint consolidate"  # names its outputs (opentau_cli/outputs.py): --force replaces only those
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -510,9 +511,9 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
     check_readable(ckpt_dir)
     kind = "ema" if wants_ema(ckpt_dir, weights) else "live"
-    if output is not None:  # the output convention (opentau_cli/outputs.py): a non-empty target needs --force
-        check_target(Path(output), force=force)
-        check_target(weights_index_path(single), force=force)
+    if output is not None:  # the output convention (opentau_cli/outputs.py): never into a run, --force only over ours
+        check_target(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)
+        check_target(weights_index_path(single), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)
     elif is_consolidated(single) and not force:  # its own place in the checkpoint: done already, nothing to refuse
         existing = single if single.is_file() else weights_index_path(single)
         if weights_kind(single) != kind:
@@ -531,7 +532,7 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     total = sum(e.nbytes for e in entries)
     _check_writable(ckpt_dir if output is None else writable_parent(Path(output)), total)
 
-    metadata = {"format": "pt", "producer": "opentau checkpoint consolidate", "zero_stage": str(ckpt.zero_stage),
+    metadata = {"format": "pt", "producer": f"opentau {CONSOLIDATE_COMMAND}", "zero_stage": str(ckpt.zero_stage),
                 "world_size": str(ckpt.world_size), "step": str(ckpt.step), "weights": kind}
     shards = _split_shards(entries, max_bytes)
     if output is None or single == Path(output):
@@ -544,7 +545,7 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
             remove_made(made)
             raise
     else:  # a directory target: written whole into a hidden sibling, renamed into place
-        with publishing(Path(output), force=force) as staging:
+        with publishing(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND) as staging:
             staging.mkdir()
             staged = _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total, shown=Path(output))
             written = [Path(output) / p.name for p in staged]

@@ -29,6 +29,7 @@ TENSORBOARD = "tensorboard"
 TB_RUN = "train"  # tensorboard/train/: every launch of a run writes there (a resume with purge_step)
 LOGS = "logs"
 RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.runlock)
+ROLLED_BACK = "rolled_back"  # rolled_back/<time>/checkpoints/<step>/ and rolled_back/<time>/metrics.jsonl (lineage.py)
 
 # What opentau adds to a checkpoint.
 TRAIN_CONFIG = "train_config.json"
@@ -151,3 +152,40 @@ def holds_run(path: Path) -> bool:
         return True
     ckpts = path / CHECKPOINTS
     return ckpts.exists() and (not ckpts.is_dir() or any(leftover_of(entry.name) is None for entry in ckpts.iterdir()))
+
+
+def is_checkpoints_folder(path: Path) -> bool:
+    """A run's `checkpoints/` (or a rollback's `rolled_back/<time>/checkpoints/`): so named, and holding a
+    published checkpoint, `last` / `best`, or a save's or deletion's leftover."""
+    path = Path(path)
+    if path.name != CHECKPOINTS or not path.is_dir():
+        return False
+    try:
+        return any(step_of(e.name) is not None or e.name in (LAST, BEST) or leftover_of(e.name) for e in path.iterdir())
+    except OSError:
+        return False
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint directory, published or copied elsewhere: it holds what opentau adds to every checkpoint."""
+    path = Path(path)
+    return path.is_dir() and ((path / TRAINING_STATE).is_file() or (path / MANIFEST).is_file())
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run directory: it holds checkpoints, metrics, a rollback's archive or a live run's lock."""
+    path = Path(path)
+    return path.is_dir() and (is_checkpoints_folder(path / CHECKPOINTS) or (path / METRICS).is_file()
+                              or (path / LOGS / RUN_LOCK).exists() or (path / ROLLED_BACK).is_dir())
+
+
+def run_part(path: Path) -> str | None:
+    """What `path` is of a run ("the run", "the checkpoints folder", "the checkpoint"), read from disk; None when it is
+    none of them."""
+    if is_run_dir(path):
+        return "the run"
+    if is_checkpoints_folder(path):
+        return "the checkpoints folder"
+    if is_checkpoint_dir(path):
+        return "the checkpoint"
+    return None

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentau_cli.checkpoint.layout import CHECKPOINTS, MANIFEST, METRICS, TRAINING_STATE, point_last, read_last, step_of
+from opentau_cli.checkpoint.layout import (CHECKPOINTS, MANIFEST, METRICS, ROLLED_BACK, TRAINING_STATE, point_last,
+                                           read_last, step_of)
 from opentau_cli.checkpoint.manifest import hash_file, is_complete
 
 LINEAGE = "lineage"
-ROLLED_BACK = "rolled_back"  # RUN/rolled_back/<time>/checkpoints/<step>/ and RUN/rolled_back/<time>/metrics.jsonl
 
 
 def _published(root: Path) -> list[tuple[int, Path]]:

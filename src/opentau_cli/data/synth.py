@@ -25,6 +25,7 @@ from opentau_cli.config.model import DEMO_DATASET
 from opentau_cli.errors import UserError
 from opentau_cli.outputs import check_target, publishing, writable_parent
 
+SYNTH_COMMAND = "dataset synth"  # names its outputs (opentau_cli/outputs.py): --force replaces only those
 DEMO_VERSION = "v3"  # bump whenever the generated data changes, so old caches are not reused
 DEMO_SETTINGS = dict(episodes=40, steps_per_episode=50, cameras=1, fmt="v2.1", seed=0)
 CAMERA_NAMES = ["top", "front", "side", "wrist"]
@@ -144,13 +145,13 @@ def write_synth(
     if episodes < 1 or steps_per_episode < 1 or cameras < 0:
         raise UserError("--episodes and --steps-per-episode must be >= 1 and --cameras >= 0.")
     target = Path(out_dir)
-    check_target(target, force=force)
+    check_target(target, force=force, command=SYNTH_COMMAND)
     writable_parent(target)
     if video:
         from opentau_cli.data.video import import_av
 
         import_av()  # fail before writing anything
-    with publishing(target, force=force) as staging:
+    with publishing(target, force=force, command=SYNTH_COMMAND) as staging:
         _write_into(staging, episodes, steps_per_episode, cameras, fmt, seed, video)
     return target
 
