@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, rank_state_file, tmp_dir,
+    BEST, CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, rank_state_file, tmp_dir,
 )
 from opentau_cli.checkpoint.manifest import write_manifest
 from opentau_cli.cli.main import app
@@ -129,7 +129,7 @@ def _rolled_back_run(tmp_path):
     return run, root, moved
 
 
-def test_plain_list_says_hashes_were_not_checked_and_list_verify_catches_a_flipped_byte(tmp_path):
+def test_plain_list_says_hashes_were_not_checked_and_list_verify_catches_a_flipped_byte_with_exit_1(tmp_path):
     run, root, _ = _run(tmp_path)
     opt = root / "000020" / OPTIMIZER
     data = bytearray(opt.read_bytes())
@@ -144,11 +144,14 @@ def test_plain_list_says_hashes_were_not_checked_and_list_verify_catches_a_flipp
     assert rows["000020"]["complete"] is True and rows["000020"]["verified"] is None
 
     verified = cli(["checkpoint", "list", run, "--verify"])
-    assert verified.exit_code == 0, verified.stderr
+    assert verified.exit_code == 1, verified.stdout + verified.stderr  # as `checkpoint verify`: a failure is no success
+    assert verified.stderr.strip() == "Error: 1 checkpoint(s) fail verification: 000020."
     line = next(x for x in verified.stdout.splitlines() if "000020" in x)
     assert " NO " in line and f"fails verification: altered: {OPTIMIZER} (content hash differs)" in line
     assert "Every file re-hashed against its checkpoint's manifest." in verified.stdout
-    rows = {r["name"]: r for r in json.loads(cli(["checkpoint", "list", run, "--verify", "--json"]).stdout)}
+    as_json = cli(["checkpoint", "list", run, "--verify", "--json"])
+    assert as_json.exit_code == 1
+    rows = {r["name"]: r for r in json.loads(as_json.stdout)}
     assert (rows["000020"]["complete"], rows["000020"]["verified"]) == (False, False)
     assert (rows["000010"]["verified"], rows["000030"]["verified"]) == (True, True)
 
@@ -179,6 +182,7 @@ def test_inspect_on_a_run_directory_describes_the_run_not_a_missing_manifest(tmp
         "run": str(run),
         "checkpoints": "3: 000010, 000020, 000030",
         "last": "000030 (complete at its manifest sizes)",
+        "best": "- (none kept: checkpoint.keep_best)",
         "current branch": "000010 -> 000020 -> 000030",
         "resume continues": "000030",
         "launches": "A, B",
@@ -190,3 +194,38 @@ def test_inspect_on_a_run_directory_describes_the_run_not_a_missing_manifest(tmp
     assert cli(["checkpoint", "inspect", root]).stdout == res.stdout  # checkpoints/ itself names the same run
     one = cli(["checkpoint", "inspect", root / "000030"])
     assert "continues:       000020, written by launch B" in one.stdout
+
+
+def test_a_sound_run_with_an_interrupted_save_passes_list_verify_with_exit_0(tmp_path):
+    run, _, interrupted = _run(tmp_path)
+    res = cli(["checkpoint", "list", run, "--verify", "--json"])
+    assert res.exit_code == 0, res.stderr
+    rows = {r["name"]: r for r in json.loads(res.stdout)}
+    assert [rows[n]["verified"] for n in ("000010", "000020", "000030")] == [True, True, True]
+    assert rows[interrupted.name]["verified"] is None  # a leftover is reported, not a failure (as `verify` does)
+
+
+def test_list_and_inspect_mark_which_checkpoints_last_and_best_point_at(tmp_path):
+    run, root, _ = _run(tmp_path)
+    os.symlink("000020", root / BEST)
+    rows = {r["name"]: r for r in json.loads(cli(["checkpoint", "list", run, "--json"]).stdout)}
+    assert {n: (r["last"], r["best"]) for n, r in rows.items() if not n.startswith(".")} == {
+        "000010": (False, False), "000020": (False, True), "000030": (True, False)}
+    text = {line.split()[0].lstrip("->"): line.split() for line in cli(["checkpoint", "list", run]).stdout.splitlines()[1:4]}
+    assert (text["000010"][-3], text["000020"][-3], text["000030"][-3]) == ("-", "best", "last")
+
+    run_view = cli(["checkpoint", "inspect", run])
+    assert "last:             000030 (complete at its manifest sizes)" in run_view.stdout
+    assert "best:             000020" in run_view.stdout.splitlines()
+    run_json = json.loads(cli(["checkpoint", "inspect", run, "--json"]).stdout)
+    assert (run_json["last"], run_json["best"]) == ("000030", "000020")
+    for path, links in ((root / "000030", ["last"]), (root / LAST, ["last"]), (root / BEST, ["best"]),
+                        (root / "000020", ["best"]), (root / "000010", [])):
+        assert json.loads(cli(["checkpoint", "inspect", path, "--json"]).stdout)["links"] == links, path
+    assert "designated by:   checkpoints/best" in cli(["checkpoint", "inspect", root / "000020"]).stdout.splitlines()
+
+    os.unlink(root / BEST)
+    os.symlink("000030", root / BEST)  # both on one checkpoint
+    text = [line.split() for line in cli(["checkpoint", "list", run]).stdout.splitlines() if "000030" in line]
+    assert text[0][-3] == "last+best"
+    assert "designated by:   checkpoints/last, checkpoints/best" in cli(["checkpoint", "inspect", root / "000030"]).stdout

@@ -18,7 +18,7 @@ from pathlib import Path
 from opentau_cli.checkpoint import manifest as mf
 from opentau_cli.checkpoint.format import check_readable
 from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
+    BEST, CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
     leftover_of, read_last, step_of,
 )
 from opentau_cli.checkpoint.lineage import current_branch, lineage_in, lineage_of, newest_complete, rolled_back
@@ -83,6 +83,7 @@ class CheckpointInfo:
     time: str | None = None
     lora: dict | None = None  # a LoRA checkpoint: rank, alpha and the base it does not copy ({"source", "files"|"seed"})
     lineage: dict | None = None  # the checkpoint it continues and the launch that wrote it (checkpoint/lineage.py)
+    links: list[str] = field(default_factory=list)  # which of its run's checkpoints/last and checkpoints/best point at it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,6 +127,7 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
         info.files[MANIFEST] = (ckpt_dir / MANIFEST).stat().st_size
     info.total_bytes = sum(info.files.values())
     info.complete = mf.is_complete(ckpt_dir)
+    info.links = links_to(ckpt_dir)
 
     ds = _deepspeed_summary(ckpt_dir)
     weights = _weights_index(ckpt_dir)
@@ -147,6 +149,15 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
         info.parameters = sum(counts.values())
         info.parameters_source = f"{MODEL_WEIGHTS} (parameters and buffers)"
     return info
+
+
+def links_to(ckpt_dir: Path) -> list[str]:
+    """Which of `last` and `best` in the checkpoints/ folder holding `ckpt_dir` designate it (`ckpt_dir` may be one of
+    those links itself)."""
+    real = Path(os.path.realpath(ckpt_dir))
+    if real.parent.name != CHECKPOINTS:
+        return []
+    return [link for link in (LAST, BEST) if read_last(real.parent, link) == real.name]
 
 
 def _deepspeed_summary(ckpt_dir: Path) -> dict | None:
@@ -255,13 +266,14 @@ class ListedCheckpoint:
     time: str | None
     bytes: int
     complete: bool  # every file its manifest lists is there at its size; re-hashed too when `verified` is not None
-    last: bool
+    last: bool  # checkpoints/last points at it
     consolidated: bool | None
     note: str = ""
-    verified: bool | None = None  # None: hashes not checked (list without --verify)
+    verified: bool | None = None  # None: hashes not checked (list without --verify, or a leftover: no checkpoint)
     branch: bool = False  # on the branch `last` designates (what `opentau resume RUN` continues)
     parent: str | None = None  # the checkpoint it continues, from its lineage record
     rolled_back: str | None = None  # the rollback (rolled_back/<time>) that moved it aside
+    best: bool = False  # checkpoints/best (checkpoint.keep_best) points at it
 
 
 def list_run(run_dir: Path, *, verify: bool = False) -> list[ListedCheckpoint]:
@@ -275,14 +287,15 @@ def list_run(run_dir: Path, *, verify: bool = False) -> list[ListedCheckpoint]:
             raise UserError(f"{run_dir} is not a directory.")
         raise UserError(f"{run_dir} has no {CHECKPOINTS}/ directory: pass a run directory (e.g. outputs/train/pi05).")
     run = root.parent
-    last = read_last(root)
+    last, best = read_last(root), read_last(root, BEST)
     branch = {p.name for p in current_branch(run)}
     rows = []
     for d in _checkpoint_dirs(root) + _leftovers(root):
         check_readable(d)
         leftover = leftover_of(d.name)
         row = _listed(d, d.name, verify, leftover=leftover)
-        row.last, row.branch = d.name == last, not leftover and d.name in branch
+        row.last, row.best = not leftover and d.name == last, not leftover and d.name == best
+        row.branch = not leftover and d.name in branch
         rows.append(row)
     for stamp, d in rolled_back(run):
         row = _listed(d, d.relative_to(run).as_posix(), verify, leftover=None)
@@ -308,7 +321,8 @@ def _listed(d: Path, name: str, verify: bool, leftover) -> ListedCheckpoint:
         note = ""
     parent = ((lineage_in(state) or {}).get("parent") or {}).get("name")
     return ListedCheckpoint(name=name, step=step, time=when, bytes=dir_size(d), complete=complete, last=False,
-                            consolidated=consolidated, note=note, verified=complete if verify else None, parent=parent)
+                            consolidated=consolidated, note=note, verified=complete if verify and not leftover else None,
+                            parent=parent)
 
 
 # ---------------------------------------------------------------- inspect a run
@@ -319,6 +333,7 @@ class RunInfo:
     path: str
     checkpoints: list[str] = field(default_factory=list)  # published, oldest first
     last: str | None = None  # what checkpoints/last designates
+    best: str | None = None  # what checkpoints/best designates (checkpoint.keep_best)
     last_complete: bool | None = None  # its files at their manifest sizes (hashes not checked)
     branch: list[str] = field(default_factory=list)  # `last` and its ancestors, oldest first
     off_branch: list[str] = field(default_factory=list)  # published, but not on last's branch
@@ -346,7 +361,7 @@ def inspect_run(run_dir: Path) -> RunInfo:
     published = [d for d in _checkpoint_dirs(root) if step_of(d.name) is not None]
     info.checkpoints = [d.name for d in published]
     info.interrupted = [d.name for d in _leftovers(root)]
-    info.last = read_last(root)
+    info.last, info.best = read_last(root), read_last(root, BEST)
     if info.last and (root / info.last).is_dir():
         info.last_complete = mf.is_complete(root / info.last)
     branch = current_branch(run)

@@ -33,7 +33,7 @@ def consolidate_cmd(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory, or a .safetensors file (default: "
                                                                       "CHECKPOINT_DIR/model.safetensors); missing parents are made."),
     force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated; with --output, "
-                                                      "replace a non-empty target."),
+                                                      "replace an earlier output of this command (never a run or anything else)."),
     weights: WeightsOpt = None,
 ) -> None:
     """Turn DeepSpeed ZeRO-2/3 shards of any number of ranks into model.safetensors, streaming.
@@ -135,6 +135,7 @@ def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint di
         ("dtypes", ", ".join(f"{k}: {v:,}" for k, v in info.dtypes.items()) or None),
         ("consolidated", consolidated), ("complete", complete),
         ("saved", info.time), ("size", human(info.total_bytes)),
+        ("designated by", ", ".join(f"checkpoints/{link}" for link in info.links) or None),
     ]
     if info.lineage is not None:
         parent = (info.lineage.get("parent") or {}).get("name")
@@ -167,6 +168,7 @@ def _print_run(run, as_json: bool) -> None:
         ("run", run.path),
         ("checkpoints", f"{len(run.checkpoints)}: {_names(run.checkpoints)}"),
         ("last", last),
+        ("best", run.best or "- (none kept: checkpoint.keep_best)"),
         ("current branch", " -> ".join(run.branch) or "-"),
         ("resume continues", run.resumes_from or "nothing: no complete checkpoint on the current branch"),
         ("launches", _names(run.launches)),
@@ -218,10 +220,11 @@ def list_cmd(
     verify: bool = typer.Option(False, "--verify", help="Also re-hash every file against its manifest (reads every byte)."),
     as_json: JsonOpt = False,
 ) -> None:
-    """List the checkpoints of a run: step, time, size, complete or not, which one `last` points at, the branch
-    `last` is on (what `opentau resume RUN` continues) and checkpoints a rollback moved aside.
+    """List the checkpoints of a run: step, time, size, complete or not, which ones `last` and `best` point at, the
+    branch `last` is on (what `opentau resume RUN` continues) and checkpoints a rollback moved aside.
 
-    Without --verify, "complete" means every file is there at its manifest size; --verify re-hashes them.
+    Without --verify, "complete" means every file is there at its manifest size; --verify re-hashes them and exits 1
+    when a checkpoint fails.
 
     Examples:
 
@@ -234,22 +237,34 @@ def list_cmd(
     from opentau_cli.checkpoint.info import list_run
 
     rows = list_run(run_dir, verify=verify)
+    failed = [r.name for r in rows if verify and r.verified is False]
     if as_json:
         typer.echo(json.dumps([asdict(r) for r in rows], indent=2))
-        return
+    else:
+        _print_list(run_dir, rows, verify)
+    if failed:  # as `checkpoint verify`: a run whose checkpoints fail their manifests is not a success
+        typer.echo(f"Error: {len(failed)} checkpoint(s) fail verification: {', '.join(failed)}.", err=True)
+        raise typer.Exit(1)
+
+
+def _print_list(run_dir: Path, rows, verify: bool) -> None:
     if not rows:
         typer.echo(f"No checkpoints in {run_dir}.")
         return
     head = "verified" if verify else "sizes ok"
     width = max(24, *(len(r.name) + 2 for r in rows))
-    typer.echo(f"{'':2}{'checkpoint':<{width}}{'step':>8}  {'saved':<26}{'size':>11}  {head:<9}{'consolidated':<13}{'branch':<9}{'parent':<8}")
+    typer.echo(f"{'':2}{'checkpoint':<{width}}{'step':>8}  {'saved':<26}{'size':>11}  {head:<9}{'consolidated':<13}"
+               f"{'is':<10}{'branch':<9}{'parent':<8}")
     for r in rows:
         cons = {None: "n/a", True: "yes", False: "no"}[r.consolidated]
         branch = "current" if r.branch else ("rolled" if r.rolled_back else "-")
+        links = "+".join(name for name, on in (("last", r.last), ("best", r.best)) if on) or "-"
         typer.echo(f"{'->' if r.last else '':2}{r.name:<{width}}{r.step if r.step is not None else '-':>8}  {str(r.time):<26}"
-                   f"{human(r.bytes):>11}  {'yes' if r.complete else 'NO':<9}{cons:<13}{branch:<9}{r.parent or '-':<8}{r.note}")
-    typer.echo("(-> = checkpoints/last; branch current = on last's branch, which `opentau resume RUN` continues; "
-               "rolled = moved aside by a rollback, kept under rolled_back/)")
+                   f"{human(r.bytes):>11}  {'yes' if r.complete else 'NO':<9}{cons:<13}{links:<10}{branch:<9}"
+                   f"{r.parent or '-':<8}{r.note}")
+    typer.echo("(-> and is last = checkpoints/last points at it; is best = checkpoints/best (checkpoint.keep_best); branch "
+               "current = on last's branch, which `opentau resume RUN` continues; rolled = moved aside by a rollback, "
+               "kept under rolled_back/)")
     if verify:
         typer.echo("Every file re-hashed against its checkpoint's manifest.")
     else:
