@@ -115,3 +115,28 @@ def test_schema_lists_every_section():
     schema = TrainConfig.model_json_schema()
     for section in ("policy", "dataset", "optimizer", "scheduler", "checkpoint", "logging", "validation"):
         assert section in schema["properties"]
+
+
+@pytest.mark.parametrize("key", ["policy.tokenizer_path", "policy.pretrained_path"])
+def test_an_empty_path_is_refused_in_one_line_rather_than_read_as_the_working_directory(key, tmp_path):
+    """`--policy.tokenizer_path=` (often an unset shell variable) would otherwise become '.', then a multi-line
+    tokenizer error (or a model search in the working directory): refused from the command line, a config file and
+    the environment alike; null is how to say "not set"."""
+    from conftest import run_cli_in_process
+
+    section, field = key.split(".")
+    config = write_json(tmp_path / "c.json", {**json.loads((EXAMPLES / "pi05_tiny_config.json").read_text()),
+                                              "output_dir": str(tmp_path / "run")})
+    env = f"OPENTAU_{section.upper()}__{field.upper()}"
+    for args, environ in (([f"--{key}="], {}), ([f"--{key}= "], {}), ([], {env: ""})):
+        result = run_cli_in_process(["config", "validate", str(config), *args], env=environ)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert key in line and "is empty" in line, line
+    in_file = write_json(tmp_path / "empty.json", {section: {field: ""}})
+    with pytest.raises(UserError) as err:
+        load_config(in_file, [], environ={})
+    assert str(err.value) == (f"Invalid config in {in_file}: {key}: is empty: give a local path or a Hugging Face repo "
+                              "id (org/name), or leave it out (null) (got '')")
+    assert getattr(load_config(None, [f"--{key}=null"], environ={}).policy, field) is None
+    assert not (tmp_path / "run").exists()

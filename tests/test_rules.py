@@ -259,3 +259,77 @@ def test_the_config_package_imports_no_other_opentau_package_but_errors():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}: {n}" for n in names if n.startswith("opentau_cli") and not n.startswith(allowed)]
     assert found == []
+
+
+# ------------------------------------------------------------------------------------------- checkpoint.best_metric
+KEEP_BEST = ("--checkpoint.keep_best=2", "--validation.val_freq=2", "--validation.val_split=0.25")
+
+
+def test_best_metric_defaults_to_the_loss_of_the_weights_export_eval_and_serve_use_by_default(tmp_path):
+    """EMA on: export / eval / serve default to the EMA weights, so RUN:best is ranked on them; the resolved name is
+    what the run records (train_config.json is the validated config)."""
+    assert cfg(*KEEP_BEST).checkpoint.best_metric is None
+    assert validate(cfg(*KEEP_BEST, "--ema.decay=0.9", tmp=tmp_path), AccelerateSetup(), CPU).config.checkpoint.best_metric == "ema_val_loss"
+    assert validate(cfg(*KEEP_BEST, tmp=tmp_path), AccelerateSetup(), CPU).config.checkpoint.best_metric == "val_loss"
+    # Nothing ranks without keep_best: nothing is resolved, so a later launch resolves it for its own EMA setting.
+    assert validate(cfg("--ema.decay=0.9", tmp=tmp_path), AccelerateSetup(), CPU).config.checkpoint.best_metric is None
+
+
+def test_the_validation_keys_follow_the_losses_and_the_ema():
+    assert cfg().validation_keys() == ["val_loss", "val_mse_loss"]
+    assert cfg("--ema.decay=0.9", "--policy.discrete_action_loss=true").validation_keys() == [
+        "val_loss", "val_mse_loss", "val_ce_loss", "ema_val_loss", "ema_val_mse_loss", "ema_val_ce_loss"]
+
+
+def test_a_misspelt_best_metric_is_refused_naming_the_closest_key(tmp_path):
+    with pytest.raises(UserError) as err:
+        validate(cfg(*KEEP_BEST, "--checkpoint.best_metric=val_los", tmp=tmp_path), AccelerateSetup(), CPU)
+    assert str(err.value) == ("checkpoint.best_metric 'val_los' is not a validation key of this run: did you mean "
+                              "'val_loss'? (validation reports val_loss, val_mse_loss).")
+    with pytest.raises(UserError, match=r"'ema_val_los' .* did you mean 'ema_val_loss'\?"):
+        validate(cfg(*KEEP_BEST, "--ema.decay=0.9", "--checkpoint.best_metric=ema_val_los", tmp=tmp_path), AccelerateSetup(), CPU)
+    # A key validation reports only with the discrete-action loss on.
+    with pytest.raises(UserError, match="'val_ce_loss' is not a validation key"):
+        validate(cfg(*KEEP_BEST, "--checkpoint.best_metric=val_ce_loss", tmp=tmp_path), AccelerateSetup(), CPU)
+    checked = validate(cfg(*KEEP_BEST, "--policy.discrete_action_loss=true", "--checkpoint.best_metric=val_ce_loss",
+                           tmp=tmp_path), AccelerateSetup(), CPU)
+    assert checked.config.checkpoint.best_metric == "val_ce_loss"
+
+
+def test_ema_val_loss_ranks_with_the_ema_on_and_is_refused_without_it(tmp_path):
+    checked = validate(cfg(*KEEP_BEST, "--ema.decay=0.9", "--checkpoint.best_metric=ema_val_mse_loss", tmp=tmp_path),
+                       AccelerateSetup(), CPU)
+    assert checked.config.checkpoint.best_metric == "ema_val_mse_loss" and checked.warnings == []
+    with pytest.raises(UserError) as err:
+        validate(cfg(*KEEP_BEST, "--checkpoint.best_metric=ema_val_loss", tmp=tmp_path), AccelerateSetup(), CPU)
+    assert str(err.value) == ("checkpoint.best_metric 'ema_val_loss' is reported only with the EMA of the weights "
+                              "(ema.decay > 0): set ema.decay, or rank by val_loss.")
+
+
+def test_ranking_the_live_weights_of_a_run_with_an_ema_says_which_weights_run_best_holds(tmp_path):
+    """An explicit val_loss with the EMA on (also what a run started before the default followed the EMA recorded
+    in its train_config.json, which a resume keeps): kept, and the launch says export / eval / serve need
+    --weights live to use the weights it ranked."""
+    import json
+
+    old = tmp_path / "train_config.json"
+    saved = cfg(*KEEP_BEST, "--ema.decay=0.99", tmp=tmp_path).to_json_dict()
+    saved["checkpoint"]["best_metric"] = "val_loss"
+    old.write_text(json.dumps(saved))
+    checked = validate(load_config(old, [], environ={}), AccelerateSetup(), CPU)
+    assert checked.config.checkpoint.best_metric == "val_loss"
+    assert checked.warnings == [
+        "checkpoint.best_metric=val_loss ranks checkpoints by the trained (live) weights, while export, eval and serve "
+        "use the EMA weights by default: pass them --weights live for RUN:best, or rank by ema_val_loss."]
+
+
+def test_config_validate_refuses_a_misspelt_best_metric_in_one_line_before_launch(tmp_path):
+    from conftest import run_cli_in_process
+
+    result = run_cli_in_process(["config", "validate", str(EXAMPLES / "pi05_tiny_config.json"), *KEEP_BEST,
+                                 "--checkpoint.best_metric=val_los", f"--output_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "Error: checkpoint.best_metric 'val_los' is not a validation key of this run: did you mean 'val_loss'? "
+        "(validation reports val_loss, val_mse_loss)."]
+    assert not (tmp_path / "run").exists()

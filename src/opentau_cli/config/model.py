@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_DATASET = "@demo"
@@ -84,6 +85,16 @@ class PolicyConfig(Section):
     )
     num_inference_steps: int = Field(10, ge=1, description="Euler steps in sample_actions.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA fine-tuning (rank 0 = off).")
+
+    @field_validator("tokenizer_path", "pretrained_path", mode="before")
+    @classmethod
+    def _not_empty(cls, value):
+        # An empty value (`--policy.tokenizer_path=`, often an unset shell variable) would become Path('.'): refused
+        # rather than read as the working directory or as "not set".
+        if isinstance(value, str) and not value.strip():
+            raise PydanticCustomError("empty_path", "is empty: give a local path or a Hugging Face repo id (org/name), "
+                                                    "or leave it out (null)")
+        return value
 
     @field_validator("loss_weighting")
     @classmethod
@@ -176,7 +187,13 @@ class CheckpointConfig(Section):
     keep_last: int | None = Field(None, ge=1, description="Keep only the newest N complete checkpoints (None = all).")
     keep_best: int = Field(0, ge=0, description="Also keep the N best checkpoints by best_metric (0 = off); "
                                                "checkpoints/best points to the best. Needs validation.val_freq.")
-    best_metric: str = Field("val_loss", description="Validation key that ranks checkpoints (val_loss, val_mse_loss, ...).")
+    best_metric: str | None = Field(
+        None,
+        description="Validation key that ranks checkpoints: val_loss, val_mse_loss, ... (the trained weights) or, with "
+                    "ema.decay > 0, ema_val_loss, ... (the EMA weights). Default (null): the loss of the weights "
+                    "export, eval and serve use by default (ema_val_loss with the EMA, else val_loss), resolved when "
+                    "the run starts and recorded in train_config.json.",
+    )
     best_mode: Literal["min", "max"] = Field("min", description="Whether a smaller (min) or larger (max) best_metric is better.")
     save_on_preemption: bool = Field(True, description="On SIGTERM/SIGUSR1 finish the step, save, exit 0.")
     async_save: bool = Field(
@@ -283,3 +300,17 @@ class TrainConfig(BaseSettings):
 
     def to_json_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+    def validation_keys(self) -> list[str]:
+        """The metrics each validation reports for this config (train/trainer.py `validate`): `val_<k>` for every
+        loss the policy returns (loss, mse_loss, and ce_loss with discrete_action_loss), and with the EMA on
+        `ema_val_<k>` for the same losses of the EMA weights."""
+        losses = ["loss", "mse_loss"] + (["ce_loss"] if self.policy.discrete_action_loss else [])
+        prefixes = ["val_", "ema_val_"] if self.ema.enabled else ["val_"]
+        return [prefix + loss for prefix in prefixes for loss in losses]
+
+    @property
+    def default_best_metric(self) -> str:
+        """What checkpoint.best_metric null means: the loss of the weights export / eval / serve use by default
+        (the EMA's when the run keeps one; docs/ARCHITECTURE.md, "EMA weights")."""
+        return "ema_val_loss" if self.ema.enabled else "val_loss"

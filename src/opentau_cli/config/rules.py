@@ -7,6 +7,7 @@ checks it is handed (`opentau_cli.plan` composes them: this package imports neit
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -80,6 +81,21 @@ def asks_for_gpus(accel: AccelerateSetup) -> str:
     return f"gpu_ids: {gpu_ids}" if gpu_ids not in (None, "") else ""
 
 
+def best_metric_problem(cfg: TrainConfig) -> str:
+    """Why checkpoint.best_metric cannot rank this run's checkpoints ("" when it can): it must be a key each
+    validation of this config reports (TrainConfig.validation_keys)."""
+    metric, known = cfg.checkpoint.best_metric, cfg.validation_keys()
+    if metric is None or metric in known:
+        return ""
+    if metric.startswith("ema_") and metric.removeprefix("ema_") in known:
+        return (f"checkpoint.best_metric '{metric}' is reported only with the EMA of the weights (ema.decay > 0): set "
+                f"ema.decay, or rank by {metric.removeprefix('ema_')}.")
+    close = difflib.get_close_matches(metric, known, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return (f"checkpoint.best_metric '{metric}' is not a validation key of this run: {hint}"
+            f"(validation reports {', '.join(known)}).")
+
+
 def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks: Sequence[Check] = ()) -> Validated:
     """Check cfg against itself, the launch and the machine, then run `checks`; returns a possibly adjusted copy.
 
@@ -125,15 +141,25 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
     if cfg.validation.val_freq > 0 and cfg.validation.val_split == 0:
         errors.append("validation.val_freq > 0 needs held-out episodes: set validation.val_split (e.g. 0.1).")
     keep_best = cfg.checkpoint
+    if keep_best.keep_best and keep_best.best_metric is None:
+        # Recorded resolved in train_config.json, so a resumed run keeps ranking as it started (an older run's
+        # recorded val_loss included).
+        keep_best.best_metric = cfg.default_best_metric
     if keep_best.keep_best and not cfg.validation.val_freq:
         errors.append(f"checkpoint.keep_best ranks checkpoints by their validation {keep_best.best_metric}: set "
                       "validation.val_freq (and validation.val_split).")
     elif keep_best.keep_best and cfg.save_freq % cfg.validation.val_freq:
         warnings.append(f"save_freq ({cfg.save_freq}) is not a multiple of validation.val_freq "
                         f"({cfg.validation.val_freq}): only checkpoints saved at a validation step can be kept as best.")
-    if keep_best.keep_best and not keep_best.best_metric.startswith("val_"):
-        errors.append(f"checkpoint.best_metric '{keep_best.best_metric}' is not a validation key: use val_loss or "
-                      "another val_* key that validation reports.")
+    if keep_best.best_metric is not None:
+        problem = best_metric_problem(cfg)
+        if problem:
+            errors.append(problem)
+        elif keep_best.keep_best and cfg.ema.enabled and not keep_best.best_metric.startswith("ema_"):
+            warnings.append(
+                f"checkpoint.best_metric={keep_best.best_metric} ranks checkpoints by the trained (live) weights, while "
+                "export, eval and serve use the EMA weights by default: pass them --weights live for RUN:best, or "
+                f"rank by {keep_best.best_metric.replace('val_', 'ema_val_', 1)}.")
 
     # Schedule.
     if cfg.scheduler.type == "cosine_with_warmup" and cfg.scheduler.warmup_steps >= cfg.steps:

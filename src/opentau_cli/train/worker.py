@@ -61,7 +61,9 @@ def fit(cfg, setup, launch: dict, console) -> int:
                              keep_last=cfg.checkpoint.keep_last, protect=resume_from, parent=resume_from,
                              save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs,
                              async_save=cfg.checkpoint.async_save, extra_files=trainer.checkpoint_files,
-                             best=BestCheckpoints(cfg.checkpoint.keep_best, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode),
+                             # best_metric: resolved by the config rules (config/rules.py) whenever keep_best is on
+                             best=BestCheckpoints(cfg.checkpoint.keep_best, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
+                             if cfg.checkpoint.keep_best else None,
                              report=lambda text: progress.message(text))  # progress exists before the first save
     resume_state = None
     if resume_from is not None:
@@ -95,7 +97,8 @@ def fit(cfg, setup, launch: dict, console) -> int:
                 validation = trainer.validate()
                 if validation is not None:
                     metrics.log(validation)
-                    progress.message(f"step {step}: val_loss {validation.get('val_loss', float('nan')):.4f}")
+                    shown = [f"{k} {validation[k]:.4f}" for k in ("val_loss", "ema_val_loss") if k in validation]
+                    progress.message(f"step {step}: {', '.join(shown)}")
             if step % cfg.save_freq == 0 or step == cfg.steps or result.stop:
                 # The step's validation goes with the checkpoint: keep_best ranks checkpoints by it.
                 started = time.perf_counter()
