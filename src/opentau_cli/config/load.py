@@ -103,8 +103,16 @@ def coerce_value(key: str, raw: str) -> Any:
         return raw  # let pydantic judge it ("True", "yes", ...)
 
 
+def _is_bool(annotation: Any) -> bool:
+    """True for a bool field (optional or not): the only kind a bare `--flag` may set."""
+    return annotation is bool or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                  and {a for a in typing.get_args(annotation) if a is not type(None)} == {bool})
+
+
 def parse_overrides(args: list[str]) -> dict[str, str]:
-    """`--k v`, `--k=v`, and a bare `--flag` (meaning true) into {dotted key: raw string}."""
+    """`--k v` and `--k=v` into {dotted key: raw string}. A bare `--flag` means true for a bool field only (e.g.
+    `--resume`); any other key without a value is refused: `--steps` alone must not quietly mean 1, nor
+    `--output_dir` alone a folder named `true`."""
     out: dict[str, str] = {}
     i = 0
     while i < len(args):
@@ -118,9 +126,15 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
             key, value = body, args[i + 1]
             i += 1
         else:
-            key, value = body, "true"
+            key, value = body, None
         key = key.replace("-", "_")
-        _field_annotation(key)  # unknown keys fail here, with a suggestion
+        annotation = _field_annotation(key)  # unknown keys fail here, with a suggestion
+        if value is None:
+            if not _is_bool(annotation):
+                raise UserError(f"--{key} needs a value: --{key}=VALUE or --{key} VALUE.")
+            value = "true"
+        elif not value.strip() and is_path_key(key):
+            raise UserError(f"--{key} is empty: give a path (--{key}=PATH).")
         out[key] = value
         i += 1
     return out
@@ -167,9 +181,14 @@ def find_config_file(path: str | Path) -> Path:
 
 def read_json(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise UserError(f"Config path '{path}' is a directory; pass a JSON file (e.g. {path / 'train_config.json'}).") from None
     except OSError as e:
-        raise UserError(f"Cannot read config file '{path}': {e.strerror}.") from None
+        raise UserError(f"Cannot read config file '{path}': {e.strerror or e}.") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"Config file '{path}' is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                        "save it as UTF-8 JSON.") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -193,17 +212,47 @@ def env_values(environ: Mapping[str, str] | None = None) -> dict:
     return source()
 
 
-def format_validation_error(err: ValidationError, origin: str) -> str:
-    lines = []
+def env_origins(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{dotted key: the OPENTAU_* variable that sets it} (what an error about that key names as its origin)."""
+    environ = os.environ if environ is None else environ
+    return {name[len("OPENTAU_"):].lower().replace("__", "."): name for name in environ
+            if name.upper().startswith("OPENTAU_") and name.upper() not in NON_CONFIG_ENV}
+
+
+def origin_of(key: str, origins: Mapping[str, str], default: str) -> str:
+    """Where the value at dotted `key` came from: the longest given key that is `key` or holds it, else `default`."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        found = origins.get(".".join(parts[:n]))
+        if found is not None:
+            return found
+    return default
+
+
+def format_validation_error(err: ValidationError, origin: str = "", origins: Mapping[str, str] | None = None) -> str:
+    """One line per bad value, naming where it came from: `origins` maps dotted keys to their source (`--key`, an
+    OPENTAU_* variable); every other key is `origin`'s (" in <file>", or "" for the defaults)."""
+    found = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
+        source = origin_of(key, origins or {}, origin.removeprefix(" in ")) if key else ""
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'{suggest(key)}")
+            text = f"unknown config key '{key}'{suggest(key)}"
         else:
             got = e.get("input")
             shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-            lines.append(f"{key}: {e['msg']}{shown}")
-    head = f"Invalid config{origin}: " if len(lines) == 1 else f"Invalid config{origin}:\n  "
+            text = f"{key}: {e['msg']}{shown}" if key else f"{e['msg']}{shown}"
+        found.append((text, source))
+    sources = {source for _, source in found}
+    if len(sources) == 1:  # one origin: named once, in the head
+        (only,) = sources
+        where = f" in {only}" if only and not only.startswith(("--", "OPENTAU_")) else (f" from {only}" if only else "")
+        lines = [text for text, _ in found]
+    else:
+        where = ""
+        lines = [f"{text} [{'from ' + source if source.startswith(('--', 'OPENTAU_')) else 'in ' + source}]"
+                 if source else text for text, source in found]
+    head = f"Invalid config{where}: " if len(lines) == 1 else f"Invalid config{where}:\n  "
     return head + "\n  ".join(lines)
 
 
@@ -212,7 +261,8 @@ def load_config(
     overrides: Mapping[str, str] | list[str] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> TrainConfig:
-    """JSON file < OPENTAU_* environment < overrides. Raises UserError with one readable message."""
+    """JSON file < OPENTAU_* environment < overrides. Raises UserError with one readable message, naming where each
+    bad value came from (the file, the OPENTAU_* variable or the `--key` flag)."""
     data: dict = {}
     origin = ""
     found: Path | None = None
@@ -225,12 +275,16 @@ def load_config(
     data = _deep_merge(data, resolve_paths(env_values(environ), cwd))
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
+    origins = env_origins(environ)
     for key, raw in (overrides or {}).items():
         value = coerce_value(key, raw)
         _set_dotted(data, key, resolve_value(key, value, cwd) if is_path_key(key) else value)
+        origins[key] = f"--{key}"
+        for other in [k for k in origins if k.startswith(key + ".")]:  # the flag replaced that whole section
+            del origins[other]
     if found is not None:
         data["config_path"] = str(found)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
-        raise UserError(format_validation_error(e, origin)) from None
+        raise UserError(format_validation_error(e, origin, origins)) from None
