@@ -137,12 +137,16 @@ def read_accelerate_config(path: str | Path) -> AccelerateSetup:
     mixed = str(raw.get("mixed_precision") or "no").lower()
     if mixed not in ("no", "bf16", "fp16", "fp8"):
         raise UserError(f"Accelerate config '{path}': unknown mixed_precision '{mixed}' (no, bf16, fp16, fp8).")
-    num_processes = _int(raw, "num_processes", 1, path) or 1
+    num_processes = _int(raw, "num_processes", 1, path)
+    num_machines = _int(raw, "num_machines", 1, path)
+    for key, value in (("num_processes", num_processes), ("num_machines", num_machines)):
+        if value is not None and value < 1:  # Accelerate would quietly start one process, or fail after launch
+            raise UserError(f"Accelerate config '{path}': '{key}' must be 1 or more, got {value}.")
     fields: dict = dict(
         backend=backend,
         distributed_type=dtype,
-        num_processes=num_processes if backend != "single" else 1,
-        num_machines=_int(raw, "num_machines", 1, path) or 1,
+        num_processes=(num_processes or 1) if backend != "single" else 1,
+        num_machines=num_machines or 1,
         machine_rank=_int(raw, "machine_rank", 0, path) or 0,
         main_process_ip=raw.get("main_process_ip"),
         main_process_port=_int(raw, "main_process_port", None, path),
@@ -236,6 +240,8 @@ def with_machine(setup: AccelerateSetup, flags: Mapping[str, object] | None = No
             if not str(value).strip().isdigit():
                 raise UserError(f"{source} must be a whole number, got {value!r}.")
             value = int(value)
+            if key == "num_machines" and value < 1:
+                raise UserError(f"{source} must be 1 or more, got {value}.")
         changes[key] = value
     return replace(setup, **changes) if changes else setup
 
