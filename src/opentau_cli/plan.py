@@ -32,6 +32,7 @@ from opentau_cli.data.check import check_dataset
 from opentau_cli.data.hub import pin_for_resume
 from opentau_cli.train.trackers import check_trackers
 from opentau_cli.errors import UserError
+from opentau_cli import runlock
 
 
 def check_policy(cfg: TrainConfig) -> list[str]:
@@ -92,7 +93,17 @@ def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict, overrides: d
 
 
 def check_output_dir(cfg: TrainConfig) -> list[str]:
-    """A fresh run never writes into another run's directory by accident (a failed start's leftovers do not count)."""
+    """output_dir can be a directory (it, or the first of its parents that exists, is one), and a fresh run never
+    writes into another run's directory by accident (a failed start's leftovers do not count)."""
+    out = Path(cfg.output_dir)
+    for path in (out, *out.parents):
+        if path.is_dir():
+            break
+        if path.exists() or path.is_symlink():  # a file, or a link to nothing: mkdir would fail after the checks
+            what = "is a file" if path.is_file() else "is not a directory"
+            if path == out:
+                return [f"output_dir '{out}' {what}: pick another --output_dir."]
+            return [f"output_dir '{out}' cannot be created: '{path}' {what}; pick another --output_dir."]
     if cfg.resume or cfg.overwrite or not holds_run(cfg.output_dir):
         return []
     return [f"output_dir '{cfg.output_dir}' already exists; resume it with `opentau resume {cfg.output_dir}`, "
@@ -132,13 +143,15 @@ class RunPlan:
 
 
 def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
-               machines: dict | None = None, reshard: bool = False, rollback: bool = False) -> RunPlan:
+               machines: dict | None = None, reshard: bool = False, rollback: bool = False,
+               break_lock: bool = False) -> RunPlan:
     """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest).
 
     `machine` is the one the rules check for; by default this one. `machines`: the command line's machine settings
     (`config.with_machine`: they and the cluster's environment override the YAML). `reshard`: a resume may change
     the number of processes, the backend or the ZeRO stage (checkpoint/reshard.py). `rollback`: a resume from a
-    checkpoint older than the run's newest moves the newer ones aside instead of being refused (lineage.py)."""
+    checkpoint older than the run's newest moves the newer ones aside instead of being refused (lineage.py).
+    `break_lock`: the launch will take over a lost node's run lock (runlock.py), so that lock refuses nothing here."""
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
     cfg = load_config(config_path, overrides)
@@ -152,20 +165,23 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
         ckpt = find_checkpoint(source)
     else:
         ckpt = find_checkpoint(cfg.output_dir)
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard, rollback)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard, rollback, break_lock)
 
 
 def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
-                machines: dict | None = None, reshard: bool = False, rollback: bool = False) -> RunPlan:
+                machines: dict | None = None, reshard: bool = False, rollback: bool = False,
+                break_lock: bool = False) -> RunPlan:
     """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
     ckpt = find_checkpoint(target)
     overrides = parse_overrides(args)
     cfg = load_config(ckpt / TRAIN_CONFIG, {**overrides, "resume": "true"})
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines, reshard, rollback)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines, reshard, rollback,
+                        break_lock)
 
 
 def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine,
-                 machines: dict | None, reshard: bool = False, rollback: bool = False) -> RunPlan:
+                 machines: dict | None, reshard: bool = False, rollback: bool = False,
+                 break_lock: bool = False) -> RunPlan:
     import json
 
     notes = []
@@ -196,7 +212,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
     check_lora_resume(ckpt, checked.config, state, saved_config)
     check_mixture_resume(ckpt, checked.config, saved_config, overrides)
-    history = check_history(ckpt, rollback)  # a line only when there are newer checkpoints to move aside
+    history = check_history(ckpt, rollback, break_lock)  # a line only when there are newer checkpoints to move aside
     notes.extend(history)
     schedule = describe_schedule_change(saved_config, checked.config, int(state.get("step", 0)))
     if schedule:
@@ -211,9 +227,11 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
 ROLLBACK_FLAG = "--rollback=true"
 
 
-def check_history(ckpt: Path, rollback: bool) -> list[str]:
+def check_history(ckpt: Path, rollback: bool, break_lock: bool = False) -> list[str]:
     """A resume writes its checkpoints after `ckpt`'s step: newer checkpoints of the run would be overwritten or mixed
-    into another branch's history. Refused unless `rollback` (then the launcher moves them aside: lineage.py)."""
+    into another branch's history. Refused unless `rollback` (then the launcher moves them aside: lineage.py). A
+    live run holding the run's lock is refused first, as the launch would refuse it: its newer checkpoint may be one
+    it is publishing right now, and --rollback would be the wrong advice (runlock.py)."""
     from opentau_cli.checkpoint.lineage import ROLLED_BACK, newer_checkpoints, span
 
     run_dir = run_dir_of(ckpt)
@@ -221,6 +239,7 @@ def check_history(ckpt: Path, rollback: bool) -> list[str]:
     if not newer:
         return []
     if not rollback:
+        runlock.check_free(run_dir, break_lock=break_lock)
         raise UserError(
             f"Checkpoint {ckpt.name} is older than the run's newest checkpoints ({span(newer)}): resuming from it would "
             f"overwrite them and mix two histories. Resume the newest with `opentau resume {run_dir}`, or pass "

@@ -62,6 +62,39 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
 
 
+def _blocking_holder(path: Path, break_lock: bool) -> dict | None:
+    """The content of the lock at `path` when a live run holds it and `break_lock` does not take it over, else None
+    (no lock, or a stale one). Raises FileNotFoundError when the lock went away while being read."""
+    holder = _read(path)
+    mtime = path.stat().st_mtime
+    if holder is None:  # being written right now, or torn: judge it by its age alone
+        holder = {}
+    same_host = holder.get("host") == socket.gethostname()
+    if holder_alive(holder, mtime) and not (break_lock and not same_host and holder):
+        return holder
+    return None
+
+
+def in_use_error(run_dir: Path, holder: dict) -> UserError:
+    hint = ("" if holder.get("host") == socket.gethostname() else
+            f"; if that run is dead (its node lost), pass --break-lock, or wait {int(STALE_S)} s after its last heartbeat")
+    return UserError(f"Run directory '{run_dir}' is in use by a live run ({_describe(holder)}); wait for it to finish "
+                     f"or stop it{hint}.")
+
+
+def check_free(run_dir: Path, *, break_lock: bool = False) -> None:
+    """UserError (the one `acquire` raises) when a live run holds the run directory's lock; takes nothing. For the
+    plan: a live run explains what it sees in the directory (e.g. a checkpoint being published) better than any
+    other refusal would."""
+    path = lock_path(run_dir)
+    try:
+        holder = _blocking_holder(path, break_lock)
+    except OSError:  # no lock (or no logs/ to hold one)
+        return
+    if holder is not None:
+        raise in_use_error(run_dir, holder)
+
+
 def acquire(run_dir: Path, *, break_lock: bool = False) -> dict:
     """Take the run directory's lock (creating logs/); UserError when a live run holds it. Returns what was written."""
     path = lock_path(run_dir)
@@ -71,20 +104,12 @@ def acquire(run_dir: Path, *, break_lock: bool = False) -> dict:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            holder = _read(path)
             try:
-                mtime = path.stat().st_mtime
+                holder = _blocking_holder(path, break_lock)
             except FileNotFoundError:
                 continue
-            if holder is None:  # being written right now, or torn: judge it by its age alone
-                holder = {}
-            same_host = holder.get("host") == socket.gethostname()
-            if holder_alive(holder, mtime) and not (break_lock and not same_host and holder):
-                hint = ("" if same_host else
-                        f"; if that run is dead (its node lost), pass --break-lock, or wait {int(STALE_S)} s after its "
-                        "last heartbeat")
-                raise UserError(f"Run directory '{run_dir}' is in use by a live run ({_describe(holder)}); wait for it "
-                                f"to finish or stop it{hint}.")
+            if holder is not None:
+                raise in_use_error(run_dir, holder)
             path.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:

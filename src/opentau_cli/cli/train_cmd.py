@@ -47,7 +47,8 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
 
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_train(config_path, accelerate_config, list(ctx.args), machines=machines,
-                       reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback)),
+                       reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
+                       break_lock=break_lock),
             break_lock)
 
 
@@ -78,7 +79,8 @@ def resume(
 
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_resume(run_dir, accelerate_config, list(ctx.args), machines=machines,
-                        reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback)),
+                        reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
+                        break_lock=break_lock),
             break_lock)
 
 
