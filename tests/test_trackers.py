@@ -130,6 +130,7 @@ def test_only_the_main_process_opens_trackers(tmp_path, offline_trackers):
 
 
 def test_an_unknown_or_missing_tracker_is_one_line_naming_the_extra(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.test:5000")  # mlflow installed and set: no line
     cfg = load_config(None, ["--logging.trackers=[tensorboard,wandb,mlflow,neptune]"])
     real = trackers_mod.importlib.util.find_spec
     monkeypatch.setattr(trackers_mod.importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
@@ -138,6 +139,30 @@ def test_an_unknown_or_missing_tracker_is_one_line_naming_the_extra(monkeypatch)
         "logging.trackers names 'neptune', which is not a tracker Accelerate supports "
         f"({', '.join(trackers_mod.known_trackers())}).",
     ]
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({}, "MLFLOW_TRACKING_URI is not set"),
+    ({"MLFLOW_TRACKING_URI": "  "}, "MLFLOW_TRACKING_URI is not set"),
+    ({"MLFLOW_TRACKING_URI": "file:./mlruns"}, "unless MLFLOW_ALLOW_FILE_STORE=true"),
+    ({"MLFLOW_TRACKING_URI": "/data/mlruns"}, "unless MLFLOW_ALLOW_FILE_STORE=true"),
+    ({"MLFLOW_TRACKING_URI": "file:./mlruns", "MLFLOW_ALLOW_FILE_STORE": "true"}, None),
+    ({"MLFLOW_TRACKING_URI": "http://mlflow.test:5000"}, None),
+    ({"MLFLOW_TRACKING_URI": "databricks"}, None),
+])
+def test_mlflow_without_the_setting_it_needs_is_refused_before_launch_naming_it(monkeypatch, env, problem):
+    """Without MLFLOW_TRACKING_URI MLflow 3 opens a sqlite store that its client package cannot open: the ranks would
+    fail after launch with MLflow's own exception. Refused before launch instead, one line naming the setting."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    lines = check_trackers(load_config(None, ["--logging.trackers=[tensorboard,mlflow]"]))
+    if problem is None:
+        assert lines == []
+    else:
+        (line,) = lines
+        assert line.startswith("logging.trackers names mlflow") and problem in line and "\n" not in line
 
 
 def test_a_tracker_that_cannot_start_is_one_line_saying_what_to_do(tmp_path, offline_trackers, monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from opentau_cli.errors import UserError
@@ -39,9 +40,32 @@ def known_trackers() -> list[str]:
     return sorted(LOGGER_TYPE_TO_CLASS)
 
 
+def mlflow_setting(environ=None) -> str | None:
+    """What stops MLflow from starting in this environment, as the setting to give (None: nothing). Without
+    MLFLOW_TRACKING_URI MLflow 3 opens a sqlite store in the working directory, which its client package
+    (mlflow-skinny) cannot open: the ranks would fail after launch with MLflow's own exception; a file: store is
+    refused by MLflow unless MLFLOW_ALLOW_FILE_STORE=true."""
+    environ = os.environ if environ is None else environ
+    uri = environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if not uri:
+        return ("logging.trackers names mlflow but MLFLOW_TRACKING_URI is not set: set it to your tracking server "
+                "(e.g. http://mlflow.example:5000), or to a local store (file:./mlruns with MLFLOW_ALLOW_FILE_STORE=true).")
+    scheme = uri.split(":", 1)[0] if ":" in uri else ""
+    file_store = scheme == "file" or (not scheme and uri not in ("databricks", "databricks-uc"))  # a bare path too
+    allowed = environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
+    if file_store and not allowed:
+        return (f"logging.trackers names mlflow with the file store MLFLOW_TRACKING_URI={uri}, which MLflow 3 refuses "
+                "unless MLFLOW_ALLOW_FILE_STORE=true: set that too, or point MLFLOW_TRACKING_URI at your tracking server.")
+    return None
+
+
+# What a tracker needs set before launch, beyond being installed: one line naming the setting, or None.
+SETTINGS = {"mlflow": mlflow_setting}
+
+
 def check_trackers(cfg) -> list[str]:
-    """Before launch: every tracker in logging.trackers is one Accelerate knows and is installed (one line each,
-    naming the extra to install)."""
+    """Before launch: every tracker in logging.trackers is one Accelerate knows, is installed (one line each,
+    naming the extra to install) and has the settings it needs to start (SETTINGS)."""
     known = known_trackers()
     errors = []
     for name in cfg.logging.trackers:
@@ -52,6 +76,10 @@ def check_trackers(cfg) -> list[str]:
         if importlib.util.find_spec(module) is None:
             how = f"pip install 'opentau-cli[{extra}]'" if extra else f"pip install {module}"
             errors.append(f"logging.trackers names {name}, which is not installed: {how}.")
+            continue
+        problem = SETTINGS[name]() if name in SETTINGS else None
+        if problem:
+            errors.append(problem)
     return errors
 
 
