@@ -2,8 +2,9 @@
 
 Per dataset (the single `dataset.root`, or each member of `dataset.mixture`): the meta files, the mapped features and
 their widths, the camera mapping and PyAV for video, the selected episodes and their row / time ranges, the fps of
-every video against the dataset's, and a stat of every data and video file the selected episodes read (no file is
-opened). Across a mixture: names, and one fps for all. Each problem is one line naming the file or key.
+every video against the dataset's, a stat of every data and video file the selected episodes read, and the footer
+of each of their parquet data files (no video is opened). Across a mixture: names, and one fps for all. Each problem
+is one line naming the file or key.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def _check_ranges(meta: DatasetMeta, episodes: list, videos: list[str]) -> list[
 
 
 def _check_files(prefix: str, meta: DatasetMeta, episodes: list, videos: list[str]) -> list[str]:
-    """A stat of every data and video file the episodes read: absent and empty ones, one line per kind."""
+    """A stat of every data and video file the episodes read, and each data file's parquet footer: absent, empty
+    and unreadable ones, one line per kind."""
     wanted: dict[Path, tuple[str, list[int]]] = {}  # path -> (the info.json template laying it out, episodes reading it)
     for ep in episodes:
         wanted.setdefault(meta.data_path(ep), ("data_path", []))[1].append(ep.index)
@@ -191,7 +193,21 @@ def _check_files(prefix: str, meta: DatasetMeta, episodes: list, videos: list[st
             continue
         if size == 0:
             found.setdefault(("empty", layout), []).append((path, eps))
+        elif layout == "data_path" and not _parquet_footer_reads(path):
+            found.setdefault(("truncated or damaged (its parquet footer does not read)", layout), []).append((path, eps))
     return [_files_line(prefix, meta, files, state, layout) for (state, layout), files in found.items()]
+
+
+def _parquet_footer_reads(path: Path) -> bool:
+    """Whether the parquet file's footer (its schema and row groups) reads: a truncated or damaged file fails here,
+    before launch, instead of in a rank mid-run. The footer only: a few KB, however large the file."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_metadata(path)
+    except Exception:  # pyarrow's ArrowInvalid / OSError: what a bad footer raises is pyarrow's business
+        return False
+    return True
 
 
 def _files_line(prefix: str, meta: DatasetMeta, files: list, state: str, layout: str) -> str:
