@@ -1,5 +1,6 @@
 """What a command tells and writes, through the installed CLI: the one output convention (export, consolidate, eval,
-dataset synth: missing parents made, a non-empty target refused unless --force, published whole), file modes that
+dataset synth: missing parents made, a non-empty target refused unless --force and an earlier output of the same
+command, published whole; overlaps with runs: tests/test_output_overlap.py), file modes that
 follow the umask, and the 8-GPU example YAMLs refused on a machine without CUDA. What a umask governs runs in a child
 process (the umask is set there only); the refusals and --force replacements run in-process (they launch nothing)."""
 
@@ -15,6 +16,7 @@ import pytest
 
 from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
+from opentau_cli.outputs import MARKER
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 GPU_YAMLS = ["accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml", "accelerate_deepspeed_zero3_config.yaml"]
@@ -88,7 +90,8 @@ def test_dataset_synth_makes_parents_refuses_a_used_target_and_replaces_it_with_
 
     before = (target / "meta" / "info.json").read_text()
     _refused(run_cli_in_process(["dataset", "synth", str(target), "--episodes", "3"]),
-             f"{target} already exists and is not empty: choose a new path, or pass --force to replace it.")
+             f"{target} already exists and is not empty: choose a new path, or pass --force to replace this earlier "
+             "output of `opentau dataset synth`.")
     assert (target / "meta" / "info.json").read_text() == before
 
     again = run_cli_in_process(["dataset", "synth", str(target), "--episodes", "3", "--steps-per-episode", "4", "--force"])
@@ -112,11 +115,12 @@ def test_a_write_that_fails_midway_leaves_no_temp_sibling_no_parents_it_made_and
             raise RuntimeError("disk gone")
     assert list(tmp_path.iterdir()) == []
 
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "keep.txt").write_text("mine")
+    old = tmp_path / "old"  # an earlier output of the same command: the only thing --force replaces
+    with publishing(old, force=False, command="dataset synth") as staging:
+        staging.mkdir()
+        (staging / "keep.txt").write_text("mine")
     with pytest.raises(RuntimeError):
-        with publishing(old, force=True) as staging:
+        with publishing(old, force=True, command="dataset synth") as staging:
             staging.mkdir()
             raise RuntimeError("killed")
     assert [p.name for p in tmp_path.iterdir()] == ["old"] and (old / "keep.txt").read_text() == "mine"
@@ -154,7 +158,7 @@ def test_export_makes_parents_follows_the_umask_refuses_a_used_target_and_replac
 
     weights = (out / MODEL_WEIGHTS).read_bytes()
     _refused(run_cli_in_process(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi"]),
-             f"{out} already exists and is not empty: choose a new path, or pass --force to replace it.")
+             f"{out} already exists and is not empty: choose a new path, or pass --force to replace this earlier output of ")
     assert (out / MODEL_WEIGHTS).read_bytes() == weights and not list(out.glob("assets"))
     forced = run_cli_in_process(["checkpoint", "export", str(run_under_umask), "--output", str(out), "--layout", "openpi", "--force"])
     assert forced.returncode == 0, forced.stderr
@@ -167,9 +171,9 @@ def test_eval_output_makes_parents_refuses_a_used_target_and_replaces_it_with_fo
     args = ["eval", str(run_under_umask), "--episodes", "0", "--stride", "25", "--plot-episodes", "0", "--device", "cpu"]
     made = run_cli_in_process([*args, "--output", str(out)])
     assert made.returncode == 0, made.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["eval.json"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "eval.json"]  # the marker: --force replaces only this
     _refused(run_cli_in_process([*args, "--output", str(out)]),
-             f"{out} already exists and is not empty: choose a new path, or pass --force to replace it.")
+             f"{out} already exists and is not empty: choose a new path, or pass --force to replace this earlier output of ")
     forced = run_cli_in_process([*args, "--output", str(out), "--force"])
     assert forced.returncode == 0, forced.stderr
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny"]

@@ -36,18 +36,14 @@ _WALK_LIMIT = 10_000  # directories looked at for a run inside an existing targe
 
 def check_target(target: Path, *, force: bool, source: Path | str | None = None, command: str | None = None) -> None:
     """Refuse, before any work, a target that overlaps a run or `source` (the run, checkpoint or model the command
-    reads), and one that exists and is not an empty directory unless `force` and it is an earlier output of
-    `command` (e.g. "checkpoint export"; None: of any opentau command)."""
+    reads: check_overlap), and one that exists and is not an empty directory unless `force` and it is an earlier
+    output of `command` (e.g. "checkpoint export"; None: of any opentau command)."""
     target = Path(target)
     check_overlap(target, source)
     if not (target.exists() or target.is_symlink()):
         return
     if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
         return
-    inside = _run_inside(target)
-    if inside is not None:
-        raise UserError(f"{target} contains {inside[0]} {inside[1]}: an output never replaces a run or its "
-                        f"checkpoints; choose a new path.")
     ours = written_by(target, command)
     name = f"`opentau {command}`" if command else "opentau"
     if not force:
@@ -59,16 +55,10 @@ def check_target(target: Path, *, force: bool, source: Path | str | None = None,
 
 
 def check_overlap(target: Path, source: Path | str | None = None) -> None:
-    """Refuse a target that is or lies inside a run, its `checkpoints/` folder or a checkpoint (the `last` / `best`
-    links included), and one that is, lies inside or contains `source`."""
+    """Refuse a target that is, lies inside or contains a run, its `checkpoints/` folder or a checkpoint (the `last`
+    / `best` links included), or that is, lies inside or contains `source`."""
     target = Path(target)
     forms = _forms(target)
-    if source is not None and Path(source).exists():
-        for src in _forms(Path(source)):
-            for form in forms:
-                if form == src or src in form.parents or form in src.parents:
-                    raise UserError(f"{target} overlaps {source}, which this command reads: choose an output path "
-                                    f"outside it.")
     for form in forms:
         for at in (form, *form.parents):
             what = run_part(at)
@@ -76,6 +66,16 @@ def check_overlap(target: Path, source: Path | str | None = None) -> None:
                 where = "is" if at == form else "lies inside"
                 raise UserError(f"{target} {where} {what} {at}: an output never goes into a run or its checkpoints; "
                                 f"choose a path outside it.")
+    inside = _run_inside(target)
+    if inside is not None:
+        raise UserError(f"{target} contains {inside[0]} {inside[1]}: an output never replaces a run or its "
+                        f"checkpoints; choose a new path.")
+    if source is not None and Path(source).exists():
+        for src in _forms(Path(source)):
+            for form in forms:
+                if form == src or src in form.parents or form in src.parents:
+                    raise UserError(f"{target} overlaps {source}, which this command reads: choose an output path "
+                                    f"outside it.")
 
 
 def written_by(target: Path, command: str | None = None) -> bool:
