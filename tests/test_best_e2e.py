@@ -1,15 +1,19 @@
-"""checkpoint.keep_best through the installed CLI: one single-process run validated and saved every step with
-keep_last=1 and keep_best=2; the kept checkpoints, checkpoints/best, and `RUN:best` in export and eval.
-(Which checkpoints win for a metric that rises and falls is tested in-process: tests/test_lineage.py.)"""
+"""checkpoint.keep_best through the installed CLI: one single-process run with an EMA of the weights, validated and
+saved every step with keep_last=1 and keep_best=2 and the default best_metric; the kept checkpoints, checkpoints/best
+(ranked on the EMA weights, which export / eval / serve use by default), and `RUN:best` in export, eval and serve,
+each recording which weights of which step it used.
+(Which checkpoints win for a metric that rises and falls is tested in-process: tests/test_lineage.py; live and EMA
+rankings that disagree: tests/test_ema.py.)"""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from safetensors import safe_open
 
 from conftest import EXAMPLES, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.layout import BEST, CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE
+from opentau_cli.checkpoint.layout import BEST, CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 
 pytestmark = pytest.mark.e2e
 
@@ -28,33 +32,70 @@ def run(tmp_path_factory):
     out = tmp / "run"
     ok(run_cli(["train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}", f"--output_dir={out}", "--steps", str(STEPS),
                 "--save_freq=1", "--log_freq=1", "--batch_size=4", "--validation.val_split=0.25", "--validation.val_freq=1",
-                "--validation.max_batches=2", "--checkpoint.keep_last=1", "--checkpoint.keep_best=2"], env=env))
+                "--validation.max_batches=2", "--checkpoint.keep_last=1", "--checkpoint.keep_best=2", "--ema.decay=0.5"],
+               env=env))
     return tmp, out, env
 
 
-def test_the_two_best_by_val_loss_and_the_newest_are_kept_and_best_points_at_the_best(run):
+def _validations(out) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / METRICS).read_text().splitlines()) if r.get("kind") == "val"}
+
+
+def test_the_two_best_by_the_ema_weights_val_loss_and_the_newest_are_kept_and_best_points_at_the_best(run):
+    from opentau_cli.config import load_config
+
     _, out, _ = run
-    val = {r["step"]: r for r in map(json.loads, (out / METRICS).read_text().splitlines()) if r.get("kind") == "val"}
+    val = _validations(out)
     assert sorted(val) == list(range(1, STEPS + 1))
-    ranked = sorted(val, key=lambda s: (val[s]["val_loss"], -s))
+    ranked = sorted(val, key=lambda s: (val[s]["ema_val_loss"], -s))
     kept = sorted(p.name for p in (out / CHECKPOINTS).iterdir() if p.name.isdigit())
     assert kept == sorted({f"{s:06d}" for s in ranked[:2]} | {f"{STEPS:06d}"})
     assert (out / CHECKPOINTS / BEST).resolve().name == f"{ranked[0]:06d}"
     for name in kept:  # each checkpoint carries the validation of its step, as metrics.jsonl logged it
         state = json.loads((out / CHECKPOINTS / name / TRAINING_STATE).read_text())
         assert state["validation"] == val[int(name)]
+        # The default (null) resolved before launch and recorded, so a resume ranks as this run did.
+        assert json.loads((out / CHECKPOINTS / name / TRAIN_CONFIG).read_text())["checkpoint"]["best_metric"] == "ema_val_loss"
+    # The keys a best_metric may name are those validation reported.
+    cfg = load_config(out / CHECKPOINTS / kept[-1] / TRAIN_CONFIG, {})
+    assert sorted(val[STEPS]) == sorted(["kind", "step", "val_batches", *cfg.validation_keys()])
 
 
-def test_export_and_eval_take_run_best(run):
+def test_export_eval_and_serve_take_run_best_and_record_its_weights_and_step(run):
+    from opentau_cli.checkpoint.export import export
+    from opentau_cli.serve import load_served
+
     tmp, out, env = run
     best = (out / CHECKPOINTS / BEST).resolve()
-    # In-process: export and eval launch nothing (the run above is the launch).
+    step = int(best.name)
+    # In-process: export, eval and serve launch nothing (the run above is the launch).
     ok(run_cli_in_process(["checkpoint", "export", f"{out}:best", "--output", str(tmp / "by_name")], env=env))
     ok(run_cli_in_process(["checkpoint", "export", str(best), "--output", str(tmp / "by_dir")], env=env))
     assert (tmp / "by_name" / MODEL_WEIGHTS).read_bytes() == (tmp / "by_dir" / MODEL_WEIGHTS).read_bytes()
+    config = json.loads((tmp / "by_name" / "config.json").read_text())
+    assert config["opentau"] == {"weights": "ema", "step": step}
+    with safe_open(str(tmp / "by_name" / MODEL_WEIGHTS), framework="pt") as f:
+        assert (f.metadata()["weights"], f.metadata()["step"]) == ("ema", str(step))
+    live = export(f"{out}:best", tmp / "live", weights="live")
+    assert (live.weights, live.step, live.checkpoint) == ("live", step, best)
+    assert json.loads((tmp / "live" / "config.json").read_text())["opentau"] == {"weights": "live", "step": step}
+
     ok(run_cli_in_process(["eval", f"{out}:best", "--output", str(tmp / "eval_best"), "--device", "cpu", "--stride", "10",
                 "--plot-episodes", "0"], env=env))
-    report = (tmp / "eval_best" / "eval.json").read_text()
-    assert json.dumps(str(best)) in report  # evaluated the checkpoint checkpoints/best points to
+    report = json.loads((tmp / "eval_best" / "eval.json").read_text())
+    assert report["weights"] == "ema" and report["step"] == step
+    assert report["checkpoint"] == {"path": str(best), "step": step, "resolved_from": f"{out}:best"}
+    # The export, evaluated as a model, says what it was exported from.
+    ok(run_cli_in_process(["eval", str(tmp / "live"), "--output", str(tmp / "eval_live"), "--device", "cpu", "--stride", "10",
+                "--plot-episodes", "0", f"--dataset.root={report['dataset']}"], env=env))
+    model = json.loads((tmp / "eval_live" / "eval.json").read_text())
+    assert (model["weights"], model["step"], model["model"]) == ("live", step, str(tmp / "live"))
+
+    served = load_served(f"{out}:best", device="cpu")
+    meta = served.metadata()
+    assert (meta["weights"], meta["step"]) == ("ema", step)
+    assert meta["checkpoint"] == {"path": str(best), "step": step, "resolved_from": f"{out}:best"}
+    assert served.describe() == f"EMA weights of step {step} ({best})"
+
     missing = run_cli_in_process(["checkpoint", "export", f"{tmp / 'nowhere'}:best", "--output", str(tmp / "x")], env=env)
     assert missing.returncode == 2 and "keep_best" in missing.stderr and "Traceback" not in missing.stderr

@@ -171,3 +171,32 @@ def test_with_lora_the_ema_averages_the_adapters_and_full_modules_under_the_name
     assert any(n.startswith("action_out_proj.") for n in ema.names)
     assert set(ema.names) <= checkpoint_keys(model)  # what export finds in model.safetensors to replace
     assert sum(t.numel() for t in ema.shadow) < 0.5 * sum(p.numel() for p in model.parameters())
+
+
+def test_with_the_ema_on_run_best_is_the_best_checkpoint_by_the_ema_weights_validation(tmp_path):
+    """The default checkpoint.best_metric of a run with an EMA ranks checkpoints on the EMA weights (what export, eval
+    and serve use by default); on hand-written validation records where the live and the EMA rankings disagree,
+    RUN:best resolves to the EMA's best, whatever the live weights scored."""
+    from conftest import EXAMPLES
+    from opentau_cli.checkpoint.layout import BEST, CHECKPOINTS, read_last
+    from opentau_cli.checkpoint.manager import BestCheckpoints, CheckpointManager, find_checkpoint
+    from opentau_cli.config import AccelerateSetup, Machine, load_config, validate
+    from test_train_checkpoint_manager import FakeAccelerator
+
+    cfg = load_config(EXAMPLES / "pi05_tiny_config.json", [
+        "--ema.decay=0.99", "--checkpoint.keep_best=1", "--validation.val_freq=10", "--validation.val_split=0.25",
+        f"--output_dir={tmp_path / 'run'}"], environ={})
+    cfg = validate(cfg, AccelerateSetup(), Machine(cuda=False, gpus=0)).config
+    best = cfg.checkpoint
+    assert cfg.to_json_dict()["checkpoint"]["best_metric"] == "ema_val_loss"  # what train_config.json records
+    run = tmp_path / "run"
+    manager = CheckpointManager(FakeAccelerator(), run, total_steps=60, run_id="a", keep_last=1,
+                                best=BestCheckpoints(best.keep_best, best.best_metric, best.best_mode))
+    # The issue's run: the live weights were best at step 50, the EMA weights at step 60.
+    records = {40: (0.25, 0.23), 50: (0.199, 0.21), 60: (0.205, 0.1715)}
+    for step, (live, ema) in records.items():
+        manager.save(step, config={"steps": 60, "resume": False},
+                     state={"step": step, "validation": {"val_loss": live, "ema_val_loss": ema}})
+    assert read_last(run / CHECKPOINTS, BEST) == "000060"
+    assert sorted(p.name for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit()) == ["000060"]  # 000050 retired
+    assert find_checkpoint(f"{run}:best") == (run / CHECKPOINTS / "000060").resolve()

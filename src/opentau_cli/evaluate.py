@@ -26,6 +26,7 @@ from opentau_cli.outputs import check_target, publishing, writable_parent
 
 EVAL_JSON = "eval.json"
 EVAL_PLOT = "eval.png"
+COMMAND = "eval"  # its name in the output convention's marker (outputs.py)
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # what openpi and LeRobot tokenize pi05 prompts with
 
 
@@ -59,6 +60,9 @@ def _from_checkpoint(path: Path, overrides: dict, dataset: str | None, weights: 
     cfg = load_config(saved.path / TRAIN_CONFIG, overrides)
     member = _run_member(cfg, overrides, dataset)
     policy, origin = _policy_of_checkpoint(saved, cfg)
+    # Which weights of which checkpoint (RUN:best or a run directory resolve to one): docs/ARCHITECTURE.md, "EMA weights".
+    origin.update({"weights": saved.weights, "step": saved.step,
+                   "checkpoint": {"path": str(saved.path), "step": saved.step, "resolved_from": str(path)}})
     if cfg.dataset.mixture is not None:  # the policy holds the first member's statistics, widened: serve this one's
         policy.set_stats(member_statistics(read_training_state(saved.path), member))
         origin["statistics"] = f"dataset {member.label}'s own, from the checkpoint's training_state.json"
@@ -86,7 +90,7 @@ def _policy_of_checkpoint(saved, cfg: TrainConfig) -> tuple[torch.nn.Module, dic
 
         check_base(saved.path, read_training_state(saved.path), cfg)
         policy = restore_policy(cfg, {name: entry.produce() for name, entry in saved.entries.items()})
-        return policy, {"checkpoint": str(saved.path), "statistics": "from the checkpoint (the policy's statistics buffers)",
+        return policy, {"statistics": "from the checkpoint (the policy's statistics buffers)",
                         "lora": f"rank {cfg.policy.lora.rank} adapters on their base weights"}
     shapes, _ = policy_layout(cfg.policy)
     check_entries(saved, shapes)
@@ -95,7 +99,7 @@ def _policy_of_checkpoint(saved, cfg: TrainConfig) -> tuple[torch.nn.Module, dic
     with torch.no_grad():
         for name in shapes:  # one tensor at a time: the state_dict's tensors are the policy's own storage
             own[name].copy_(saved.entries[name].produce())
-    return policy, {"checkpoint": str(saved.path), "statistics": "from the checkpoint (the policy's statistics buffers)"}
+    return policy, {"statistics": "from the checkpoint (the policy's statistics buffers)"}
 
 
 def _model_config(cfg: TrainConfig, ckpt, overrides: dict) -> TrainConfig:
@@ -160,13 +164,16 @@ def _model_policy_config(source: str, overrides: dict) -> TrainConfig:
 
 
 def _from_model(cfg: TrainConfig, source: str, dataset_stats: dict) -> tuple[torch.nn.Module, dict]:
-    """The model's weights and its own statistics; the evaluated episodes' statistics only where it has none."""
+    """The model's weights and its own statistics; the evaluated episodes' statistics only where it has none; which
+    weights (ema | live) of which step an opentau export recorded (None: the model does not say)."""
+    from opentau_cli.checkpoint.export import model_provenance
     from opentau_cli.policies import build_pretrained
 
     # Built without random initialization (about one copy of the weights in host RAM); no random draws either:
     # sampling takes its noise from its own generator.
     policy, report = build_pretrained(cfg.policy, dataset_stats=dataset_stats, rng_draws=False)
-    return policy, {"model": source, "layout": report.layout.label, "statistics": report.stats_source}
+    return policy, {"model": source, "layout": report.layout.label, "statistics": report.stats_source,
+                    **model_provenance(source)}
 
 
 # ------------------------------------------------------------------------------------------- the data
@@ -326,7 +333,7 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     dev = _device(device)
     path = Path(str(source)).expanduser()
     output = Path(output) if output is not None else Path("outputs") / "eval" / (path.name or "model")
-    check_target(output, force=force)  # the output convention: opentau_cli/outputs.py
+    check_target(output, force=force, source=path, command=COMMAND)  # the output convention: opentau_cli/outputs.py
     writable_parent(output)
     from_run = _is_training_checkpoint(path)
     if from_run:
@@ -366,7 +373,7 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     from opentau_cli.checkpoint.manifest import write_json_atomic
 
     shown = list(data.episodes)[:plot_episodes]
-    with publishing(output, force=force) as staging:
+    with publishing(output, force=force, source=path, command=COMMAND) as staging:
         staging.mkdir()
         write_json_atomic(staging / EVAL_JSON, report)
         if shown:

@@ -121,7 +121,18 @@ class ServedPolicy:
             "action_horizon": cfg.n_action_steps,
             "seed": self.seed,
             "statistics": str(self.origin.get("statistics", "")),
+            # Which weights (ema | live; None: a model that does not say) of which step: docs/ARCHITECTURE.md, "EMA weights".
+            "weights": self.origin.get("weights"),
+            "step": self.origin.get("step"),
+            "checkpoint": self.origin.get("checkpoint"),
         }
+
+    def describe(self) -> str:
+        """The served weights in words, for the banner: 'EMA weights of step 60 (RUN/checkpoints/000060)'."""
+        kind = {"ema": "EMA weights", "live": "live weights"}.get(self.origin.get("weights"), "weights (EMA or live: not recorded)")
+        step = self.origin.get("step")
+        where = (self.origin.get("checkpoint") or {}).get("path")
+        return kind + (f" of step {step}" if step is not None else "") + (f" ({where})" if where else "")
 
     def batch(self, obs) -> dict:
         """One observation as the one-sample batch the policy samples from. Raises BadRequest naming the problem."""
@@ -175,7 +186,8 @@ class ServedPolicy:
 
 
 def _image_pixels(name: str, value) -> np.ndarray:
-    """A camera image as uint8 (H, W, 3); floats are read as [0, 1] (as openpi's clients send them)."""
+    """A camera image as uint8 (H, W, 3); floats must be in [0, 1] (as openpi's clients send them): a float image of
+    0-255 values is refused rather than clipped into another image."""
     if not isinstance(value, np.ndarray):
         raise BadRequest(f"camera '{name}' must be a numpy array (H, W, 3) or (3, H, W), not a {type(value).__name__}")
     if value.ndim == 3 and value.shape[0] == 3 and value.shape[-1] != 3:
@@ -185,7 +197,11 @@ def _image_pixels(name: str, value) -> np.ndarray:
     if value.dtype == np.uint8:
         return np.ascontiguousarray(value)
     if value.dtype.kind == "f":
-        return np.ascontiguousarray((np.clip(value, 0, 1) * 255).astype(np.uint8))
+        low, high = (float(value.min()), float(value.max())) if value.size else (0.0, 0.0)
+        if not (0.0 <= low and high <= 1.0):  # NaN fails both comparisons
+            raise BadRequest(f"camera '{name}' is a float image with values from {low:g} to {high:g}; float images "
+                             "must be in [0, 1] (send 0-255 pixels as uint8)")
+        return np.ascontiguousarray((value * 255).astype(np.uint8))
     raise BadRequest(f"camera '{name}' has dtype {value.dtype}; expected uint8 (0-255) or float (0-1)")
 
 

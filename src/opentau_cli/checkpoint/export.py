@@ -38,6 +38,7 @@ from opentau_cli.policies.layouts import (
 EXPORT_LAYOUTS = (OPENTAU, LEROBOT, OPENPI)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODEL_CONFIG = "config.json"
+COMMAND = "checkpoint export"  # its name in the output convention's marker and the safetensors producer (outputs.py)
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                        "BOOL": torch.bool}
@@ -52,6 +53,8 @@ class SavedPolicy:
     path: Path
     config: TrainConfig
     entries: dict[str, TensorEntry] = field(default_factory=dict)
+    weights: str = "live"  # which weights `entries` holds: ema | live
+    step: int | None = None  # the checkpoint's step (its training_state.json)
 
 
 @dataclass
@@ -60,6 +63,14 @@ class ExportResult:
     files: list[Path]
     num_tensors: int
     total_bytes: int
+    weights: str = "live"  # ema | live: which of the checkpoint's weights were exported
+    step: int | None = None  # the exported checkpoint's step
+    checkpoint: Path | None = None  # the checkpoint directory the target resolved to (e.g. RUN:best's)
+
+
+# An exported model's record of where it came from: in model.safetensors' metadata (every layout) and under this key of
+# config.json (the OpenTau and openpi layouts; their loaders ignore it, LeRobot's config parser would refuse it).
+PROVENANCE_KEY = "opentau"
 
 
 # ------------------------------------------------------------------------------------------- reading a checkpoint
@@ -118,7 +129,7 @@ def open_saved_policy(target: Path, weights: str | None = None) -> SavedPolicy:
         if unknown:
             raise UserError(f"{ckpt / EMA_WEIGHTS} holds tensors the weights do not ({unknown[:3]}): not this checkpoint's EMA.")
         entries.update(averaged)
-    return SavedPolicy(ckpt, config, entries)
+    return SavedPolicy(ckpt, config, entries, "ema" if ema else "live", _step(ckpt))
 
 
 def policy_layout(policy_cfg: PolicyConfig) -> tuple[dict[str, tuple], set[str]]:
@@ -269,7 +280,7 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
     output = Path(output)
-    check_target(output, force=force)  # the output convention: opentau_cli/outputs.py
+    check_target(output, force=force, source=target, command=COMMAND)  # the output convention: opentau_cli/outputs.py
     where = writable_parent(output)
     saved = open_saved_policy(target, weights)
     member = select_member(saved.config, dataset)
@@ -294,10 +305,13 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     if free < total:
         raise UserError(f"Not enough disk space for {output}: the model needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB are free.")
 
-    metadata = {"format": "pt", "producer": "opentau checkpoint export", "layout": layout, "step": str(_step(saved)),
-                "dataset": member.label}
+    metadata = {"format": "pt", "producer": f"opentau {COMMAND}", "layout": layout, "step": str(saved.step),
+                "dataset": member.label, "weights": saved.weights}
+    config = model_config(layout, saved.config.policy, stats, dtype, cameras)
+    if layout != LEROBOT:
+        config[PROVENANCE_KEY] = {"weights": saved.weights, "step": saved.step}
     try:
-        with publishing(output, force=force) as staging:
+        with publishing(output, force=force, source=target, command=COMMAND) as staging:
             staging.mkdir()
             files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, progress)]
             if layout == LEROBOT:
@@ -306,13 +320,14 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
                                              saved.config.policy.tokenizer_max_length)
             elif layout == OPENPI:
                 files.append(write_openpi_stats(staging, stats, _asset_name(member)))
-            (staging / MODEL_CONFIG).write_text(json.dumps(model_config(layout, saved.config.policy, stats, dtype, cameras), indent=2) + "\n")
+            (staging / MODEL_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
             files.append(staging / MODEL_CONFIG)
     except ShardFormatError as exc:
         raise UserError(str(exc)) from None
     except OSError as exc:
         raise RunError(f"Writing the exported model to {output} failed ({exc.strerror or exc}); nothing was left behind.") from None
-    return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total)
+    return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total,
+                        saved.weights, saved.step, saved.path)
 
 
 def _expert_lm_head(policy_cfg: PolicyConfig, dtype: torch.dtype, prefix: str = "") -> TensorEntry:
@@ -345,10 +360,32 @@ def _merged_lora(saved: SavedPolicy) -> dict[str, TensorEntry]:
     return {name: TensorEntry(name, tuple(t.shape), t.dtype, lambda t=t: t) for name, t in merged.items()}
 
 
-def _step(saved: SavedPolicy) -> int | None:
+def _step(ckpt: Path) -> int | None:
     from opentau_cli.checkpoint.manager import read_training_state
 
     try:
-        return read_training_state(saved.path).get("step")
+        step = read_training_state(ckpt).get("step")
     except UserError:
         return None
+    return step if isinstance(step, int) else None
+
+
+def model_provenance(source: str | Path) -> dict:
+    """{"weights": ema | live | None, "step": int | None} of a model: what `checkpoint export` recorded in its
+    model.safetensors metadata; None where the model does not say (another producer, or an export written before
+    opentau recorded the weights)."""
+    from safetensors import SafetensorError, safe_open
+
+    from opentau_cli.policies.pretrained import Checkpoint, weight_files
+
+    with Checkpoint(source) as ckpt:
+        files = weight_files(ckpt.path)
+    try:
+        with safe_open(str(files[0]), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (OSError, SafetensorError, IndexError):
+        metadata = {}
+    if metadata.get("producer") != "opentau checkpoint export":
+        return {"weights": None, "step": None}
+    step = metadata.get("step", "")
+    return {"weights": metadata.get("weights"), "step": int(step) if step.isdigit() else None}

@@ -51,7 +51,7 @@ def serve_cmd(
     meta = served.metadata()
 
     def ready(bound: int) -> None:
-        typer.echo(f"Serving {source} ({meta['policy_type']} {meta['preset']}) on ws://{host}:{bound}"
+        typer.echo(f"Serving {source} ({meta['policy_type']} {meta['preset']}, {served.describe()}) on ws://{host}:{bound}"
                    f"{' (API key required)' if key else ''}; observation keys: {', '.join(meta['observation_keys'])}.",
                    err=True)
 
