@@ -151,6 +151,11 @@ def _obs(**change):
     ({CAMERA: np.zeros((48, 64), np.uint8)}, "has shape [48, 64]; expected (H, W, 3) or (3, H, W)"),
     ({CAMERA: np.zeros((48, 64, 3), np.int16)}, "has dtype int16"),
     ({CAMERA: "pixels"}, "must be a numpy array"),
+    # 0-255 values in a float image: refused, not clipped into a white image (floats are [0, 1], as openpi sends them)
+    ({CAMERA: np.full((48, 64, 3), 200.0, np.float32)}, f"camera '{CAMERA}' is a float image with values from 200 to 200; "
+                                                          "float images must be in [0, 1] (send 0-255 pixels as uint8)"),
+    ({CAMERA: np.linspace(-0.5, 1, 48 * 64 * 3).reshape(48, 64, 3)}, "values from -0.5 to 1; float images must be in [0, 1]"),
+    ({CAMERA: np.full((48, 64, 3), np.nan, np.float32)}, "float images must be in [0, 1]"),
     ({"prompt": None}, "'prompt' must be the task text, a string (it is missing)"),
     ({"prompt": 3}, "(it is a int)"),
     ({"seed": 1.5}, "'seed' must be an integer"),
@@ -274,3 +279,42 @@ def test_serve_compile_where_the_compiler_fails_is_refused_in_one_line(tiny_run,
     with pytest.raises(UserError, match=r"^--compile: torch.compile could not compile the sampling loop on this "
                                         r"machine \(.*\); serve without --compile\.$"):
         load_served(tiny_run, compiled=True)
+
+
+def test_the_server_sends_which_weights_of_which_step_it_serves_and_refuses_a_0_255_float_image_to_the_client(tiny_run):
+    """In-process server, a websocket client: the metadata on connect records the weights (a run without an EMA:
+    live) and the checkpoint's step; a float image of 0-255 values gets a text frame naming the range, as every
+    refused request does, and the connection serves the next request."""
+    import asyncio
+    import threading
+
+    from websockets.sync.client import connect
+
+    from opentau_cli.serve import PolicyServer, load_served, packb, unpackb
+
+    served = load_served(tiny_run, device="cpu")
+    ckpt = (tiny_run / "checkpoints" / "000002").resolve()
+    assert served.describe() == f"live weights of step 2 ({ckpt})"
+    image, state, task, _ = _first_frame(tiny_run)
+    loop = asyncio.new_event_loop()
+    stop, bound = loop.create_future(), []
+    thread = threading.Thread(target=lambda: loop.run_until_complete(
+        PolicyServer(served, port=0).serve(stop, lambda port: bound.append(port))), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not bound and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with connect(f"ws://127.0.0.1:{bound[0]}", max_size=None) as ws:
+            meta = unpackb(ws.recv())
+            assert (meta["weights"], meta["step"]) == ("live", 2)
+            assert meta["checkpoint"] == {"path": str(ckpt), "step": 2, "resolved_from": str(tiny_run)}
+            ws.send(packb({CAMERA: image.astype(np.float32), STATE: state, "prompt": task}))
+            refused = ws.recv()
+            assert refused == (f"Bad observation: camera '{CAMERA}' is a float image with values from {image.min():g} to "
+                               f"{image.max():g}; float images must be in [0, 1] (send 0-255 pixels as uint8).")
+            ws.send(packb({CAMERA: image.astype(np.float32) / 255, STATE: state, "prompt": task}))
+            assert unpackb(ws.recv())["actions"].shape == (10, 2)
+    finally:
+        loop.call_soon_threadsafe(stop.set_result, None)
+        thread.join(timeout=60)
