@@ -179,6 +179,47 @@ def test_a_resume_stays_on_the_recorded_commit_and_changes_only_when_told(cache,
         pin_for_resume(ckpt, config(), state, {})
 
 
+def test_a_resume_says_it_stays_on_the_recorded_commit_when_the_branch_it_started_on_has_moved(cache, tmp_path):
+    """The checkpoint's config names the commit (pinned at launch); the launch recorded the branch it was asked at.
+    Offline, the cache's record of the branch (its last download) is what can be known, and the line says so."""
+    state = {"dataset_revisions": {"reach_v30": {"repo_id": V30, "commit": cache[V30]}}}
+    ckpt = tmp_path / "000010"
+    cfg = config(f"--dataset.repo_id={V30}", f"--dataset.revision={cache[V30]}", *SELECTED)
+    (note,) = pin_for_resume(ckpt, cfg, state, {}, {"reach_v30": "v3.0"})  # started on v3.0, which is elsewhere now
+    assert note == (f"dataset: resuming on {V30}@{cache[V30]}, the commit the checkpoint trained on, although v3.0 "
+                    f"pointed at, when this machine last downloaded it, {cache[V30 + '@v3.0']}; pass "
+                    "--dataset.revision=v3.0 to train on that.")
+    assert (cfg.dataset.repo_id, cfg.dataset.revision) == (V30, cache[V30])
+    assert pin_for_resume(ckpt, cfg, state, {}, {"reach_v30": "main"}) == []  # main still points at it
+    assert pin_for_resume(ckpt, cfg, state, {}, {"reach_v30": cache[V30]}) == []  # started on a commit: nothing moves
+    assert pin_for_resume(ckpt, cfg, state, {}) == []  # a launch that recorded no branch: nothing to compare
+
+
+def test_a_resume_asks_the_hub_where_the_branch_points_now(tmp_path, monkeypatch):
+    """Online: the Hub's answer for the branch (a local server speaking the Hub's API to the real client)."""
+    from huggingface_hub import constants
+
+    from hub_server import HubServer
+    from opentau_cli.policies.hub import hub_reachable
+
+    server = HubServer().start()
+    try:
+        first = server.publish("org/reach", write_synth(tmp_path / "v1", episodes=2, steps_per_episode=4, seed=1))
+        second = server.publish("org/reach", write_synth(tmp_path / "v2", episodes=2, steps_per_episode=4, seed=2))
+        for name, value in (("ENDPOINT", server.url), ("HF_HUB_OFFLINE", False), ("HF_HUB_CACHE", str(tmp_path / "c"))):
+            monkeypatch.setattr(constants, name, value)
+        hub_reachable.cache_clear()
+        state = {"dataset_revisions": {"reach": {"repo_id": "org/reach", "commit": first}}}
+        cfg = config("--dataset.repo_id=org/reach", f"--dataset.revision={first}")
+        (note,) = pin_for_resume(tmp_path / "000010", cfg, state, {}, {"reach": "main"})
+        assert note == (f"dataset: resuming on org/reach@{first}, the commit the checkpoint trained on, although main "
+                        f"now points at {second}; pass --dataset.revision=main to train on that.")
+        assert cfg.dataset.revision == first
+    finally:
+        server.stop()
+        hub_reachable.cache_clear()
+
+
 def test_the_hubs_answers_gated_missing_repo_and_missing_revision_are_one_line_each():
     """What the Hub answers (huggingface_hub's own error types, as its client raises them) in one sentence each."""
     import httpx2

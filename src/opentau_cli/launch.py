@@ -29,7 +29,7 @@ from opentau_cli.checkpoint.manager import checkpoint_steps, clean_leftovers, la
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
-from opentau_cli.plan import RunPlan
+from opentau_cli.plan import LAUNCH_FILE, RunPlan
 from opentau_cli.runtime import read_user_error
 
 
@@ -190,12 +190,13 @@ def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, 
     cfg_path.write_text(json.dumps(plan.config.to_json_dict(), indent=2) + "\n")
     accel_path = log_dir / "accelerate_config.yaml"
     accel_path.write_text(yaml.safe_dump(accelerate_yaml(plan.setup, plan.config, cuda), sort_keys=False))
-    launch_path = log_dir / "launch.json"
+    launch_path = log_dir / LAUNCH_FILE
     launch = {
         "accelerate": plan.setup.to_dict(),
         "resume_from": str(plan.resume_from) if plan.resume_from else None,
         "log_dir": str(log_dir),
         "run_id": log_dir.name,
+        "dataset_branches": plan.dataset_branches,  # what a later resume compares with the Hub (plan.recorded_branches)
     }
     launch_path.write_text(json.dumps(launch, indent=2) + "\n")
     return cfg_path, accel_path, launch_path

@@ -29,7 +29,7 @@ from opentau_cli.config import (
 )
 from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
-from opentau_cli.data.hub import pin_for_resume
+from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
 from opentau_cli.train.trackers import check_trackers
 from opentau_cli.errors import UserError
 from opentau_cli import runlock
@@ -132,6 +132,9 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
     finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
     rollback: bool = False  # the launcher first moves the checkpoints newer than resume_from aside (lineage.py)
+    # The revision (branch, tag) each Hub dataset was asked at before its commit was pinned, by member label: launch.json
+    # records it, so that a later resume can say when that branch has moved (data/hub.py pin_for_resume).
+    dataset_branches: dict[str, str] = field(default_factory=dict)
 
     @property
     def config(self) -> TrainConfig:
@@ -159,7 +162,9 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
         if given and not cfg.resume:
             raise UserError(f"{flag} applies to a resume: pass it with --resume=true, or use `opentau resume RUN {flag}`.")
     if not cfg.resume:
-        return RunPlan(checked=check_launch(cfg, with_machine(resolve_accelerate_config(accelerate_config), machines), machine))
+        branches = asked_revisions(cfg)  # before check_launch pins the commits
+        return RunPlan(checked=check_launch(cfg, with_machine(resolve_accelerate_config(accelerate_config), machines), machine),
+                       dataset_branches=branches)
     source = Path(cfg.config_path).parent if cfg.config_path else None
     if source is not None and is_checkpoint_dir(source):
         ckpt = find_checkpoint(source)
@@ -205,7 +210,10 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     if reshard and is_reshard(saved, setup):
         saved_config = _read_train_config(ckpt)
         notes.append(_keep_global_batch(cfg, saved_config, saved, setup, overrides))
-    notes.extend(pin_for_resume(ckpt, cfg, saved, overrides))  # the dataset commits the checkpoint trained on
+    # The dataset commits the checkpoint trained on, and the branches they came from (launch.json of its launch).
+    started_on = recorded_branches(ckpt, saved)
+    branches = asked_revisions(cfg) if told_revision(overrides) else started_on
+    notes.extend(pin_for_resume(ckpt, cfg, saved, overrides, started_on))
     checked = check_launch(cfg, setup, machine)
     state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
     if saved_config is None:
@@ -221,7 +229,29 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     if done:
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
                      "(pass a larger --steps to train further).")
-    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done, rollback=bool(history))
+    return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done, rollback=bool(history),
+                   dataset_branches=branches)
+
+
+LAUNCH_FILE = "launch.json"  # in logs/<run id>/ (launch.py writes it)
+
+
+def recorded_branches(ckpt: Path, state: dict) -> dict[str, str]:
+    """The revisions the launch that wrote `ckpt` asked its Hub datasets at (launch.json `dataset_branches`, found by
+    the run id the checkpoint's lineage records); {} when not recorded."""
+    import json
+
+    from opentau_cli.checkpoint.layout import LOGS
+    from opentau_cli.checkpoint.lineage import lineage_in
+
+    launch = (lineage_in(state) or {}).get("launch")
+    if not state.get("dataset_revisions") or not isinstance(launch, str) or not launch:
+        return {}
+    try:
+        recorded = json.loads((run_dir_of(ckpt) / LOGS / launch / LAUNCH_FILE).read_text()).get("dataset_branches")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
 
 
 ROLLBACK_FLAG = "--rollback=true"

@@ -6,7 +6,7 @@ never the rest of the repo. With HF_HUB_OFFLINE=1 (or no answer from the Hub) on
 resolves once before anything is spawned and pins the commit into the config it launches with (`pin`), so every rank
 reads the same snapshot from the cache (`dataset_root`, no network) and every checkpoint's train_config.json names
 that commit. A resume stays on the commit its checkpoint recorded unless the command line names another revision
-(`pin_for_resume`). The repo id parsing and the Hub probe are the ones `policy.pretrained_path` uses
+(`pin_for_resume`), and says so when the branch it started on has moved (launch.json records that branch). The repo id parsing and the Hub probe are the ones `policy.pretrained_path` uses
 (policies/hub.py).
 """
 
@@ -187,13 +187,73 @@ def revisions(members: list[MixtureMember], roots: list[Path]) -> dict[str, dict
 RESUME_KEYS = ("dataset.repo_id", "dataset.revision", "dataset.root", "dataset.mixture")
 
 
-def pin_for_resume(ckpt: Path, cfg: TrainConfig, state: dict, overrides: dict) -> list[str]:
+def asked_revisions(cfg: TrainConfig) -> dict[str, str]:
+    """{member label: the revision its Hub dataset is asked at (branch, tag or commit; main by default)}, read before
+    the data check pins the commits (`pin`). The launch records it (launch.json `dataset_branches`), so that a resume,
+    which reads the recorded commit, can say that the branch has moved since."""
+    out = {}
+    for member in cfg.dataset.members():
+        if member.repo_id:
+            try:
+                out[member.label] = repo_and_revision(member)[1] or "main"
+            except UserError:  # the data check names it
+                continue
+    return out
+
+
+def told_revision(overrides: dict) -> bool:
+    """Whether the command line names the dataset or its revision (then a resume reads what it names)."""
+    return any(key == k or key.startswith(k + ".") for key in overrides for k in RESUME_KEYS)
+
+
+def _is_commit(revision: str) -> bool:
+    return len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+
+
+def branch_head(repo_id: str, branch: str) -> tuple[str, bool] | None:
+    """(The commit `branch` of the dataset points at, whether the Hub said so now), from the Hub, or offline from the
+    cache's record of the last download (`refs/<branch>`); None when neither knows."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    from opentau_cli.policies.hub import hub_offline, hub_reachable
+
+    if not hub_offline() and hub_reachable():
+        try:
+            return HfApi().dataset_info(repo_id, revision=branch).sha, True
+        except Exception:  # the Hub's answer, whatever it is, changes nothing here: the resume reads its commit
+            return None
+    ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type=REPO_TYPE) / "refs" / branch
+    try:
+        return ref.read_text().strip() or None, False
+    except (OSError, ValueError):
+        return None
+
+
+def _moved_line(prefix: str, repo_id: str, commit: str, branch: str | None, index: int | None) -> str | None:
+    """The line that says a resume stays on `commit` although `branch` (what the run was started on) has moved."""
+    if not branch or _is_commit(branch):
+        return None
+    head = branch_head(repo_id, branch)
+    if head is None or head[0] == commit:
+        return None
+    when = "now points at" if head[1] else "pointed at, when this machine last downloaded it,"
+    how = (f"pass --dataset.revision={branch}" if index is None
+           else f"name revision {branch} in --dataset.mixture.{index}.revision")
+    return (f"{prefix}: resuming on {repo_id}@{commit}, the commit the checkpoint trained on, although {branch} "
+            f"{when} {head[0]}; {how} to train on that.")
+
+
+def pin_for_resume(ckpt: Path, cfg: TrainConfig, state: dict, overrides: dict,
+                   branches: dict[str, str] | None = None) -> list[str]:
     """A resume reads the dataset commits its checkpoint recorded (`state`: training_state.json): each Hub dataset of
-    `cfg` is pinned to its recorded commit. Another dataset or revision only when the command line names it
-    (`--dataset.revision=...`, `--dataset.repo_id=...`): then the line that says what changed. Anything else that
-    differs from the checkpoint is refused, naming it."""
+    `cfg` is pinned to its recorded commit, and when the revision the run was started on (`branches`: launch.json's
+    `dataset_branches`) has moved since, a line says so. Another dataset or revision only when the command line
+    names it (`--dataset.revision=...`, `--dataset.repo_id=...`): then the line that says what changed. Anything
+    else that differs from the checkpoint is refused, naming it."""
     recorded = state.get("dataset_revisions") or {}
-    told = any(key == k or key.startswith(k + ".") for key in overrides for k in RESUME_KEYS)
+    branches = branches or {}
+    told = told_revision(overrides)
     members = cfg.dataset.members()
     notes, refused = [], []
     for i, member in enumerate(members):
@@ -221,6 +281,11 @@ def pin_for_resume(ckpt: Path, cfg: TrainConfig, state: dict, overrides: dict) -
                          f"(not {now[1] or 'main'}'s head now); " + ("pass --dataset.revision=... to train on another."
                                                                       if index is None else "name another revision in "
                                                                       "--dataset.mixture to train on it."))
+            continue
+        branch = branches.get(member.label) if index is not None else next(iter(branches.values()), None)
+        moved = _moved_line(prefix, was["repo_id"], was["commit"], branch, index)
+        if moved:
+            notes.append(moved)
     if refused:
         raise UserError(f"Checkpoint '{ckpt}' was trained on other data ({'; '.join(refused)}): resume with the "
                         "checkpoint's dataset, or name the new one on the command line (--dataset.repo_id=... / "
