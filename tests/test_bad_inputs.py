@@ -1,0 +1,195 @@
+"""Every malformed input a user can type is refused the same way: exit code 2, one line on stderr (never a
+traceback), and nothing on disk changed, neither the output directory nor anything else in the working directory.
+
+The table `CASES` holds one line per input: a name, the `opentau` arguments (run in a scratch directory, which is
+also the working directory, so a relative `--output_dir=run` or a folder named `true` would land in it), the words the
+one line must hold, and what the scratch directory must hold first (`setup`) and the environment (`env`). Adding a
+case is adding a line; `setup` helpers below build the usual ingredients (a file, an Accelerate YAML, a dataset).
+A case that refuses before launch runs in this process (`run_cli_in_process`); one that needs a live run is a test
+of its own below the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from conftest import EXAMPLES, run_cli_in_process
+
+TINY = str(EXAMPLES / "pi05_tiny_config.json")
+CPU_DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
+
+
+# --- what a case's scratch directory holds before the command (each returns a setup function) ---
+
+def file(name: str, content: str | bytes) -> Callable[[Path], None]:
+    """A file `name` holding `content`."""
+    def setup(work: Path) -> None:
+        path = work / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return setup
+
+
+def folder(name: str) -> Callable[[Path], None]:
+    return lambda work: (work / name).mkdir(parents=True)
+
+
+def accelerate(name: str, **changes) -> Callable[[Path], None]:
+    """The CPU DDP example Accelerate YAML with `changes`, as `name`."""
+    def setup(work: Path) -> None:
+        raw = yaml.safe_load(CPU_DDP.read_text())
+        raw.update(changes)
+        (work / name).write_text(yaml.safe_dump(raw))
+    return setup
+
+
+def truncated_parquet(name: str = "data", episode: int = 1) -> Callable[[Path], None]:
+    """A small LeRobot v2.1 dataset `name` whose `episode`'s parquet file lost its second half (a copy cut short)."""
+    def setup(work: Path) -> None:
+        from opentau_cli.data import write_synth
+
+        root = write_synth(work / name, episodes=3, steps_per_episode=8, seed=1)
+        data = root / "data" / "chunk-000" / f"episode_{episode:06d}.parquet"
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    return setup
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    args: tuple[str, ...]  # `opentau ARGS`; {tiny} is the tiny example config
+    says: str  # what the one line on stderr holds
+    setup: Callable[[Path], None] | None = None
+    env: dict = field(default_factory=dict)
+
+
+TRAIN = ("train", f"--config_path={TINY}", "--output_dir=run")  # a fresh run into ./run, which must not appear
+CASES = [
+    # A flag without a value is not `true` (only a bool field may be given bare).
+    Case("steps-without-value", (*TRAIN, "--steps"), "--steps needs a value: --steps=VALUE or --steps VALUE."),
+    Case("steps-without-value-before-another-flag", (*TRAIN, "--steps", "--log_freq=1"), "--steps needs a value"),
+    Case("output-dir-without-value", ("train", f"--config_path={TINY}", "--steps=1", "--output_dir"), "--output_dir needs a value"),
+    Case("chunk-size-without-value", (*TRAIN, "--policy.chunk_size", "--steps=1"), "--policy.chunk_size needs a value"),
+    Case("output-dir-empty", ("train", f"--config_path={TINY}", "--output_dir="), "--output_dir is empty"),
+    Case("section-without-value", (*TRAIN, "--policy"), "--policy needs a value"),
+    # The Accelerate YAML's launch shape.
+    Case("num-processes-0", (*TRAIN, "--accelerate-config=zero.yaml"), "'num_processes' must be 1 or more, got 0",
+         accelerate("zero.yaml", num_processes=0)),
+    Case("num-processes-negative", (*TRAIN, "--accelerate-config=neg.yaml"), "'num_processes' must be 1 or more, got -1",
+         accelerate("neg.yaml", num_processes=-1)),
+    Case("num-machines-0", (*TRAIN, "--accelerate-config=m0.yaml"), "'num_machines' must be 1 or more, got 0",
+         accelerate("m0.yaml", num_machines=0)),
+    Case("num-machines-0-flag", (*TRAIN, f"--accelerate-config={CPU_DDP}", "--num_machines=0"), "--num_machines must be 1 or more"),
+    Case("fewer-processes-than-machines", (*TRAIN, "--accelerate-config=few.yaml"), "must be a multiple of num_machines (2)",
+         accelerate("few.yaml", num_processes=1, num_machines=2, main_process_ip="10.0.0.1")),
+    Case("processes-not-divisible-by-machines", (*TRAIN, "--accelerate-config=odd.yaml"), "num_processes (3) is the total",
+         accelerate("odd.yaml", num_processes=3, num_machines=2, main_process_ip="10.0.0.1")),
+    # output_dir that cannot be a directory.
+    Case("output-dir-inside-a-file", ("train", f"--config_path={TINY}", "--output_dir=notes.txt/run"),
+         "output_dir '{work}/notes.txt/run' cannot be created: '{work}/notes.txt' is a file", file("notes.txt", "x")),
+    Case("output-dir-is-a-file", ("train", f"--config_path={TINY}", "--output_dir=notes.txt"),
+         "output_dir '{work}/notes.txt' is a file: pick another --output_dir.", file("notes.txt", "x")),
+    Case("output-dir-is-a-file-with-overwrite", ("train", f"--config_path={TINY}", "--output_dir=notes.txt", "--overwrite"),
+         "output_dir '{work}/notes.txt' is a file", file("notes.txt", "x")),
+    # Config files that cannot be read.
+    Case("config-not-utf8", ("train", "--config_path=latin1.json", "--output_dir=run"), "is not UTF-8 text (byte 0xe9",
+         file("latin1.json", '{"steps": 4, "logging": {"run_name": "caf\xe9"}}'.encode("latin-1"))),
+    Case("config-is-a-directory", ("train", "--config_path=conf", "--output_dir=run"), "is a directory; pass a JSON file",
+         folder("conf")),
+    Case("config-validate-not-utf8", ("config", "validate", "latin1.json"), "is not UTF-8 text",
+         file("latin1.json", b'{"steps": 4, "output_dir": "\xff"}')),
+    Case("config-show-a-directory", ("config", "show", "conf"), "is a directory", folder("conf")),
+    # A bad value names where it came from.
+    Case("bad-value-from-the-command-line", (*TRAIN, "--steps=lots"), "Invalid config from --steps: steps: Input should be a valid integer"),
+    Case("bad-value-from-the-environment", TRAIN, "Invalid config from OPENTAU_STEPS: steps:", env={"OPENTAU_STEPS": "lots"}),
+    Case("bad-value-from-the-file", ("train", "--config_path=c.json", "--output_dir=run"), "Invalid config in c.json: steps:",
+         file("c.json", '{"steps": "lots"}')),
+    # A tracker without the setting it needs: refused before launch, not by MLflow after it.
+    Case("mlflow-without-tracking-uri", (*TRAIN, "--logging.trackers=mlflow"), "MLFLOW_TRACKING_URI is not set",
+         env={"MLFLOW_TRACKING_URI": ""}),
+    # Damaged data the selected episodes read: refused before launch, naming the file.
+    Case("truncated-parquet", (*TRAIN, "--dataset.root=data"),
+         "{work}/data/data/chunk-000/episode_000001.parquet is truncated or damaged", truncated_parquet()),
+]
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every path under `root` with what it is: a file's sha256, a link's target, 'dir'."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                out[rel] = "-> " + os.readlink(path)
+            elif path.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def assert_refused(result, says: str) -> None:
+    """Exit 2, and stderr is exactly one line, `Error: ...` holding `says`."""
+    assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    lines = result.stderr.splitlines()
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ") and says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_a_malformed_input_is_one_line_exit_2_and_changes_nothing_on_disk(case, tmp_path, isolated_env):
+    work = tmp_path / "work"
+    work.mkdir()
+    if case.setup is not None:
+        case.setup(work)
+    before = tree(work)
+    result = run_cli_in_process(list(case.args), env=case.env, cwd=work)
+    assert_refused(result, case.says.format(work=work))
+    assert tree(work) == before
+
+
+def test_the_table_names_each_case_once():
+    names = [c.name for c in CASES]
+    assert len(names) == len(set(names))
+
+
+# --- a second resume while a run lives in the directory ---
+
+@pytest.fixture
+def live_run(ddp_reference, tmp_path, isolated_env):
+    """A copy of the shared reference run (checkpoints 000003 and 000006) whose lock a live process holds."""
+    import shutil
+
+    run = tmp_path / "work" / "run"
+    shutil.copytree(ddp_reference, run, symlinks=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from opentau_cli import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
+        "time.sleep(600)"), str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield run, holder.pid
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
+def test_a_resume_from_an_older_checkpoint_of_a_live_run_names_the_lock_not_rollback(live_run):
+    """While a run saves, its newest checkpoint may not be `last` yet: a second resume must say the run is live
+    (the launch would refuse it so), not recommend --rollback=true, which would move the live run's checkpoints."""
+    run, pid = live_run
+    before = tree(run.parent)
+    result = run_cli_in_process(["resume", str(run / "checkpoints" / "000003")], cwd=run.parent)
+    assert_refused(result, f"Run directory '{run}' is in use by a live run (pid {pid} on ")
+    assert "rollback" not in result.stderr
+    assert tree(run.parent) == before
