@@ -27,6 +27,7 @@ from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_LATEST, EMA_STATE, TRAINING_STATE, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, ds_shard_glob,
     ema_group_name, ema_rank_file, weights_index_path, weights_shard_path,
 )
+from opentau_cli.checkpoint.lineage import archive_of
 from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
 from opentau_cli.errors import RunError, UserError
@@ -511,6 +512,9 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
     check_readable(ckpt_dir)
     kind = "ema" if wants_ema(ckpt_dir, weights) else "live"
+    if output is None and archive_of(ckpt_dir) is not None:  # nothing under rolled_back/ is written (lineage.py)
+        raise UserError(f"{ckpt_dir} was moved aside by a rollback, and nothing in an archive is written: pass "
+                        f"--output DIR (outside any run) to write its consolidated weights there.")
     if output is not None:  # the output convention (opentau_cli/outputs.py): never into a run, --force only over ours
         check_target(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)
         check_target(weights_index_path(single), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)

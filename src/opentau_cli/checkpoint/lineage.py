@@ -176,6 +176,15 @@ def rolled_back(run_dir: Path) -> list[tuple[str, Path]]:
             for _, path in _published(stamp / CHECKPOINTS)]
 
 
+def archive_of(ckpt_dir: Path) -> Path | None:
+    """The run whose `rolled_back/<time>/checkpoints/` holds `ckpt_dir`, or None when it is no rollback's archive."""
+    ckpt_dir = Path(ckpt_dir)
+    for at in Path(os.path.abspath(ckpt_dir)).parents:
+        if at.name == ROLLED_BACK:
+            return at.parent
+    return None
+
+
 def span(paths: list[Path]) -> str:
     """'000060, 000080' or '000060 ... 000100 (5 checkpoints)' for a message."""
     names = [p.name for p in paths]

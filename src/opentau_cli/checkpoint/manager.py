@@ -24,7 +24,7 @@ from opentau_cli.checkpoint.layout import (
     BEST, CHECKPOINTS, LAST, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, read_last,
     step_dir_name, step_of, tmp_dir,
 )
-from opentau_cli.checkpoint.lineage import LINEAGE, current_branch, lineage_record, resume_point
+from opentau_cli.checkpoint.lineage import LINEAGE, archive_of, current_branch, lineage_record, resume_point
 from opentau_cli.checkpoint.manifest import MissingRankState, is_complete, verify_manifest, write_json_atomic, write_manifest
 from opentau_cli.checkpoint.pickle_scan import scan_checkpoint_pickles
 from opentau_cli.config.paths import record_paths
@@ -133,13 +133,31 @@ def _check_same_topology(ckpt_dir: Path, state: dict, setup) -> None:
         )
 
 
+def check_in_run(ckpt_dir: Path) -> None:
+    """Refuse to resume a checkpoint that is not in its run's `checkpoints/` folder: a resume writes its checkpoints
+    and metrics beside its source, so one from a rollback's archive (`rolled_back/<time>/checkpoints/`) would train
+    inside the archive, and one copied elsewhere would make a run of whatever folder holds it (docs/ARCHITECTURE.md,
+    "Run history": rolled-back checkpoints are never resumed). Exporting, evaluating and serving them is fine."""
+    ckpt_dir = Path(ckpt_dir)
+    copy = f"mkdir -p NEW_RUN/{CHECKPOINTS} && cp -r {ckpt_dir} NEW_RUN/{CHECKPOINTS}/ && opentau resume NEW_RUN"
+    run = archive_of(ckpt_dir)
+    if run is not None:
+        raise UserError(f"Checkpoint {ckpt_dir} was moved aside by a rollback of {run}, and an archive is never resumed "
+                        f"or written; to continue it, copy it into a new run and resume that: `{copy}`.")
+    if ckpt_dir.parent.name != CHECKPOINTS:
+        raise UserError(f"Checkpoint {ckpt_dir} is not in a run's {CHECKPOINTS}/ folder, so a resume would turn "
+                        f"{ckpt_dir.parent} into a run; copy it into a new run and resume that: `{copy}`.")
+
+
 def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dict:
-    """Refuse (UserError, nothing loaded) a checkpoint that is damaged or does not fit this launch; returns its state.
-    With `reshard` another backend, ZeRO stage or world size is allowed (checkpoint/reshard.py).
+    """Refuse (UserError, nothing loaded) a checkpoint that is damaged, lies outside its run's checkpoints/ (an
+    archive: check_in_run) or does not fit this launch; returns its state. With `reshard` another backend, ZeRO stage
+    or world size is allowed (checkpoint/reshard.py).
 
     The manifest is checked first, so library loaders that unpickle (Accelerate's RNG .pkl, optimizer.bin,
     DeepSpeed's .pt) only ever see files it vouches for.
     """
+    check_in_run(ckpt_dir)
     problems = verify_manifest(ckpt_dir)
     if problems:
         shown = "; ".join(str(p) for p in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
