@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -107,6 +108,11 @@ def test_a_published_model_trained_one_step_at_lr_1e_30_exports_to_each_layout_a
     config = json.loads((out / "config.json").read_text())
     assert (config.get("type") or ("pi05" if config["pi05"] else "pi0")) == "pi05"
     assert config.get("chunk_size", config.get("action_horizon")) == 10
+    # Which weights of which step: in the weights' metadata, and in config.json where the layout's loader ignores
+    # unknown keys (LeRobot's config parser refuses them). The run keeps no EMA: its live weights.
+    with safe_open(str(out / MODEL_WEIGHTS), framework="pt") as f:
+        assert (f.metadata()["weights"], f.metadata()["step"]) == ("live", "1")
+    assert config.get("opentau") == (None if layout == LEROBOT else {"weights": "live", "step": 1})
 
 
 def test_the_openpi_export_lists_the_cameras_and_state_it_was_trained_on_for_serve(round_trips):
