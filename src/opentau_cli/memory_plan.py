@@ -1,14 +1,17 @@
 """The memory plan: the peak memory per GPU of a configured run, computed before launch without a GPU.
 
-Two parts (docs/ARCHITECTURE.md, "Memory plan"):
-- what lives through the whole run, from the real model's parameter counts (built on the meta device) and the
-  backend's layout: weights, fp32 master weights, AdamW's two moments, gradients, communication buckets, each
-  divided among the ranks as the ZeRO stage divides it;
-- what one training step allocates on top (activations saved for backward, temporaries, the gradients as they are
-  produced), measured by running the real policy's loss and backward on fake tensors (no memory, no compute) at the
-  configured per-device batch and shapes, under the precision the backend runs with, with a tracker of live storage.
-
-`measure_step_peak` is the same tracker on real tensors: the test compares the plan with it on pi05_small.
+docs/ARCHITECTURE.md, "Memory plan". The peak is the largest of a training step's phases, each on top of what lives
+through the whole run for the backend (weights, AdamW state, fp32 master weights, the EMA, DDP's gradient buckets,
+DeepSpeed's buffers, each divided among the ranks as the ZeRO stage divides it):
+- forward: the activations the forward keeps for the backward, with the gradients that live then (under gradient
+  accumulation the previous micro-batches');
+- backward: activations being freed as gradients appear (all of them at once without DDP or ZeRO; under DDP they
+  land in the buckets, under ZeRO in this rank's partition and the reduce bucket);
+- optimizer: the gradients (or their partition), AdamW's temporaries and the EMA's update.
+What a step allocates is measured by running the real policy's loss and backward on fake tensors (no memory, no
+compute) at the configured per-device batch and shapes, under the backend's precision, with a tracker of live storage
+that tells gradients from everything else. Then the device's own costs: on CUDA the context, NCCL's buffers and the
+caching allocator's fragmentation; on CPU (what a test can measure) glibc's retention of freed memory.
 """
 
 from __future__ import annotations
@@ -30,41 +33,80 @@ from opentau_cli.config.load import _deep_merge
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 
-GB = 10**9
-# DeepSpeed's defaults (elements): the bucket reduced at once (ZeRO-1/2) and the parameters ZeRO-3 keeps gathered.
+GIB = 2**30
+MIB = 2**20
+# DeepSpeed's defaults (elements; deepspeed/runtime/zero/config.py), which the example YAMLs keep: the bucket gradients
+# are reduced in, ZeRO-3's prefetch of gathered parameters and the size under which ZeRO-3 keeps a parameter whole.
 DS_REDUCE_BUCKET = 5 * 10**8
-DS_ALLGATHER_BUCKET = 5 * 10**8
-DS_MAX_LIVE_PARAMETERS = 10**9
-# torch's AdamW on CUDA (foreach) allocates one fp32 copy of the parameters it updates during its step: the square
-# root of the second moment, for every parameter at once (on CPU it updates one parameter at a time).
-ADAMW_TEMPORARY_COPIES = 1
-# Part of the cache key of step measurements: raised whenever what is measured changes.
-MEASURE_VERSION = 2
-# The CUDA context, cuBLAS workspaces and the caching allocator's fragmentation: not in any tensor.
-CUDA_OVERHEAD = 2 * GB
+DS_PREFETCH_BUCKET = 5 * 10**7
+DS_PERSISTENCE_THRESHOLD = 10**5
+# train/ema.py updates at most this many values at a time (its CHUNK): one fp32 temporary of that size.
+EMA_CHUNK = 1 << 24
+
+# The device's own costs, each with where its figure comes from (docs/ARCHITECTURE.md, "Memory plan").
+# CUDA's context with torch's kernels loaded: what nvidia-smi shows for a process that has allocated no tensor,
+# 0.5-0.8 GiB on A100/H100 with CUDA 12; the upper end.
+CUDA_CONTEXT = 800 * MIB
+# NCCL's buffers for the default process group: NCCL_BUFFSIZE (4 MiB, NCCL's documented default) per channel, for
+# sending and receiving, to each of the 2 ring neighbours, with up to 32 channels over NVLink: 4 x 32 x 2 x 2 MiB.
+NCCL_BUFFERS = 512 * MIB
+# The caching allocator's fragmentation, as a share of the peak allocated: blocks it reserved but cannot reuse for
+# the request at hand (torch.cuda.memory_reserved above memory_allocated), commonly several percent in training;
+# 10% until the GPU self-check's reserved / allocated row measures it.
+CUDA_FRAGMENTATION = 0.10
+# glibc's retention on CPU, as a share of the peak allocated: freed blocks below its dynamic mmap threshold (raised
+# up to 32 MiB as large blocks are freed) stay in its heaps instead of going back to the kernel. Measured on
+# pi05_small, single process, 224x224, 16 per device: 4.25 GB resident above the start against 3.54 GB with
+# MALLOC_MMAP_THRESHOLD_=131072 (every large block returned at once), which is what the plan allocates.
+CPU_RETENTION = 0.20
+# Part of the cache key of step measurements, with a hash of this file and of the policy's code.
+MEASURE_VERSION = 3
+
+
+def gib(n: int) -> str:
+    """Bytes as nvidia-smi counts them (GiB: 1024^3 bytes)."""
+    return f"{n / GIB:.1f} GiB"
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storage created inside the mode and still alive, and their peak: every op's outputs are counted
-    once per storage and released when the storage is freed. Works on real and on fake tensors."""
+    """Bytes of tensor storage created inside the mode and still alive, and their peaks: every op's outputs are
+    counted once per storage and released when the storage is freed. Storage that becomes a parameter's gradient
+    (`mark_gradients`) is counted apart, so that `peak_other` is the peak of everything else. Works on real and on
+    fake tensors."""
 
     def __init__(self):
         super().__init__()
         self.current = self.peak = 0
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.gradients = 0  # bytes of live gradients
+        self.peak_other = 0  # the peak of current - gradients
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> [nbytes, is a gradient]
 
-    def _free(self, nbytes: int) -> None:
-        self.current -= nbytes
+    def _free(self, entry: list) -> None:
+        self.current -= entry[0]
+        if entry[1]:
+            self.gradients -= entry[0]
 
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        if storage in self._seen:
-            return
-        nbytes = storage.nbytes()
-        self._seen[storage] = nbytes
-        weakref.finalize(storage, self._free, nbytes)
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+    def _track(self, storage) -> list:
+        if storage not in self._seen:
+            entry = [storage.nbytes(), False]
+            self._seen[storage] = entry
+            weakref.finalize(storage, self._free, entry)
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+            self.peak_other = max(self.peak_other, self.current - self.gradients)
+        return self._seen[storage]
+
+    def mark_gradients(self, parameters) -> None:
+        """Count each parameter's gradient, once the backward has accumulated it, as a gradient."""
+        def accumulated(p: torch.Tensor) -> None:
+            entry = self._track(p.grad.untyped_storage())
+            if not entry[1]:
+                entry[1] = True
+                self.gradients += entry[0]
+
+        for p in parameters:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(accumulated)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -72,8 +114,18 @@ class LiveBytes(TorchDispatchMode):
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.is_meta}
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and not leaf.is_meta and id(leaf.untyped_storage()) not in inputs:
-                self._track(leaf)
+                self._track(leaf.untyped_storage())
         return out
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What one forward + backward allocates on top of the weights, measured (`step_bytes`)."""
+
+    forward: int  # the peak during the forward: at its end, the activations kept for the backward
+    backward: int  # the peak of everything but gradients over forward and backward (gradients elsewhere: DDP, ZeRO)
+    backward_with_gradients: int  # the peak with the gradients as they appear (none before the step)
+    gradients: int  # every gradient, at the end
 
 
 def fake_inputs(policy_cfg: PolicyConfig, batch: int, cameras: int) -> dict:
@@ -121,24 +173,46 @@ def policy_module(policy_cfg: PolicyConfig, weights_dtype: torch.dtype, meta: bo
     return policy.train()
 
 
-def _run_step(policy, inputs: dict, autocast: bool) -> None:
+def _forward(policy, inputs: dict, autocast: bool) -> torch.Tensor:
     device = inputs["actions"].device.type
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         # Given noise and time: the Beta draw validates its arguments by value, which fake tensors do not have.
         actions = inputs["actions"]
-        loss = policy.loss(inputs, noise=torch.zeros_like(actions), time=torch.full((len(actions),), 0.5))["loss"]
-    loss.backward()
+        return policy.loss(inputs, noise=torch.zeros_like(actions), time=torch.full((len(actions),), 0.5))["loss"]
 
 
-def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: torch.dtype, autocast: bool) -> int:
-    """Peak bytes one forward + backward allocates on top of the weights (gradients included), measured on fake
-    tensors of the full-size model: shapes only, no memory and no arithmetic. Cached per shape and precision."""
-    key = json.dumps([MEASURE_VERSION, policy_cfg.model_dump(mode="json"), batch, cameras, str(weights_dtype), autocast,
-                      torch.__version__],
-                     sort_keys=True)
-    cache = _cache_dir() / f"step_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+def measure_step(policy, inputs: dict, autocast: bool) -> StepBytes:
+    """Run one forward + backward of `policy` under a LiveBytes tracker (real or fake tensors)."""
+    tracker = LiveBytes()
+    tracker.mark_gradients(policy.parameters())
+    with tracker:
+        loss = _forward(policy, inputs, autocast)
+        forward = tracker.peak_other
+        loss.backward()
+        del loss
+    return StepBytes(forward=forward, backward=tracker.peak_other, backward_with_gradients=tracker.peak,
+                     gradients=tracker.gradients)
+
+
+def _code_version() -> str:
+    """What the step measurement depends on besides its inputs: this file and the policies' code."""
+    from opentau_cli import policies
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for path in sorted(Path(policies.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: torch.dtype, autocast: bool) -> StepBytes:
+    """What one forward + backward of the full-size model allocates, on fake tensors (shapes only: no memory, no
+    arithmetic). Cached per shape, precision, torch version and version of the code measured."""
+    key = json.dumps([MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"), batch, cameras,
+                      str(weights_dtype), autocast, torch.__version__], sort_keys=True)
+    cache = cache_dir() / f"step_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if cache.is_file():
-        return int(json.loads(cache.read_text())["bytes"])
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            return StepBytes(**json.loads(cache.read_text()))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch_state = torch.random.get_rng_state()
@@ -146,97 +220,191 @@ def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype
         policy = policy_module(policy_cfg, weights_dtype, meta=True)
         with FakeTensorMode(allow_non_fake_inputs=True):
             policy.to_empty(device="cpu")
-            inputs = fake_inputs(policy_cfg, batch, cameras)
-            tracker = LiveBytes()
-            with tracker:
-                _run_step(policy, inputs, autocast)
+            measured = measure_step(policy, fake_inputs(policy_cfg, batch, cameras), autocast)
     finally:
         torch.random.set_rng_state(torch_state)  # building draws random initial values
     with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"bytes": tracker.peak}))
-    return tracker.peak
+        cache.write_text(json.dumps(measured.__dict__))
+    return measured
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("OPENTAU_CACHE_DIR") or Path.home() / ".cache" / "opentau"
     return Path(root) / "memory_plan"
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """Parameter counts of the configured policy, from a build on the meta device."""
+
+    total: int
+    trainable: int
+    largest_trainable: int  # elements of the largest trainable tensor (CPU AdamW's temporaries)
+    small: int  # elements of parameters ZeRO-3 keeps whole on every rank (at most DS_PERSISTENCE_THRESHOLD each)
+    largest_module: int  # elements of the largest module's own parameters (ZeRO-3 gathers one module at a time)
+
+
+def sizes(policy_cfg: PolicyConfig) -> Sizes:
+    policy = policy_module(policy_cfg.model_copy(update={"gradient_checkpointing": False}), torch.float32, meta=True)
+    params = list(policy.parameters())
+    modules = [sum(p.numel() for p in m.parameters(recurse=False)) for m in policy.modules()]
+    return Sizes(total=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+                 largest_trainable=max((p.numel() for p in params if p.requires_grad), default=0),
+                 small=sum(p.numel() for p in params if p.numel() <= DS_PERSISTENCE_THRESHOLD),
+                 largest_module=max(modules, default=0))
+
+
 @dataclass
 class MemoryPlan:
-    """Peak bytes per GPU, by part, of one configured run."""
+    """Peak bytes per GPU of one configured run: what lives through the run, each phase of a step on top of it (the
+    peak is the largest), and the device's own costs."""
 
     label: str  # backend, world size, per-device batch, checkpointing
-    parts: dict[str, int] = field(default_factory=dict)
+    lives: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # forward / backward / optimizer -> their parts
+    device_costs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda name: sum(self.phases[name].values()))
+
+    @property
+    def allocated(self) -> int:
+        """The peak of what tensors hold: what lives through the run plus the largest phase."""
+        return sum(self.lives.values()) + sum(self.phases[self.peak_phase].values())
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values())
+        return self.allocated + sum(self.device_costs.values())
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """Every part of the peak, added up to `total`: what lives, the peak phase's parts, the device's costs."""
+        parts = dict(self.lives)
+        for name, n in self.phases[self.peak_phase].items():
+            parts[name] = parts.get(name, 0) + n
+        return {**parts, **self.device_costs}
 
     def fits(self, card: int) -> bool:
         return self.total <= card
 
     def describe(self, card: int | None = None) -> str:
-        parts = ", ".join(f"{name} {gb(n)}" for name, n in self.parts.items() if n)
-        line = f"{gb(self.total)} peak per GPU ({self.label}: {parts})"
+        def listed(parts: dict[str, int]) -> str:
+            return ", ".join(f"{name} {gib(n)}" for name, n in parts.items() if n)
+
+        steps = "; ".join(f"{name} {gib(sum(p.values()))}" for name, p in self.phases.items())
+        peak = self.peak_phase
+        line = (f"{gib(self.total)} peak per GPU ({self.label}) = through the run {gib(sum(self.lives.values()))} "
+                f"({listed(self.lives)}) + the {peak} {gib(sum(self.phases[peak].values()))} ({listed(self.phases[peak])}; "
+                f"by phase: {steps}) + {listed(self.device_costs)}")
         if card:
             verdict = "fits" if self.fits(card) else "does NOT fit"
-            line += f"; {verdict} a {gb(card)} card (margin {gb(card - self.total)})"
+            line += f"; {verdict} a {gib(card)} card (margin {gib(card - self.total)})"
         return line
 
 
-def gb(n: int) -> str:
-    return f"{n / GB:.1f} GB"
+_SIZES: dict[str, Sizes] = {}
 
 
-def plan_memory(cfg: TrainConfig, setup: AccelerateSetup) -> MemoryPlan:
-    """The memory plan of `cfg` launched with `setup` (docs/ARCHITECTURE.md, "Memory plan")."""
-    from opentau_cli.policies import count_parameters
+def cached_sizes(policy_cfg: PolicyConfig) -> Sizes:
+    key = policy_cfg.model_dump_json()
+    if key not in _SIZES:
+        _SIZES[key] = sizes(policy_cfg)
+    return _SIZES[key]
 
-    counts = count_parameters(cfg.policy)
-    total, trainable = counts["total"], counts["trainable"]
+
+def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") -> MemoryPlan:
+    """The memory plan of `cfg` launched with `setup` on `device` ("cuda", or "cpu": what a CPU launch of the same
+    run holds; docs/ARCHITECTURE.md, "Memory plan")."""
+    s = cached_sizes(cfg.policy)
     world = max(1, setup.world_size)
     weights_dtype, autocast = step_precision(setup)
-    wbytes = torch.finfo(weights_dtype).bits // 8
+    w = torch.finfo(weights_dtype).bits // 8
     batch = cfg.per_device_batch_size or cfg.batch_size
     step = step_bytes(cfg.policy, batch, cfg.dataset.num_cameras, weights_dtype, autocast)
-    grads = wbytes * trainable  # what the step measure holds at its end: one gradient per trainable parameter
-    parts: dict[str, int] = {}
+    accumulates = cfg.gradient_accumulation_steps > 1
     stage = setup.zero_stage if setup.backend == "deepspeed" else None
+    cpu = device == "cpu"
+
+    def shard(n: int) -> int:
+        return -(-n // world)
+
+    # AdamW's temporaries: on CUDA torch's foreach step takes the square root of every second moment at once (one
+    # fp32 copy of what it updates); on CPU it updates one tensor at a time, holding two fp32 copies of that tensor
+    # (the square root and its quotient). ZeRO hands it one flat fp32 partition.
+    updated = s.trainable if stage is None else shard(s.trainable)
+    largest = s.largest_trainable if stage is None else updated
+    adamw_temporaries = 8 * largest if cpu else 4 * updated
+    ema = (s.trainable if stage is None else shard(s.trainable)) if cfg.ema.enabled else 0
+    optimizer: dict[str, int] = {"AdamW temporaries": adamw_temporaries}
+    if ema:
+        optimizer["EMA update temporary"] = 4 * min(EMA_CHUNK, ema) * (2 if w != 4 else 1)
+    lives: dict[str, int] = {}
     if stage is None:
-        parts["weights"] = wbytes * total
-        parts["gradients"] = grads
-        parts["AdamW state"] = 8 * trainable
-        # Under DDP the gradients are views into its all-reduce buckets (train/trainer.py, gradient_as_bucket_view):
-        # no second copy.
+        lives["weights"] = w * s.total
+        lives["AdamW state"] = 8 * s.trainable
+        if setup.backend == "ddp":
+            # train/trainer.py: the gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view),
+            # zeroed in place: they live through the run; the backward's own gradient tensors are copied in and freed.
+            lives["gradients (DDP buckets)"] = step.gradients
+            forward = {"activations": step.forward}
+            backward = {"activations": step.backward}
+        elif accumulates:  # the previous micro-batches' gradients are held through the next forward and backward
+            forward = {"activations": step.forward, "gradients": step.gradients}
+            backward = {"activations": step.backward, "gradients": step.gradients}
+        else:  # set to None after each step: the backward allocates them as the activations are freed
+            forward = {"activations": step.forward}
+            backward = {"activations and gradients": step.backward_with_gradients}
+        if setup.backend != "ddp":
+            optimizer = {"gradients": step.gradients, **optimizer}
     else:
-        shard = lambda n: -(-n // world)  # noqa: E731
-        parts["weights"] = wbytes * (shard(total) if stage == 3 else total)
-        parts["gradients"] = shard(grads) if stage >= 2 else grads
-        parts["AdamW state"] = shard(8 * trainable)
-        if weights_dtype != torch.float32:
-            parts["fp32 master weights"] = shard(4 * trainable)
-        parts["ZeRO buckets"] = wbytes * (DS_REDUCE_BUCKET + DS_ALLGATHER_BUCKET
-                                          + (DS_MAX_LIVE_PARAMETERS if stage == 3 else 0))
-    if cfg.ema.enabled:
+        # On CPU a buffer DeepSpeed allocates but only partly writes is resident only where written: the reduce
+        # bucket holds at most every trainable gradient.
+        bucket = w * (min(DS_REDUCE_BUCKET, s.trainable) if cpu else DS_REDUCE_BUCKET)
+        partition = shard(s.trainable)
+        lives["fp32 master weights"] = 4 * partition  # a copy even when the weights are fp32
+        lives["AdamW state"] = 8 * partition
+        if stage <= 2:
+            lives["weights"] = w * s.total
+            # Each backward allocates the reduce bucket the gradients are copied into as they appear (on CPU
+            # resident as they are written, like gradients appearing) and fills this rank's partition of them, in the
+            # weights' dtype; the optimizer gets the partition flattened to fp32. The bucket is freed at the end of
+            # the backward; under accumulation the partition is held through the next forward.
+            held = w * partition if accumulates else 0
+            forward = {"activations": step.forward, "gradient partition": held}
+            if cpu:
+                backward = {"activations and reduce bucket": step.backward_with_gradients, "gradient partition": w * partition}
+            else:
+                backward = {"activations": step.backward, "ZeRO reduce bucket": bucket, "gradient partition": w * partition}
+            optimizer = {"gradient partition": w * partition, "fp32 gradient partition": 4 * partition, **optimizer}
+        else:
+            # Parameters of at most DS_PERSISTENCE_THRESHOLD elements stay whole on every rank; the others are
+            # gathered a module at a time ahead of use (the prefetch bucket) and released after it.
+            lives["weights"] = w * (shard(s.total - s.small) + s.small)
+            lives["ZeRO reduce bucket"] = bucket
+            lives["gradient partition (fp32)"] = 4 * partition
+            gathered = w * min(s.total, DS_PREFETCH_BUCKET + s.largest_module)
+            forward = {"activations": step.forward, "gathered parameters": gathered}
+            backward = {"activations": step.backward, "gathered parameters": gathered}
+    if ema:
         # train/ema.py: an fp32 copy of what the optimizer trains (LoRA: the adapters and fully trained modules) on
         # every rank under DDP; under ZeRO each rank averages its own partition of the fp32 master weights.
-        parts["EMA of the weights (fp32)"] = 4 * trainable if stage is None else -(-4 * trainable // world)
-    # The step's two peaks never overlap: activations (forward / backward, freed before the optimizer runs) and the
-    # optimizer step's temporaries (torch's foreach AdamW: about 3 fp32 copies of the parameters it updates).
-    updated = trainable if stage is None else -(-trainable // world)
-    temporaries = ADAMW_TEMPORARY_COPIES * 4 * updated
-    activations = max(0, step - grads)
-    if activations >= temporaries:
-        parts["activations"] = activations
+        lives["EMA of the weights (fp32)"] = 4 * ema
+    plan = MemoryPlan(label="", lives=lives, phases={"forward": forward, "backward": backward, "optimizer step": optimizer})
+    allocated = plan.allocated
+    if cpu:
+        plan.device_costs = {f"glibc retention ({CPU_RETENTION:.0%} of allocated)": int(CPU_RETENTION * allocated)}
     else:
-        parts["AdamW step temporaries (above activations)"] = temporaries
-    parts["CUDA overhead"] = CUDA_OVERHEAD
+        plan.device_costs = {"CUDA context": CUDA_CONTEXT}
+        if world > 1:
+            plan.device_costs["NCCL buffers"] = NCCL_BUFFERS
+        plan.device_costs[f"allocator fragmentation ({CUDA_FRAGMENTATION:.0%} of allocated)"] = int(CUDA_FRAGMENTATION * allocated)
     checkpointing = "on" if cfg.policy.gradient_checkpointing else "off"
-    label = (f"{setup.label} on {world} GPU{'s' if world > 1 else ''}, {batch} per device, gradient checkpointing "
-             f"{checkpointing}{', LoRA' if cfg.policy.lora.enabled else ''}")
-    return MemoryPlan(label=label, parts=parts)
+    unit = ("CPU process" if cpu else "GPU") + ("es" if cpu and world > 1 else "s" if world > 1 else "")
+    plan.label = (f"{setup.label} on {world} {unit}, {batch} per device, gradient "
+                  f"checkpointing {checkpointing}{', LoRA' if cfg.policy.lora.enabled else ''}")
+    return plan
 
 
 def alternatives(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> list[str]:
@@ -274,7 +442,7 @@ def check_fits(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> None:
     fixes = alternatives(cfg, setup, card)
     hint = ("; these would fit: " + "; ".join(fixes)) if fixes else "; no single change of per-device batch, gradient " \
         "checkpointing, ZeRO stage or LoRA fits it: use larger cards"
-    raise UserError(f"The run needs about {gb(plan.total)} per GPU ({plan.label}) but the card has {gb(card)}{hint} "
+    raise UserError(f"The run needs about {gib(plan.total)} per GPU ({plan.label}) but the card has {gib(card)}{hint} "
                     "(--distributed.memory_check=false launches anyway).")
 
 
@@ -287,7 +455,8 @@ def set_card_memory(nbytes: int | None) -> None:
 
 
 def card_memory(machine=None) -> int | None:
-    """The card size set by --gpu-memory, else that of this machine's first CUDA GPU (not of a --gpus target)."""
+    """The card size set by --gpu-memory, else that of this machine's first CUDA GPU (not of a --gpus target):
+    torch's total_memory, the bytes nvidia-smi shows in MiB."""
     if _CARD.get("bytes"):
         return _CARD["bytes"]
     if (machine is None or not machine.target) and torch.cuda.is_available():
@@ -303,32 +472,7 @@ def check_memory(cfg: TrainConfig, setup: AccelerateSetup, machine) -> None:
 
 
 def parse_size(text: str) -> int:
-    """'80GB', '80 GB', '80G', '141GB', '24GiB' -> bytes."""
-    cleaned = text.strip().replace(" ", "").upper()
-    for suffix, unit in (("GIB", 2**30), ("GB", GB), ("G", GB)):
-        if cleaned.endswith(suffix):
-            try:
-                value = float(cleaned[: -len(suffix)])
-            except ValueError:
-                break
-            if value > 0:
-                return int(value * unit)
-    raise UserError(f"--gpu-memory takes a size such as 80GB or 24GiB, got {text!r}.")
+    """A card size for --gpu-memory (units.parse_card_size: 80GB and 80GiB are both the card sold as 80 GB)."""
+    from opentau_cli.units import parse_card_size
 
-
-def measure_step_peak(policy, inputs: dict, optimizer, autocast: bool) -> int:
-    """Peak live bytes of a steady-state real training step: one step first (AdamW creates its state), then the
-    second (forward, backward, optimizer step, gradients freed) measured with the tracker, plus the bytes that lived
-    through it (weights and AdamW state). The reference the plan is checked against."""
-    _run_step(policy, inputs, autocast)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tracker = LiveBytes()
-    with tracker:
-        _run_step(policy, inputs, autocast)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    weights = sum(p.numel() * p.element_size() for p in policy.parameters())
-    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return weights + state + tracker.peak
+    return parse_card_size(text, "--gpu-memory")

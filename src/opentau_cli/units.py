@@ -31,3 +31,23 @@ def parse_size(text: str, option: str) -> int:
     if size <= 0:
         raise UserError(f"{option} must be a positive size, got '{text}'.")
     return size
+
+
+
+# For --gpu-memory's --help: how a card's size is read.
+CARD_SIZE_HELP = ("the card's size as sold: 80GB and 80GiB both mean a card sold as 80 GB, which nvidia-smi shows as "
+                  "81920 MiB (GB and TB are read as GiB and TiB here); MiB gives nvidia-smi's exact figure")
+
+
+def parse_card_size(text: str, option: str) -> int:
+    """A GPU's memory as its card is sold: GB (and G, TB, T) are read as GiB (TiB), since a card sold as "80GB" has
+    80 GiB, what nvidia-smi and torch's total_memory report; MiB, KiB and bytes as `parse_size` reads them."""
+    m = _SIZE.fullmatch(str(text))
+    unit = m.group(2).upper() if m else None
+    binary = {"G": "GIB", "GB": "GIB", "T": "TIB", "TB": "TIB"}.get(unit, unit)
+    if binary not in ("GIB", "TIB", "MIB", "KIB", "B", ""):
+        raise UserError(f"{option} '{text}' is not a card size; write e.g. 80GB ({CARD_SIZE_HELP}).")
+    size = int(float(m.group(1)) * _FACTORS[binary])
+    if size <= 0:
+        raise UserError(f"{option} must be a positive size, got '{text}'.")
+    return size

@@ -12,6 +12,14 @@ def _human(count: int) -> str:
     return str(count)
 
 
+def human_bytes(n: int) -> str:
+    """Bytes in binary units, as nvidia-smi and the memory plan count memory."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
+
+
 # AdamW keeps two fp32 moments per trainable parameter.
 ADAMW_BYTES_PER_PARAMETER = 8
 
@@ -22,12 +30,13 @@ def parameter_row(counts: dict[str, int]) -> str:
 
 
 def optimizer_row(counts: dict[str, int], world_size: int, zero_stage: int | None) -> str:
-    """The AdamW state the trainable parameters imply: per process, divided among the ranks by ZeRO-1/2/3."""
+    """The AdamW state the trainable parameters imply: per process, divided among the ranks by ZeRO-1/2/3; in binary
+    units, as the memory plan counts memory."""
     total = ADAMW_BYTES_PER_PARAMETER * counts["trainable"]
     shards = world_size if zero_stage else 1
-    where = f"{_human(total // shards)}B per process, ZeRO-{zero_stage} shards it over {world_size}" if zero_stage and shards > 1 \
+    where = f"{human_bytes(-(-total // shards))} per process, ZeRO-{zero_stage} shards it over {world_size}" if zero_stage and shards > 1 \
         else "on every process"
-    return f"{_human(total)}B AdamW state (2 fp32 moments per trainable parameter; {where})"
+    return f"{human_bytes(total)} AdamW state (2 fp32 moments per trainable parameter; {where})"
 
 
 def memory_row(cfg, accel, machine) -> str:
