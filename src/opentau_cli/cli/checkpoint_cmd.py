@@ -30,7 +30,7 @@ def consolidate_cmd(
     checkpoint_dir: Path = typer.Argument(..., help="A DeepSpeed checkpoint directory (or the dir holding its tag dirs)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (default, like zero_to_fp32.py) or bf16."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help=f"Above this, write HF shards + model.safetensors.index.json ({SIZE_HELP})."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory, or a .safetensors file (default: "
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory or .safetensors file, outside any run (default: "
                                                                       "CHECKPOINT_DIR/model.safetensors); missing parents are made."),
     force: bool = typer.Option(False, "--force", help="Redo it even if the checkpoint is already consolidated; with --output, "
                                                       "replace an earlier output of this command (never a run or anything else)."),
@@ -68,7 +68,7 @@ def consolidate_cmd(
 @handle_errors
 def export_cmd(
     checkpoint: Path = typer.Argument(..., help="A checkpoint directory, or a run directory (its newest complete checkpoint)."),
-    output: Path = typer.Option(..., "--output", "-o", help="New (or empty) directory for the model; missing parents are made."),
+    output: Path = typer.Option(..., "--output", "-o", help="New (or empty) directory, outside any run, for the model; missing parents are made."),
     layout: str = typer.Option("opentau", "--layout", help="opentau (OpenTau, statistics in the weights), lerobot or openpi."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (norms, embeddings and action/time projections stay fp32, as openpi keeps them)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run whose robot the model serves, "

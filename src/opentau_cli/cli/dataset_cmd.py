@@ -16,7 +16,7 @@ app = make_app("Create and describe LeRobot-format datasets.")
 @app.command("synth")
 @handle_errors
 def synth_cmd(
-    out_dir: Path = typer.Argument(..., help="New (or empty) directory to write the dataset into; missing parents are made."),
+    out_dir: Path = typer.Argument(..., help="New (or empty) directory, outside any run, to write the dataset into; missing parents are made."),
     episodes: int = typer.Option(30, "--episodes", help="Number of episodes."),
     steps_per_episode: int = typer.Option(50, "--steps-per-episode", "--steps_per_episode", help="Frames per episode."),
     cameras: int = typer.Option(1, "--cameras", help="Cameras (64x64 PNG images stored in the parquet files)."),

@@ -16,7 +16,7 @@ def eval_cmd(
     source: PolicySourceArg,
     episodes: Optional[str] = typer.Option(None, "--episodes", help="Episode indices, e.g. 0,3,5 (default: the run's "
                                                                     "held-out episodes; for a model, every episode)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="New (or empty) directory for eval.json and eval.png (default: outputs/eval/<name>)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="New (or empty) directory, outside any run, for eval.json and eval.png (default: outputs/eval/<name>)."),
     force: ForceOpt = False,
     batch_size: int = typer.Option(8, "--batch-size", "--batch_size", help="Chunks sampled per forward."),
     stride: int = typer.Option(1, "--stride", help="Evaluate a chunk every N frames."),
