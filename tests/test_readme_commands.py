@@ -7,12 +7,17 @@ shortened by `OPENTAU_STEPS` (the documented environment override, which a comma
 whole test stays within minutes. A block that needs what CI does not have (a GPU, the network, a cluster) is marked just
 above it with `<!-- readme-test: skip: <why> -->`; the reason is required. Blocks are found when the test runs, so a
 block added to the README is tested (or must say why not) without touching this file.
+
+The full pi05 preset starts from weights and a tokenizer on the Hub, so its blocks are skipped; the README says how its
+`config validate` examples run offline (`OFFLINE_FLAGS`), and every such example, skipped block or not, is run so,
+expecting what the README shows: success, or the refusal its `# Error:` comment quotes.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -105,4 +110,60 @@ def test_every_readme_block_that_needs_no_gpu_or_network_runs_as_written(tmp_pat
         if result.returncode:
             failed.append(f"{block} failed with exit code {result.returncode}\n--- block\n{block.code}--- stderr (end)\n"
                           f"{result.stderr[-3000:]}\n--- stdout (end)\n{result.stdout[-1000:]}")
+    assert not failed, "\n\n".join(failed)
+
+
+# What the README tells a user without the Hub to add to a full-pi05 `config validate` (README "Configuration").
+OFFLINE_FLAGS = ("--policy.pretrained_path=null", "--policy.tokenizer_path=null")
+FULL_PI05 = ["opentau", "config", "validate", "configs/examples/pi05_config.json"]
+
+
+@dataclass
+class Example:
+    block: Block
+    argv: list[str]
+    error: str | None  # the refusal the README shows under it (`# Error: ...`), else None: it passes
+
+
+def full_pi05_validates(blocks: list[Block]) -> list[Example]:
+    """Every `opentau config validate configs/examples/pi05_config.json ...` command of the README's blocks (lines
+    continued with a backslash joined, trailing comments dropped), with the `# Error:` comment that follows it."""
+    found = []
+    for block in blocks:
+        lines = block.code.replace("\\\n", " ").splitlines()
+        for i, line in enumerate(lines):
+            if not line.lstrip().startswith(" ".join(FULL_PI05[:3])):
+                continue
+            argv = shlex.split(line, comments=True)
+            if argv[:4] != FULL_PI05:
+                continue
+            error = None
+            if i + 1 < len(lines) and lines[i + 1].lstrip().startswith("# Error:"):
+                error = lines[i + 1].lstrip()[2:]
+            found.append(Example(block, argv, error))
+    return found
+
+
+def test_the_readme_says_how_full_pi05_examples_validate_offline():
+    text = README.read_text()
+    assert full_pi05_validates(BLOCKS), "no full-pi05 `config validate` example left in the README"
+    assert " ".join(OFFLINE_FLAGS) in text, f"the README must say to add `{' '.join(OFFLINE_FLAGS)}` offline"
+
+
+def test_every_full_pi05_validate_example_runs_offline_with_the_readmes_flags(tmp_path):
+    cwd, env = _scratch(tmp_path)
+    failed = []
+    for example in full_pi05_validates(BLOCKS):
+        argv = example.argv + [f for f in OFFLINE_FLAGS if f not in example.argv]
+        result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        lines = result.stderr.strip().splitlines()
+        errors = [ln for ln in lines if ln.startswith("Error:")]
+        if example.error is None:
+            ok = result.returncode == 0
+        else:  # the refusal as the README quotes it, up to its first number (the plan's numbers are the plan's)
+            words = re.split(r"\d", example.error, maxsplit=1)[0]
+            ok = result.returncode == 2 and len(errors) == 1 and errors[0].startswith(words)
+        if not ok:
+            failed.append(f"{example.block}: {shlex.join(argv)} exited {result.returncode}, README expects "
+                          f"{example.error or 'success'}\n{result.stderr[-2000:]}")
     assert not failed, "\n\n".join(failed)
