@@ -64,6 +64,10 @@ def test_a_policy_fine_tuned_from_a_pretrained_one_beats_the_mean_action_on_held
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     assert report["held_out"] is True and report["episodes"] == held_out
+    # Which weights of which checkpoint the run directory resolved to (a run without an EMA: its live weights).
+    assert report["weights"] == "live" and report["step"] == 20
+    assert report["checkpoint"] == {"path": str((run / "checkpoints" / "000020").resolve()), "step": 20,
+                                    "resolved_from": str(run)}
     assert report["beats_mean_action"] is True and report["policy"]["mse"] < report["mean_action"]["mse"]
     assert report["mse_ratio"] == pytest.approx(report["policy"]["mse"] / report["mean_action"]["mse"])
     for errors in (report["policy"], report["mean_action"]):
@@ -88,6 +92,7 @@ def test_an_exported_model_is_evaluated_from_its_published_files(fine_tuned, tmp
     report = json.loads((out / "eval.json").read_text())
     assert report["layout"] == "openpi pi05" and report["held_out"] is False and report["episodes"] == held_out[:4]
     assert report["preset"] == "pi05_tiny" and "assets/demo/norm_stats.json" in report["statistics"]
+    assert (report["weights"], report["step"]) == ("live", 20)  # what the export recorded of its checkpoint
     assert report["beats_mean_action"] is True
 
 
