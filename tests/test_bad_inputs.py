@@ -94,6 +94,10 @@ CASES = [
          accelerate("few.yaml", num_processes=1, num_machines=2, main_process_ip="10.0.0.1")),
     Case("processes-not-divisible-by-machines", (*TRAIN, "--accelerate-config=odd.yaml"), "num_processes (3) is the total",
          accelerate("odd.yaml", num_processes=3, num_machines=2, main_process_ip="10.0.0.1")),
+    Case("accelerate-config-not-utf8", (*TRAIN, "--accelerate-config=lat.yaml"), "is not UTF-8 text (byte 0xe9",
+         file("lat.yaml", "distributed_type: MULTI_CPU\nnum_processes: 2\n# caf\xe9\n".encode("latin-1"))),
+    Case("accelerate-config-is-a-directory", (*TRAIN, "--accelerate-config=accel"), "is a directory; pass a YAML file",
+         folder("accel")),
     # output_dir that cannot be a directory.
     Case("output-dir-inside-a-file", ("train", f"--config_path={TINY}", "--output_dir=notes.txt/run"),
          "output_dir '{work}/notes.txt/run' cannot be created: '{work}/notes.txt' is a file", file("notes.txt", "x")),
@@ -114,6 +118,9 @@ CASES = [
     Case("bad-value-from-the-environment", TRAIN, "Invalid config from OPENTAU_STEPS: steps:", env={"OPENTAU_STEPS": "lots"}),
     Case("bad-value-from-the-file", ("train", "--config_path=c.json", "--output_dir=run"), "Invalid config in c.json: steps:",
          file("c.json", '{"steps": "lots"}')),
+    Case("env-list-not-json", TRAIN, "OPENTAU_POLICY__IMAGE_RESOLUTION='[3' is not valid JSON",
+         env={"OPENTAU_POLICY__IMAGE_RESOLUTION": "[3"}),
+    Case("env-section-not-json", TRAIN, "OPENTAU_POLICY='chunk_size=4' is not valid JSON", env={"OPENTAU_POLICY": "chunk_size=4"}),
     # A tracker without the setting it needs: refused before launch, not by MLflow after it.
     Case("mlflow-without-tracking-uri", (*TRAIN, "--logging.trackers=mlflow"), "MLFLOW_TRACKING_URI is not set",
          env={"MLFLOW_TRACKING_URI": ""}),

@@ -114,10 +114,17 @@ def _int(raw: dict, key: str, default: int | None, path: Path) -> int | None:
 
 def read_accelerate_config(path: str | Path) -> AccelerateSetup:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"Accelerate config '{path}' is a directory; pass a YAML file (e.g. {path / 'default_config.yaml'}).")
     if not path.is_file():
         raise UserError(f"Accelerate config '{path}' not found.")
     try:
-        raw = yaml.load(path.read_text(), Loader=_Yaml12Loader)
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)
+    except OSError as e:
+        raise UserError(f"Cannot read Accelerate config '{path}': {e.strerror or e}.") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"Accelerate config '{path}' is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start}); save it as UTF-8 YAML.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -12,6 +12,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
+from pydantic_settings.exceptions import SettingsError
 
 from opentau_cli.errors import UserError
 from opentau_cli.config.model import TrainConfig
@@ -207,6 +208,20 @@ def env_values(environ: Mapping[str, str] | None = None) -> dict:
             key = name[len("OPENTAU_"):].lower().replace("__", ".")
             if key not in valid:
                 raise UserError(f"Environment variable {name} is not a config key{suggest(key)}.")
+    try:
+        return _read_env(environ)
+    except SettingsError:  # a list or a section must be JSON: find the variable that is not, and name it
+        for name, value in environ.items():
+            if name.upper().startswith("OPENTAU_") and name.upper() not in NON_CONFIG_ENV:
+                try:
+                    _read_env({name: value})
+                except SettingsError:
+                    raise UserError(f"Environment variable {name}={value!r} is not valid JSON, which a list or a "
+                                    "section takes (e.g. [1, 2] or {\"key\": 1}).") from None
+        raise
+
+
+def _read_env(environ: Mapping[str, str]) -> dict:
     source = EnvSettingsSource(TrainConfig)
     source.env_vars = {k.lower(): v for k, v in environ.items()}
     return source()
