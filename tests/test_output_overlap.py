@@ -177,3 +177,30 @@ def test_force_replaces_a_single_safetensors_file_only_when_opentau_consolidate_
     assert run_cli_in_process(args).returncode == 0
     refused(run_cli_in_process(args), "or pass --force to replace this earlier output of `opentau checkpoint consolidate`")
     assert run_cli_in_process([*args, "--dtype", "bf16", "--force"]).returncode == 0
+
+
+def test_export_and_eval_replace_only_their_own_earlier_output_and_never_the_model_they_read(runs, tmp_path):
+    single = runs / "single" / "run"
+    model, report = tmp_path / "model", tmp_path / "report"
+    export = ["checkpoint", "export", str(single), "--output"]
+    evaluate = ["eval", str(single), "--episodes", "0", "--stride", "25", "--plot-episodes", "0", "--device", "cpu", "--output"]
+    assert run_cli_in_process([*export, str(model)]).returncode == 0
+    assert run_cli_in_process([*evaluate, str(report)]).returncode == 0
+    assert json.loads((model / MARKER).read_text())["command"] == "checkpoint export"
+    assert json.loads((report / MARKER).read_text())["command"] == "eval"
+    before = tree(tmp_path)
+
+    refused(run_cli_in_process([*export, str(report), "--force"]),
+            f"{report} already exists and was not written by `opentau checkpoint export`")
+    refused(run_cli_in_process([*evaluate, str(model), "--force"]), f"{model} already exists and was not written by `opentau eval`")
+    refused(run_cli_in_process([*export, str(model)]), "or pass --force to replace this earlier output of `opentau checkpoint export`")
+    # eval of the exported model: its output must not be, hold or lie inside the model it reads
+    of_model = ["eval", str(model), "--episodes", "0", "--stride", "25", "--plot-episodes", "0", "--device", "cpu", "--output"]
+    for out in (model, model / "eval", tmp_path):
+        for force in ([], ["--force"]):
+            refused(run_cli_in_process([*of_model, str(out), *force]), f"{out} overlaps {model}, which this command reads")
+    assert tree(tmp_path) == before
+
+    forced = run_cli_in_process([*export, str(model), "--layout", "openpi", "--force"])
+    assert forced.returncode == 0, forced.stderr
+    assert list(model.glob("assets/*/norm_stats.json")) and sorted(p.name for p in tmp_path.iterdir()) == ["model", "report"]
