@@ -13,6 +13,7 @@ from opentau_cli.cli.common import (
     make_app, machine_settings, parse_bool_flag, warn,
 )
 from opentau_cli.config import Machine, TrainConfig, load_config
+from opentau_cli.units import CARD_SIZE_HELP
 
 app = make_app("Validate, show and describe the training config.")
 
@@ -33,7 +34,7 @@ def validate_cmd(
     reshard: ReshardOpt = "false",
     rollback: RollbackOpt = "false",
     gpu_memory: Optional[str] = typer.Option(
-        None, "--gpu-memory", help="Check the memory plan against cards of this size (e.g. 80GB) instead of this machine's."
+        None, "--gpu-memory", help=f"Check the memory plan against cards of this size instead of this machine's: {CARD_SIZE_HELP}."
     ),
 ) -> None:
     """Run every check `train` runs before launching (with --resume=true, also the checkpoint's), without launching.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -10,6 +11,17 @@ from opentau_cli.cli.common import (
     OVERRIDES_CONTEXT, AccelerateConfigOpt, BreakLockOpt, ConfigPathOpt, MachineRankOpt, MainIpOpt, MainPortOpt,
     NumMachinesOpt, ReshardOpt, RollbackOpt, handle_errors, machine_settings, parse_bool_flag, warn,
 )
+from opentau_cli.units import CARD_SIZE_HELP
+
+GpuMemoryOpt = typer.Option(None, "--gpu-memory", help=(
+    f"Check the memory plan against cards of this size instead of the visible GPU's: {CARD_SIZE_HELP}."))
+
+
+def _set_card(gpu_memory: str | None) -> None:
+    """This command's card for the memory plan (--gpu-memory), not a previous command's."""
+    from opentau_cli.memory_plan import parse_size, set_card_memory
+
+    set_card_memory(parse_size(gpu_memory) if gpu_memory is not None else None)
 
 
 def _launch(plan, break_lock: bool = False) -> None:
@@ -34,7 +46,7 @@ def _launch(plan, break_lock: bool = False) -> None:
 def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_config: AccelerateConfigOpt = None,
           machine_rank: MachineRankOpt = None, num_machines: NumMachinesOpt = None, main_process_ip: MainIpOpt = None,
           main_process_port: MainPortOpt = None, break_lock: BreakLockOpt = False, reshard: ReshardOpt = "false",
-          rollback: RollbackOpt = "false") -> None:
+          rollback: RollbackOpt = "false", gpu_memory: Optional[str] = GpuMemoryOpt) -> None:
     """Train a policy under Accelerate (single process, DDP, DeepSpeed ZeRO-2/3).
 
     Examples:
@@ -45,6 +57,7 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
     """
     from opentau_cli.plan import plan_train
 
+    _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_train(config_path, accelerate_config, list(ctx.args), machines=machines,
                        reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
@@ -64,6 +77,7 @@ def resume(
     break_lock: BreakLockOpt = False,
     reshard: ReshardOpt = "false",
     rollback: RollbackOpt = "false",
+    gpu_memory: Optional[str] = GpuMemoryOpt,
 ) -> None:
     """Resume a run from the checkpoint `last` designates (or the checkpoint given; an older one needs --rollback=true).
 
@@ -77,6 +91,7 @@ def resume(
     """
     from opentau_cli.plan import plan_resume
 
+    _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_resume(run_dir, accelerate_config, list(ctx.args), machines=machines,
                         reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
