@@ -12,7 +12,7 @@ import xxhash
 from opentau_cli.checkpoint import layout
 from opentau_cli.checkpoint.layout import CHECKPOINTS, MANIFEST, METRICS, TRAIN_CONFIG, TRAINING_STATE, point_last, read_last
 from opentau_cli.checkpoint.lineage import (
-    LINEAGE, ROLLED_BACK, current_branch, newer_checkpoints, resume_point, roll_back, rolled_back,
+    LINEAGE, ROLLED_BACK, archive_of, current_branch, newer_checkpoints, resume_point, roll_back, rolled_back,
 )
 from opentau_cli.checkpoint.manager import CheckpointManager, find_checkpoint
 from opentau_cli.config import load_config
@@ -110,6 +110,19 @@ def test_a_rollback_moves_newer_checkpoints_and_their_metrics_aside_and_points_l
     assert "000020, 000030" in done.line() and str(into) in done.line()
     # Retention and `latest` no longer see them.
     assert resume_point(run) == c10
+
+
+def test_what_a_rollback_moved_is_known_as_an_archive_and_a_folder_merely_named_rolled_back_is_not(tmp_path):
+    run = tmp_path / "run"
+    m = manager(run, "a")
+    c10, _ = save(m, 10), save(m, 20)
+    done = roll_back(run, c10, stamp="20261201-120000")
+    (moved,) = done.moved
+    assert archive_of(moved) == run and archive_of(moved.parent.parent) == run  # the checkpoint, its rollback's folder
+    assert archive_of(c10) is None
+    lookalike = tmp_path / "mine" / ROLLED_BACK / "x" / CHECKPOINTS / "000010"
+    lookalike.mkdir(parents=True)
+    assert archive_of(lookalike) is None  # tmp_path/mine is no run
 
 
 def test_a_second_rollback_at_the_same_second_gets_its_own_folder(tmp_path):

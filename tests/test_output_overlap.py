@@ -204,3 +204,12 @@ def test_export_and_eval_replace_only_their_own_earlier_output_and_never_the_mod
     forced = run_cli_in_process([*export, str(model), "--layout", "openpi", "--force"])
     assert forced.returncode == 0, forced.stderr
     assert list(model.glob("assets/*/norm_stats.json")) and sorted(p.name for p in tmp_path.iterdir()) == ["model", "report"]
+
+
+def test_folders_merely_named_like_a_runs_are_no_runs_and_take_outputs(tmp_path):
+    """A user's own `checkpoints/` folder of exports (no step directories, no `last`) is no run's: outputs go there."""
+    mine = tmp_path / CHECKPOINTS
+    (mine / "older_export").mkdir(parents=True)
+    made = run_cli_in_process(["dataset", "synth", str(mine / "reach"), "--episodes", "1", "--steps-per-episode", "4"])
+    assert made.returncode == 0, made.stderr
+    assert (mine / "reach" / "meta" / "info.json").is_file()

@@ -173,10 +173,11 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def is_run_dir(path: Path) -> bool:
-    """A run directory: it holds checkpoints, metrics, a rollback's archive or a live run's lock."""
+    """A run directory: it holds checkpoints, metrics or a live run's lock (a rolled-back run also holds its
+    checkpoints/ and metrics; a rollback's archive, rolled_back/<time>/, counts as a run of its own)."""
     path = Path(path)
     return path.is_dir() and (is_checkpoints_folder(path / CHECKPOINTS) or (path / METRICS).is_file()
-                              or (path / LOGS / RUN_LOCK).exists() or (path / ROLLED_BACK).is_dir())
+                              or (path / LOGS / RUN_LOCK).exists())
 
 
 def run_part(path: Path) -> str | None:

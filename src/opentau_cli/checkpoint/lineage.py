@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentau_cli.checkpoint.layout import (CHECKPOINTS, MANIFEST, METRICS, ROLLED_BACK, TRAINING_STATE, point_last,
-                                           read_last, step_of)
+from opentau_cli.checkpoint.layout import (CHECKPOINTS, MANIFEST, METRICS, ROLLED_BACK, TRAINING_STATE, is_run_dir,
+                                           point_last, read_last, step_of)
 from opentau_cli.checkpoint.manifest import hash_file, is_complete
 
 LINEAGE = "lineage"
@@ -176,11 +176,11 @@ def rolled_back(run_dir: Path) -> list[tuple[str, Path]]:
             for _, path in _published(stamp / CHECKPOINTS)]
 
 
-def archive_of(ckpt_dir: Path) -> Path | None:
-    """The run whose `rolled_back/<time>/checkpoints/` holds `ckpt_dir`, or None when it is no rollback's archive."""
-    ckpt_dir = Path(ckpt_dir)
-    for at in Path(os.path.abspath(ckpt_dir)).parents:
-        if at.name == ROLLED_BACK:
+def archive_of(path: Path) -> Path | None:
+    """The run whose `rolled_back/` holds `path` (a rolled-back checkpoint, or anything else in the archive), or None.
+    A folder merely named rolled_back is no archive: its parent must be a run directory."""
+    for at in Path(os.path.abspath(path)).parents:
+        if at.name == ROLLED_BACK and is_run_dir(at.parent):
             return at.parent
     return None
 
