@@ -119,6 +119,7 @@ def test_what_a_rollback_moved_is_known_as_an_archive_and_a_folder_merely_named_
     done = roll_back(run, c10, stamp="20261201-120000")
     (moved,) = done.moved
     assert archive_of(moved) == run and archive_of(moved.parent.parent) == run  # the checkpoint, its rollback's folder
+    assert archive_of(run / ROLLED_BACK) == run
     assert archive_of(c10) is None
     lookalike = tmp_path / "mine" / ROLLED_BACK / "x" / CHECKPOINTS / "000010"
     lookalike.mkdir(parents=True)

@@ -179,7 +179,8 @@ def rolled_back(run_dir: Path) -> list[tuple[str, Path]]:
 def archive_of(path: Path) -> Path | None:
     """The run whose `rolled_back/` holds `path` (a rolled-back checkpoint, or anything else in the archive), or None.
     A folder merely named rolled_back is no archive: its parent must be a run directory."""
-    for at in Path(os.path.abspath(path)).parents:
+    path = Path(os.path.abspath(path))
+    for at in (path, *path.parents):
         if at.name == ROLLED_BACK and is_run_dir(at.parent):
             return at.parent
     return None
