@@ -80,8 +80,9 @@ def test_export_eval_and_serve_take_run_best_and_record_its_weights_and_step(run
     assert (live.weights, live.step, live.checkpoint) == ("live", step, best)
     assert json.loads((tmp / "live" / "config.json").read_text())["opentau"] == {"weights": "live", "step": step}
 
-    ok(run_cli_in_process(["eval", f"{out}:best", "--output", str(tmp / "eval_best"), "--device", "cpu", "--stride", "10",
-                "--plot-episodes", "0"], env=env))
+    evaluated = ok(run_cli_in_process(["eval", f"{out}:best", "--output", str(tmp / "eval_best"), "--device", "cpu",
+                                       "--stride", "10", "--plot-episodes", "0"], env=env))
+    assert f"on cpu with the EMA weights of step {step} ({best})..." in evaluated.stderr
     report = json.loads((tmp / "eval_best" / "eval.json").read_text())
     assert report["weights"] == "ema" and report["step"] == step
     assert report["checkpoint"] == {"path": str(best), "step": step, "resolved_from": f"{out}:best"}

@@ -69,6 +69,14 @@ def _from_checkpoint(path: Path, overrides: dict, dataset: str | None, weights: 
     return cfg, member, policy, origin
 
 
+def describe_weights(origin: dict) -> str:
+    """Which weights of which checkpoint a loaded policy holds, in words (eval's and serve's first line):
+    'EMA weights of step 60 (RUN/checkpoints/000060)'."""
+    kind = {"ema": "EMA weights", "live": "live weights"}.get(origin.get("weights"), "weights (EMA or live: not recorded)")
+    step, where = origin.get("step"), (origin.get("checkpoint") or {}).get("path")
+    return kind + (f" of step {step}" if step is not None else "") + (f" ({where})" if where else "")
+
+
 def _run_member(cfg: TrainConfig, overrides: dict, dataset: str | None) -> MixtureMember:
     """The dataset `--dataset` picks; a mixture reads its members' own fields, so a top-level one would be ignored."""
     if cfg.dataset.mixture is not None:
@@ -352,7 +360,8 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     ours, baseline = _Errors(steps, joints), _Errors(steps, joints)
     generator = torch.Generator().manual_seed(seed)
     indices = list(range(0, len(data), stride))
-    echo(f"Evaluating {len(indices)} action chunks of {len(data.episodes)} episodes on {dev}...")
+    echo(f"Evaluating {len(indices)} action chunks of {len(data.episodes)} episodes on {dev} with the "
+         f"{describe_weights(origin)}...")
     for batch in _batches(data, indices, batch_size):
         predicted = _sample(policy, batch, dev, generator)
         target = batch["actions"][:, :steps, :joints]

@@ -129,10 +129,9 @@ class ServedPolicy:
 
     def describe(self) -> str:
         """The served weights in words, for the banner: 'EMA weights of step 60 (RUN/checkpoints/000060)'."""
-        kind = {"ema": "EMA weights", "live": "live weights"}.get(self.origin.get("weights"), "weights (EMA or live: not recorded)")
-        step = self.origin.get("step")
-        where = (self.origin.get("checkpoint") or {}).get("path")
-        return kind + (f" of step {step}" if step is not None else "") + (f" ({where})" if where else "")
+        from opentau_cli.evaluate import describe_weights
+
+        return describe_weights(self.origin)
 
     def batch(self, obs) -> dict:
         """One observation as the one-sample batch the policy samples from. Raises BadRequest naming the problem."""

@@ -33,7 +33,8 @@ ForceOpt = Annotated[bool, typer.Option("--force", help=(
     "Replace an existing, non-empty output (the old one is removed only once the new one is complete; opentau_cli/outputs.py)."))]
 WeightsOpt = Annotated[Optional[str], typer.Option("--weights", help=(
     "ema or live, for a training checkpoint: the EMA of the weights (ema.decay) or the weights as trained; default: "
-    "the EMA when the checkpoint holds one."))]
+    "the EMA when the checkpoint holds one (what RUN:best is ranked on unless checkpoint.best_metric names a val_* "
+    "key). The output records which."))]
 # What `eval` and `serve` load, and where.
 PolicySourceArg = Annotated[str, typer.Argument(help=(
     "A run or checkpoint directory, or a model: a file, a directory (e.g. from `checkpoint export`) or a Hugging Face "
