@@ -191,12 +191,21 @@ def live_run(ddp_reference, tmp_path, isolated_env):
         holder.wait()
 
 
-def test_a_resume_from_an_older_checkpoint_of_a_live_run_names_the_lock_not_rollback(live_run):
+@pytest.mark.parametrize("target, args", [
+    ("checkpoints/000003", []),  # older than the newest: the history check would advise --rollback=true
+    ("", []),  # the run itself: refused before the plan is printed, in one line
+    ("", ["--overwrite=true"]),  # train --resume=false --overwrite into it: nothing removed
+], ids=["older-checkpoint", "the-run", "train-overwrite"])
+def test_a_second_launch_into_a_live_run_is_one_line_naming_the_lock(live_run, target, args):
     """While a run saves, its newest checkpoint may not be `last` yet: a second resume must say the run is live
-    (the launch would refuse it so), not recommend --rollback=true, which would move the live run's checkpoints."""
+    (as the launch would), not recommend --rollback=true, which would move the live run's checkpoints."""
     run, pid = live_run
     before = tree(run.parent)
-    result = run_cli_in_process(["resume", str(run / "checkpoints" / "000003")], cwd=run.parent)
+    if args:
+        command = ["train", f"--config_path={run / 'checkpoints' / '000006' / 'train_config.json'}", f"--output_dir={run}", *args]
+    else:
+        command = ["resume", str(run / target)]
+    result = run_cli_in_process(command, cwd=run.parent)
     assert_refused(result, f"Run directory '{run}' is in use by a live run (pid {pid} on ")
     assert "rollback" not in result.stderr
     assert tree(run.parent) == before

@@ -162,9 +162,10 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
         if given and not cfg.resume:
             raise UserError(f"{flag} applies to a resume: pass it with --resume=true, or use `opentau resume RUN {flag}`.")
     if not cfg.resume:
+        setup = with_machine(resolve_accelerate_config(accelerate_config), machines)
+        check_not_live(cfg.output_dir, setup, break_lock)
         branches = asked_revisions(cfg)  # before check_launch pins the commits
-        return RunPlan(checked=check_launch(cfg, with_machine(resolve_accelerate_config(accelerate_config), machines), machine),
-                       dataset_branches=branches)
+        return RunPlan(checked=check_launch(cfg, setup, machine), dataset_branches=branches)
     source = Path(cfg.config_path).parent if cfg.config_path else None
     if source is not None and is_checkpoint_dir(source):
         ckpt = find_checkpoint(source)
@@ -206,6 +207,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         setup = setup_from_dict(saved["accelerate"])
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
     setup = with_machine(setup, machines)
+    check_not_live(cfg.output_dir, setup, break_lock)
     saved_config = None  # the checkpoint's train_config.json, read once
     if reshard and is_reshard(saved, setup):
         saved_config = _read_train_config(ckpt)
@@ -220,7 +222,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
     check_lora_resume(ckpt, checked.config, state, saved_config)
     check_mixture_resume(ckpt, checked.config, saved_config, overrides)
-    history = check_history(ckpt, rollback, break_lock)  # a line only when there are newer checkpoints to move aside
+    history = check_history(ckpt, rollback)  # a line only when there are newer checkpoints to move aside
     notes.extend(history)
     schedule = describe_schedule_change(saved_config, checked.config, int(state.get("step", 0)))
     if schedule:
@@ -257,11 +259,18 @@ def recorded_branches(ckpt: Path, state: dict) -> dict[str, str]:
 ROLLBACK_FLAG = "--rollback=true"
 
 
-def check_history(ckpt: Path, rollback: bool, break_lock: bool = False) -> list[str]:
+def check_not_live(run_dir: Path, setup: AccelerateSetup, break_lock: bool) -> None:
+    """A live run holding the run directory's lock is refused first, in the words the launch would use (runlock.py):
+    what it is writing (a checkpoint being published, newer than `last` for a moment) must not be judged as a finished
+    run's history (the history check would advise --rollback=true, which would move the live run's checkpoints), and
+    nothing is printed before the refusal. Machine 0 takes the lock; the other machines of a run join it."""
+    if setup.machine_rank == 0:
+        runlock.check_free(run_dir, break_lock=break_lock)
+
+
+def check_history(ckpt: Path, rollback: bool) -> list[str]:
     """A resume writes its checkpoints after `ckpt`'s step: newer checkpoints of the run would be overwritten or mixed
-    into another branch's history. Refused unless `rollback` (then the launcher moves them aside: lineage.py). A
-    live run holding the run's lock is refused first, as the launch would refuse it: its newer checkpoint may be one
-    it is publishing right now, and --rollback would be the wrong advice (runlock.py)."""
+    into another branch's history. Refused unless `rollback` (then the launcher moves them aside: lineage.py)."""
     from opentau_cli.checkpoint.lineage import ROLLED_BACK, newer_checkpoints, span
 
     run_dir = run_dir_of(ckpt)
@@ -269,7 +278,6 @@ def check_history(ckpt: Path, rollback: bool, break_lock: bool = False) -> list[
     if not newer:
         return []
     if not rollback:
-        runlock.check_free(run_dir, break_lock=break_lock)
         raise UserError(
             f"Checkpoint {ckpt.name} is older than the run's newest checkpoints ({span(newer)}): resuming from it would "
             f"overwrite them and mix two histories. Resume the newest with `opentau resume {run_dir}`, or pass "
