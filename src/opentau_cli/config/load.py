@@ -260,15 +260,17 @@ def format_validation_error(err: ValidationError, origin: str = "", origins: Map
         found.append((text, source))
     sources = {source for _, source in found}
     if len(sources) == 1:  # one origin: named once, in the head
-        (only,) = sources
-        where = f" in {only}" if only and not only.startswith(("--", "OPENTAU_")) else (f" from {only}" if only else "")
-        lines = [text for text, _ in found]
+        head, lines = f"Invalid config{_where(sources.pop(), ' ')}", [text for text, _ in found]
     else:
-        where = ""
-        lines = [f"{text} [{'from ' + source if source.startswith(('--', 'OPENTAU_')) else 'in ' + source}]"
-                 if source else text for text, source in found]
-    head = f"Invalid config{where}: " if len(lines) == 1 else f"Invalid config{where}:\n  "
-    return head + "\n  ".join(lines)
+        head, lines = "Invalid config", [text + _where(source, " [", "]") for text, source in found]
+    return f"{head}: " + lines[0] if len(lines) == 1 else f"{head}:\n  " + "\n  ".join(lines)
+
+
+def _where(source: str, before: str, after: str = "") -> str:
+    """'from --steps', 'from OPENTAU_STEPS' or 'in <file>' between `before` and `after`; '' for no source."""
+    if not source:
+        return ""
+    return f"{before}{'from' if source.startswith(('--', 'OPENTAU_')) else 'in'} {source}{after}"
 
 
 def load_config(
