@@ -81,21 +81,6 @@ def asks_for_gpus(accel: AccelerateSetup) -> str:
     return f"gpu_ids: {gpu_ids}" if gpu_ids not in (None, "") else ""
 
 
-def best_metric_problem(cfg: TrainConfig) -> str:
-    """Why checkpoint.best_metric cannot rank this run's checkpoints ("" when it can): it must be a key each
-    validation of this config reports (TrainConfig.validation_keys)."""
-    metric, known = cfg.checkpoint.best_metric, cfg.validation_keys()
-    if metric is None or metric in known:
-        return ""
-    if metric.startswith("ema_") and metric.removeprefix("ema_") in known:
-        return (f"checkpoint.best_metric '{metric}' is reported only with the EMA of the weights (ema.decay > 0): set "
-                f"ema.decay, or rank by {metric.removeprefix('ema_')}.")
-    close = difflib.get_close_matches(metric, known, n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return (f"checkpoint.best_metric '{metric}' is not a validation key of this run: {hint}"
-            f"(validation reports {', '.join(known)}).")
-
-
 def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks: Sequence[Check] = ()) -> Validated:
     """Check cfg against itself, the launch and the machine, then run `checks`; returns a possibly adjusted copy.
 
@@ -151,15 +136,21 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
     elif keep_best.keep_best and cfg.save_freq % cfg.validation.val_freq:
         warnings.append(f"save_freq ({cfg.save_freq}) is not a multiple of validation.val_freq "
                         f"({cfg.validation.val_freq}): only checkpoints saved at a validation step can be kept as best.")
-    if keep_best.best_metric is not None:
-        problem = best_metric_problem(cfg)
-        if problem:
-            errors.append(problem)
-        elif keep_best.keep_best and cfg.ema.enabled and not keep_best.best_metric.startswith("ema_"):
-            warnings.append(
-                f"checkpoint.best_metric={keep_best.best_metric} ranks checkpoints by the trained (live) weights, while "
-                "export, eval and serve use the EMA weights by default: pass them --weights live for RUN:best, or "
-                f"rank by {keep_best.best_metric.replace('val_', 'ema_val_', 1)}.")
+    # best_metric must be a key each validation of this config reports (TrainConfig.validation_keys).
+    metric, reported = keep_best.best_metric, cfg.validation_keys()
+    if metric is not None and metric not in reported:
+        if metric.startswith("ema_") and metric.removeprefix("ema_") in reported:
+            errors.append(f"checkpoint.best_metric '{metric}' is reported only with the EMA of the weights "
+                          f"(ema.decay > 0): set ema.decay, or rank by {metric.removeprefix('ema_')}.")
+        else:
+            close = difflib.get_close_matches(metric, reported, n=1, cutoff=0.5)
+            errors.append(f"checkpoint.best_metric '{metric}' is not a validation key of this run: "
+                          f"{f'did you mean {close[0]!r}? ' if close else ''}(validation reports {', '.join(reported)}).")
+    elif keep_best.keep_best and cfg.ema.enabled and not metric.startswith("ema_"):
+        # Kept as chosen (or as an older run recorded it): said, since RUN:best then holds the best live weights.
+        warnings.append(f"checkpoint.best_metric={metric} ranks checkpoints by the trained (live) weights, while export, "
+                        "eval and serve use the EMA weights by default: pass them --weights live for RUN:best, or rank "
+                        f"by ema_{metric}.")
 
     # Schedule.
     if cfg.scheduler.type == "cosine_with_warmup" and cfg.scheduler.warmup_steps >= cfg.steps:
