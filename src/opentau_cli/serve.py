@@ -7,8 +7,10 @@ client is one observation and gets one binary reply `{"actions": ndarray (n_acti
 maps (`__ndarray__` / `__npgeneric__`, raw bytes, dtype string, shape). A request the server cannot act on gets a
 text frame naming the problem (the client raises it) and the connection stays open for the next one.
 
-Observation keys are the training dataset's feature names: each camera (uint8 or [0, 1] float images, (H, W, 3) or
-(3, H, W), any size: resized with padding as in training), the state (its real width) and `prompt` (text).
+Observation keys are the training dataset's feature names: each camera (uint8, or float in [0, 1]: a float image
+outside [0, 1] is refused, never clipped; (H, W, 3) or (3, H, W), any size: resized with padding as in training), the
+state (its real width) and `prompt` (text). The metadata also says which weights (ema | live) of which checkpoint
+step are served.
 Sampling noise is drawn per request from a generator seeded with the server's seed, or with the request's integer
 `seed` when it carries one: the same observation and seed always give the same action chunk, the chunk
 `opentau eval --seed S` samples for that observation.
