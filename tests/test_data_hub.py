@@ -193,6 +193,10 @@ def test_a_resume_says_it_stays_on_the_recorded_commit_when_the_branch_it_starte
     assert pin_for_resume(ckpt, cfg, state, {}, {"reach_v30": "main"}) == []  # main still points at it
     assert pin_for_resume(ckpt, cfg, state, {}, {"reach_v30": cache[V30]}) == []  # started on a commit: nothing moves
     assert pin_for_resume(ckpt, cfg, state, {}) == []  # a launch that recorded no branch: nothing to compare
+    mixture = config('--dataset.mixture=[{"repo_id": "%s", "revision": "%s"}]' % (V30, cache[V30]))
+    (note,) = pin_for_resume(ckpt, mixture, state, {}, {"reach_v30": "v3.0"})
+    assert note.startswith(f"dataset.mixture[0]: resuming on {V30}@{cache[V30]}, the commit the checkpoint trained on, "
+                           "although v3.0 pointed at") and note.endswith("pass --dataset.mixture.0.revision=v3.0 to train on that.")
 
 
 def test_a_resume_asks_the_hub_where_the_branch_points_now(tmp_path, monkeypatch):

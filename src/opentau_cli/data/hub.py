@@ -238,8 +238,7 @@ def _moved_line(prefix: str, repo_id: str, commit: str, branch: str | None, inde
     if head is None or head[0] == commit:
         return None
     when = "now points at" if head[1] else "pointed at, when this machine last downloaded it,"
-    how = (f"pass --dataset.revision={branch}" if index is None
-           else f"name revision {branch} in --dataset.mixture.{index}.revision")
+    how = f"pass --dataset.revision={branch}" if index is None else f"pass --dataset.mixture.{index}.revision={branch}"
     return (f"{prefix}: resuming on {repo_id}@{commit}, the commit the checkpoint trained on, although {branch} "
             f"{when} {head[0]}; {how} to train on that.")
 
