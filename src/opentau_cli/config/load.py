@@ -16,7 +16,7 @@ from pydantic_settings.exceptions import SettingsError
 
 from opentau_cli.errors import UserError
 from opentau_cli.config.model import TrainConfig
-from opentau_cli.config.paths import is_path_key, paths_base, resolve_paths, resolve_value
+from opentau_cli.config.paths import REPO_ID_KEYS, is_path_key, paths_base, resolve_paths, resolve_value
 
 # OPENTAU_* variables that are not config keys.
 NON_CONFIG_ENV = {"OPENTAU_DEBUG", "OPENTAU_CACHE_DIR", "OPENTAU_LOG_LEVEL", "OPENTAU_SERVE_API_KEY"}
@@ -134,7 +134,7 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
             if not _is_bool(annotation):
                 raise UserError(f"--{key} needs a value: --{key}=VALUE or --{key} VALUE.")
             value = "true"
-        elif not value.strip() and is_path_key(key):
+        elif not value.strip() and is_path_key(key) and key not in REPO_ID_KEYS:  # those: the model's own check
             raise UserError(f"--{key} is empty: give a path (--{key}=PATH).")
         out[key] = value
         i += 1
