@@ -134,8 +134,9 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
             if not _is_bool(annotation):
                 raise UserError(f"--{key} needs a value: --{key}=VALUE or --{key} VALUE.")
             value = "true"
-        elif not value.strip() and is_path_key(key) and key not in REPO_ID_KEYS:  # those: the model's own check
-            raise UserError(f"--{key} is empty: give a path (--{key}=PATH).")
+        elif not value.strip() and is_path_key(key):  # '' would resolve to the working directory, ' ' to a path in it
+            what = "a local path or a Hugging Face repo id (org/name), or null" if key in REPO_ID_KEYS else "a path"
+            raise UserError(f"--{key} is empty: give {what}.")
         out[key] = value
         i += 1
     return out
