@@ -83,3 +83,24 @@ def test_train_overwrite_on_a_live_run_exits_2_and_deletes_nothing(tmp_path, iso
     assert f"in use by a live run (pid {os.getpid()}" in r.stderr and "Traceback" not in r.output
     assert (run / METRICS).is_file() and sorted(p.name for p in run.iterdir()) == ["logs", METRICS]
     runlock.release(run, mine)
+
+
+def test_the_plans_check_refuses_as_acquire_does_and_takes_nothing(tmp_path):
+    """`check_free` (the plan's: before any other refusal, runlock.py) says what `acquire` would, and writes nothing."""
+    runlock.check_free(tmp_path)  # no lock
+    assert list(tmp_path.iterdir()) == []
+    mine = runlock.acquire(tmp_path)
+    with pytest.raises(UserError) as planned:
+        runlock.check_free(tmp_path)
+    with pytest.raises(UserError) as launched:
+        runlock.acquire(tmp_path)
+    assert str(planned.value) == str(launched.value) and f"pid {os.getpid()}" in str(planned.value)
+    runlock.release(tmp_path, mine)
+    _other_hosts_lock(tmp_path, age_s=10)
+    before = runlock.lock_path(tmp_path).read_text()
+    with pytest.raises(UserError, match="node-17.cluster.*--break-lock"):
+        runlock.check_free(tmp_path)
+    runlock.check_free(tmp_path, break_lock=True)  # the launch will take it over
+    _other_hosts_lock(tmp_path, age_s=runlock.STALE_S + 1)
+    runlock.check_free(tmp_path)  # stale: the launch will take it over
+    assert runlock.lock_path(tmp_path).read_text() == before  # never removed nor rewritten by the check
