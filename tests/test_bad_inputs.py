@@ -209,3 +209,21 @@ def test_a_second_launch_into_a_live_run_is_one_line_naming_the_lock(live_run, t
     assert_refused(result, f"Run directory '{run}' is in use by a live run (pid {pid} on ")
     assert "rollback" not in result.stderr
     assert tree(run.parent) == before
+
+
+def test_each_bad_value_names_its_own_origin(tmp_path):
+    """Values from the file, the environment and the command line in one config: each problem says where it came from."""
+    from opentau_cli.config.load import load_config
+    from opentau_cli.errors import UserError
+
+    config = tmp_path / "c.json"
+    config.write_text('{"steps": "lots", "policy": {"chunk_size": 4}}')
+    with pytest.raises(UserError) as err:
+        load_config(config, ["--save_freq=0"], environ={"OPENTAU_LOG_FREQ": "0", "OPENTAU_POLICY__CHUNK_SIZE": "0"})
+    assert str(err.value).splitlines() == [
+        "Invalid config:",
+        f"  steps: Input should be a valid integer, unable to parse string as an integer (got 'lots') [in {config}]",
+        "  log_freq: Input should be greater than or equal to 1 (got '0') [from OPENTAU_LOG_FREQ]",
+        "  save_freq: Input should be greater than or equal to 1 (got 0) [from --save_freq]",
+        "  policy.chunk_size: Input should be greater than or equal to 1 (got '0') [from OPENTAU_POLICY__CHUNK_SIZE]",
+    ]
