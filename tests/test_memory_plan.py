@@ -47,11 +47,17 @@ def test_the_peak_is_the_largest_phase_on_top_of_what_lives_and_the_printed_part
     assert plan.total == sum(plan.lives.values()) + largest + sum(plan.device_costs.values())
     assert sum(plan.parts.values()) == plan.total
     text = plan.describe(80 * GIB)
-    figures = [float(x) for x in re.findall(r"(\d+\.\d) GiB", text.split(" = ", 1)[1].split("; fits")[0])]
-    assert text.startswith(f"{plan.total / GIB:.1f} GiB peak per GPU (DDP on 2 GPUs, 4 per device")
-    for name, n in {**plan.lives, **plan.device_costs}.items():
-        assert f"{name} {n / GIB:.1f} GiB" in text
-    assert "; fits a 80.0 GiB card (margin" in text and len(figures) > 5
+
+    def shown(n: int) -> str:  # as nvidia-smi counts: GiB, MiB below one GiB
+        return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.0f} MiB"
+
+    assert text.startswith(f"{shown(plan.total)} peak per GPU (DDP on 2 GPUs, 4 per device")
+    for name, n in {**plan.lives, **plan.phases[plan.peak_phase], **plan.device_costs}.items():
+        if n:
+            assert f"{name} {shown(n)}" in text
+    for name, parts in plan.phases.items():
+        assert f"{name} {shown(sum(parts.values()))}" in text
+    assert f"; fits a 80.0 GiB card (margin {shown(80 * GIB - plan.total)})" in text
 
 
 def test_under_ddp_the_gradients_live_through_the_run_in_the_buckets_and_no_phase_takes_them_off():
@@ -115,7 +121,7 @@ def test_the_device_costs_are_named_allowances_cuda_context_nccl_and_fragmentati
     assert gpu.device_costs == {"CUDA context": CUDA_CONTEXT, "NCCL buffers": NCCL_BUFFERS,
                                 "allocator fragmentation (10% of allocated)": int(CUDA_FRAGMENTATION * gpu.allocated)}
     assert "NCCL buffers" not in plan_memory(cfg, AccelerateSetup(backend="single")).device_costs
-    assert cpu.device_costs == {"glibc retention (20% of allocated)": int(CPU_RETENTION * cpu.allocated)}
+    assert cpu.device_costs == {"glibc retention (25% of allocated)": int(CPU_RETENTION * cpu.allocated)}
     assert "on 2 CPU processes" in cpu.label and "on 2 GPUs" in gpu.label
     # AdamW on CPU updates one tensor at a time (two fp32 copies of the largest); on CUDA foreach, one copy of all.
     trainable = real_trainable({"preset": "pi05_tiny"})

@@ -38,8 +38,8 @@ MIB = 2**20
 # DeepSpeed's defaults (elements; deepspeed/runtime/zero/config.py), which the example YAMLs keep: the bucket gradients
 # are reduced in, ZeRO-3's prefetch of gathered parameters and the size under which ZeRO-3 keeps a parameter whole.
 DS_REDUCE_BUCKET = 5 * 10**8
-DS_PREFETCH_BUCKET = 5 * 10**7
 DS_PERSISTENCE_THRESHOLD = 10**5
+DS_MAX_LIVE_PARAMETERS = 10**9  # stage3_max_live_parameters (stage3_max_reuse_distance is 10**9 too)
 # train/ema.py updates at most this many values at a time (its CHUNK): one fp32 temporary of that size.
 EMA_CHUNK = 1 << 24
 
@@ -56,16 +56,17 @@ NCCL_BUFFERS = 512 * MIB
 CUDA_FRAGMENTATION = 0.10
 # glibc's retention on CPU, as a share of the peak allocated: freed blocks below its dynamic mmap threshold (raised
 # up to 32 MiB as large blocks are freed) stay in its heaps instead of going back to the kernel. Measured on
-# pi05_small, single process, 224x224, 16 per device: 4.25 GB resident above the start against 3.54 GB with
-# MALLOC_MMAP_THRESHOLD_=131072 (every large block returned at once), which is what the plan allocates.
-CPU_RETENTION = 0.20
+# pi05_small at 224x224, 16 per device (benchmarks/bench_memory_plan.py): 16% (single process) to 42% (ZeRO-2 with
+# gradient checkpointing) above the peak of the same launch with MALLOC_MMAP_THRESHOLD_=131072, which returns every
+# freed block at once and peaks at what the plan allocates; a middle figure.
+CPU_RETENTION = 0.25
 # Part of the cache key of step measurements, with a hash of this file and of the policy's code.
 MEASURE_VERSION = 3
 
 
 def gib(n: int) -> str:
-    """Bytes as nvidia-smi counts them (GiB: 1024^3 bytes)."""
-    return f"{n / GIB:.1f} GiB"
+    """Bytes as nvidia-smi counts them: GiB (1024^3 bytes), MiB below one GiB."""
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / MIB:.0f} MiB"
 
 
 class LiveBytes(TorchDispatchMode):
@@ -242,17 +243,14 @@ class Sizes:
     trainable: int
     largest_trainable: int  # elements of the largest trainable tensor (CPU AdamW's temporaries)
     small: int  # elements of parameters ZeRO-3 keeps whole on every rank (at most DS_PERSISTENCE_THRESHOLD each)
-    largest_module: int  # elements of the largest module's own parameters (ZeRO-3 gathers one module at a time)
 
 
 def sizes(policy_cfg: PolicyConfig) -> Sizes:
     policy = policy_module(policy_cfg.model_copy(update={"gradient_checkpointing": False}), torch.float32, meta=True)
     params = list(policy.parameters())
-    modules = [sum(p.numel() for p in m.parameters(recurse=False)) for m in policy.modules()]
     return Sizes(total=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
                  largest_trainable=max((p.numel() for p in params if p.requires_grad), default=0),
-                 small=sum(p.numel() for p in params if p.numel() <= DS_PERSISTENCE_THRESHOLD),
-                 largest_module=max(modules, default=0))
+                 small=sum(p.numel() for p in params if p.numel() <= DS_PERSISTENCE_THRESHOLD))
 
 
 @dataclass
@@ -380,13 +378,18 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
             optimizer = {"gradient partition": w * partition, "fp32 gradient partition": 4 * partition, **optimizer}
         else:
             # Parameters of at most DS_PERSISTENCE_THRESHOLD elements stay whole on every rank; the others are
-            # gathered a module at a time ahead of use (the prefetch bucket) and released after it.
+            # gathered ahead of use and kept while they will be used again within stage3_max_reuse_distance, up to
+            # stage3_max_live_parameters gathered at once: the whole of a model smaller than that stays gathered
+            # from the forward through the backward.
             lives["weights"] = w * (shard(s.total - s.small) + s.small)
             lives["ZeRO reduce bucket"] = bucket
             lives["gradient partition (fp32)"] = 4 * partition
-            gathered = w * min(s.total, DS_PREFETCH_BUCKET + s.largest_module)
+            gathered = w * min(s.total - s.small, DS_MAX_LIVE_PARAMETERS)
             forward = {"activations": step.forward, "gathered parameters": gathered}
-            backward = {"activations": step.backward, "gathered parameters": gathered}
+            # A full bucket is reduce-scattered from a flat copy of its gradients (DeepSpeed's
+            # reduce_scatter_coalesced), in the backward while activations are still live.
+            backward = {"activations": step.backward, "gathered parameters": gathered,
+                        "reduce-scatter copy of the bucket": bucket}
     if ema:
         # train/ema.py: an fp32 copy of what the optimizer trains (LoRA: the adapters and fully trained modules) on
         # every rank under DDP; under ZeRO each rank averages its own partition of the fp32 master weights.

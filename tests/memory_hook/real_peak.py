@@ -1,0 +1,43 @@
+"""Launch a real `opentau train` with tests/memory_hook on PYTHONPATH and read each rank's peak resident memory.
+
+Shared by tests/test_memory_plan_real.py and benchmarks/bench_memory_plan.py: the peak a rank's steps reached above
+what it held just before the policy was built (its VmHWM after the last step less its VmRSS at that moment), read by
+the kernel, not by any tracker of the product.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HOOK = Path(__file__).resolve().parent
+# glibc hands every freed block above 128 KiB back to the kernel at once (a fixed mmap threshold: its dynamic one
+# rises to 32 MiB and keeps freed blocks under it in its heaps). The peak then counts what tensors hold, as
+# torch.cuda.max_memory_allocated does on a GPU without the caching allocator's reserve.
+RETURNING = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def launch(args: list[str], run_dir: Path, *, env: dict | None = None, returning: bool = False,
+           timeout: float = 1800) -> list[dict]:
+    """`opentau train ARGS --output_dir RUN_DIR` with the hook; returns each rank's record (rank order), each with
+    `peak`: its training steps' high-water mark above its resident bytes just before the policy was built.
+    `returning`: glibc returns freed blocks to the kernel at once (RETURNING)."""
+    record = Path(run_dir).parent / (Path(run_dir).name + "_memory")
+    record.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **(env or {}), **(RETURNING if returning else {}), "PYTHONPATH": str(HOOK),
+                "TEST_MEMORY_RECORD": str(record)}
+    full_env.pop("OPENTAU_DEBUG", None)
+    opentau = Path(sys.executable).parent / "opentau"
+    proc = subprocess.run([str(opentau), "train", *args, f"--output_dir={run_dir}"], env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"opentau train failed ({proc.returncode}): {proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    ranks = []
+    for path in sorted(record.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+        rank = json.loads(path.read_text())
+        rank["peak"] = rank["hwm_steps"][-1] - rank["rss_before_policy"]
+        ranks.append(rank)
+    return ranks
