@@ -187,11 +187,13 @@ def test_output_dir_follows_the_output_convention_parents_made_a_used_target_ref
     made = subprocess.run([opentau_bin(), "checkpoint", "consolidate", str(ckpt), "--output", str(out)], capture_output=True,
                           text=True, timeout=600)
     assert made.returncode == 0, made.stderr
-    assert sorted(p.name for p in out.iterdir()) == [MODEL_WEIGHTS] and sorted(p.name for p in out.parent.iterdir()) == ["consolidated"]
+    assert sorted(p.name for p in out.iterdir()) == [".opentau-output.json", MODEL_WEIGHTS]  # the marker: see outputs.py
+    assert sorted(p.name for p in out.parent.iterdir()) == ["consolidated"]
     _assert_bit_equal(load_file(out / MODEL_WEIGHTS), _reference(ds_ckpts, "z3r2"))
     refused = cli(["checkpoint", "consolidate", ckpt, "--output", out, "--dtype", "bf16"])
     assert refused.exit_code == 2 and refused.stderr.strip() == (
-        f"Error: {out} already exists and is not empty: choose a new path, or pass --force to replace it."), refused.stderr
+        f"Error: {out} already exists and is not empty: choose a new path, or pass --force to replace this earlier "
+        "output of `opentau checkpoint consolidate`."), refused.stderr
     assert load_file(out / MODEL_WEIGHTS)["embed.weight"].dtype == torch.float32  # untouched
     forced = cli(["checkpoint", "consolidate", ckpt, "--output", out, "--dtype", "bf16", "--force", "--max-shard-size", "3KB"])
     assert forced.exit_code == 0, forced.stderr
