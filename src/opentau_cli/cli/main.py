@@ -8,9 +8,10 @@ import sys
 
 from opentau_cli import __version__
 from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, eval_cmd, profile_cmd, serve_cmd, train_cmd
-from opentau_cli.cli.common import make_app
+from opentau_cli.cli.common import error, make_app
 
 import typer
+from typer.exceptions import TyperException
 
 # At exit, the interpreter's last garbage collections walk every object torch and transformers made (about a second
 # per command, measured); freezing them first skips that walk. Files are closed by the commands themselves.
@@ -42,7 +43,24 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(dataset_cmd.app, name="dataset")
 
 
+def main(prog_name: str = "opentau") -> None:
+    """The `opentau` console script: the app, with the usage errors Typer finds itself (a value of the wrong type, a
+    missing argument) said in one line with exit 2, as every other mistake is; help for a bare group stays help."""
+    try:
+        code = app(prog_name=prog_name, standalone_mode=False)
+    except TyperException as e:
+        if type(e).__name__ == "NoArgsIsHelpError" or not hasattr(e, "format_message"):
+            e.show()
+        else:
+            error(e.format_message().replace("\n", " "))
+        sys.exit(getattr(e, "exit_code", 2))
+    except typer.Abort:
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 def train_alias() -> None:
     """`opentau-train ...` is `opentau train ...` (the upstream entry point)."""
     sys.argv[1:1] = ["train"]
-    app(prog_name="opentau-train")
+    main(prog_name="opentau-train")
