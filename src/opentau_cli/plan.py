@@ -8,6 +8,7 @@ and policy checks, and adds the checkpoint's resume checks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +19,10 @@ from opentau_cli.runtime import import_paused
 # policy, which `profile --dataloader-only` never imports).
 import_paused("torch")
 
-from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run
+from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run, run_part
+from opentau_cli.checkpoint.lineage import archive_of
 from opentau_cli.checkpoint.manager import (
-    RESHARD_FLAG, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
+    RESHARD_FLAG, check_in_run, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
 )
 from opentau_cli.checkpoint.reshard import describe_change, fit_global_batch, is_reshard, topology, topology_entry
 from opentau_cli.config import (
@@ -104,6 +106,13 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
             if path == out:
                 return [f"output_dir '{out}' {what}: pick another --output_dir."]
             return [f"output_dir '{out}' cannot be created: '{path}' {what}; pick another --output_dir."]
+    archive = archive_of(out)
+    if archive is not None:  # --overwrite would empty the archive, a resume would train in it
+        return [f"output_dir '{out}' lies in the rollback archive of {archive} (rolled_back/), which nothing writes: "
+                "pick another --output_dir."]
+    inside = next((p for p in Path(os.path.abspath(out)).parents if run_part(p) in ("the checkpoint", "the checkpoints folder")), None)
+    if inside is not None:
+        return [f"output_dir '{out}' lies inside {run_part(inside)} {inside}: pick a directory outside it."]
     if cfg.resume or cfg.overwrite or not holds_run(cfg.output_dir):
         return []
     return [f"output_dir '{cfg.output_dir}' already exists; resume it with `opentau resume {cfg.output_dir}`, "
@@ -191,6 +200,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     import json
 
     notes = []
+    check_in_run(ckpt)  # an archive is refused before its recorded paths are checked
     if "output_dir" not in overrides:
         cfg.output_dir = run_dir_of(ckpt)  # the run the checkpoint belongs to, even if it was moved
     missing = missing_paths(cfg.model_dump(mode="json"), origin=ckpt / TRAIN_CONFIG, overridden=set(overrides),

@@ -63,8 +63,7 @@ def find_checkpoint(target: Path) -> Path:
     if text.endswith(f":{BEST}"):
         run = Path(text[: -len(BEST) - 1])
         if not (run / CHECKPOINTS / BEST).is_dir():
-            raise UserError(f"'{text}': {run / CHECKPOINTS / BEST} does not exist; a run keeps its best checkpoint "
-                            "with checkpoint.keep_best and validation (validation.val_freq).")
+            raise UserError(f"'{text}': {run / CHECKPOINTS / BEST} does not exist: {_why_no_best(run)}")
         return (run / CHECKPOINTS / BEST).resolve()
     target = Path(target)
     if not target.exists():
@@ -86,6 +85,20 @@ def find_checkpoint(target: Path) -> Path:
             "start a new run with `opentau train` instead."
         )
     return found.resolve()
+
+
+def _why_no_best(run: Path) -> str:
+    """Why a run has no checkpoints/best, from what its newest checkpoint's train_config.json asked for."""
+    newest = latest(run)
+    try:
+        checkpoint = json.loads((newest / TRAIN_CONFIG).read_text()).get("checkpoint", {}) if newest else {}
+    except (OSError, ValueError):
+        checkpoint = {}
+    if not checkpoint.get("keep_best"):
+        return ("this run keeps no best checkpoint (set checkpoint.keep_best and validation.val_freq); pass a "
+                "checkpoint directory instead.")
+    return (f"no checkpoint of this run was saved at a validation step with {checkpoint.get('best_metric') or 'its best_metric'} "
+            "(make save_freq a multiple of validation.val_freq); pass a checkpoint directory instead.")
 
 
 def run_dir_of(ckpt_dir: Path) -> Path:

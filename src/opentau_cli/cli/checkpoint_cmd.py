@@ -90,7 +90,8 @@ def export_cmd(
     from opentau_cli.checkpoint.export import export
 
     result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset, force=force, weights=weights)
-    typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
+    typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}, {result.weights} weights of step {result.step} from "
+               f"{result.checkpoint}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
                f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
 
 
