@@ -23,7 +23,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from conftest import EXAMPLES, run_cli_in_process
+from conftest import EXAMPLES, run_cli, run_cli_in_process
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 CPU_DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
@@ -61,6 +61,22 @@ def truncated_parquet(name: str = "data", episode: int = 1) -> Callable[[Path], 
         root = write_synth(work / name, episodes=3, steps_per_episode=8, seed=1)
         data = root / "data" / "chunk-000" / f"episode_{episode:06d}.parquet"
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    return setup
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints" / "v2"
+
+
+def fixture_run(name: str = "run", kind: str = "single", archived: bool = False) -> Callable[[Path], None]:
+    """A copy of a committed fixture run (checkpoints/000002, `last`, metrics.jsonl) as `name`; `archived` adds a
+    rollback's archive of its checkpoint (rolled_back/T/checkpoints/000002) and a loose copy of it (loose/000002)."""
+    def setup(work: Path) -> None:
+        import shutil
+
+        shutil.copytree(FIXTURES / kind / "run", work / name, symlinks=True)
+        if archived:
+            shutil.copytree(work / name / "checkpoints" / "000002", work / name / "rolled_back" / "T" / "checkpoints" / "000002")
+            shutil.copytree(work / name / "checkpoints" / "000002", work / "loose" / "000002")
     return setup
 
 
@@ -127,6 +143,43 @@ CASES = [
     # Damaged data the selected episodes read: refused before launch, naming the file.
     Case("truncated-parquet", (*TRAIN, "--dataset.root=data"),
          "{work}/data/data/chunk-000/episode_000001.parquet is truncated or damaged", truncated_parquet()),
+    # best_metric: a key validation reports for this config (with the EMA, ema_val_*).
+    Case("best-metric-typo", (*TRAIN, "--checkpoint.keep_best=2", "--checkpoint.best_metric=val_los"),
+         "checkpoint.best_metric 'val_los' is not a validation key of this run: did you mean 'val_loss'?"),
+    Case("best-metric-typo-without-keep-best", (*TRAIN, "--checkpoint.best_metric=val_los"), "did you mean 'val_loss'?"),
+    Case("best-metric-ema-without-ema", (*TRAIN, "--checkpoint.keep_best=2", "--checkpoint.best_metric=ema_val_loss"),
+         "checkpoint.best_metric 'ema_val_loss' is reported only with the EMA of the weights (ema.decay > 0)"),
+    # Empty paths are not the working directory.
+    Case("tokenizer-path-empty", (*TRAIN, "--policy.tokenizer_path="), "--policy.tokenizer_path is empty"),
+    Case("pretrained-path-empty", (*TRAIN, "--policy.pretrained_path="), "--policy.pretrained_path is empty"),
+    Case("tokenizer-path-empty-in-env", TRAIN, "policy.tokenizer_path: is empty", env={"OPENTAU_POLICY__TOKENIZER_PATH": ""}),
+    Case("tokenizer-path-empty-in-config-file", ("train", "--config_path=c.json", "--output_dir=run"),
+         "policy.tokenizer_path: is empty", file("c.json", '{"policy": {"preset": "pi05_tiny", "tokenizer_path": ""}}')),
+    # An output never overlaps a run, --force or not (each run file and the last link hashed unchanged).
+    *[Case(f"{command[1] if command[0] == 'checkpoint' else command[0]}-into-{label}{'-force' if force else ''}",
+           (*command, "--output", target, *(["--force"] if force else [])), says, fixture_run())
+      for command in (("checkpoint", "export", "run"), ("eval", "run", "--device", "cpu"))
+      for target, label, says in (("run", "its-run", "is the run"), ("run/checkpoints/000002", "a-checkpoint", "is the checkpoint"),
+                                  ("run/checkpoints/last", "last", "is the checkpoint"),
+                                  ("run/checkpoints", "checkpoints", "is the checkpoints folder"),
+                                  ("run/exports/model", "inside-the-run", "lies inside the run"),
+                                  (".", "the-runs-parent", "contains the run"))
+      for force in (False, True)],
+    Case("consolidate-into-its-run", ("checkpoint", "consolidate", "z/checkpoints/000002", "--output", "z", "--force"),
+         "is the run", fixture_run("z", "zero2")),
+    Case("synth-into-checkpoints", ("dataset", "synth", "run/checkpoints", "--force"), "is the checkpoints folder", fixture_run()),
+    Case("synth-over-a-folder-it-did-not-write", ("dataset", "synth", "mine", "--force"),
+         "already exists and was not written by `opentau dataset synth`", file("mine/notes.txt", "x")),
+    # Archives stay archives: never resumed, never written.
+    Case("resume-an-archived-checkpoint", ("resume", "run/rolled_back/T/checkpoints/000002"), "was moved aside by a rollback",
+         fixture_run(archived=True)),
+    Case("resume-true-an-archived-checkpoint", ("train", "--config_path=run/rolled_back/T/checkpoints/000002/train_config.json",
+                                                "--resume=true"), "was moved aside by a rollback", fixture_run(archived=True)),
+    Case("resume-a-loose-checkpoint", ("resume", "loose/000002"), "is not in a run's checkpoints/ folder", fixture_run(archived=True)),
+    Case("train-into-an-archive", ("train", f"--config_path={TINY}", "--output_dir=run/rolled_back/T", "--overwrite=true"),
+         "lies in the rollback archive of", fixture_run(archived=True)),
+    Case("train-into-a-checkpoint", ("train", f"--config_path={TINY}", "--output_dir=run/checkpoints/000002/sub"),
+         "lies inside the checkpoint", fixture_run()),
 ]
 
 
@@ -164,6 +217,18 @@ def test_a_malformed_input_is_one_line_exit_2_and_changes_nothing_on_disk(case, 
     result = run_cli_in_process(list(case.args), env=case.env, cwd=work)
     assert_refused(result, case.says.format(work=work))
     assert tree(work) == before
+
+
+@pytest.mark.parametrize("args, says", [
+    (["train", f"--config_path={TINY}", "--num_machines=abc"], "Invalid value for '--num_machines'"),
+    (["config", "validate"], "Missing argument 'config'"),
+    (["resume", "run", "--reshard"], "--reshard"),
+], ids=["not-an-integer", "missing-argument", "option-without-value"])
+def test_a_usage_error_the_parser_finds_is_one_line_through_the_console_script(args, says, tmp_path):
+    """The mistakes Typer's parser finds before any opentau code runs (the console script, a real process)."""
+    result = run_cli(args, cwd=tmp_path)
+    assert_refused(result, says)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_table_names_each_case_once():

@@ -111,7 +111,7 @@ def test_corrupt_image_bytes_raise_a_user_error_naming_file_episode_and_frame(co
 
 
 def test_missing_video_file_names_the_file(tmp_path, g1):
-    pytest.importorskip("av")
+    import av  # noqa: F401  (a dev dependency: missing, the test fails)
     root = g1_without_videos(tmp_path, g1)
     ds = LeRobotDataset(root, [1], chunk_size=4, image_resolution=(16, 16), num_cameras=1)
     with pytest.raises(UserError, match=r"video file .*observation.images.cam_high/episode_000001.mp4 is missing"):

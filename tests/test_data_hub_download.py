@@ -76,7 +76,9 @@ def test_download_reads_meta_first_then_only_the_selected_files_and_the_run_keep
     second = server.publish(REPO_ID, moved)
     assert second != first
     before = len(server.log)
-    _cli(hub, "resume", str(hub["run"]), "--steps=4", "--save_freq=2")
+    resumed = _cli(hub, "resume", str(hub["run"]), "--steps=4", "--save_freq=2")
+    assert f"resuming on {REPO_ID}@{first}, the commit the checkpoint trained on, although main now points at {second}" \
+        in resumed.stderr, resumed.stderr
     assert _recorded_commit(hub["run"] / "checkpoints" / "000004") == first
     assert not any(f"/resolve/{second}/" in p for _, p in server.log[before:])  # the new commit's files never read
 

@@ -225,6 +225,6 @@ def test_config_validate_prints_the_trainable_count_and_the_adamw_memory_it_impl
     counts = count_parameters(checked.config.policy)
     assert f"/ {counts['trainable']:,})" in text
     assert counts["trainable"] < counts["total"] / 5
-    kb = ADAMW_BYTES_PER_PARAMETER * counts["trainable"] / 1e3
-    assert f"optimizer memory   {kb:.2f}KB AdamW state" in text
+    kib = ADAMW_BYTES_PER_PARAMETER * counts["trainable"] / 2**10
+    assert f"optimizer memory   {kib:.2f} KiB AdamW state" in text
     assert json.dumps(checked.config.policy.lora.model_dump(mode="json"))  # the section serializes into train_config.json

@@ -112,6 +112,7 @@ CASES = [
     Case("mixture member with root and repo_id", TINY, ['--dataset.mixture=[{"root": "{tmp}/data/v21", "repo_id": "org/name"}]']),
     Case("keep_best without validation", TINY, ["--checkpoint.keep_best=2", "--validation.val_freq=0"]),
     Case("keep_best by a key validation does not report", TINY, ["--checkpoint.keep_best=2", "--checkpoint.best_metric=loss"]),
+    Case("keep_best by an EMA key without the EMA", TINY, ["--checkpoint.keep_best=2", "--checkpoint.best_metric=ema_val_loss"]),
     Case("mixture member key not in its dataset", TINY,
          ['--dataset.mixture=[{"root": "{tmp}/data/v21"}, {"root": "{tmp}/data/v30", "action_key": "actions"}]']),
     Case("mixture members at different fps", TINY, ['--dataset.mixture=[{"root": "{tmp}/data/v21"}, {"root": "{tmp}/data/fps20"}]']),
