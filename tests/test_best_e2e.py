@@ -100,3 +100,38 @@ def test_export_eval_and_serve_take_run_best_and_record_its_weights_and_step(run
 
     missing = run_cli_in_process(["checkpoint", "export", f"{tmp / 'nowhere'}:best", "--output", str(tmp / "x")], env=env)
     assert missing.returncode == 2 and "keep_best" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_serve_run_best_with_each_weights_answers_the_chunk_of_those_weights_read_from_the_checkpoint_files(run):
+    """`serve RUN:best` (EMA by default) and `--weights live` answer a request with the chunk of the weights the test
+    reads itself from the best checkpoint's files (model.safetensors; ema.safetensors over its trained parameters),
+    sampled by the same serving code; the two differ."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from opentau_cli.config.load import load_config
+    from opentau_cli.policies import build_policy
+    from opentau_cli.serve import ServedPolicy, load_served
+
+    _, out, _ = run
+    best = (out / CHECKPOINTS / BEST).resolve()
+    served = {w: load_served(f"{out}:best", device="cpu", weights=w) for w in ("ema", "live")}
+    cfg = load_config(best / TRAIN_CONFIG, {})
+    ema = load_file(str(best / "ema.safetensors"))
+    rng = np.random.default_rng(0)
+    obs = {**{c: rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for c in served["ema"].cameras if c},
+           served["ema"].state_key: rng.normal(size=served["ema"].state_width).astype(np.float32), "prompt": "reach"}
+    chunks = {}
+    for weights, use in served.items():
+        policy = build_policy(cfg.policy)
+        policy.load_state_dict(load_file(str(best / MODEL_WEIGHTS)))
+        if weights == "ema":
+            with torch.no_grad():
+                for name, p in policy.named_parameters():
+                    if name in ema:
+                        p.copy_(ema[name])
+        mine = ServedPolicy(policy.eval(), use.cameras, use.state_key, "test")
+        chunks[weights] = use.infer(obs)["actions"]
+        assert np.array_equal(chunks[weights], mine.infer(obs)["actions"]), weights
+    assert not np.array_equal(chunks["ema"], chunks["live"])
