@@ -282,7 +282,7 @@ def test_serve_compile_where_the_compiler_fails_is_refused_in_one_line(tiny_run,
 
 
 def test_the_server_sends_which_weights_of_which_step_it_serves_and_refuses_a_0_255_float_image_to_the_client(tiny_run):
-    """In-process server, a websocket client: the metadata on connect records the weights (a run without an EMA:
+    """In-process server: GET /healthz answers OK; for a websocket client, the metadata on connect records the weights (a run without an EMA:
     live) and the checkpoint's step; a float image of 0-255 values gets a text frame naming the range, as every
     refused request does, and the connection serves the next request."""
     import asyncio
@@ -305,6 +305,10 @@ def test_the_server_sends_which_weights_of_which_step_it_serves_and_refuses_a_0_
         deadline = time.monotonic() + 60
         while not bound and time.monotonic() < deadline:
             time.sleep(0.05)
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{bound[0]}/healthz", timeout=30) as health:  # a plain HTTP probe
+            assert (health.status, health.read()) == (200, b"OK\n")
         with connect(f"ws://127.0.0.1:{bound[0]}", max_size=None) as ws:
             meta = unpackb(ws.recv())
             assert (meta["weights"], meta["step"]) == ("live", 2)
