@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pathlib import Path
+
 from conftest import EXAMPLES
 from opentau_cli.data.sampler import BatchStream, ResumableSampler
 from opentau_cli.train import augment
@@ -161,3 +163,61 @@ def test_the_whole_augmentation_equals_openpis_own_function_on_the_same_draws(ca
     ours = apply(x.view(1, 1, 3, H, W), u, torch.tensor([["wrist" in camera]]))[0]
     # openpi draws its factors in fp32, ours are fp64 draws cast late: equal up to fp32 rounding of the factors.
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-6)
+
+
+def _validation_loss(policy, cfg, *, augment=None) -> float:
+    """Rank 0's validation loss computed here: the validation batches of a single process, the noise seeded as
+    validation seeds it (seed + 1), each batch's images augmented by `augment` first when given."""
+    from opentau_cli.data import build_data
+
+    data = build_data(cfg, 0, 1)
+    try:
+        n = min(len(data.val_loader), cfg.validation.max_batches)
+        torch.manual_seed(cfg.seed + 1)
+        batches, total = iter(data.val_loader), 0.0
+        with torch.no_grad():
+            for _ in range(n):
+                batch = next(batches)
+                if augment:  # validation batches carry no sample key: number their samples for the draws
+                    keys = torch.stack([torch.zeros(len(batch["task"]), dtype=torch.int64), torch.arange(len(batch["task"]))], 1)
+                    batch = augment(augment.prepare({**batch, "sample_key": keys}))
+                total = total + policy(batch)["loss"].float()
+    finally:
+        data.stream.close()
+    return float(total / n)
+
+
+def test_validation_sees_the_images_unaugmented_when_training_augments_them(isolated_env):
+    """A run with dataset.augment=openpi: the trainer's validation loss is the loss of the unaugmented validation
+    batches (computed here), not of augmented ones (which differ)."""
+    from opentau_cli.config import load_config, resolve_accelerate_config
+    from opentau_cli.train.trainer import build_trainer
+
+    cfg = load_config(EXAMPLES / "pi05_tiny_config.json", ["--dataset.augment=openpi", "--validation.max_batches=2",
+                                                          "--batch_size=4"])
+    trainer = build_trainer(cfg, resolve_accelerate_config(None))
+    try:
+        reported = trainer.validate()["val_loss"]
+        policy = trainer.accelerator.unwrap_model(trainer.model).eval()
+        assert _validation_loss(policy, cfg) == reported
+        assert _validation_loss(policy, cfg, augment=ImageAugment("openpi", cfg.seed)) != reported
+    finally:
+        trainer.data.stream.close()
+
+
+def test_eval_ignores_the_training_augmentation(tmp_path):
+    """`opentau eval` of a run samples from the recorded frames as they are: dataset.augment=openpi in its config
+    changes nothing of eval.json's numbers."""
+    import json
+    import shutil
+
+    from opentau_cli.evaluate import evaluate
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoints" / "v2" / "single" / "run", run, symlinks=True)
+    reports = {}
+    for augment in ("none", "openpi"):
+        done = evaluate(run, overrides={"dataset.augment": augment}, output=tmp_path / augment, episodes=[0], stride=5,
+                        plot_episodes=0, device="cpu", echo=lambda m: None)
+        reports[augment] = json.loads(done.json_path.read_text())
+    assert reports["openpi"]["policy"] == reports["none"]["policy"] and reports["none"]["samples"] > 0
