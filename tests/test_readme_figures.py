@@ -16,7 +16,7 @@ BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
 ASYNC = "Asynchronous checkpoints: training time lost per save, sync vs async_save"
 CONSOLIDATE_ZERO3 = "Streaming consolidation vs zero_to_fp32 (two-step and direct), ZeRO-3"
 LORA = "LoRA rank 16 vs full fine-tuning on 2 CPU processes (opentau profile)"
-PLAN = "Memory plan of the example pi05 config on 8 GPUs"
+PLAN = "Memory plan: real CPU peaks and the example pi05 config on 8 GPUs"
 STARTUP = "Starting from pretrained weights: build + load vs no init"
 
 
@@ -39,18 +39,22 @@ FIGURES = [
     (r"and ([\d.]+)x \(ZeRO-2\) of full fine-tuning's peak memory", LORA, "ZeRO-2 LoRA / full", r"peak memory ([\d.]+)x"),
     (r"ran ([\d.]+)x / [\d.]+x its samples/s", LORA, "DDP LoRA / full", r"samples/s ([\d.]+)x"),
     (r"ran [\d.]+x / ([\d.]+)x its samples/s", LORA, "ZeRO-2 LoRA / full", r"samples/s ([\d.]+)x"),
-    (r"needs about ([\d.]+) GB per GPU", PLAN, "DDP, 8 x 1", r"^([\d.]+) GB"),
-    (r"\| 8 x 1 accumulation \| ([\d.]+) GB", PLAN, "DDP, 8 x 1", r"^([\d.]+) GB"),
-    (r"\| 4 x 2 accumulation \| ([\d.]+) GB", PLAN, "DDP, 4 x 2 (the example)", r"^([\d.]+) GB"),
-    (r"4 x 2 accumulation \| [\d.]+ GB \| fits, ([\d.]+) GB margin", PLAN, "DDP, 4 x 2 (the example)", r"margin ([\d.]+) GB"),
-    (r"ZeRO-2, bf16 \| 4 x 2 \| ([\d.]+) GB", PLAN, "ZeRO-2, 4 x 2", r"^([\d.]+) GB"),
-    (r"ZeRO-2, bf16 \| 4 x 2 \| [\d.]+ GB \| fits, ([\d.]+) GB margin", PLAN, "ZeRO-2, 4 x 2", r"margin ([\d.]+) GB"),
-    (r"ZeRO-3, bf16 \| 4 x 2 \| ([\d.]+) GB", PLAN, "ZeRO-3, 4 x 2", r"^([\d.]+) GB"),
-    (r"ZeRO-3, bf16 \| 4 x 2 \| [\d.]+ GB \| fits, ([\d.]+) GB margin", PLAN, "ZeRO-3, 4 x 2", r"margin ([\d.]+) GB"),
-    (r"fp32 weights \(([\d.]+) GB\)", PLAN, "DDP example: weights", r"^([\d.]+) GB"),
-    (r"gradients \(([\d.]+) GB, kept in DDP", PLAN, "DDP example: gradients", r"^([\d.]+) GB"),
-    (r"fp32 copy of the trained weights\s+\(([\d.]+) GB\)", PLAN, "DDP example: EMA of the weights (fp32)", r"^([\d.]+) GB"),
-    (r"AdamW's moments \(([\d.]+) GB\)", PLAN, "DDP example: AdamW state", r"^([\d.]+) GB"),
+    (r"needs about ([\d.]+) GiB per GPU", PLAN, "DDP, 8 x 1", r"^([\d.]+) GiB"),
+    (r"\| 8 x 1 accumulation \| ([\d.]+) GiB", PLAN, "DDP, 8 x 1", r"^([\d.]+) GiB"),
+    (r"\| 4 x 2 accumulation \| ([\d.]+) GiB", PLAN, "DDP, 4 x 2", r"^([\d.]+) GiB"),
+    (r"4 x 2 accumulation \| [\d.]+ GiB \| fits, ([\d.]+) MiB margin", PLAN, "DDP, 4 x 2", r"margin ([\d.]+) MiB"),
+    (r"\| 2 x 4 accumulation \| ([\d.]+) GiB", PLAN, "DDP, 2 x 4 (the example)", r"^([\d.]+) GiB"),
+    (r"2 x 4 accumulation \| [\d.]+ GiB \| fits, ([\d.]+) GiB margin", PLAN, "DDP, 2 x 4 (the example)", r"margin ([\d.]+) GiB"),
+    (r"ZeRO-2, bf16 \| 2 x 4 \| ([\d.]+) GiB", PLAN, "ZeRO-2, 2 x 4", r"^([\d.]+) GiB"),
+    (r"ZeRO-2, bf16 \| 2 x 4 \| [\d.]+ GiB \| fits, ([\d.]+) GiB margin", PLAN, "ZeRO-2, 2 x 4", r"margin ([\d.]+) GiB"),
+    (r"ZeRO-3, bf16 \| 2 x 4 \| ([\d.]+) GiB", PLAN, "ZeRO-3, 2 x 4", r"^([\d.]+) GiB"),
+    (r"ZeRO-3, bf16 \| 2 x 4 \| [\d.]+ GiB \| fits, ([\d.]+) GiB margin", PLAN, "ZeRO-3, 2 x 4", r"margin ([\d.]+) GiB"),
+    (r"fp32 weights \(([\d.]+) GiB\)", PLAN, "DDP example: weights", r"^([\d.]+) GiB"),
+    (r"gradients \(([\d.]+) GiB, in DDP", PLAN, "DDP example: gradients (DDP buckets)", r"^([\d.]+) GiB"),
+    (r"fp32 copy of the trained weights\s+\(([\d.]+) GiB\)", PLAN, "DDP example: EMA of the weights (fp32)", r"^([\d.]+) GiB"),
+    (r"AdamW's moments \(([\d.]+) GiB\)", PLAN, "DDP example: AdamW state", r"^([\d.]+) GiB"),
+    (r"activations \(([\d.]+) GiB at 2 per device\)", PLAN, "DDP example, forward: activations", r"^([\d.]+) GiB"),
+    (r"AdamW's temporaries \(([\d.]+) GiB\)", PLAN, "DDP example, optimizer step: AdamW temporaries", r"^([\d.]+) GiB"),
     (r"pi05_small took ([\d.]+) copies of its weights", STARTUP, "no init, no draws: peak RSS above imports", r"\(([\d.]+) copies"),
     (r"against ([\d.]+) when built first and then loaded", STARTUP, "build + load: peak RSS above imports", r"\(([\d.]+) copies"),
     (r"then loaded \(([\d.]+)x, and", STARTUP, "no init, no draws / build + load: peak RSS", r"^([\d.]+)x"),
@@ -103,3 +107,33 @@ def test_latest_table_reads_the_newest_section_of_a_benchmark():
     # Two consolidation benchmarks ran before the current title; the README's figures come from the current one.
     assert latest_table(CONSOLIDATE_ZERO3)["wall ratio vs upstream (target <= 0.7)"].startswith("0.49x")
     assert latest_table(ASYNC)["async / sync"].startswith("0.10x")  # the ninth of nine runs
+
+
+# The README's "what fits where" table, row by row: the launch's Accelerate YAML.
+TABLE_LAUNCHES = {"DDP, bf16 autocast": "accelerate_ddp_config.yaml", "DeepSpeed ZeRO-2, bf16": "accelerate_deepspeed_config.yaml",
+                  "DeepSpeed ZeRO-3, bf16": "accelerate_deepspeed_zero3_config.yaml"}
+TABLE_ROW = re.compile(r"^\| (DDP, bf16 autocast|DeepSpeed ZeRO-[23], bf16)(?: \(the example\))? \| (\d+) x (\d+)(?: accumulation)? "
+                       r"\| ([\d.]+) GiB \| (fits, ([\d.]+) (GiB|MiB) margin|refused)", flags=re.M)
+
+
+@pytest.mark.slow
+def test_the_what_fits_where_table_is_a_fresh_plan_of_the_example_config(one_thread, tmp_path, monkeypatch):
+    """Each row of the table computed again now, with this module's own step-measurement cache: the README cannot
+    keep figures of an older plan, whatever BENCHMARKS.md recorded."""
+    from opentau_cli.config import load_config, resolve_accelerate_config
+    from opentau_cli.memory_plan import plan_memory
+
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
+    rows = TABLE_ROW.findall(README)
+    assert len(rows) == 5, rows
+    card = 80 * 2**30  # a card sold as 80 GB: 81920 MiB in nvidia-smi
+    examples = REPO / "configs" / "examples"
+    for launch, per_device, accumulation, peak, verdict, margin, unit in rows:
+        cfg = load_config(examples / "pi05_config.json", [
+            f"--per_device_batch_size={per_device}", f"--gradient_accumulation_steps={accumulation}",
+            "--policy.pretrained_path=null", "--policy.tokenizer_path=null"], environ={})
+        plan = plan_memory(cfg, resolve_accelerate_config(examples / TABLE_LAUNCHES[launch]))
+        assert float(peak) == round(plan.total / 2**30, 1), (launch, per_device, plan.describe(card))
+        assert verdict.startswith("fits") == plan.fits(card), (launch, per_device)
+        if margin:
+            assert float(margin) == round((card - plan.total) / (2**30 if unit == "GiB" else 2**20), 1 if unit == "GiB" else 0)
