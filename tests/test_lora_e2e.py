@@ -33,8 +33,9 @@ YAML = {"single": None, "ddp": EXAMPLES / "accelerate_cpu_ddp_config.yaml",
         "zero2": EXAMPLES / "accelerate_cpu_deepspeed_config.yaml", "zero3": EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"}
 STEPS, SAVE, RANK, ALPHA = 4, 2, 4, 8
 LORA = [f"--policy.lora.rank={RANK}", f"--policy.lora.alpha={ALPHA}"]
+# Every LoRA run keeps an EMA of its adapters (decay far from 1, so each step weighs in): resumes carry it exactly.
 COMMON = ["--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "1",
-          "--validation.val_freq=0", "--logging.tensorboard=false", *LORA]
+          "--validation.val_freq=0", "--logging.tensorboard=false", "--ema.decay=0.9", *LORA]
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +126,28 @@ def expected_keys() -> set[str]:
         return checkpoint_keys(apply_lora(build_policy(cfg.policy), cfg.policy.lora))
 
 
-# DDP's exact resume is the SIGTERM test's: its preempted run resumes to the uninterrupted DDP losses.
+def ema_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's EMA: ema.safetensors (single / DDP), else each DeepSpeed rank's ema_rank<r>.safetensors."""
+    files = sorted(step_dir.glob("ema*.safetensors"))
+    assert files, f"{step_dir} holds no EMA"
+    return {f"{f.name}:{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+
+def assert_same_ema(got_dir: Path, want_dir: Path) -> None:
+    got, want = ema_tensors(got_dir), ema_tensors(want_dir)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+# DDP's exact resume is the SIGTERM test's: its preempted run resumes to the uninterrupted DDP losses and EMA.
 @pytest.mark.parametrize("backend", ["single", "zero2", "zero3"])
-def test_a_resumed_lora_run_logs_the_same_losses_as_the_uninterrupted_one(runs, backend):
+def test_a_resumed_lora_run_logs_the_same_losses_and_keeps_the_same_ema_as_the_uninterrupted_one(runs, backend):
     full, resumed = losses(runs(backend)), losses(runs(backend, resumed=True))
     assert sorted(full) == list(range(1, STEPS + 1)) and sorted(resumed) == list(range(SAVE + 1, STEPS + 1))
     assert all(resumed[s] == full[s] for s in resumed), (full, resumed)
+    assert_same_ema(ckpt(runs(backend, resumed=True), STEPS), ckpt(runs(backend), STEPS))
+    assert not torch.equal(*(next(iter(ema_tensors(ckpt(runs(backend), s)).values())) for s in (SAVE, STEPS)))
 
 
 @pytest.mark.parametrize("backend", ["single", "ddp", "zero2", "zero3"])
@@ -198,6 +215,7 @@ def test_sigterm_saves_a_resumable_lora_checkpoint_and_retention_keeps_the_resum
     for step in range(1, STEPS + 1):
         assert resumed[step] == reference[step], f"step {step}"  # same world size and backend: bit for bit
     assert saved_steps(out) == sorted({preempted, f"{STEPS:06d}"})
+    assert_same_ema(ckpt(out, STEPS), ckpt(runs("ddp"), STEPS))  # the EMA of the adapters, carried over exactly
     for name in saved_steps(out):
         step_dir = out / CHECKPOINTS / name
         assert set(load_file(str(step_dir / MODEL_WEIGHTS))) == expected_keys()
@@ -258,7 +276,8 @@ def test_export_merges_base_plus_scaled_b_a_and_the_merged_model_loads_strictly_
     step_dir = ckpt(runs("ddp"), STEPS)
     out = tmp_path / "exported"
     ok(run_cli_in_process(["checkpoint", "export", str(step_dir), "--output", str(out)]))  # export and eval launch nothing
-    trained = load_file(str(step_dir / MODEL_WEIGHTS))
+    # What export ships by default: the EMA of what trained (ema.safetensors) over the checkpoint's tensors.
+    trained = {**load_file(str(step_dir / MODEL_WEIGHTS)), **load_file(str(step_dir / "ema.safetensors"))}
     base_weights = load_file(str(base / MODEL_WEIGHTS))
 
     cfg = load_config(step_dir / "train_config.json", {})
