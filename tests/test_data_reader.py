@@ -169,3 +169,16 @@ def test_synth_actions_move_the_dot_and_the_velocity_in_the_next_state_is_the_ac
         assert torch.allclose(nxt["state"][:2] - now["state"][:2], step, atol=1e-6)
         assert torch.allclose(nxt["state"][2:], step)
     assert torch.linalg.norm(ds[0]["actions"][0]) > 0.01  # it moves, visibly in a 64 px image
+
+
+def test_a_camera_is_a_wrist_camera_when_its_feature_name_says_wrist(tmp_path):
+    """openpi's rule, from the dataset's feature names: the slot fed by observation.images.wrist is flagged (no
+    geometric augmentation), the others and an empty slot are not, wherever camera_keys puts it."""
+    root = write_synth(tmp_path / "four", episodes=2, steps_per_episode=4, cameras=4, seed=2)
+    assert [k for k in read_meta(root).features if k.startswith("observation.images.")] == [
+        "observation.images.top", "observation.images.front", "observation.images.side", "observation.images.wrist"]
+    every = LeRobotDataset(root, [0], chunk_size=2, image_resolution=(16, 16), num_cameras=5)[0]
+    assert every["wrist_cameras"].tolist() == [False, False, False, True, False]
+    moved = LeRobotDataset(root, [0], chunk_size=2, image_resolution=(16, 16), num_cameras=2,
+                           camera_keys={"observation.images.wrist": "camera0", "observation.images.top": "camera1"})[0]
+    assert moved["wrist_cameras"].tolist() == [True, False]
