@@ -35,8 +35,8 @@ from opentau_cli.errors import UserError
 
 GIB = 2**30
 MIB = 2**20
-# DeepSpeed's defaults (elements; deepspeed/runtime/zero/config.py), which the example YAMLs keep: the bucket gradients
-# are reduced in, ZeRO-3's prefetch of gathered parameters and the size under which ZeRO-3 keeps a parameter whole.
+# DeepSpeed's zero_optimization defaults (elements), which the example YAMLs keep: the bucket gradients are reduced
+# in, the size under which ZeRO-3 keeps a parameter whole, and how many parameters ZeRO-3 keeps gathered at most.
 DS_REDUCE_BUCKET = 5 * 10**8
 DS_PERSISTENCE_THRESHOLD = 10**5
 DS_MAX_LIVE_PARAMETERS = 10**9  # stage3_max_live_parameters (stage3_max_reuse_distance is 10**9 too)
