@@ -1,5 +1,6 @@
 """A run that does not fit the card is refused by the CLI before anything is written: `opentau config validate
---gpu-memory` exits 2 with one line naming the settings that would fit, and the setting it names passes."""
+--gpu-memory` and `opentau train --gpu-memory` exit 2 with one line naming the settings that would fit, and the
+setting it names passes; every --gpu-memory states how a card's size is read."""
 
 from __future__ import annotations
 
@@ -48,3 +49,17 @@ def test_config_validate_refuses_a_run_too_big_for_the_card_in_one_line_naming_w
     assert accepted.returncode == 0, accepted.stderr
     row = next(line for line in accepted.stdout.splitlines() if line.strip().startswith("memory plan"))
     assert f"; fits a {card_mib / 1024:.1f} GiB card (margin" in row
+
+    train = run_cli_in_process(["train", f"--config_path={TINY}", f"--gpu-memory={card_mib}MiB", *overrides])
+    assert train.returncode == 2, train.stdout + train.stderr
+    assert train.stderr.strip().splitlines() == lines  # the same one line, before anything is launched
+    assert files_under(tmp_path) == before and not run.exists()
+
+
+@pytest.mark.parametrize("command", [["config", "validate"], ["train"], ["resume"]])
+def test_every_gpu_memory_option_states_that_80gb_is_the_card_sold_as_80_gb(command):
+    from opentau_cli.units import CARD_SIZE_HELP
+
+    result = run_cli_in_process([*command, "--help"], env={"COLUMNS": "400"})
+    assert result.returncode == 0
+    assert CARD_SIZE_HELP in " ".join(result.stdout.split())
