@@ -6,7 +6,10 @@ Accelerate default config. A command that trains for its config's own number of 
 shortened by `OPENTAU_STEPS` (the documented environment override, which a command-line `--steps` beats), so the
 whole test stays within minutes. A block that needs what CI does not have (a GPU, the network, a cluster) is marked just
 above it with `<!-- readme-test: skip: <why> -->`; the reason is required. Blocks are found when the test runs, so a
-block added to the README is tested (or must say why not) without touching this file.
+block added to the README is tested (or must say why not) without touching this file. A block that runs says what it
+makes with `<!-- readme-test: makes: PATH ... -->` just above it: each path (relative to the scratch directory) must
+exist afterwards and hold something, so a command that exits 0 without doing its job fails too; a block that makes
+no file says what it prints instead (`<!-- readme-test: prints: TEXT -->`).
 
 The full pi05 preset starts from weights and a tokenizer on the Hub, so its blocks are skipped; the README says how its
 `config validate` examples run offline (`OFFLINE_FLAGS`), and every such example, skipped block or not, is run so,
@@ -32,6 +35,8 @@ pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.
 
 README = REPO / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip:?\s*(.*?)\s*-->")
+MAKES = re.compile(r"<!--\s*readme-test:\s*makes:\s*(.*?)\s*-->")
+PRINTS = re.compile(r"<!--\s*readme-test:\s*prints:\s*(.*?)\s*-->")
 TIMEOUT_S = 900  # per block
 
 
@@ -40,6 +45,8 @@ class Block:
     line: int  # of the opening fence, 1-based
     code: str
     skip: str | None  # the reason, when marked; "" when marked without one
+    makes: tuple[str, ...] = ()  # what it must leave behind (`makes:` marker)
+    prints: str | None = None  # what its output must hold (`prints:` marker)
 
     def __str__(self) -> str:
         first = next((ln for ln in self.code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
@@ -59,8 +66,9 @@ def readme_blocks(text: str) -> list[Block]:
             while i < len(lines) and lines[i].strip() != "```":
                 body.append(lines[i])
                 i += 1
-            marker = SKIP.search(above)
-            blocks.append(Block(start + 1, "\n".join(body) + "\n", marker.group(1) if marker else None))
+            marker, makes, prints = SKIP.search(above), MAKES.search(above), PRINTS.search(above)
+            blocks.append(Block(start + 1, "\n".join(body) + "\n", marker.group(1) if marker else None,
+                                tuple(makes.group(1).split()) if makes else (), prints.group(1) if prints else None))
         i += 1
     return blocks
 
@@ -74,6 +82,8 @@ def test_the_readme_has_command_blocks_and_each_skipped_one_says_why():
     assert unexplained == [], "a <!-- readme-test: skip: ... --> marker without a reason"
     runnable = [b for b in BLOCKS if b.skip is None]
     assert runnable, "no README block runs in CI"
+    unchecked = [str(b) for b in runnable if not b.makes and not b.prints]
+    assert unchecked == [], "a block that runs must say what it makes or prints (<!-- readme-test: makes: PATH ... -->)"
 
 
 def test_the_quick_start_scripts_are_not_run_here():
@@ -81,6 +91,11 @@ def test_the_quick_start_scripts_are_not_run_here():
     for script in ("./scripts/test.sh", "./scripts/demo.sh"):
         holding = [b for b in BLOCKS if script in b.code]
         assert holding and all(b.skip for b in holding), f"{script}: its block must be marked skipped"
+
+
+def _holds_something(path: Path) -> bool:
+    """A non-empty file, or a directory with something in it."""
+    return path.is_file() and path.stat().st_size > 0 or path.is_dir() and any(path.iterdir())
 
 
 def _scratch(tmp: Path) -> tuple[Path, dict[str, str]]:
@@ -110,6 +125,12 @@ def test_every_readme_block_that_needs_no_gpu_or_network_runs_as_written(tmp_pat
         if result.returncode:
             failed.append(f"{block} failed with exit code {result.returncode}\n--- block\n{block.code}--- stderr (end)\n"
                           f"{result.stderr[-3000:]}\n--- stdout (end)\n{result.stdout[-1000:]}")
+            continue
+        empty = [path for path in block.makes if not _holds_something(cwd / path)]
+        if empty:
+            failed.append(f"{block} exited 0 but did not make {', '.join(empty)}")
+        if block.prints and block.prints not in result.stdout + result.stderr:
+            failed.append(f"{block} exited 0 but did not print {block.prints!r}")
     assert not failed, "\n\n".join(failed)
 
 
