@@ -171,9 +171,52 @@ def test_a_world_size_change_continues_with_the_uninterrupted_losses_within_the_
     ref, got = _losses(runs.ref), _losses(runs.run)
     frames = _steps_read(runs.tmp / "samples" / "ref", 2, 4, 1)[7]
     sigma = loss_noise(runs.ref / CHECKPOINTS / "000006", frames, runs.cache, monkeypatch)
-    assert 0 < sigma < 0.5 * ref[7]  # the noise is real and far from the loss itself
+    print(f"measured noise of the step-7 loss over 16 draws: {sigma:.4g} (loss {ref[7]:.4g})")
+    assert 0 < sigma < 0.5 * ref[7]  # the noise is real and far from the loss itself (the exact check: the test above)
     for step in (7, 8, 9):
         assert abs(got[step] - ref[step]) <= 5 * sigma, (step, got[step], ref[step], sigma)
+
+
+def test_the_first_step_after_a_world_size_change_is_the_loss_of_the_checkpoints_exact_state(runs, monkeypatch):
+    """2 processes under ZeRO-2 -> 1: the resumed launch's first loss (step 7) equals, bit for bit, the loss computed
+    here from the step-6 checkpoint's fp32 master weights as DeepSpeed's own zero_to_fp32 reads them, on the frames the
+    launch read for that step, with the new rank's noise stream (numpy's SeedSequence of (seed, step, rank), as
+    docs/ARCHITECTURE.md documents it): the weights arrive exactly after resharding, and only the draws differ from
+    the uninterrupted run (whose step-7 loss lies within the measured noise of these draws: the next test)."""
+    import ds_ckpt_helper
+    import numpy as np
+
+    ckpt = runs.run / CHECKPOINTS / "000006"  # written by the ZeRO-2 launch
+    out = runs.tmp / "zero_to_fp32_000006"
+    ds_ckpt_helper.run_zero_to_fp32([(ckpt, out)])
+    weights = ds_ckpt_helper.zero_to_fp32_output(out)
+    frames = [int(x) for x in (runs.tmp / "samples" / "to_one" / "rank0.txt").read_text().split()][:8]  # in read order
+    assert sorted(frames) == _steps_read(runs.tmp / "samples" / "to_one", 1, 8, 7)[7]
+    cfg_seed = json.loads((ckpt / TRAIN_CONFIG).read_text())["seed"]
+    seed = int(np.random.SeedSequence([cfg_seed, 6, 0]).generate_state(1)[0])
+    assert first_step_loss(ckpt, weights, frames, runs.cache, monkeypatch, seed) == _losses(runs.run)[7]
+
+
+def first_step_loss(ckpt: Path, weights: dict, frames: list[int], cache: Path, monkeypatch, seed: int) -> float:
+    """The training loss of `ckpt`'s policy holding `weights` on the batch of `frames`, with torch seeded `seed`."""
+    from opentau_cli.config import load_config
+    from opentau_cli.data.build import make_dataset, split_episodes
+    from opentau_cli.data.hub import dataset_root
+    from opentau_cli.data.sampler import collate
+    from opentau_cli.policies import build_policy
+
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(cache))
+    cfg = load_config(ckpt / TRAIN_CONFIG, {})
+    policy = build_policy(cfg.policy)
+    missing, unexpected = policy.load_state_dict(weights, strict=False)
+    assert not unexpected and all(not p.requires_grad for n, p in policy.named_parameters() if n in missing)
+    (member,) = cfg.dataset.members()
+    root = dataset_root(member, cfg.dataset.num_cameras)
+    data = make_dataset(cfg, member, root, split_episodes(root, cfg.validation.val_split, cfg.seed, member.episodes)[0])
+    batch = collate([data[i] for i in frames])  # in the order read: each sample draws its own noise and time
+    policy.train()
+    torch.manual_seed(seed)
+    return float(policy(batch)["loss"])
 
 
 def test_the_resharded_runs_checkpoints_are_ordinary_checkpoints_with_their_topology_history(runs):
