@@ -117,6 +117,13 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    # What the peer checks measured (record_property: it reaches this process from pytest-xdist's workers too).
+    measured = [(name, value) for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+                if report.when == "call" for name, value in report.user_properties if name.startswith("peer ")]
+    if measured:
+        terminalreporter.section("measured against the peers' own code")
+        for name, value in measured:
+            terminalreporter.write_line(f"{name}: {value}")
     if len(_MODULE_SECONDS) < 10:  # a few modules run by hand: pytest's own --durations says enough
         return
     terminalreporter.section("slowest 15 modules (setup + call + teardown; a session fixture counts where first used)")

@@ -141,29 +141,29 @@ def _text(case, ids: list) -> str:
     return tok.decode(ids[1:length])
 
 
-def _same_chunk(theirs: list, ours: torch.Tensor) -> float:
+def _same_chunk(theirs: list, ours: torch.Tensor, record, what: str) -> float:
     theirs = torch.tensor(theirs).reshape(ours.shape)
     difference = (theirs - ours).abs().max().item()
-    print(f"max abs difference: {difference:.3g}")
+    record(f"peer max abs difference, {what}", f"{difference:.3g}")  # printed at the end of the run (conftest)
     assert difference <= TOLERANCE, f"max abs difference {difference:.3g} > {TOLERANCE}"
     return difference
 
 
-def test_lerobots_pi05_policy_with_its_processors_acts_as_opentau_on_the_lerobot_export(case):
+def test_lerobots_pi05_policy_with_its_processors_acts_as_opentau_on_the_lerobot_export(case, record_property):
     from opentau_cli.policies.layouts import LEROBOT
 
     got = _run(case, "lerobot_policy_driver.py", case["exports"][LEROBOT], case["tokenizer"], case["sizes"], case["given"])
     assert got["cameras"] == ["observation.images.top"]
     (ids,) = got["input_ids"]
     assert _text(case, ids) == case["prompt"]
-    _same_chunk(got["actions"], case["ours"])
-    _same_chunk(got["actions"], case["served"][LEROBOT])
+    _same_chunk(got["actions"], case["ours"], record_property, "LeRobot vs opentau's checkpoint")
+    _same_chunk(got["actions"], case["served"][LEROBOT], record_property, "LeRobot vs opentau serving the LeRobot export")
 
 
-def test_openpis_pytorch_model_loads_the_openpi_export_strictly_and_acts_as_opentau_with_its_normalization(case):
+def test_openpis_pytorch_model_loads_the_openpi_export_strictly_and_acts_as_opentau_with_its_normalization(case, record_property):
     from opentau_cli.policies.layouts import OPENPI
 
     got = _run(case, "openpi_model_driver.py", case["openpi"], case["exports"][OPENPI], case["tokenizer"], case["sizes"], case["given"])
     assert _text(case, got["input_ids"]) == case["prompt"]
-    _same_chunk(got["actions"], case["ours"])
-    _same_chunk(got["actions"], case["served"][OPENPI])
+    _same_chunk(got["actions"], case["ours"], record_property, "openpi vs opentau's checkpoint")
+    _same_chunk(got["actions"], case["served"][OPENPI], record_property, "openpi vs opentau serving the openpi export")
