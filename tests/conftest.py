@@ -80,6 +80,33 @@ def run_cli_in_process(args: list[str], *, env: dict | None = None, cwd: Path | 
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, stderr)
 
 
+def tree(root: Path) -> dict[str, str]:
+    """Every path under `root` with what it is: a file's sha256, a link's target, 'dir' (links not followed): what a
+    refusal must leave unchanged."""
+    import hashlib
+
+    out = {}
+    for path in sorted(Path(root).rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = "-> " + os.readlink(path)
+        elif path.is_dir():
+            out[rel] = "dir"
+        else:
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def refused(result, *needles: str) -> None:
+    """Exit 2, one line on stderr (`Error: ...`, no traceback) holding each of `needles`."""
+    assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("Error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
 @pytest.fixture
 def isolated_env(tmp_path, monkeypatch):
     """No user Accelerate default config and no OPENTAU_* variables leak into a test."""

@@ -10,7 +10,6 @@ consolidation uses the committed format-2 fixture, archived the same way.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
+from conftest import EXAMPLES, run_cli, run_cli_in_process, refused, tree
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MANIFEST, METRICS, MODEL_WEIGHTS, ROLLED_BACK, TRAIN_CONFIG
 from opentau_cli.checkpoint.lineage import roll_back
 
@@ -28,25 +27,8 @@ STAMP = "20261203-090000"
 ARCHIVED = "was moved aside by a rollback"
 
 
-def tree(root: Path) -> dict[str, str]:
-    """Every file and directory under root: files by the sha256 of their bytes, links by their target."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if path.is_symlink():
-            out[rel] = "-> " + os.readlink(path)
-        elif path.is_dir():
-            out[rel] = "dir"
-        else:
-            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
 
 
-def refused(result, *needles: str) -> None:
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
-    for needle in needles:
-        assert needle in result.stderr, result.stderr
 
 
 @pytest.fixture(scope="module")

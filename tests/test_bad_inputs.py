@@ -11,8 +11,6 @@ of its own below the table.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +21,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
+from conftest import EXAMPLES, run_cli, run_cli_in_process, refused, tree
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 CPU_DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
@@ -183,28 +181,11 @@ CASES = [
 ]
 
 
-def tree(root: Path) -> dict[str, str]:
-    """Every path under `root` with what it is: a file's sha256, a link's target, 'dir'."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            rel = str(path.relative_to(root))
-            if path.is_symlink():
-                out[rel] = "-> " + os.readlink(path)
-            elif path.is_dir():
-                out[rel] = "dir"
-            else:
-                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
 
 
 def assert_refused(result, says: str) -> None:
     """Exit 2, and stderr is exactly one line, `Error: ...` holding `says`."""
-    assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    lines = result.stderr.splitlines()
-    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: ") and says in lines[0], lines[0]
+    refused(result, says)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -10,7 +10,6 @@ in-process and no training is launched. docs/ARCHITECTURE.md, "Outputs".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli_in_process
+from conftest import run_cli_in_process, refused, tree
 from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints" / "v2"
@@ -27,26 +26,8 @@ MARKER = ".opentau-output.json"  # what opentau_cli/outputs.py puts into each di
 OVERLAP = "an output never"  # every overlap refusal says why in these words
 
 
-def tree(root: Path) -> dict[str, str]:
-    """Every file and directory under root: files by the sha256 of their bytes, links by their target."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if path.is_symlink():
-            out[rel] = "-> " + os.readlink(path)
-        elif path.is_dir():
-            out[rel] = "dir"
-        else:
-            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
 
 
-def refused(result, *needles: str) -> None:
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    for needle in needles:
-        assert needle in result.stderr, result.stderr
 
 
 @pytest.fixture(scope="module")
