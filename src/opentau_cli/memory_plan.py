@@ -56,9 +56,9 @@ NCCL_BUFFERS = 512 * MIB
 CUDA_FRAGMENTATION = 0.10
 # glibc's retention on CPU, as a share of the peak allocated: freed blocks below its dynamic mmap threshold (raised
 # up to 32 MiB as large blocks are freed) stay in its heaps instead of going back to the kernel. Measured on
-# pi05_small at 224x224, 16 per device (benchmarks/bench_memory_plan.py): 16% (single process) to 42% (ZeRO-2 with
-# gradient checkpointing) above the peak of the same launch with MALLOC_MMAP_THRESHOLD_=131072, which returns every
-# freed block at once and peaks at what the plan allocates; a middle figure.
+# pi05_small at 224x224, 16 per device (benchmarks/bench_memory_plan.py --glibc default, BENCHMARKS.md): 12% (DDP with
+# ema.decay, ZeRO-3) to 37% (ZeRO-2 with gradient checkpointing) above what the plan allocates, which the same
+# launches reach with MALLOC_MMAP_THRESHOLD_=131072 (every freed block returned at once); a middle figure.
 CPU_RETENTION = 0.25
 # Part of the cache key of step measurements, with a hash of this file and of the policy's code.
 MEASURE_VERSION = 3
