@@ -54,3 +54,16 @@ def test_consolidate_output_follows_the_umask(zero3_reference, tmp_path):
     modes = _modes(out)
     assert "model.safetensors.index.json" in modes and len(modes) > 2  # shards and their index
     assert _off(modes) == {}
+
+
+def test_consolidate_output_elsewhere_leaves_the_checkpoint_untouched(zero3_reference, tmp_path):
+    """`consolidate CKPT --output ELSEWHERE` reads the checkpoint only: not a byte, a mode or a time of it changes (its
+    manifest was rewritten, under the consolidating process's umask, though nothing was added to it)."""
+    from conftest import tree
+
+    ckpt = zero3_reference / CHECKPOINTS / "000003"
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_mode) for p in ckpt.rglob("*")}
+    hashes = tree(ckpt)
+    result = run_cli(["checkpoint", "consolidate", str(ckpt), "--output", str(tmp_path / "out.safetensors")], umask=0o022)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert tree(ckpt) == hashes and {p: (p.stat().st_mtime_ns, p.stat().st_mode) for p in ckpt.rglob("*")} == before

@@ -641,7 +641,9 @@ def _vouch(ckpt_dir: Path, written: list[Path], removed: list[Path]) -> None:
                 continue
         return out
 
+    # Only what lies inside: an --output elsewhere leaves the checkpoint, its manifest included, untouched.
+    removed, written = rel(removed), rel(written)
     if removed:
-        mf.remove_from_manifest(ckpt_dir, rel(removed))
+        mf.remove_from_manifest(ckpt_dir, removed)
     if written:
-        mf.add_to_manifest(ckpt_dir, rel(written))
+        mf.add_to_manifest(ckpt_dir, written)
