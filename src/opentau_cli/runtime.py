@@ -26,12 +26,31 @@ USER_ERROR_MARK = "opentau-user-error: "
 RANK_IMPORTS = ("opentau_cli.config", "torch", "accelerate", "deepspeed", "opentau_cli.policies")
 
 
+def die_with_parent() -> None:
+    """Be killed (SIGKILL) when the process that started this one dies, however it dies: torch's elastic agent starts
+    each rank in a session of its own, so a signal to the launch's process group never reaches the ranks, and a rank
+    whose launcher was SIGKILLed or OOM-killed would train on as an orphan, writing into a run whose lock died with the
+    launcher (docs/ARCHITECTURE.md, "Per-rank runtime"). Linux's PR_SET_PDEATHSIG; elsewhere a no-op. A parent that
+    died before the request took effect is caught by its pid changing."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, description: str | None = None) -> NoReturn:
     """Run `work(cfg, setup, launch, console)` as one rank of a launch and exit with its code (see the module doc).
 
     `--config` is the resolved train_config.json and `--launch` the launch.json that the launcher wrote; `console`
     is the launcher's terminal on rank 0 (None on the other ranks).
     """
+    die_with_parent()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="The resolved train_config.json written by the launcher.")
     parser.add_argument("--launch", required=True, help="launch.json: accelerate setup, resume checkpoint, log dir, run id.")

@@ -574,14 +574,13 @@ def _writer_main(fd: int) -> None:
     """The writer process: write each file it is sent; leave when the training process closes the socket or dies."""
     import io
     import resource
-    import signal
     from multiprocessing.connection import Connection
     from multiprocessing.reduction import recv_handle
 
-    try:  # die with the training process (the thread that started this one is its main thread, which outlives it)
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    from opentau_cli.runtime import die_with_parent
+
+    # Die with the training process (the thread that started this one is its main thread, which outlives it).
+    die_with_parent()
     # Below training and its data workers: on a machine whose cores are all busy the scheduler gives the writer the
     # CPU they leave (a nice-10 process gets about a tenth of a nice-0 one's share), so a save slows no step by more
     # than that share; it still finishes, only later (docs/ARCHITECTURE.md, "Asynchronous saves").
