@@ -22,14 +22,14 @@ from pathlib import Path
 
 import yaml
 
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
+from opentau_cli.checkpoint.layout import CHECKPOINTS, LAUNCH_FILE, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
 from opentau_cli import runlock
 from opentau_cli.checkpoint.lineage import ROLLED_BACK, roll_back, span
 from opentau_cli.checkpoint.manager import checkpoint_steps, clean_leftovers, latest, run_dir_of
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
-from opentau_cli.plan import LAUNCH_FILE, RunPlan
+from opentau_cli.plan import RunPlan
 from opentau_cli.runtime import read_user_error
 
 

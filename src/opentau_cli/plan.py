@@ -19,7 +19,7 @@ from opentau_cli.runtime import import_paused
 # policy, which `profile --dataloader-only` never imports).
 import_paused("torch")
 
-from opentau_cli.checkpoint.layout import TRAIN_CONFIG, holds_run, run_part
+from opentau_cli.checkpoint.layout import LAUNCH_FILE, LOGS, TRAIN_CONFIG, holds_run, run_part
 from opentau_cli.checkpoint.lineage import archive_of
 from opentau_cli.checkpoint.manager import (
     RESHARD_FLAG, check_in_run, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
@@ -245,15 +245,11 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
                    dataset_branches=branches)
 
 
-LAUNCH_FILE = "launch.json"  # in logs/<run id>/ (launch.py writes it)
-
-
 def recorded_branches(ckpt: Path, state: dict) -> dict[str, str]:
     """The revisions the launch that wrote `ckpt` asked its Hub datasets at (launch.json `dataset_branches`, found by
     the run id the checkpoint's lineage records); {} when not recorded."""
     import json
 
-    from opentau_cli.checkpoint.layout import LOGS
     from opentau_cli.checkpoint.lineage import lineage_in
 
     launch = (lineage_in(state) or {}).get("launch")

@@ -6,8 +6,8 @@ never the rest of the repo. With HF_HUB_OFFLINE=1 (or no answer from the Hub) on
 resolves once before anything is spawned and pins the commit into the config it launches with (`pin`), so every rank
 reads the same snapshot from the cache (`dataset_root`, no network) and every checkpoint's train_config.json names
 that commit. A resume stays on the commit its checkpoint recorded unless the command line names another revision
-(`pin_for_resume`), and says so when the branch it started on has moved (launch.json records that branch). The repo id parsing and the Hub probe are the ones `policy.pretrained_path` uses
-(policies/hub.py).
+(`pin_for_resume`), and says so when the branch it started on has moved (launch.json records that branch). The repo
+id parsing and the Hub probe are the ones `policy.pretrained_path` uses (policies/hub.py).
 """
 
 from __future__ import annotations
