@@ -3,6 +3,7 @@ collectives and timer, metrics collection (a real single-process Accelerator on 
 
 from __future__ import annotations
 
+import io
 import json
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import torch
 from conftest import EXAMPLES
 from opentau_cli.config import AccelerateSetup, load_config
 from opentau_cli.profiling.phases import PhaseTimer
-from opentau_cli.train.metrics import truncate_metrics
+from opentau_cli.train.metrics import Progress, truncate_metrics
 from opentau_cli.train.timing import PHASES
 from opentau_cli.train.trainer import Trainer, lr_lambda, make_accelerator
 
@@ -141,3 +142,25 @@ def test_truncate_metrics_drops_records_past_the_checkpoint_and_lines_cut_short(
 def test_truncate_metrics_without_a_metrics_file_writes_nothing(tmp_path):
     truncate_metrics(tmp_path / "metrics.jsonl", 3)
     assert list(tmp_path.iterdir()) == []
+
+
+RECORD = {"loss": 0.5, "lr": 1e-4, "grad_norm": 1.0, "samples_per_s": 2.0}
+
+
+def progress_lines(**kwargs) -> list[str]:
+    console = io.StringIO()
+    progress = Progress(10, 0, console, "plain", **kwargs)
+    progress.update(5, RECORD)
+    progress.update(6, None)  # not a log step: no line
+    progress.close()
+    return console.getvalue().splitlines()
+
+
+def test_an_automatically_restarted_run_says_which_restart_on_its_progress_line():
+    (line,) = progress_lines(restarts=2)
+    assert line.startswith("step 5/10  restart 2  loss 0.5000")
+
+
+def test_a_run_never_restarted_shows_no_restart_on_its_progress_line():
+    (line,) = progress_lines()
+    assert line.startswith("step 5/10  loss 0.5000") and "restart" not in line

@@ -28,10 +28,12 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 class Progress:
-    """A rich bar on a terminal; plain `step N/T ...` lines otherwise (logs, CI)."""
+    """A rich bar on a terminal; plain `step N/T ...` lines otherwise (logs, CI). `restarts` > 0 (a run restarted
+    automatically that many times) shows as "restart N" on every line, so the user sees the run was restarted."""
 
-    def __init__(self, total: int, start: int, console: IO | None, mode: str):
+    def __init__(self, total: int, start: int, console: IO | None, mode: str, *, restarts: int = 0):
         self.total, self.start = total, start
+        self.restarts = restarts
         self.console = console
         self._bar = None
         self._t0 = time.perf_counter()
@@ -42,8 +44,9 @@ class Progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
 
+            label = f"[bold]train (restart {restarts})" if restarts > 0 else "[bold]train"
             self._bar = RichProgress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                 TimeRemainingColumn(), console=Console(file=console, force_terminal=True),
             )
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
@@ -58,8 +61,9 @@ class Progress:
         elif record is not None:
             done = step - self.start
             eta = (time.perf_counter() - self._t0) / max(done, 1) * (self.total - step)
+            restarted = f"  restart {self.restarts}" if self.restarts > 0 else ""
             self.console.write(
-                f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.3g}  "
+                f"step {step}/{self.total}{restarted}  loss {record['loss']:.4f}  lr {record['lr']:.3g}  "
                 f"grad_norm {record['grad_norm']:.3g}  {record['samples_per_s']:.1f} samples/s  ETA {format_eta(eta)}\n"
             )
             self.console.flush()
