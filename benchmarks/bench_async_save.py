@@ -10,8 +10,12 @@ what the background writer takes from training and any wait for it. Host memory:
 the process's peak RSS (sampled) with synchronous saves only, before the first asynchronous save, and then with
 asynchronous saves.
 
-Two loads, one after the other: quiet (the machine as it is) and loaded (a spinning process per core at the
-benchmark's priority for all of that load's rounds, as data workers keep a GPU node's cores busy). Also measured: the
+Three loads, one after the other, each for all of its rounds: quiet (the machine as it is); niced (a spinning process
+per core at nice +10, as `nice` runs a background job); loaded (a spinning process per core at the training process's
+own priority, as data workers keep a GPU node's cores busy). Loaded is where a writer process below training's
+priority is starved: when the loop must wait for a save (here at each async segment's end, as the next save would),
+the training process takes the write over (async_save.HostStaging.write), and the table says how many files it
+wrote itself. Also measured: the
 CPU seconds a save spends per GB, in the training thread (sync save; async copy into host memory) and in async_save's
 writer process by phase (hashing, copying into the write buffer, write and sync calls, serializing): on a machine
 whose cores are all busy, that is the floor of what any save costs.
@@ -21,11 +25,11 @@ thread pool, not the save: a thread that waits at a barrier for a descheduled si
 ones whether or not a save ran (the 19:18 UTC run of 2026-12-01). The writer process runs at nice +10
 (async_save.WRITER_NICE), as in training.
 Targets on a 2-core CPU machine (there the snapshot is a memory copy and the writer competes with training for the
-cores): async loses <= 0.25x of what sync loses quiet, <= 0.75x loaded, and never more than sync (1.0x) in any round;
-on a GPU <= 0.05x quiet (a device-to-host copy).
+cores): async loses <= 0.25x of what sync loses quiet, <= 0.75x niced and loaded, and never more than sync (1.0x) in
+any round; on a GPU <= 0.05x quiet (a device-to-host copy).
 
     python benchmarks/bench_async_save.py                  # pi05_small, a save every 2 steps, 6 rounds per load
-    python benchmarks/bench_async_save.py --modes loaded   # the loaded half only
+    python benchmarks/bench_async_save.py --modes loaded   # the loaded third only
     python benchmarks/bench_async_save.py --smoke          # tiny preset, 1 round per load (CI)
 """
 
@@ -44,9 +48,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, report, verdict  # noqa: E402
 
-TARGETS = {"quiet": 0.25, "loaded": 0.75}
+TARGETS = {"quiet": 0.25, "niced": 0.75, "loaded": 0.75}
 CEILING = 1.0  # in any round, under any load: never worse than not being asynchronous
-MODES = ("quiet", "loaded")
+MODES = ("quiet", "niced", "loaded")
+SPINNER_NICE = {"niced": 10, "loaded": 0}  # the spinning processes' nice value above the benchmark's
 KINDS = ("none", "sync", "async")
 
 
@@ -75,11 +80,14 @@ class PeakRSS:
 
 
 class Busy:
-    """A spinning process per core at this process's priority (they inherit its nice value), while in the block: a
-    machine whose cores are all taken, as data workers and other jobs take a GPU node's."""
+    """A spinning process per core, `nice` above this process's priority (0: the same; they inherit its nice value),
+    while in the block: a machine whose cores are all taken, as data workers and other jobs take a GPU node's."""
+
+    def __init__(self, nice: int = 0):
+        self.nice = nice
 
     def __enter__(self) -> "Busy":
-        spin = [sys.executable, "-c", "while True: pass"]
+        spin = [sys.executable, "-c", f"import os; os.nice({self.nice})\nwhile True: pass"]
         self.procs = [subprocess.Popen(spin, stdin=subprocess.DEVNULL) for _ in range(os.cpu_count() or 1)]
         return self
 
@@ -151,23 +159,26 @@ def measure(config: Path, workdir: Path, *, every: int, rounds: int, warmup: int
     managers["async"]._staging.stats.clear()
     segments: dict[str, dict[str, list[tuple[float, float, int, float]]]] = {}
     loads: dict[str, tuple[float, float]] = {}
+    files: dict[str, list[dict]] = {}  # per load: the async saves' files, by whom written (HostStaging.stats)
+    stats = managers["async"]._staging.stats
     for mode in modes:
         seg = segments[mode] = {k: [] for k in KINDS}
-        before = os.getloadavg()[0]
-        with Busy() if mode == "loaded" else contextlib.nullcontext():
+        before, counted = os.getloadavg()[0], len(stats)
+        with Busy(SPINNER_NICE[mode]) if mode in SPINNER_NICE else contextlib.nullcontext():
             for r in range(rounds):
                 for kind in KINDS[r % 3:] + KINDS[:r % 3]:
                     seg[kind].append(segment(kind))
                     print(f"{mode} round {r + 1}: {kind:5s} {seg[kind][-1][0]:.2f} s", flush=True)
         loads[mode] = (before, os.getloadavg()[0])
+        files[mode] = stats[counted:]
     rss.stop()
     peak["async"] = max(s[2] for seg in segments.values() for s in seg["async"])
     staging = managers["async"]._staging
     snapshot = (staging.nbytes, staging.tensor_bytes, staging.nbytes - staging.BOUNCE)
-    writer = list(managers["async"]._staging.stats)
+    writer = [s for s in stats if not s.get("taken_over")]
     trainer.data.stream.close()
     return {"segments": segments, "first": first, "snapshot": snapshot, "peak": peak, "cpu": cpu, "writer": writer,
-            "loads": loads}
+            "loads": loads, "files": files}
 
 
 def lost_per_save(seg: dict) -> tuple[dict[str, list[float]], dict[str, float], list[float]]:
@@ -184,6 +195,14 @@ def swung_rounds(seg: dict, sync_lost: float) -> list[int]:
     costs: there the load moved more than a save does, and the round's ratio measures the load, not the save."""
     middle = statistics.median(s[0] for s in seg["none"])
     return [r + 1 for r, s in enumerate(seg["none"]) if abs(s[0] - middle) > abs(sync_lost)]
+
+
+def taken_over(files: list[dict]) -> str:
+    """How many of a load's async files (and bytes) the training process wrote itself, having waited for them."""
+    took = [f for f in files if f.get("taken_over")]
+    gb = 1e9
+    return (f"{len(took)} of {len(files)} files, {sum(f['bytes'] for f in took) / gb:.2f} of "
+            f"{sum(f['bytes'] for f in files) / gb:.2f} GB")
 
 
 def cpu_per_gb(result: dict) -> list[tuple[str, str]]:
@@ -217,7 +236,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch's intra-op threads in the training process (default 1: see the docstring).")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                        help="quiet: the machine as it is; loaded: a spinning process per core as well.")
+                        help="quiet: the machine as it is; niced: a spinning process per core at nice +10 as well; "
+                             "loaded: a spinning process per core at the benchmark's own priority as well.")
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     rounds = 1 if args.smoke else args.rounds
@@ -257,6 +277,8 @@ def main() -> None:
             (f"{prefix}save blocks the loop (median)", f"sync {median('sync', 1):.2f} s, async {median('async', 1):.2f} s"),
             (f"{prefix}async: waited for the writer at the segment's end", f"median {median('async', 3):.2f} s "
                                                                           f"(runs: {runs('async', 3)})"),
+            (f"{prefix}async: files the training process took over (wrote itself while the loop waited)",
+             taken_over(result["files"][mode])),
             *[(f"{prefix}training time lost per save, {m}", f"{lost[m]:.2f} s (median of the rounds': "
                                                             f"{', '.join(f'{d:.2f}' for d in paired[m])})")
               for m in ("sync", "async")],
@@ -284,8 +306,8 @@ def main() -> None:
            [f"whole comparison took {took:.0f} s",
             "both managers keep_last=1; the sync peak is taken before the first async save, which makes the host copy "
             "that the process then keeps; the writer process's memory is not in the RSS",
-            "loaded: one `while True: pass` process per core, at the benchmark's priority, through all of that load's "
-            "rounds"])
+            "niced / loaded: one `while True: pass` process per core, at nice +10 / at the benchmark's priority, through "
+            "all of that load's rounds"])
 
 
 def uptime() -> str:
