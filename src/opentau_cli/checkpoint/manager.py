@@ -122,6 +122,12 @@ def _check_same_topology(ckpt_dir: Path, state: dict, setup) -> None:
     """A plain resume continues bit for bit only under the backend, ZeRO stage and world size it was saved by."""
     saved_backend, saved_stage = state.get("backend"), state.get("zero_stage")
     saved_ds = saved_backend == "deepspeed"
+    if (saved_backend == "fsdp") != (setup.backend == "fsdp"):
+        raise UserError(
+            f"Checkpoint '{ckpt_dir}' was saved by {'FSDP2' if saved_backend == 'fsdp' else saved_backend} training and "
+            f"this launch is {setup.label}: resume with the same backend (an elastic resume to or from FSDP2 is not "
+            "supported yet; `opentau checkpoint consolidate` gives its weights for a new run)."
+        )
     if saved_ds and setup.backend != "deepspeed":
         raise UserError(
             f"Checkpoint '{ckpt_dir}' holds DeepSpeed ZeRO-{saved_stage} shards and this launch is {setup.label}: resume "
@@ -185,6 +191,9 @@ def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dic
     state = read_training_state(ckpt_dir)
     if not reshard:
         _check_same_topology(ckpt_dir, state, setup)
+    elif "fsdp" in (state.get("backend"), setup.backend) and (state.get("backend"), state.get("world_size")) != (setup.backend, setup.world_size):
+        raise UserError(f"Checkpoint '{ckpt_dir}': {RESHARD_FLAG} to or from FSDP2 is not supported yet; resume it with "
+                        f"the backend and {state.get('world_size')} processes it was saved by.")
     try:
         saved_cfg = json.loads((ckpt_dir / TRAIN_CONFIG).read_text())
     except (OSError, ValueError):

@@ -74,6 +74,15 @@ class AccelerateSetup:
     ds_offload_param_device: str | None = None
     ds_zero3_init_flag: bool | None = None
     ds_config_file: str | None = None
+    # fsdp_config, as written (None: not given); config/rules.py decides what opentau honours (FsdpSettings).
+    fsdp_version: int | None = None
+    fsdp_reshard_after_forward: str | None = None
+    fsdp_sharding_strategy: str | None = None
+    fsdp_auto_wrap_policy: str | None = None
+    fsdp_layer_classes: tuple[str, ...] | None = None
+    fsdp_state_dict_type: str | None = None
+    fsdp_offload_params: bool | None = None
+    fsdp_activation_checkpointing: bool | None = None
     path: Path | None = None
     raw: dict | None = None  # the YAML as the user wrote it (None: the built-in default), passed on by the launcher
 
@@ -90,7 +99,7 @@ class AccelerateSetup:
     def label(self) -> str:
         if self.backend == "deepspeed":
             return f"DeepSpeed ZeRO-{self.zero_stage}"
-        return {"single": "single process", "ddp": "DDP", "fsdp": "FSDP"}[self.backend]
+        return {"single": "single process", "ddp": "DDP", "fsdp": "FSDP2"}[self.backend]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -100,7 +109,67 @@ class AccelerateSetup:
 
 def setup_from_dict(d: dict) -> AccelerateSetup:
     """The inverse of `AccelerateSetup.to_dict` (launch.json, a checkpoint's training_state.json)."""
-    return AccelerateSetup(**{**d, "path": Path(d["path"]) if d.get("path") else None})
+    classes = d.get("fsdp_layer_classes")
+    return AccelerateSetup(**{**d, "path": Path(d["path"]) if d.get("path") else None,
+                              "fsdp_layer_classes": tuple(classes) if classes is not None else None})
+
+
+# The policy's transformer layer classes, each wrapped as one FSDP2 unit (Accelerate's fsdp_transformer_layer_cls_to_wrap
+# names them the same way): SigLIP's encoder layers; the Gemma decoder layers of the VLM and of the action expert.
+FSDP_LAYER_CLASSES = ("SiglipEncoderLayer", "GemmaDecoderLayer")
+# Accelerate's FSDP1 sharding strategies that FSDP2 expresses as reshard_after_forward (the others it cannot).
+FSDP_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+@dataclass(frozen=True)
+class FsdpSettings:
+    """How an FSDP2 launch shards the policy (train/fsdp.py), from a YAML that passed config/rules.py."""
+
+    reshard_after_forward: bool = True
+    offload_params: bool = False
+    wrap: str = "TRANSFORMER_BASED_WRAP"  # or NO_WRAP: the root alone
+    layer_classes: tuple[str, ...] = FSDP_LAYER_CLASSES
+    mixed_precision: str = "no"  # "bf16": bf16 compute, fp32 reduction and fp32 master parameters
+
+
+def reshard_after_forward(setup: AccelerateSetup) -> bool | None:
+    """fsdp_reshard_after_forward (true / false, or FSDP1's FULL_SHARD / SHARD_GRAD_OP, as Accelerate reads it),
+    else fsdp_sharding_strategy; True when neither is given; None for a value FSDP2 has no equivalent of."""
+    for value in (setup.fsdp_reshard_after_forward, setup.fsdp_sharding_strategy):
+        if value is None:
+            continue
+        text = str(value).strip().upper()
+        if text in ("TRUE", "FALSE"):
+            return text == "TRUE"
+        text = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "_HYBRID_SHARD_ZERO2"}.get(text, text)
+        return FSDP_STRATEGIES.get(text)
+    return True
+
+
+def fsdp_settings(setup: AccelerateSetup) -> FsdpSettings:
+    return FsdpSettings(
+        reshard_after_forward=bool(reshard_after_forward(setup)),
+        offload_params=bool(setup.fsdp_offload_params),
+        wrap=(setup.fsdp_auto_wrap_policy or "TRANSFORMER_BASED_WRAP").upper(),
+        layer_classes=setup.fsdp_layer_classes or FSDP_LAYER_CLASSES,
+        mixed_precision=setup.mixed_precision,
+    )
+
+
+def fsdp_lines(setup: AccelerateSetup) -> list[str]:
+    """What `config validate` says about an FSDP2 launch: the backend, the wrapping and the precision."""
+    s = fsdp_settings(setup)
+    units = (f"each transformer layer ({', '.join(s.layer_classes)}) and the root"
+             if s.wrap == "TRANSFORMER_BASED_WRAP" else "the root only (NO_WRAP)")
+    precision = ("bf16 compute, fp32 gradient reduction, fp32 master parameters (MixedPrecisionPolicy)"
+                 if s.mixed_precision == "bf16" else "fp32")
+    return [
+        f"Backend: FSDP2 (torch fully_shard) over {setup.world_size} processes; checkpoints sharded with "
+        "torch.distributed.checkpoint.",
+        f"Wrapping: {units}; parameters {'' if s.reshard_after_forward else 'not '}resharded after forward"
+        f"{', offloaded to host memory' if s.offload_params else ''}.",
+        f"Precision: {precision}.",
+    ]
 
 
 def _int(raw: dict, key: str, default: int | None, path: Path) -> int | None:
@@ -184,7 +253,43 @@ def read_accelerate_config(path: str | Path) -> AccelerateSetup:
             ds_offload_param_device=ds.get("offload_param_device"),
             ds_zero3_init_flag=ds.get("zero3_init_flag"),
         )
+    if backend == "fsdp":
+        fields.update(_read_fsdp_config(raw, path))
     return AccelerateSetup(**fields)
+
+
+def _read_fsdp_config(raw: dict, path: Path) -> dict:
+    """fsdp_config's keys as Accelerate spells them (with or without the fsdp_ prefix), as written."""
+    fsdp = raw.get("fsdp_config") or {}
+    if not isinstance(fsdp, dict):
+        raise UserError(f"Accelerate config '{path}': fsdp_config must be a mapping.")
+    fsdp = {(k if str(k).startswith("fsdp_") else f"fsdp_{k}"): v for k, v in fsdp.items()}
+
+    def text(key):
+        value = fsdp.get(key)
+        return None if value is None else str(value)
+
+    def flag(key):
+        value = fsdp.get(key)
+        if value is None or isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in ("true", "false"):
+            return str(value).strip().lower() == "true"
+        raise UserError(f"Accelerate config '{path}': fsdp_config.{key} must be true or false, got {value!r}.")
+
+    classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if isinstance(classes, str):
+        classes = [c.strip() for c in classes.split(",") if c.strip()]
+    return dict(
+        fsdp_version=_int(fsdp, "fsdp_version", 1, path),  # Accelerate's default is FSDP1
+        fsdp_reshard_after_forward=text("fsdp_reshard_after_forward"),
+        fsdp_sharding_strategy=text("fsdp_sharding_strategy"),
+        fsdp_auto_wrap_policy=text("fsdp_auto_wrap_policy"),
+        fsdp_layer_classes=tuple(str(c) for c in classes) if classes else None,
+        fsdp_state_dict_type=text("fsdp_state_dict_type"),
+        fsdp_offload_params=flag("fsdp_offload_params"),
+        fsdp_activation_checkpointing=flag("fsdp_activation_checkpointing"),
+    )
 
 
 def _read_deepspeed_json(yaml_path: Path, json_path: Path, yaml_mixed: str | None) -> tuple[dict, str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from opentau_cli.config.accelerate import AccelerateSetup
+from opentau_cli.config.accelerate import FSDP_LAYER_CLASSES, AccelerateSetup, reshard_after_forward
 from opentau_cli.config.model import DEMO_DATASET, LOSS_TERMS, TrainConfig
 from opentau_cli.errors import UserError
 
@@ -164,12 +164,9 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
             "(or --policy.preset=pi05_small)."
         )
     if accel.backend == "fsdp":
-        # Not proven on GPUs for pi05 yet (wrap policy, sharded checkpoints, consolidation): refused everywhere rather
-        # than run as something else (docs/ARCHITECTURE.md, "CPU recipes").
-        errors.append(
-            f"{accel.path or 'The accelerate config'} asks for FSDP, which opentau does not support yet; use DDP, "
-            "DeepSpeed ZeRO-2 or ZeRO-3 (configs/examples/accelerate_{ddp,deepspeed,deepspeed_zero3}_config.yaml)."
-        )
+        fsdp_errors, fsdp_warnings = fsdp_rules(cfg, accel, machine)
+        errors.extend(fsdp_errors)
+        warnings.extend(fsdp_warnings)
     per_machine = accel.num_processes // max(1, accel.num_machines)
     if not cuda and accel.world_size > 1 and asks_for_gpus(accel):
         # Accelerate would start every process on the CPU (8 CPU processes of pi05 in bf16): never what was meant.
@@ -217,3 +214,53 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
             raise UserError(errors[0])
         raise UserError("The config has problems:\n  " + "\n  ".join(errors))
     return Validated(config=cfg, accelerate=accel, machine=machine, warnings=warnings)
+
+
+def fsdp_rules(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for an FSDP launch (cfg may be adjusted: compile downgraded): opentau trains it with FSDP2 (train/fsdp.py); every fsdp_config setting
+    it cannot honour is refused by name, never run as something else (docs/ARCHITECTURE.md, "FSDP2")."""
+    where = accel.path or "the accelerate config"
+    errors: list[str] = []
+    warnings: list[str] = []
+    if accel.fsdp_version != 2:
+        errors.append(f"{where} asks for FSDP1 (fsdp_config.fsdp_version: {accel.fsdp_version}, Accelerate's default "
+                      "when absent), which opentau does not run: set fsdp_version: 2 (FSDP2, torch's fully_shard).")
+    if reshard_after_forward(accel) is None:
+        given = accel.fsdp_reshard_after_forward or accel.fsdp_sharding_strategy
+        errors.append(f"{where} asks for sharding strategy {given}, which FSDP2 has no equivalent for in opentau: use "
+                      "fsdp_reshard_after_forward: true (FULL_SHARD) or false (SHARD_GRAD_OP); for NO_SHARD use DDP "
+                      "(configs/examples/accelerate_ddp_config.yaml).")
+    wrap = (accel.fsdp_auto_wrap_policy or "TRANSFORMER_BASED_WRAP").upper()
+    if wrap not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP"):
+        errors.append(f"{where} asks for fsdp_auto_wrap_policy {accel.fsdp_auto_wrap_policy}: opentau wraps FSDP2 units "
+                      "per transformer layer (TRANSFORMER_BASED_WRAP) or the whole policy as one (NO_WRAP).")
+    unknown = [c for c in accel.fsdp_layer_classes or () if c not in FSDP_LAYER_CLASSES]
+    if unknown:
+        errors.append(f"{where} names fsdp_transformer_layer_cls_to_wrap {', '.join(unknown)}, which the policy does "
+                      f"not have: its transformer layers are {', '.join(FSDP_LAYER_CLASSES)}.")
+    state_dict = (accel.fsdp_state_dict_type or "SHARDED_STATE_DICT").upper()
+    if state_dict != "SHARDED_STATE_DICT":
+        errors.append(f"{where} asks for fsdp_state_dict_type {accel.fsdp_state_dict_type}: opentau saves FSDP2 "
+                      "checkpoints sharded (torch.distributed.checkpoint); set SHARDED_STATE_DICT and use "
+                      "`opentau checkpoint consolidate` for one model.safetensors.")
+    if accel.fsdp_offload_params and not machine.cuda:
+        errors.append(f"{where} asks for fsdp_offload_params: true, which moves parameters between GPU and host "
+                      f"memory, and {machine.where} has no CUDA GPU: set it to false.")
+    if accel.mixed_precision == "fp16" and machine.cuda:
+        errors.append("mixed_precision 'fp16' is not supported under FSDP2 (it needs a sharded gradient scaler); use 'bf16'.")
+    checkpointing = accel.fsdp_activation_checkpointing
+    if checkpointing is not None and checkpointing != cfg.policy.gradient_checkpointing:
+        errors.append(f"{where} sets fsdp_activation_checkpointing: {str(checkpointing).lower()} and the config "
+                      f"policy.gradient_checkpointing={str(cfg.policy.gradient_checkpointing).lower()}: opentau's switch is "
+                      "policy.gradient_checkpointing; make them agree (or remove the YAML key).")
+    # Parts of the recipe not built for FSDP2 yet: refused, never run differently.
+    if cfg.ema.enabled:
+        errors.append("ema.decay > 0 is not supported under FSDP2 yet; set --ema.decay=0 or use DDP / DeepSpeed.")
+    if cfg.policy.lora.enabled:
+        errors.append("policy.lora is not supported under FSDP2 yet; use DDP or DeepSpeed ZeRO-2 for LoRA.")
+    if cfg.checkpoint.async_save:
+        errors.append("checkpoint.async_save=true is not supported under FSDP2 yet; set --checkpoint.async_save=false.")
+    if cfg.policy.use_torch_compile:
+        warnings.append("policy.use_torch_compile=true is not supported under FSDP2 yet: running eager instead.")
+        cfg.policy.use_torch_compile = False
+    return errors, warnings

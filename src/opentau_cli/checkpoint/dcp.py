@@ -1,0 +1,115 @@
+"""FSDP2 checkpoints: the sharded model and optimizer state written and read with torch.distributed.checkpoint (DCP),
+inside the ordinary atomic save (docs/ARCHITECTURE.md, "Checkpoint contract", "FSDP2").
+
+Every rank writes its own shard file into `DCP_DIR` of the checkpoint's temporary directory (DCP's own layout:
+`__<rank>_0.distcp` and one `.metadata`); Accelerate's save_state writes the scheduler and each rank's RNG state
+beside it, and the manifest, publish, `last` and retention are the same as for every backend. Reading never runs
+pickled code: DCP's metadata is unpickled against an allow-list of its own record types, and the optimizer's
+non-tensor values (hyper-parameters, steps) with `weights_only` loads.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import torch
+
+DCP_DIR = "fsdp_state"  # the checkpoint's DCP directory (model + optimizer, sharded per rank)
+DCP_METADATA = ".metadata"
+
+# The record types DCP's metadata pickle holds (torch.distributed.checkpoint.metadata / filesystem), and torch's
+# value types they name.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
+    ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"), ("torch", "channels_last"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # where it was saved (storage_meta.checkpoint_id)
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.metadata  # noqa: F401  (the record types' module)
+
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in _DCP_MODULES or (module, name) in _ALLOWED or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata references {module}.{name}, which a checkpoint never holds")
+
+
+def read_metadata(path: Path):
+    """DCP's `.metadata` of `path`, unpickled against the allow-list (no other code runs)."""
+    with open(Path(path) / DCP_METADATA, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import set_element  # noqa: F401  (used by the default planner)
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's default planner, whose non-tensor values are read with `weights_only` loads."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeLoadPlanner()
+
+
+def save_sharded(directory: Path, model, optimizer) -> None:
+    """Write the model's and optimizer's sharded state into `directory / DCP_DIR` (a collective: every rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(str(Path(directory) / DCP_DIR)))
+
+
+def load_sharded(directory: Path, model, optimizer) -> None:
+    """Read `directory / DCP_DIR` into the model and optimizer (a collective: every rank), reshaped by DCP to this
+    launch's shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, storage_reader=_reader(Path(directory) / DCP_DIR), planner=_planner())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def register_with(accelerator, model, optimizer) -> None:
+    """Accelerate's save_state / load_state (what CheckpointManager calls on every rank) also write / read the
+    sharded model and optimizer: Accelerate itself writes the scheduler and each rank's RNG state."""
+
+    def save_hook(models, weights, output_dir):
+        save_sharded(Path(output_dir), model, optimizer)
+
+    def load_hook(models, input_dir):
+        load_sharded(Path(input_dir), model, optimizer)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
