@@ -151,7 +151,7 @@ def step_precision(setup: AccelerateSetup) -> tuple[torch.dtype, bool]:
     """(dtype the weights are held in, whether bf16 autocast runs): DeepSpeed bf16 holds bf16 weights, Accelerate's
     bf16 elsewhere is autocast over fp32 weights."""
     bf16 = setup.mixed_precision == "bf16"
-    if setup.backend == "deepspeed" and bf16:
+    if setup.backend in ("deepspeed", "fsdp") and bf16:  # FSDP2 computes with bf16 copies of its fp32 shards
         return torch.bfloat16, False
     return torch.float32, bf16
 
@@ -243,14 +243,21 @@ class Sizes:
     trainable: int
     largest_trainable: int  # elements of the largest trainable tensor (CPU AdamW's temporaries)
     small: int  # elements of parameters ZeRO-3 keeps whole on every rank (at most DS_PERSISTENCE_THRESHOLD each)
+    largest_layer: int = 0  # elements of the largest transformer layer (an FSDP2 unit, train/fsdp.py)
+    root: int = 0  # elements outside every transformer layer (FSDP2's root unit and the fp32 modules)
 
 
 def sizes(policy_cfg: PolicyConfig) -> Sizes:
     policy = policy_module(policy_cfg.model_copy(update={"gradient_checkpointing": False}), torch.float32, meta=True)
+    from opentau_cli.train.fsdp import layer_groups
+
     params = list(policy.parameters())
-    return Sizes(total=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+    layers = [sum(p.numel() for p in layer.parameters()) for _, group in layer_groups(policy) for layer in group]
+    total = sum(p.numel() for p in params)
+    return Sizes(total=total, trainable=sum(p.numel() for p in params if p.requires_grad),
                  largest_trainable=max((p.numel() for p in params if p.requires_grad), default=0),
-                 small=sum(p.numel() for p in params if p.numel() <= DS_PERSISTENCE_THRESHOLD))
+                 small=sum(p.numel() for p in params if p.numel() <= DS_PERSISTENCE_THRESHOLD),
+                 largest_layer=max(layers, default=0), root=total - sum(layers))
 
 
 @dataclass
@@ -339,7 +346,9 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
     if ema:
         optimizer["EMA update temporary"] = 4 * min(EMA_CHUNK, ema) * (2 if w != 4 else 1)
     lives: dict[str, int] = {}
-    if stage is None:
+    if setup.backend == "fsdp":
+        lives, forward, backward, optimizer = _fsdp_phases(s, step, world, w, accumulates, cpu, optimizer)
+    elif stage is None:
         lives["weights"] = w * s.total
         lives["AdamW state"] = 8 * s.trainable
         if setup.backend == "ddp":
@@ -408,6 +417,28 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
     plan.label = (f"{setup.label} on {world} {unit}, {batch} per device, gradient "
                   f"checkpointing {checkpointing}{', LoRA' if cfg.policy.lora.enabled else ''}")
     return plan
+
+
+def _fsdp_phases(s: Sizes, step, world: int, w: int, accumulates: bool, cpu: bool, optimizer: dict):
+    """FSDP2 (train/fsdp.py): fp32 shards of the weights, AdamW state and gradients; in the step, the root unit
+    gathered from its forward to the end of the backward (FSDP2 does not reshard the root after forward) and the layer
+    being computed with the next one prefetched, in the compute dtype `w`."""
+
+    def shard(n: int) -> int:
+        return -(-n // world)
+
+    lives = {"weights (fp32 shard)": 4 * shard(s.total), "AdamW state": 8 * shard(s.trainable)}
+    gathered = w * (s.root + 2 * s.largest_layer)
+    grads = 4 * shard(s.trainable)
+    held = grads if accumulates else 0  # the sharded gradients of the previous micro-batches
+    forward = {"activations": step.forward, "gathered parameters": gathered, "gradient shards": held}
+    # A layer's unsharded gradients in the compute dtype, their fp32 copy for the reduction, and the root's, which
+    # are reduced last; the sharded fp32 gradients fill in as each layer is reduced.
+    backward = {"activations": step.backward, "gathered parameters": gathered,
+                "unsharded gradients": w * (s.root + s.largest_layer) + 4 * s.largest_layer, "gradient shards": grads}
+    adamw = 8 * shard(s.largest_trainable) if cpu else 4 * shard(s.trainable)
+    optimizer = {"gradient shards": grads, **optimizer, "AdamW temporaries": adamw}
+    return lives, forward, backward, optimizer
 
 
 def alternatives(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> list[str]:

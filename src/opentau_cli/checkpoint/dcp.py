@@ -113,3 +113,64 @@ def register_with(accelerator, model, optimizer) -> None:
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+def is_dcp_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether `ckpt_dir` holds an FSDP2 checkpoint's sharded state (DCP_DIR with its metadata)."""
+    return (Path(ckpt_dir) / DCP_DIR / DCP_METADATA).is_file()
+
+
+MODEL_PREFIX = "model."  # the model's entries in the saved state ({"model": ..., "optimizer": ...}, flattened)
+
+
+def model_entries(ckpt_dir: Path) -> list:
+    """The model's tensors of an FSDP2 checkpoint as `TensorEntry`s (checkpoint/safetensors_writer.py) named by the
+    policy's parameter names, each assembled from its per-rank chunks when its turn to be written comes: one tensor
+    in memory at a time, never the model twice. Chunks are read with `weights_only` loads."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from opentau_cli.checkpoint.safetensors_writer import TensorEntry
+
+    root = Path(ckpt_dir) / DCP_DIR
+    metadata = read_metadata(root)
+    chunks: dict[str, list] = {}
+    for index, info in metadata.storage_data.items():
+        chunks.setdefault(index.fqn, []).append((index.offset, info))
+    entries = []
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not fqn.startswith(MODEL_PREFIX) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        entries.append(TensorEntry(fqn[len(MODEL_PREFIX):], tuple(meta.size), meta.properties.dtype,
+                                   _assemble(root, tuple(meta.size), meta.properties.dtype, chunks.get(fqn, []))))
+    return entries
+
+
+def _assemble(root: Path, shape: tuple, dtype: torch.dtype, chunks: list):
+    def produce() -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        for offset, info in chunks:
+            if getattr(info, "transform_descriptors", None):
+                raise ValueError(f"{root}: a chunk is stored transformed ({info.transform_descriptors}); opentau writes none")
+            with open(root / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                part = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+            if offset is None or not shape:
+                out.copy_(part.reshape(shape))
+                continue
+            out[tuple(slice(o, o + n) for o, n in zip(offset, part.shape))] = part
+        return out
+
+    return produce
+
+
+def consolidate_model(ckpt_dir: Path, output: Path, *, dtype: torch.dtype | None = None) -> Path:
+    """The model of an FSDP2 checkpoint as one `output` safetensors file (a library entry point; `opentau checkpoint
+    consolidate` plans its outputs itself and streams `model_entries`)."""
+    from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
+
+    entries = model_entries(ckpt_dir)
+    if dtype is not None:
+        entries = [TensorEntry(e.name, e.shape, dtype if e.dtype.is_floating_point else e.dtype,
+                               (lambda p, d: (lambda: p().to(d)))(e.produce, dtype if e.dtype.is_floating_point else e.dtype))
+                   for e in entries]
+    return write_safetensors(Path(output), entries)

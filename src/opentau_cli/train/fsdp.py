@@ -68,8 +68,25 @@ def shard_policy(policy: torch.nn.Module, settings: FsdpSettings, device: torch.
 
 
 def shard_for_launch(policy: torch.nn.Module, setup: AccelerateSetup, accelerator) -> torch.nn.Module:
-    """The built policy sharded for this launch (before its optimizer is made, over the sharded parameters)."""
-    return shard_policy(policy, fsdp_settings(setup), accelerator.device)
+    """The built policy sharded for this launch (before its optimizer is made, over the sharded parameters); rank 0's
+    log says which units it made."""
+    policy = shard_policy(policy, fsdp_settings(setup), accelerator.device)
+    if accelerator.is_main_process:
+        print(describe_units(policy), flush=True)
+    return policy
+
+
+def describe_units(policy) -> str:
+    """'FSDP2 units: 2 SigLIP encoder layers, 2 Gemma decoder layers, 2 action expert layers, 9 fp32 modules, the
+    root (2 processes)': the modules fully_shard made units of."""
+    from torch.distributed.fsdp import FSDPModule
+
+    counts = [sum(isinstance(layer, FSDPModule) for layer in layers) for _, layers in layer_groups(policy)]
+    layer_ids = {id(layer) for _, layers in layer_groups(policy) for layer in layers}
+    fp32 = sum(isinstance(m, FSDPModule) and id(m) not in layer_ids and m is not policy for m in policy.modules())
+    mesh_size = next(p for p in policy.parameters()).device_mesh.size()
+    return (f"FSDP2 units: {counts[0]} SigLIP encoder layers, {counts[1]} Gemma decoder layers, {counts[2]} action "
+            f"expert layers, {fp32} fp32 modules, the root ({mesh_size} processes).")
 
 
 def prepare(accelerator, model, optimizer, scheduler):
