@@ -1,0 +1,180 @@
+"""FSDP2 end to end through the installed CLI on 2 CPU processes over gloo (docs/ARCHITECTURE.md, "FSDP2"): an
+Accelerate FSDP YAML (fsdp_version: 2) trains pi05_tiny with fully_shard per transformer layer and at the root, bf16
+compute with fp32 master parameters and gradient checkpointing; checkpoints are DCP shards per rank inside the usual
+atomic publish; a resume continues with == losses; the consolidated model equals torch's own dcp_to_torch_save; in
+fp32 it trains as DDP does.
+
+Launches are shared (module-scoped): the bf16 run, a resume of its middle checkpoint, and one fp32 run each of FSDP2
+and DDP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import EXAMPLES, REPO, refused, run_cli, run_cli_in_process, tree
+from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, TRAINING_STATE
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TINY = EXAMPLES / "pi05_tiny_config.json"
+FSDP2 = REPO / "configs" / "accelerate" / "accelerate_cpu_fsdp2_config.yaml"
+DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
+STEPS, SAVE = 6, 3
+COMMON = ["--config_path", str(TINY), "--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1",
+          "--batch_size", "4", "--scheduler.warmup_steps", "1", "--logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fsdp")
+
+
+def env_for(home: Path) -> dict:
+    # This module's own demo data (runs compared with each other read the same), no user Accelerate default.
+    return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HUB_OFFLINE": "1"}
+
+
+def train(home: Path, name: str, *args: str) -> Path:
+    run = home / name
+    result = run_cli(["train", *COMMON, *args, f"--output_dir={run}"], env=env_for(home))
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return run
+
+
+def losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / METRICS).read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+
+
+@pytest.fixture(scope="module")
+def bf16_run(home) -> Path:
+    """bf16 FSDP2 with gradient checkpointing and validation: checkpoints at steps 3 and 6."""
+    return train(home, "bf16", f"--accelerate-config={FSDP2}", "--policy.gradient_checkpointing=true",
+                 "--validation.val_freq=3", "--validation.max_batches=1")
+
+
+@pytest.fixture(scope="module")
+def resumed(home, bf16_run) -> Path:
+    """bf16_run's step-3 checkpoint copied into a run of its own and resumed to the end."""
+    run = home / "resumed"
+    (run / CHECKPOINTS).mkdir(parents=True)
+    shutil.copytree(bf16_run / CHECKPOINTS / "000003", run / CHECKPOINTS / "000003", symlinks=True)
+    result = run_cli(["resume", str(run)], env=env_for(home))
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return run
+
+
+def test_fsdp2_yaml_trains_with_a_unit_per_transformer_layer_and_the_root(bf16_run):
+    from opentau_cli.config import load_config
+    from opentau_cli.policies import build_policy
+
+    policy = build_policy(load_config(TINY, {}).policy)
+    counts = [len(policy.vlm.vision_tower.encoder.layers), len(policy.language_model.layers), len(policy.expert.layers)]
+    log = next(bf16_run.glob("logs/*/rank0.log")).read_text()
+    found = re.search(r"FSDP2 units: (\d+) SigLIP encoder layers, (\d+) Gemma decoder layers, (\d+) action expert "
+                      r"layers, (\d+) fp32 modules, the root \(2 processes\)\.", log)
+    assert found, log[-3000:]
+    assert [int(n) for n in found.groups()[:3]] == counts and int(found.group(4)) > 0
+    state = json.loads((bf16_run / CHECKPOINTS / "000006" / TRAINING_STATE).read_text())
+    assert (state["backend"], state["world_size"], state["mixed_precision"]) == ("fsdp", 2, "bf16")
+    train = losses(bf16_run)
+    assert sorted(train) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in train.values())
+    records = [json.loads(line) for line in (bf16_run / METRICS).read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "val"] == [3, 6]
+
+
+def test_fsdp2_checkpoint_holds_each_ranks_dcp_shard_of_fp32_master_weights_and_moments(bf16_run):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from opentau_cli.checkpoint.dcp import DCP_DIR, read_metadata
+    from opentau_cli.config import load_config
+    from opentau_cli.policies import build_policy
+
+    ckpt = bf16_run / CHECKPOINTS / "000003"
+    files = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+    assert {f"{DCP_DIR}/.metadata", f"{DCP_DIR}/__0_0.distcp", f"{DCP_DIR}/__1_0.distcp", "random_states_0.pkl",
+            "random_states_1.pkl", "manifest.json"} <= files
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == files - {"manifest.json"}
+    assert run_cli_in_process(["checkpoint", "verify", str(ckpt)]).returncode == 0
+    metadata = read_metadata(ckpt / DCP_DIR)
+    chunks: dict[str, int] = {}
+    for index in metadata.storage_data:
+        chunks[index.fqn] = chunks.get(index.fqn, 0) + 1
+    tensors = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    params = ["model." + name for name, _ in build_policy(load_config(TINY, {}).policy).named_parameters()]
+    moments = [k for k in tensors if k.startswith("optimizer.state.") and k.endswith(".exp_avg")]
+    assert params and moments
+    # Master weights and AdamW moments are fp32 under bf16 compute, and each is split between the two ranks.
+    assert {tensors[k].properties.dtype for k in params + moments} == {torch.float32}
+    split = [k for k in params + moments if tensors[k].size[0] >= 2]
+    assert split and all(chunks[k] == 2 for k in split)
+
+
+def test_fsdp2_resume_continues_with_the_same_losses(bf16_run, resumed):
+    uninterrupted, continued = losses(bf16_run), losses(resumed)
+    assert sorted(continued) == list(range(SAVE + 1, STEPS + 1))
+    assert {s: uninterrupted[s] for s in continued} == continued
+
+
+def test_fsdp2_checkpoint_consolidates_to_what_dcp_to_torch_save_gives(bf16_run, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from opentau_cli.checkpoint.dcp import DCP_DIR, consolidate_model
+
+    ckpt = bf16_run / CHECKPOINTS / "000006"
+    before = tree(ckpt)
+    mine = load_file(consolidate_model(ckpt, tmp_path / "model.safetensors"))
+    dcp_to_torch_save(str(ckpt / DCP_DIR), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)["model"]  # torch's own file, made here
+    assert sorted(mine) == sorted(reference)
+    for name, tensor in reference.items():
+        assert mine[name].dtype == tensor.dtype and mine[name].shape == tensor.shape and torch.equal(mine[name], tensor), name
+    assert tree(ckpt) == before
+
+
+def test_an_fsdp2_checkpoint_resumed_under_ddp_is_refused_in_one_line(bf16_run, home):
+    refused(run_cli_in_process(["resume", str(bf16_run), f"--accelerate-config={DDP}"], env=env_for(home)),
+            "FSDP2", "same backend")
+
+
+FP32_STEPS = ["--steps=3", "--save_freq=3", "--validation.val_freq=0"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_fp32(home) -> Path:
+    fp32 = home / "fsdp2_fp32.yaml"
+    fp32.write_text(FSDP2.read_text().replace("mixed_precision: bf16", 'mixed_precision: "no"'))
+    return train(home, "fsdp_fp32", f"--accelerate-config={fp32}", *FP32_STEPS)
+
+
+@pytest.fixture(scope="module")
+def ddp_fp32(home) -> Path:
+    return train(home, "ddp_fp32", f"--accelerate-config={DDP}", *FP32_STEPS)
+
+
+def test_fsdp2_in_fp32_trains_as_ddp_does(fsdp_fp32, ddp_fp32):
+    fsdp, ddp = losses(fsdp_fp32), losses(ddp_fp32)
+    assert sorted(fsdp) == sorted(ddp) == [1, 2, 3]
+    assert fsdp[1] == ddp[1]  # the same weights and batches before any update
+    # After updates only the order of the gradient sums differs (reduce-scatter vs all-reduce).
+    assert all(abs(fsdp[s] - ddp[s]) <= 1e-4 * abs(ddp[s]) for s in (2, 3)), (fsdp, ddp)
+
+
+def test_consolidated_fsdp2_weights_have_the_names_shapes_and_dtypes_of_a_ddp_checkpoint(fsdp_fp32, ddp_fp32, tmp_path):
+    from opentau_cli.checkpoint.dcp import consolidate_model
+
+    mine = load_file(consolidate_model(fsdp_fp32 / CHECKPOINTS / "000003", tmp_path / "model.safetensors"))
+    ddp = load_file(ddp_fp32 / CHECKPOINTS / "000003" / "model.safetensors")
+    assert {k: (tuple(v.shape), v.dtype) for k, v in mine.items()} == {k: (tuple(v.shape), v.dtype) for k, v in ddp.items()}
+    # The same training in fp32: the weights agree to within the reduction order's rounding.
+    assert all(torch.allclose(mine[k], ddp[k], rtol=1e-4, atol=1e-6) for k in ddp)
