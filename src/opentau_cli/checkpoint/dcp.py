@@ -174,3 +174,18 @@ def consolidate_model(ckpt_dir: Path, output: Path, *, dtype: torch.dtype | None
                                (lambda p, d: (lambda: p().to(d)))(e.produce, dtype if e.dtype.is_floating_point else e.dtype))
                    for e in entries]
     return write_safetensors(Path(output), entries)
+
+
+def summary(ckpt_dir: Path) -> tuple[int, dict[str, int]]:
+    """(values, {dtype: values}) of the model's tensors (parameters and buffers) of an FSDP2 checkpoint, from its
+    metadata alone (`checkpoint inspect`)."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    dtypes: dict[str, int] = {}
+    for fqn, meta in read_metadata(Path(ckpt_dir) / DCP_DIR).state_dict_metadata.items():
+        if fqn.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata):
+            name = str(meta.properties.dtype).removeprefix("torch.")
+            dtypes[name] = dtypes.get(name, 0) + math.prod(meta.size)
+    return sum(dtypes.values()), dtypes
