@@ -178,3 +178,46 @@ def test_consolidated_fsdp2_weights_have_the_names_shapes_and_dtypes_of_a_ddp_ch
     assert {k: (tuple(v.shape), v.dtype) for k, v in mine.items()} == {k: (tuple(v.shape), v.dtype) for k, v in ddp.items()}
     # The same training in fp32: the weights agree to within the reduction order's rounding.
     assert all(torch.allclose(mine[k], ddp[k], rtol=1e-4, atol=1e-6) for k in ddp)
+
+
+# The consumers of a checkpoint take FSDP2 ones (their dispatch to checkpoint/dcp.py).
+
+def test_checkpoint_consolidate_writes_fsdp2_weights_equal_to_dcp_to_torch_save_into_the_checkpoint(bf16_run, home, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from opentau_cli.checkpoint.dcp import DCP_DIR
+
+    run = tmp_path / "run"
+    shutil.copytree(bf16_run, run, symlinks=True)
+    ckpt = run / CHECKPOINTS / "000003"
+    result = run_cli_in_process(["checkpoint", "consolidate", str(ckpt)], env=env_for(home))
+    assert result.returncode == 0, result.stderr
+    dcp_to_torch_save(str(ckpt / DCP_DIR), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)["model"]
+    mine = load_file(ckpt / "model.safetensors")
+    assert sorted(mine) == sorted(reference)
+    assert all(mine[k].dtype == v.dtype and torch.equal(mine[k], v) for k, v in reference.items())
+    # The manifest vouches for the new file: the checkpoint still verifies.
+    assert run_cli_in_process(["checkpoint", "verify", str(ckpt)]).returncode == 0
+
+
+def test_fsdp2_checkpoints_are_inspected_exported_and_evaluated(bf16_run, home, tmp_path):
+    ckpt = bf16_run / CHECKPOINTS / "000006"
+    before = tree(bf16_run)
+    inspect = run_cli_in_process(["checkpoint", "inspect", str(ckpt)], env=env_for(home))
+    assert inspect.returncode == 0 and "backend:         fsdp" in inspect.stdout, inspect.stdout + inspect.stderr
+    assert "DCP shards" in inspect.stdout and "consolidated:    no" in inspect.stdout, inspect.stdout
+    export = run_cli_in_process(["checkpoint", "export", str(bf16_run), "--output", str(tmp_path / "export")], env=env_for(home))
+    assert export.returncode == 0, export.stderr
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from opentau_cli.checkpoint.dcp import DCP_DIR
+
+    dcp_to_torch_save(str(ckpt / DCP_DIR), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)["model"]
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert all(torch.equal(exported[k], reference[k]) for k in reference if k in exported)
+    evaluated = run_cli_in_process(["eval", str(bf16_run), "--output", str(tmp_path / "eval")], env=env_for(home))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["step"] == STEPS
+    assert tree(bf16_run) == before
