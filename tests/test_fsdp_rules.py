@@ -46,6 +46,12 @@ def test_an_fsdp_setting_opentau_cannot_honour_is_refused_in_one_line_and_nothin
     assert tree(tmp_path) == before
 
 
+def test_fsdp_with_one_process_is_refused(tmp_path):
+    yaml = tmp_path / "one.yaml"
+    yaml.write_text("distributed_type: FSDP\nnum_processes: 1\nfsdp_config:\n  fsdp_version: 2\n")
+    refused(_validate(tmp_path, yaml), "2 or more processes")
+
+
 @pytest.mark.parametrize("extra, needles", [
     (["--ema.decay=0.99"], ["ema.decay > 0 is not supported under FSDP2 yet"]),
     (["--policy.lora.rank=4"], ["policy.lora is not supported under FSDP2 yet"]),

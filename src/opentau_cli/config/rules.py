@@ -222,6 +222,9 @@ def fsdp_rules(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine) -> tu
     where = accel.path or "the accelerate config"
     errors: list[str] = []
     warnings: list[str] = []
+    if accel.world_size < 2:
+        errors.append(f"{where} asks for FSDP with {accel.world_size} process: FSDP2 shards over 2 or more processes; "
+                      "for one process pass no accelerate config.")
     if accel.fsdp_version != 2:
         errors.append(f"{where} asks for FSDP1 (fsdp_config.fsdp_version: {accel.fsdp_version}, Accelerate's default "
                       "when absent), which opentau does not run: set fsdp_version: 2 (FSDP2, torch's fully_shard).")
