@@ -1,29 +1,33 @@
-"""Streaming `opentau checkpoint consolidate` vs DeepSpeed's own paths, on a ZeRO-3 and a ZeRO-2 2-rank checkpoint.
+"""Streaming `opentau checkpoint consolidate` vs DeepSpeed's own paths, on 2-rank ZeRO-3 checkpoints of two sizes.
 
 For each checkpoint, three ways to get a model.safetensors, side by side in one run:
-- upstream two-step (what convert_checkpoint.sh used to do): DeepSpeed's `zero_to_fp32.py` writes a pickled
-  `pytorch_model.bin`, a second process loads it and writes `model.safetensors`, the intermediate is deleted;
-- direct: `zero_to_fp32.py --safe_serialization` then `sync` of the file and its directory (the same durability as
-  ours, which fsyncs both). DeepSpeed's own call refuses a tied weight (safetensors: "Some tensors share memory"), so
-  the tied copy is cloned before its save_file, exactly as the upstream conversion step does;
+- direct (the target's anchor): `zero_to_fp32.py --safe_serialization` then `sync` of the file and its directory
+  (the same durability as ours, which fsyncs both). DeepSpeed's own call refuses a tied weight (safetensors: "Some
+  tensors share memory"), so the tied copy is cloned before its save_file, exactly as the upstream conversion does;
+- upstream two-step (what convert_checkpoint.sh used to do): `zero_to_fp32.py` writes a pickled `pytorch_model.bin`,
+  a second process loads it and writes `model.safetensors`, the intermediate is deleted;
 - opentau: one streaming command.
 Each command runs in its own process; its wall time and peak RSS (ru_maxrss from wait4) are measured, a path's RSS
-being the largest of its processes and its wall time their sum. All outputs are checked to be equal. Every path
-reads the checkpoint from the page cache (it is read once first), and dirty pages are flushed before each command so
-that no path pays for another's writes.
+being the largest of its processes and its wall time their sum. Every round runs every path on every size (direct
+and opentau in alternating order); the table gives the medians over the rounds. Every output is checked to hold
+the same tensors (names, dtypes, shapes, and an xxh3 of each tensor's bytes read back with safetensors' own reader).
+Every path reads the checkpoint from the page cache (it is read before each command), and dirty pages are flushed
+before each command so that no path pays for another's writes.
 
-The checkpoints are real DeepSpeed saves (accelerate launch, 2 CPU ranks, bf16) of a ~275M-parameter model: a stack
-of 64 2048x2048 layers plus a tied embedding, a frozen layer and buffers (tests/ds_ckpt_helper.py).
-Targets: vs upstream, peak RSS <= 0.3x and wall time <= 0.7x; vs direct, peak RSS <= 0.3x and wall time <= 1.0x.
+The checkpoints are real DeepSpeed saves (accelerate launch, 2 CPU ranks, bf16) of a stack of 2048x2048 layers plus
+a tied embedding, a frozen layer and buffers (tests/ds_ckpt_helper.py): 64 layers (268M parameters in the stack,
+1.1 GB consolidated) and 128 layers (537M, 2.2 GB).
+Targets: vs direct, wall time <= 1.0x and peak RSS <= 0.3x; vs upstream, wall time <= 0.7x and peak RSS <= 0.3x.
 
-    python benchmarks/bench_consolidate.py            # full size (needs ~12 GB of disk, several minutes)
-    python benchmarks/bench_consolidate.py --smoke    # tiny model, seconds (CI runs this)
+    python benchmarks/bench_consolidate.py            # full size (needs ~17 GB of disk, ~10 minutes to build)
+    python benchmarks/bench_consolidate.py --smoke    # tiny models, seconds (CI runs this)
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,21 +69,8 @@ sys.argv = [script, ckpt, out, "--safe_serialization"]
 runpy.run_path(script, run_name="__main__")
 """
 
-# Equal names, dtypes, shapes and values, one tensor at a time (three 1 GB files need not fit in memory at once).
-COMPARE = """
-import sys, torch
-from safetensors import safe_open
-first, *others = [safe_open(p, "pt") for p in sys.argv[1:]]
-names = sorted(first.keys())
-for i, other in enumerate(others, 2):
-    assert sorted(other.keys()) == names, f"file {i}: different tensor names"
-for k in names:
-    a = first.get_tensor(k)
-    for other in others:
-        b = other.get_tensor(k)
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), k
-print(len(names))
-"""
+SIZES = {False: (2048, 1024, (64, 128)), True: (64, 37, (4, 8))}  # smoke -> (width, vocab, stacks)
+PATHS = ("direct", "upstream", "opentau")
 
 
 def measured(cmd: list[str]) -> tuple[float, int]:
@@ -106,89 +97,151 @@ def read_into_page_cache(ckpt: Path) -> None:
                     pass
 
 
-def ratio_row(name: str, value: float, target: float) -> tuple[str, str]:
-    return f"{name} (target <= {target})", f"{value:.2f}x {verdict(value, target, higher_is_better=False)}"
+def digest(path: Path) -> dict:
+    """name -> (dtype, shape, xxh3 of the bytes) of a safetensors file, one tensor in memory at a time."""
+    import torch
+    import xxhash
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():
+            t = f.get_tensor(k)
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[k] = (str(t.dtype), tuple(t.shape), xxhash.xxh3_128_hexdigest(memoryview(raw)))
+    return out
 
 
-def compare_paths(ckpt: Path, work: Path, model: str) -> list[tuple[str, str]]:
-    """Run the three paths on one checkpoint; the result rows (outputs are deleted afterwards)."""
+def run_path(path: str, ckpt: Path, out: Path) -> tuple[float, int, Path]:
+    """One path on one checkpoint into the fresh directory `out`: (wall s, peak RSS bytes, the safetensors file)."""
     python = sys.executable
-    up_dir, direct_dir, ours_dir = work / "upstream", work / "direct", work / "ours"
-    for d in (up_dir, direct_dir, ours_dir):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir()
-    read_into_page_cache(ckpt)
-    try:
-        d1, rss_direct = measured([python, "-c", ZERO_TO_SAFETENSORS, str(ckpt / ZERO_TO_FP32), str(ckpt), str(direct_dir)])
-        d2, _ = measured(["sync", str(direct_dir / MODEL_WEIGHTS), str(direct_dir)])
-        w1, r1 = measured([python, str(ckpt / ZERO_TO_FP32), str(ckpt), str(up_dir / "tmp")])
-        w2, r2 = measured([python, "-c", CONVERT_BIN_TO_SAFETENSORS, str(up_dir / "tmp" / ds_ckpt_helper.ZERO_TO_FP32_OUTPUT),
-                           str(up_dir / MODEL_WEIGHTS)])
-        shutil.rmtree(up_dir / "tmp")
-        ours_wall, ours_rss = measured([opentau_bin(), "checkpoint", "consolidate", str(ckpt), "--output",
-                                        str(ours_dir / MODEL_WEIGHTS)])
-        outputs = [str(d / MODEL_WEIGHTS) for d in (ours_dir, up_dir, direct_dir)]
-        check = subprocess.run([python, "-c", COMPARE, *outputs], capture_output=True, text=True, env=env())
-        if check.returncode != 0:
-            raise SystemExit(f"outputs differ: {check.stderr[-2000:]}")
-        size = (ours_dir / MODEL_WEIGHTS).stat().st_size
-    finally:
-        for d in (up_dir, direct_dir, ours_dir):
-            shutil.rmtree(d, ignore_errors=True)
-    up_wall, up_rss, direct_wall = w1 + w2, max(r1, r2), d1 + d2
+    if path == "direct":
+        w1, rss = measured([python, "-c", ZERO_TO_SAFETENSORS, str(ckpt / ZERO_TO_FP32), str(ckpt), str(out)])
+        w2, _ = measured(["sync", str(out / MODEL_WEIGHTS), str(out)])
+        return w1 + w2, rss, out / MODEL_WEIGHTS
+    if path == "upstream":
+        w1, r1 = measured([python, str(ckpt / ZERO_TO_FP32), str(ckpt), str(out / "tmp")])
+        w2, r2 = measured([python, "-c", CONVERT_BIN_TO_SAFETENSORS,
+                           str(out / "tmp" / ds_ckpt_helper.ZERO_TO_FP32_OUTPUT), str(out / MODEL_WEIGHTS)])
+        shutil.rmtree(out / "tmp")
+        return w1 + w2, max(r1, r2), out / MODEL_WEIGHTS
+    wall, rss = measured([opentau_bin(), "checkpoint", "consolidate", str(ckpt), "--output", str(out / MODEL_WEIGHTS)])
+    return wall, rss, out / MODEL_WEIGHTS
+
+
+def one_round(ckpt: Path, work: Path, order: tuple[str, ...]) -> tuple[dict, dict]:
+    """Every path once on ckpt, in `order`: ({path: (wall, rss)}, {path: digest of its output}); outputs deleted."""
+    times, digests = {}, {}
+    for path in order:
+        out = work / f"out_{path}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        read_into_page_cache(ckpt)
+        try:
+            wall, rss, file = run_path(path, ckpt, out)
+            times[path] = (wall, rss)
+            digests[path] = (digest(file), file.stat().st_size)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+    return times, digests
+
+
+def describe(ckpt: Path, size: int, built: str | None) -> str:
+    """What was consolidated, from the files themselves (and the shape asked for, when this run built it)."""
     ckpt_size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
-    mib = 2**20
-    return [
-        ("model", f"{model}: {int(check.stdout)} tensors, {size / 1e6:.1f} MB fp32 (checkpoint {ckpt_size / 1e6:.0f} MB)"),
-        ("upstream wall (zero_to_fp32 + convert)", f"{up_wall:.2f} s ({w1:.2f} + {w2:.2f})"),
-        ("upstream peak RSS", f"{up_rss / mib:.0f} MiB (zero_to_fp32 {r1 / mib:.0f}, convert {r2 / mib:.0f})"),
-        ("direct wall (zero_to_fp32 --safe_serialization + sync)", f"{direct_wall:.2f} s ({d1:.2f} + {d2:.2f})"),
-        ("direct peak RSS", f"{rss_direct / mib:.0f} MiB"),
-        ("opentau consolidate wall", f"{ours_wall:.2f} s"),
-        ("opentau consolidate peak RSS", f"{ours_rss / mib:.0f} MiB"),
-        ratio_row("RSS ratio vs upstream", ours_rss / up_rss, 0.3),
-        ratio_row("wall ratio vs upstream", ours_wall / up_wall, 0.7),
-        ratio_row("RSS ratio vs direct", ours_rss / rss_direct, 0.3),
-        ratio_row("wall ratio vs direct", ours_wall / direct_wall, 1.0),
-        ("outputs", "identical (names, dtypes, shapes, values)"),
-    ]
+    return (f"{built or f'reused {ckpt.name}'}: {size / 4e6:.0f}M fp32 values = {size / 1e9:.2f} GB consolidated "
+            f"(checkpoint {ckpt_size / 1e9:.2f} GB)")
 
 
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--workdir", type=Path, default=None,
-                        help="Where the checkpoints are built (default: a temp dir); zero3/ and zero2/ there are reused.")
+                        help="Where the checkpoints are built (default: a temp dir); zero3_stack<N>/ there are reused.")
+    parser.add_argument("--rounds", type=int, default=3, help="Rounds of every path on every size (medians reported).")
     parser.add_argument("--keep", action="store_true", help="Keep the checkpoints.")
     args = parser.parse_args()
-    width, stack, vocab = (64, 4, 37) if args.smoke else (2048, 64, 1024)
+    width, vocab, stacks = SIZES[args.smoke]
+    rounds = 1 if args.smoke else args.rounds
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_consolidate_"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        for stage in (3, 2):
-            ckpt = work / f"zero{stage}"
-            model = f"ZeRO-{stage}, 2 ranks, bf16, "
-            if (ckpt / DS_LATEST).exists():
-                model += f"reused from {ckpt}"
-            else:
+        ckpts, built = {}, {}
+        for stack in stacks:
+            ckpt = ckpts[stack] = work / f"zero3_stack{stack}"
+            built[stack] = None
+            if not (ckpt / DS_LATEST).exists():
+                built[stack] = f"stack {stack}x{width}x{width} + tied embedding {vocab}x{width}"
                 t = time.perf_counter()
-                ds_ckpt_helper.launch(ckpt, zero_stage=stage, num_processes=2, mixed_precision="bf16", width=width,
+                ds_ckpt_helper.launch(ckpt, zero_stage=3, num_processes=2, mixed_precision="bf16", width=width,
                                       vocab=vocab, stack=stack, steps=1, timeout=3600)
-                print(f"built the ZeRO-{stage} 2-rank checkpoint in {time.perf_counter() - t:.0f}s: {ckpt}")
-                model += f"{'smoke ' if args.smoke else ''}stack {stack}x{width}x{width} + tied embedding {vocab}x{width}"
-            rows = compare_paths(ckpt, work, model)
-            title = f"Streaming consolidation vs zero_to_fp32 (two-step and direct), ZeRO-{stage}"
-            print_rows(title, rows)
-            if not args.no_append:
-                notes = ["Every path reads the checkpoint from the page cache (read once first); dirty pages are "
-                         "flushed before each command. Peak RSS is ru_maxrss of each process (the baseline of a "
-                         "Python process with torch imported is included in all).",
-                         "The upstream path writes without fsync; the direct path's `sync` and opentau fsync the "
-                         "output file and its directory."]
-                if args.smoke:
-                    notes.append("Smoke run: tiny model, ratios are not meaningful.")
-                path = append_result(title, rows, notes, path=args.results)
-                print(f"appended to {path}")
+                print(f"built the {stack}-layer ZeRO-3 2-rank checkpoint in {time.perf_counter() - t:.0f}s: {ckpt}")
+
+        walls = {(s, p): [] for s in stacks for p in PATHS}
+        rss = {(s, p): [] for s in stacks for p in PATHS}
+        sizes = {}
+        start = time.perf_counter()
+        for r in range(rounds):
+            # direct and opentau swap places every round: neither always runs on the other's leftovers
+            order = ("direct", "opentau", "upstream") if r % 2 == 0 else ("opentau", "direct", "upstream")
+            for stack in stacks:
+                times, digests = one_round(ckpts[stack], work, order)
+                if not digests["opentau"][0] == digests["direct"][0] == digests["upstream"][0]:
+                    raise SystemExit(f"outputs differ on {ckpts[stack]}")
+                sizes[stack] = digests["opentau"][1]
+                for p, (w, m) in times.items():
+                    walls[stack, p].append(w)
+                    rss[stack, p].append(m)
+                print(f"round {r + 1}/{rounds}, {stack} layers: "
+                      + ", ".join(f"{p} {w:.2f} s {m / 2**20:.0f} MiB" for p, (w, m) in times.items()), flush=True)
+        took = time.perf_counter() - start
+
+        med = {k: statistics.median(v) for k, v in walls.items()}
+        peak = {k: statistics.median(v) for k, v in rss.items()}
+        label = " / ".join(f"{s} layers" for s in stacks)
+
+        def per_size(fmt) -> str:
+            return " / ".join(fmt(s) for s in stacks)
+
+        def ratio(name: str, values: dict, other: str, target: float) -> tuple[str, str]:
+            rs = [values[s, "opentau"] / values[s, other] for s in stacks]
+            ok = all(verdict(x, target, higher_is_better=False) == "meets target" for x in rs)
+            return (f"{name} vs {other}, {label} (target <= {target})",
+                    " / ".join(f"{x:.2f}x" for x in rs) + (" meets target" if ok else " ABOVE target"))
+
+        mib = 2**20
+        rows = [(f"model, {s} layers", describe(ckpts[s], sizes[s], built[s])) for s in stacks]
+        rows += [
+            (f"direct wall (zero_to_fp32 --safe_serialization + sync), {label}", per_size(lambda s: f"{med[s, 'direct']:.2f} s")),
+            (f"opentau consolidate wall, {label}", per_size(lambda s: f"{med[s, 'opentau']:.2f} s")),
+            ratio("wall ratio", med, "direct", 1.0),
+            (f"direct peak RSS, {label}", per_size(lambda s: f"{peak[s, 'direct'] / mib:.0f} MiB")),
+            (f"opentau consolidate peak RSS, {label}", per_size(lambda s: f"{peak[s, 'opentau'] / mib:.0f} MiB")),
+            ratio("RSS ratio", peak, "direct", 0.3),
+            (f"upstream wall (zero_to_fp32 + convert), {label}", per_size(lambda s: f"{med[s, 'upstream']:.2f} s")),
+            (f"upstream peak RSS, {label}", per_size(lambda s: f"{peak[s, 'upstream'] / mib:.0f} MiB")),
+            ratio("wall ratio", med, "upstream", 0.7),
+            ratio("RSS ratio", peak, "upstream", 0.3),
+            (f"opentau wall in each round, {label}",
+             per_size(lambda s: ", ".join(f"{w:.2f}" for w in walls[s, "opentau"]))),
+            (f"direct wall in each round, {label}",
+             per_size(lambda s: ", ".join(f"{w:.2f}" for w in walls[s, "direct"]))),
+            ("outputs", "identical (names, dtypes, shapes, bytes) on every path, size and round"),
+        ]
+        title = "Streaming consolidation vs zero_to_fp32 (direct and two-step), ZeRO-3 at two sizes"
+        print_rows(title, rows)
+        if not args.no_append:
+            notes = [f"medians of {rounds} round(s); each round runs every path on every size (direct and opentau "
+                     f"alternate which goes first); {took:.0f} s in all",
+                     "Every path reads the checkpoint from the page cache (read before each command); dirty pages are "
+                     "flushed before each command. Peak RSS is ru_maxrss of each process (the baseline of a Python "
+                     "process with torch imported is included in all).",
+                     "The upstream path writes without fsync; the direct path's `sync` and opentau fsync the output "
+                     "file and its directory."]
+            if args.smoke:
+                notes.append("Smoke run: tiny models, ratios are not meaningful.")
+            path = append_result(title, rows, notes, path=args.results)
+            print(f"appended to {path}")
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

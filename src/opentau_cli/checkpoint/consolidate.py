@@ -28,7 +28,7 @@ from opentau_cli.checkpoint.layout import (
     ema_group_name, ema_rank_file, weights_index_path, weights_shard_path,
 )
 from opentau_cli.checkpoint.lineage import archive_of
-from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
+from opentau_cli.checkpoint.safetensors_writer import FileSpan, TensorEntry, write_safetensors
 from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.outputs import check_target, make_parents, publishing, remove_made, writable_parent
@@ -223,7 +223,8 @@ def _plan(stage, world, models, optim, optim_files, ema=None) -> list[TensorEntr
     for name in m0["buffer_names"]:
         t = m0["module"].get(name)
         if isinstance(t, LazyTensor):
-            entries[name] = TensorEntry(name, tuple(t.shape), t.dtype, _reader_whole(t))
+            entries[name] = TensorEntry(name, tuple(t.shape), t.dtype, _reader_whole(t),
+                                        _file_spans([(t, 0, t.numel())], t.numel()))
 
     # Frozen parameters live in the model-states files: whole tensors (ZeRO-1/2) or per-rank fragments (ZeRO-3).
     frozen_shapes = m0.get("frozen_param_shapes") or {}
@@ -231,10 +232,11 @@ def _plan(stage, world, models, optim, optim_files, ema=None) -> list[TensorEntr
         shape = tuple(shape)
         if stage <= 2:
             frag = m0["frozen_param_fragments"][name]
-            entries[name] = TensorEntry(name, tuple(frag.shape), frag.dtype, _reader_whole(frag))
+            entries[name] = TensorEntry(name, tuple(frag.shape), frag.dtype, _reader_whole(frag),
+                                        _file_spans([(frag, 0, frag.numel())], frag.numel()))
         else:
             frags = [models[r]["frozen_param_fragments"][name] for r in range(world)]
-            entries[name] = TensorEntry(name, shape, frags[0].dtype, _reader_zero3(frags, frags[0].numel(), shape))
+            entries[name] = _zero3_entry(name, shape, frags, frags[0].numel())
 
     key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
     groups = [optim[r]["optimizer_state_dict"][key] for r in range(world)]
@@ -258,7 +260,7 @@ def _plan(stage, world, models, optim, optim_files, ema=None) -> list[TensorEntr
     for alias, source in (m0.get("shared_params") or {}).items():
         if source in entries:
             src = entries[source]
-            entries[alias] = TensorEntry(alias, src.shape, src.dtype, src.produce)
+            entries[alias] = TensorEntry(alias, src.shape, src.dtype, src.produce, src.spans)
     return list(entries.values())
 
 
@@ -343,7 +345,8 @@ def _plan_zero2_group(entries, shapes, parts, paddings, world, optim_files):
     for i, (name, shape) in enumerate(shapes.items()):
         shape = tuple(shape)
         n = math.prod(shape)
-        entries[name] = TensorEntry(name, shape, parts[0].dtype, _reader_concat(parts, offset, n, shape))
+        entries[name] = TensorEntry(name, shape, parts[0].dtype, _reader_concat(parts, offset, n, shape),
+                                    _file_spans(_pieces(parts, offset, n), n))
         offset += n + (paddings[i] if paddings is not None else 0)
     align = 2 * world  # ZeRO-2 pads groups to a multiple of 2 * world size (as zero_to_fp32 checks)
     if align * math.ceil(offset / align) != align * math.ceil(avail / align):
@@ -351,19 +354,44 @@ def _plan_zero2_group(entries, shapes, parts, paddings, world, optim_files):
                         f"({avail} values for {offset}): a shard from another run or model.")
 
 
-def _read_span(parts, pos: int, count: int) -> list[torch.Tensor]:
-    """`count` values from position `pos` of `parts` taken end to end (a span may cross parts)."""
+def _pieces(parts, pos: int, count: int) -> list[tuple]:
+    """(part, start, count) of `count` values from position `pos` of `parts` taken end to end (they may cross parts)."""
     out, start = [], 0
     for part in parts:
         end = start + part.numel()
         if count and start <= pos < end:
             take = min(count, end - pos)
-            out.append(part.read_flat(pos - start, take))
+            out.append((part, pos - start, take))
             pos += take
             count -= take
         start = end
     if count:
         raise UserError("the optimizer shards are shorter than the parameters they should hold.")
+    return out
+
+
+def _read_span(parts, pos: int, count: int) -> list[torch.Tensor]:
+    """`count` values from position `pos` of `parts` taken end to end (a span may cross parts)."""
+    return [part.read_flat(start, take) for part, start, take in _pieces(parts, pos, count)]
+
+
+def _file_spans(pieces, n: int) -> list[FileSpan] | None:
+    """Where the bytes of (part, start, count) pieces, n values of one dtype, lie in the shard files, end to end: what
+    the writer copies file to file when the output keeps the source dtype (docs/ARCHITECTURE.md "Consolidation").
+    None when a piece has no such place (not contiguous, an EMA partition) or the pieces do not make the tensor: then
+    it is produced, and what is wrong is reported when its turn to be written comes, as ever."""
+    if sum(count for _, _, count in pieces) != n or len({part.dtype for part, _, _ in pieces}) > 1:
+        return None
+    out = []
+    try:
+        for part, start, count in pieces:
+            spans = part.file_spans(start, count) if isinstance(part, _GroupSlice) else (
+                [part.span(start, count)] if isinstance(part, LazyTensor) else None)
+            if spans is None or None in spans:
+                return None
+            out += spans
+    except (ShardFormatError, UserError):
+        return None
     return out
 
 
@@ -390,8 +418,7 @@ def _plan_zero3(entries, param_shapes, groups, world, optim_files):
             shape = tuple(shape)
             n = math.prod(shape)
             part = math.ceil(n / world)
-            slices = [_GroupSlice(groups[r], offset, part) for r in range(world)]
-            entries[name] = TensorEntry(name, shape, groups[0][0].dtype, _reader_zero3(slices, part, shape))
+            entries[name] = _zero3_entry(name, shape, [_GroupSlice(groups[r], offset, part) for r in range(world)], part)
             offset += part
     if offset != per_rank_total[0]:
         raise UserError(f"{optim_files[0]} does not fit this checkpoint's parameters ({per_rank_total[0]} values per "
@@ -413,19 +440,33 @@ class _GroupSlice:
         out = _read_span(self.groups, self.offset + start, count)
         return out[0] if len(out) == 1 else torch.cat(out)
 
+    def file_spans(self, start: int, count: int) -> list[FileSpan] | None:
+        return _file_spans(_pieces(self.groups, self.offset + start, count), count)
+
+
+def _zero3_entry(name: str, shape: tuple, frags, part: int) -> TensorEntry:
+    """A parameter split over ranks: `part` values from each rank's fragment, in rank order, cut to its size."""
+    n = math.prod(shape)
+    return TensorEntry(name, shape, frags[0].dtype, _reader_zero3(frags, part, shape),
+                       _file_spans(_zero3_takes(frags, part, n), n))
+
+
+def _zero3_takes(frags, part: int, n: int) -> list[tuple]:
+    """(fragment, 0, count) for each rank's share of a ZeRO-3 parameter of n values (the last share unpadded)."""
+    out, have = [], 0
+    for f in frags:
+        if have >= n:
+            break
+        out.append((f, 0, min(part, n - have)))
+        have += out[-1][2]
+    return out
+
 
 def _reader_zero3(frags, part: int, shape):
-    """A parameter split over ranks: `part` values from each rank's fragment, in rank order, cut to its size."""
     n = math.prod(shape)
 
     def read():
-        pieces, have = [], 0
-        for f in frags:
-            if have >= n:
-                break
-            take = min(part, n - have)
-            pieces.append(f.read_flat(0, take))
-            have += take
+        pieces = [f.read_flat(start, take) for f, start, take in _zero3_takes(frags, part, n)]
         if not pieces:  # a zero-element parameter
             return torch.empty(shape, dtype=frags[0].dtype)
         flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -440,7 +481,8 @@ def _cast(entry: TensorEntry, dtype: torch.dtype) -> TensorEntry:
     if not entry.dtype.is_floating_point or entry.dtype == dtype:
         return entry
     produce = entry.produce
-    # Floats go through fp32 first, as zero_to_fp32 promotes buffers before casting: identical bits either way.
+    # Floats go through fp32 first, as zero_to_fp32 promotes buffers before casting: identical bits either way. The
+    # bytes change, so they are produced, never copied.
     return TensorEntry(entry.name, entry.shape, dtype, lambda: produce().float().to(dtype))
 
 
@@ -583,7 +625,7 @@ def _write_weights(single: Path, shards: list[list[TensorEntry]], metadata: dict
             raise RunError(f"Disk full while writing the consolidated weights to {out_dir}; nothing was left behind. "
                            f"Free {total / 1e9:.2f} GB there or pass --output on another disk.") from None
         raise RunError(f"Writing the consolidated weights to {out_dir} failed ({e.strerror or e}); nothing was left behind.") from None
-    except ShardFormatError as e:  # a tensor that reads as truncated or corrupt only when its turn to be written comes
+    except (ShardFormatError, EOFError) as e:  # a tensor that reads as truncated or corrupt only when its turn comes
         for p in written:
             p.unlink(missing_ok=True)
         raise UserError(f"{ckpt_dir}: {e}; nothing was written.") from None

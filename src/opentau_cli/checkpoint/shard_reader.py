@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from opentau_cli.checkpoint.pickle_scan import record_data_start
+from opentau_cli.checkpoint.safetensors_writer import FileSpan
 from opentau_cli.errors import UserError
 
 
@@ -112,6 +113,15 @@ class LazyTensor:
         if start < 0 or count < 0 or start + count > self.numel():
             raise ShardFormatError(f"{self.shard.path}: read past the end of a tensor")
         return self.shard.read_elements(self.storage, self.offset + start, count)
+
+    def span(self, start: int = 0, count: int | None = None) -> FileSpan | None:
+        """Where in the file elements [start, start+count) of this tensor lie (None unless it is contiguous)."""
+        if not self.is_contiguous():
+            return None
+        count = self.numel() - start if count is None else count
+        if start < 0 or count < 0 or start + count > self.numel():
+            raise ShardFormatError(f"{self.shard.path}: read past the end of a tensor")
+        return self.shard.element_span(self.storage, self.offset + start, count)
 
     def read(self) -> torch.Tensor:
         if self.is_contiguous():
@@ -246,8 +256,8 @@ class ShardFile:
             raise ShardFormatError(f"{self.path}: unreadable pickle ({type(e).__name__}: {e})") from None
         return _materialize(obj, self)
 
-    def read_elements(self, storage: _StorageRef, start: int, count: int) -> torch.Tensor:
-        """`count` elements of a storage from element `start`, read straight from the file into a new tensor."""
+    def element_span(self, storage: _StorageRef, start: int, count: int) -> FileSpan:
+        """Where `count` elements of a storage from element `start` lie in the file (checked against its record)."""
         if storage.key not in self._offsets:
             info = self._infos.get(f"{self._prefix}data/{storage.key}")
             if info is None:
@@ -257,12 +267,17 @@ class ShardFile:
         item = torch.empty((), dtype=storage.dtype).element_size()
         if (start + count) * item > nbytes:
             raise ShardFormatError(f"{self.path}: tensor data runs past its storage record")
+        return FileSpan(self.path, base + start * item, count * item)
+
+    def read_elements(self, storage: _StorageRef, start: int, count: int) -> torch.Tensor:
+        """`count` elements of a storage from element `start`, read straight from the file into a new tensor."""
+        span = self.element_span(storage, start, count)
         out = torch.empty(count, dtype=storage.dtype)
         if count:
             buf = out.view(torch.uint8).numpy() if storage.dtype != torch.bool else out.numpy().view("uint8")
             with open(self.path, "rb", buffering=0) as f:
-                got = os.preadv(f.fileno(), [memoryview(buf)], base + start * item)
-            if got != count * item:
+                got = os.preadv(f.fileno(), [memoryview(buf)], span.offset)
+            if got != span.nbytes:
                 raise ShardFormatError(f"{self.path} is truncated")
         return out
 
