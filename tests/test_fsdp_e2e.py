@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, refused, run_cli, run_cli_in_process, tree
+from conftest import EXAMPLES, REPO, opentau_bin, refused, run_cli, run_cli_in_process, tree
 from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, TRAINING_STATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -28,6 +30,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 TINY = EXAMPLES / "pi05_tiny_config.json"
 FSDP2 = REPO / "configs" / "accelerate" / "accelerate_cpu_fsdp2_config.yaml"
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
+KILL_HOOK = Path(__file__).parent / "kill_hook"
 STEPS, SAVE = 6, 3
 COMMON = ["--config_path", str(TINY), "--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1",
           "--batch_size", "4", "--scheduler.warmup_steps", "1", "--logging.tensorboard=false"]
@@ -41,6 +44,10 @@ def home(tmp_path_factory) -> Path:
 def env_for(home: Path) -> dict:
     # This module's own demo data (runs compared with each other read the same), no user Accelerate default.
     return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HUB_OFFLINE": "1"}
+
+
+BF16 = [f"--accelerate-config={FSDP2}", "--policy.gradient_checkpointing=true", "--validation.val_freq=3",
+        "--validation.max_batches=1"]
 
 
 def train(home: Path, name: str, *args: str) -> Path:
@@ -58,8 +65,7 @@ def losses(run: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def bf16_run(home) -> Path:
     """bf16 FSDP2 with gradient checkpointing and validation: checkpoints at steps 3 and 6."""
-    return train(home, "bf16", f"--accelerate-config={FSDP2}", "--policy.gradient_checkpointing=true",
-                 "--validation.val_freq=3", "--validation.max_batches=1")
+    return train(home, "bf16", *BF16)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +130,24 @@ def test_fsdp2_resume_continues_with_the_same_losses(bf16_run, resumed):
     uninterrupted, continued = losses(bf16_run), losses(resumed)
     assert sorted(continued) == list(range(SAVE + 1, STEPS + 1))
     assert {s: uninterrupted[s] for s in continued} == continued
+
+
+def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_losses(bf16_run, home):
+    """SIGTERM (a scheduler's preemption) reaches the launcher while rank 0 writes the save of step 1; the run finishes
+    its step, saves and exits 0; the resume logs the uninterrupted run's losses bit for bit."""
+    run = home / "sigterm"
+    env = {**os.environ, **env_for(home), "TEST_KILL_AT": "before_metadata@1", "TEST_KILL_SIGNAL": "SIGTERM",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(KILL_HOOK), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("OPENTAU_DEBUG", None)
+    proc = subprocess.run([opentau_bin(), "train", *COMMON, *BF16, "--save_freq=1", f"--output_dir={run}"], env=env,
+                          capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode == 0 and "Preempted" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    saved = sorted(p.name for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit())
+    assert saved and int(saved[-1]) < STEPS
+    assert run_cli_in_process(["checkpoint", "verify", str(run)]).returncode == 0
+    result = run_cli(["resume", str(run)], env=env_for(home))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(run) == losses(bf16_run)
 
 
 def test_fsdp2_checkpoint_consolidates_to_what_dcp_to_torch_save_gives(bf16_run, tmp_path):
