@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -290,8 +291,9 @@ class _SafetensorsFlat:
     """A 1-D tensor in a safetensors file, read only when (and as far as) asked: the slice of a LazyTensor the plan
     uses."""
 
-    def __init__(self, path: Path, name: str, numel: int, dtype: torch.dtype):
+    def __init__(self, path: Path, name: str, numel: int, dtype: torch.dtype, data_start: int):
         self.path, self.name, self._numel, self.dtype = path, name, numel, dtype
+        self.data_start = data_start  # byte offset of its first value in the file
 
     def numel(self) -> int:
         return self._numel
@@ -305,6 +307,12 @@ class _SafetensorsFlat:
 
     def read(self) -> torch.Tensor:
         return self.read_flat()
+
+    def file_spans(self, start: int, count: int) -> list[FileSpan]:
+        if start < 0 or count < 0 or start + count > self._numel:
+            raise ShardFormatError(f"{self.path}: read past the end of {self.name}")
+        item = self.dtype.itemsize
+        return [FileSpan(self.path, self.data_start + start * item, count * item)]
 
 
 def _ema_partitions(ckpt_dir: Path, world: int) -> list[list[_SafetensorsFlat]]:
@@ -325,11 +333,21 @@ def _ema_partitions(ckpt_dir: Path, world: int) -> list[list[_SafetensorsFlat]]:
                     piece = f.get_slice(ema_group_name(g)) if ema_group_name(g) in names else None
                     if piece is None or piece.get_dtype() != "F32" or len(piece.get_shape()) != 1:
                         raise UserError(f"{path} is not an opentau EMA file (no 1-D fp32 {ema_group_name(g)}).")
-                    parts.append(_SafetensorsFlat(path, ema_group_name(g), piece.get_shape()[0], torch.float32))
+                    parts.append(_SafetensorsFlat(path, ema_group_name(g), piece.get_shape()[0], torch.float32,
+                                                  _safetensors_data_start(path, ema_group_name(g))))
         except (SafetensorError, OSError) as e:
             raise UserError(f"{path}: not a readable safetensors file ({e}).") from None
         out.append(parts)
     return out
+
+
+def _safetensors_data_start(path: Path, name: str) -> int:
+    """Byte offset of tensor `name`'s data in a safetensors file (an 8-byte header length, the JSON header, the data;
+    safe_open has checked the layout already)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return 8 + n + int(header[name]["data_offsets"][0])
 
 
 def _reader_whole(t: LazyTensor):
@@ -377,17 +395,16 @@ def _read_span(parts, pos: int, count: int) -> list[torch.Tensor]:
 
 def _file_spans(pieces, n: int) -> list[FileSpan] | None:
     """Where the bytes of (part, start, count) pieces, n values of one dtype, lie in the shard files, end to end: what
-    the writer copies file to file when the output keeps the source dtype (docs/ARCHITECTURE.md "Consolidation").
-    None when a piece has no such place (not contiguous, an EMA partition) or the pieces do not make the tensor: then
+    the writer copies file to file when the output keeps the source dtype (docs/ARCHITECTURE.md "Checkpoint contract").
+    None when a piece has no such place (a tensor stored strided) or the pieces do not make the tensor: then
     it is produced, and what is wrong is reported when its turn to be written comes, as ever."""
     if sum(count for _, _, count in pieces) != n or len({part.dtype for part, _, _ in pieces}) > 1:
         return None
     out = []
     try:
         for part, start, count in pieces:
-            spans = part.file_spans(start, count) if isinstance(part, _GroupSlice) else (
-                [part.span(start, count)] if isinstance(part, LazyTensor) else None)
-            if spans is None or None in spans:
+            spans = part.file_spans(start, count)
+            if spans is None:
                 return None
             out += spans
     except (ShardFormatError, UserError):

@@ -4,7 +4,7 @@ bytes are produced and written one at a time, so only one tensor is ever in memo
 A tensor whose bytes already lie in files exactly as they are to be written (a consolidated fp32 weight is its fp32
 master partitions end to end) names those byte ranges (`spans`): they are copied file to file by the kernel
 (`os.copy_file_range`), never passing through this process's memory. Writeback to disk starts while later tensors are
-still being copied, so the final fsync waits only for the tail (docs/ARCHITECTURE.md "Consolidation").
+still being copied, so the final fsync waits only for the tail (docs/ARCHITECTURE.md "Checkpoint contract").
 """
 
 from __future__ import annotations

@@ -114,14 +114,14 @@ class LazyTensor:
             raise ShardFormatError(f"{self.shard.path}: read past the end of a tensor")
         return self.shard.read_elements(self.storage, self.offset + start, count)
 
-    def span(self, start: int = 0, count: int | None = None) -> FileSpan | None:
+    def file_spans(self, start: int = 0, count: int | None = None) -> list[FileSpan] | None:
         """Where in the file elements [start, start+count) of this tensor lie (None unless it is contiguous)."""
         if not self.is_contiguous():
             return None
         count = self.numel() - start if count is None else count
         if start < 0 or count < 0 or start + count > self.numel():
             raise ShardFormatError(f"{self.shard.path}: read past the end of a tensor")
-        return self.shard.element_span(self.storage, self.offset + start, count)
+        return [self.shard.element_span(self.storage, self.offset + start, count)]
 
     def read(self) -> torch.Tensor:
         if self.is_contiguous():
