@@ -171,7 +171,7 @@ def test_an_fsdp2_checkpoint_resumed_under_ddp_is_refused_in_one_line(bf16_run, 
             "FSDP2", "same backend")
 
 
-FP32_STEPS = ["--steps=3", "--save_freq=3", "--validation.val_freq=0"]
+FP32_STEPS = ["--validation.val_freq=0"]
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +188,10 @@ def ddp_fp32(home) -> Path:
 
 def test_fsdp2_in_fp32_trains_as_ddp_does(fsdp_fp32, ddp_fp32):
     fsdp, ddp = losses(fsdp_fp32), losses(ddp_fp32)
-    assert sorted(fsdp) == sorted(ddp) == [1, 2, 3]
+    assert sorted(fsdp) == sorted(ddp) == list(range(1, STEPS + 1))
     assert fsdp[1] == ddp[1]  # the same weights and batches before any update
     # After updates only the order of the gradient sums differs (reduce-scatter vs all-reduce).
-    assert all(abs(fsdp[s] - ddp[s]) <= 1e-4 * abs(ddp[s]) for s in (2, 3)), (fsdp, ddp)
+    assert all(abs(fsdp[s] - ddp[s]) <= 1e-4 * abs(ddp[s]) for s in range(2, STEPS + 1)), (fsdp, ddp)
 
 
 def test_consolidated_fsdp2_weights_have_the_names_shapes_and_dtypes_of_a_ddp_checkpoint(fsdp_fp32, ddp_fp32, tmp_path):
@@ -245,3 +245,31 @@ def test_fsdp2_checkpoints_are_inspected_exported_and_evaluated(bf16_run, home, 
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["step"] == STEPS
     assert tree(bf16_run) == before
+
+
+def reshard(home: Path, source: Path, name: str, accelerate_config: Path) -> Path:
+    """`source`'s step-3 checkpoint copied into a run of its own and resumed under `accelerate_config` with
+    --reshard=true."""
+    run = home / name
+    (run / CHECKPOINTS).mkdir(parents=True)
+    shutil.copytree(source / CHECKPOINTS / "000003", run / CHECKPOINTS / "000003", symlinks=True)
+    result = run_cli(["resume", str(run), "--reshard=true", f"--accelerate-config={accelerate_config}"], env=env_for(home))
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return run
+
+
+@pytest.mark.parametrize("source, target", [("ddp", "fsdp2"), ("fsdp2", "ddp")])
+def test_an_elastic_resume_between_ddp_and_fsdp2_continues_with_the_uninterrupted_losses(source, target, fsdp_fp32,
+                                                                                          ddp_fp32, home):
+    """2 processes under DDP <-> 2 under FSDP2 (fp32): the weights and AdamW state arrive bit for bit (the launch
+    checks it, else it fails), each rank continues its own random streams on the same samples, so the losses are
+    the uninterrupted run's up to the reduction order."""
+    runs = {"ddp": ddp_fp32, "fsdp2": fsdp_fp32}
+    yaml = {"ddp": DDP, "fsdp2": fsdp_fp32.parent / "fsdp2_fp32.yaml"}
+    run = reshard(home, runs[source], f"{source}_to_{target}", yaml[target])
+    got, ref = losses(run), losses(runs[source])
+    assert sorted(got) == list(range(SAVE + 1, STEPS + 1))
+    assert all(got[s] == pytest.approx(ref[s], rel=1e-5, abs=0) for s in got), (got, ref)
+    state = json.loads((run / CHECKPOINTS / f"{STEPS:06d}" / TRAINING_STATE).read_text())
+    assert state["backend"] == {"ddp": "ddp", "fsdp2": "fsdp"}[target]
+    assert [t["backend"] for t in state["topologies"]] == [{"ddp": "ddp", "fsdp2": "fsdp"}[source], state["backend"]]

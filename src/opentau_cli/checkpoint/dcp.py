@@ -127,6 +127,11 @@ def model_entries(ckpt_dir: Path) -> list:
     """The model's tensors of an FSDP2 checkpoint as `TensorEntry`s (checkpoint/safetensors_writer.py) named by the
     policy's parameter names, each assembled from its per-rank chunks when its turn to be written comes: one tensor
     in memory at a time, never the model twice. Chunks are read with `weights_only` loads."""
+    return list(saved_entries(ckpt_dir, MODEL_PREFIX).values())
+
+
+def saved_entries(ckpt_dir: Path, prefix: str) -> dict:
+    """{name after `prefix`: TensorEntry} of the saved tensors whose flattened name starts with `prefix`."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from opentau_cli.checkpoint.safetensors_writer import TensorEntry
@@ -136,12 +141,13 @@ def model_entries(ckpt_dir: Path) -> list:
     chunks: dict[str, list] = {}
     for index, info in metadata.storage_data.items():
         chunks.setdefault(index.fqn, []).append((index.offset, info))
-    entries = []
+    entries = {}
     for fqn, meta in metadata.state_dict_metadata.items():
-        if not fqn.startswith(MODEL_PREFIX) or not isinstance(meta, TensorStorageMetadata):
+        if not fqn.startswith(prefix) or not isinstance(meta, TensorStorageMetadata):
             continue
-        entries.append(TensorEntry(fqn[len(MODEL_PREFIX):], tuple(meta.size), meta.properties.dtype,
-                                   _assemble(root, tuple(meta.size), meta.properties.dtype, chunks.get(fqn, []))))
+        name = fqn[len(prefix):]
+        entries[name] = TensorEntry(name, tuple(meta.size), meta.properties.dtype,
+                                    _assemble(root, tuple(meta.size), meta.properties.dtype, chunks.get(fqn, [])))
     return entries
 
 
@@ -189,3 +195,68 @@ def summary(ckpt_dir: Path) -> tuple[int, dict[str, int]]:
             name = str(meta.properties.dtype).removeprefix("torch.")
             dtypes[name] = dtypes.get(name, 0) + math.prod(meta.size)
     return sum(dtypes.values()), dtypes
+
+
+# Elastic resume (checkpoint/reshard.py): an FSDP2 checkpoint read by name, and full tensors put into an FSDP2 launch.
+
+OPTIMIZER_STATE_PREFIX = "optimizer.state."
+
+
+def read_canonical(ckpt_dir: Path, moments: tuple[str, ...]) -> tuple[dict, dict, dict]:
+    """(weights, moments, steps) of an FSDP2 checkpoint by parameter name: {name: produce}, {moment: {name: produce}},
+    {name: step}; each tensor read when asked."""
+    weights = {name: e.produce for name, e in saved_entries(ckpt_dir, MODEL_PREFIX).items()}
+    found: dict[str, dict] = {m: {} for m in moments}
+    steps: dict[str, float] = {}
+    for key, entry in saved_entries(ckpt_dir, OPTIMIZER_STATE_PREFIX).items():
+        name, _, what = key.rpartition(".")
+        if what in found:
+            found[what][name] = entry.produce
+        elif what == "step":
+            steps[name] = float(entry.produce())
+    return weights, found, steps
+
+
+def _shard_like(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's shard of `full` as the DTensor `like` lays it out (every rank holds `full`: no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def is_sharded(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def apply_full(module, optimizer, weight, moments: dict, steps: dict, stateless: set, keep_frozen) -> None:
+    """Put full tensors into an FSDP2 launch: every parameter's shard (`weight(name, p)` gives its full tensor;
+    `keep_frozen(name, p)`: leave a frozen parameter as built) and AdamW's state of each trainable one (none for
+    `stateless`). Buffers are left to the caller (they are not sharded)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if keep_frozen(name, p):
+                continue
+            p.to_local().copy_(_shard_like(weight(name, p), p).to_local())
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name in stateless:
+                optimizer.state.pop(p, None)
+                continue
+            optimizer.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32),
+                                  **{m: _shard_like(moments[m][name]().float(), p).clone() for m in moments}}
+
+
+def live_full(module, optimizer, moments: tuple[str, ...]):
+    """(name, {"weight", moment...: full fp32 tensor or None, "step": float or None}) of every trainable parameter of
+    an FSDP2 launch (a collective: every rank iterates, gathering each tensor)."""
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        s = optimizer.state.get(p, {})
+        values = {"weight": p.detach(), **{m: s.get(m) for m in moments}, "step": s.get("step")}
+        yield name, {k: (None if v is None else float(v) if k == "step" else
+                         (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu())
+                     for k, v in values.items()}

@@ -125,8 +125,8 @@ def _check_same_topology(ckpt_dir: Path, state: dict, setup) -> None:
     if (saved_backend == "fsdp") != (setup.backend == "fsdp"):
         raise UserError(
             f"Checkpoint '{ckpt_dir}' was saved by {'FSDP2' if saved_backend == 'fsdp' else saved_backend} training and "
-            f"this launch is {setup.label}: resume with the same backend (an elastic resume to or from FSDP2 is not "
-            "supported yet; `opentau checkpoint consolidate` gives its weights for a new run)."
+            f"this launch is {setup.label}: resume with the same backend, or pass {RESHARD_FLAG} to continue it under "
+            "this launch."
         )
     if saved_ds and setup.backend != "deepspeed":
         raise UserError(
@@ -191,9 +191,6 @@ def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dic
     state = read_training_state(ckpt_dir)
     if not reshard:
         _check_same_topology(ckpt_dir, state, setup)
-    elif "fsdp" in (state.get("backend"), setup.backend) and (state.get("backend"), state.get("world_size")) != (setup.backend, setup.world_size):
-        raise UserError(f"Checkpoint '{ckpt_dir}': {RESHARD_FLAG} to or from FSDP2 is not supported yet; resume it with "
-                        f"the backend and {state.get('world_size')} processes it was saved by.")
     try:
         saved_cfg = json.loads((ckpt_dir / TRAIN_CONFIG).read_text())
     except (OSError, ValueError):
