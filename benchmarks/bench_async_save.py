@@ -14,8 +14,8 @@ Three loads, one after the other, each for all of its rounds: quiet (the machine
 per core at nice +10, as `nice` runs a background job); loaded (a spinning process per core at the training process's
 own priority, as data workers keep a GPU node's cores busy). Loaded is where a writer process below training's
 priority is starved: when the loop must wait for a save (here at each async segment's end, as the next save would),
-the training process takes the write over (async_save.HostStaging.write), and the table says how many files it
-wrote itself. Also measured: the
+the training process takes the write over (async_save.HostStaging.write), from where the writer stopped, and the
+table says how many files it wrote itself. Also measured: the
 CPU seconds a save spends per GB, in the training thread (sync save; async copy into host memory) and in async_save's
 writer process by phase (hashing, copying into the write buffer, write and sync calls, serializing): on a machine
 whose cores are all busy, that is the floor of what any save costs.
@@ -202,7 +202,8 @@ def taken_over(files: list[dict]) -> str:
     took = [f for f in files if f.get("taken_over")]
     gb = 1e9
     return (f"{len(took)} of {len(files)} files, {sum(f['bytes'] for f in took) / gb:.2f} of "
-            f"{sum(f['bytes'] for f in files) / gb:.2f} GB")
+            f"{sum(f['bytes'] for f in files) / gb:.2f} GB, of which the writer process had written "
+            f"{sum(f.get('kept', 0) for f in took) / gb:.2f} GB (kept, not written again)")
 
 
 def cpu_per_gb(result: dict) -> list[tuple[str, str]]:

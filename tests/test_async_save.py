@@ -339,6 +339,45 @@ def test_an_uncached_file_handed_over_drops_the_rest_and_fails_when_closed(tmp_p
 
 
 @pytest.mark.parametrize("o_direct", [True, False])
+def test_a_file_handed_over_midway_is_finished_from_where_the_writer_stopped_into_the_same_bytes(tmp_path, monkeypatch,
+                                                                                                   o_direct):
+    import mmap
+
+    from opentau_cli.checkpoint.async_save import DifferentPrefix, HandedOver, UncachedFile
+
+    if not o_direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    buf = HostStaging.BOUNCE
+    data = os.urandom(2 * buf + 12345)
+    pieces = [data[:buf // 3], data[buf // 3:buf + 100], data[buf + 100:2 * buf + 7], data[2 * buf + 7:]]
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    monkeypatch.setattr(UncachedFile, "handover", page)  # the writer process's side
+    path = tmp_path / "f.bin"
+    with pytest.raises(HandedOver) as e:
+        with UncachedFile(path, HostStaging().bounce) as f:
+            f.write(memoryview(pieces[0]))
+            f.write(memoryview(pieces[1]))  # one buffer written out
+            page[0] = 1
+            f.write(memoryview(pieces[2]))
+    _, on_disk, digest = e.value.args
+    assert on_disk == buf and path.stat().st_size == buf
+    monkeypatch.setattr(UncachedFile, "handover", None)  # the training process's side
+
+    def write_all(parts, resume) -> tuple:
+        with UncachedFile(path, HostStaging().bounce, resume) as f:
+            for piece in parts:
+                f.write(memoryview(piece))
+        return f.result()
+
+    assert write_all(pieces, (on_disk, digest)) == (path, len(data), hash_file(path))
+    assert path.read_bytes() == data
+    for other in ([b"x" + data[1:]], [data[:buf - 1]]):  # other first bytes; fewer bytes than are on disk
+        with pytest.raises(DifferentPrefix):
+            write_all(other, (on_disk, digest))
+
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
 def test_uncached_files_hold_exactly_the_bytes_written_with_or_without_o_direct(tmp_path, monkeypatch, o_direct):
     from opentau_cli.checkpoint.async_save import UncachedFile
 
@@ -515,5 +554,6 @@ def test_the_benchmark_arithmetic_on_canned_numbers():
     assert rows["save CPU per GB, async writer process"] == (
         "2.00 CPU-s/GB: hashing 0.25, copying into the write buffer 0.25, write and sync calls 0.50, serializing and "
         "the rest 1.00 (1.00 GB in 2 files)")
-    assert taken_over([{"bytes": 2e8, "taken_over": True}, {"bytes": 6e8}, {"bytes": 5e7, "taken_over": True}]) == (
-        "2 of 3 files, 0.25 of 0.85 GB")
+    assert taken_over([{"bytes": 2e8, "taken_over": True, "kept": 1e8}, {"bytes": 6e8},
+                       {"bytes": 5e7, "taken_over": True, "kept": 0}]) == (
+        "2 of 3 files, 0.25 of 0.85 GB, of which the writer process had written 0.10 GB (kept, not written again)")

@@ -162,19 +162,25 @@ class HostStaging:
                     self._writer.share(self._arena)
                 try:
                     result, stats = self._writer.write(job, self._staged)
-                except HandedOver:
-                    pass  # the writer dropped this file: written below
-                else:
-                    self.stats.append(stats)
-                    return result
+                except HandedOver as e:  # the writer dropped this file: written below, from where it stopped
+                    return self._write_here(job, e.args[1:] if e.args[1] else None)
+                self.stats.append(stats)
+                return result
         return self._write_here(job)
 
-    def _write_here(self, job: "FileWrite") -> tuple[Path, int, str]:
-        """Write one file in this thread, at the training process's priority (the loop is waiting for it)."""
+    def _write_here(self, job: "FileWrite", resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
+        """Write one file in this thread, at the training process's priority (the loop is waiting for it). `resume`:
+        the bytes the writer process wrote out before it handed the file over, and their hash: serialized and hashed
+        again, not written (serializing is deterministic: both processes skip the zip CRCs); if the hash differs,
+        the file is written from the start."""
         before, began = dict(UncachedFile.cpu), time.thread_time()
-        result = job.run(self.bounce)
+        try:
+            result = job.run(self.bounce, resume)
+        except DifferentPrefix:
+            resume = None
+            result = job.run(self.bounce)
         stats = {k: UncachedFile.cpu[k] - before[k] for k in before}
-        stats.update(bytes=result[1], cpu=time.thread_time() - began, taken_over=True)
+        stats.update(bytes=result[1], cpu=time.thread_time() - began, taken_over=True, kept=resume[0] if resume else 0)
         self.stats.append(stats)
         return result
 
@@ -390,19 +396,22 @@ class FileWrite:
     safetensors: bool = False
     zipfile: bool = True  # torch.save's format (DeepSpeed's engine may ask for the legacy one)
 
-    def run(self, bounce: mmap.mmap) -> tuple[Path, int, str]:
+    def run(self, bounce: mmap.mmap, resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
+        """Write the file; `resume`: its first bytes are on disk already (UncachedFile)."""
         if self.safetensors:
-            return _save_safetensors(self.state, self.path, bounce)
-        return _torch_save(self.state, self.path, bounce, self.zipfile)
+            return _save_safetensors(self.state, self.path, bounce, resume)
+        return _torch_save(self.state, self.path, bounce, self.zipfile, resume)
 
 
-def _torch_save(obj, path: Path, bounce: mmap.mmap, zipfile: bool = True) -> tuple[Path, int, str]:
-    with UncachedFile(path, bounce) as f:
+def _torch_save(obj, path: Path, bounce: mmap.mmap, zipfile: bool = True,
+                resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
+    with UncachedFile(path, bounce, resume) as f:
         torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
     return f.result()
 
 
-def _save_safetensors(state: dict, path: Path, bounce: mmap.mmap) -> tuple[Path, int, str]:
+def _save_safetensors(state: dict, path: Path, bounce: mmap.mmap,
+                      resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
     """The file Accelerate's `save(state, path, safe_serialization=True)` writes, byte for byte, through an
     UncachedFile: shared tensors once, format=pt metadata, and the tensors in the order safetensors gives them (it
     sorts by dtype and name; asked here with empty stand-ins, so no data is copied)."""
@@ -421,7 +430,7 @@ def _save_safetensors(state: dict, path: Path, bounce: mmap.mmap) -> tuple[Path,
     order = [k for k in json.loads(layout[8:8 + struct.unpack("<Q", layout[:8])[0]]) if k != "__metadata__"]
     tensors = [(name, state[name].contiguous()) for name in order]
     entries = [TensorEntry(name, tuple(t.shape), t.dtype, lambda: None) for name, t in tensors]
-    with UncachedFile(path, bounce) as f:
+    with UncachedFile(path, bounce, resume) as f:
         f.write(header_bytes(entries, {"format": "pt"}))
         for _, t in tensors:
             f.write(t.reshape(-1).view(torch.uint8).numpy())
@@ -440,15 +449,20 @@ class UncachedFile:
     cpu = {"hash": 0.0, "copy": 0.0, "write": 0.0}
     # In the writer process: the shared page whose first byte the training process sets when it takes the write over
     # (HostStaging.write). The file then takes no more of the writer's CPU: the rest of its bytes are dropped and
-    # closing it raises HandedOver (raised only there, never through torch.save's writer).
+    # closing it raises HandedOver with how far it is on disk (raised only there, never through torch.save's writer).
     handover: mmap.mmap | None = None
 
-    def __init__(self, path: Path, bounce: mmap.mmap):
+    def __init__(self, path: Path, bounce: mmap.mmap, resume: tuple[int, str] | None = None):
+        """`resume`: (bytes, their hash) the writer process left on disk when it handed the file over. They are
+        serialized and hashed again, not written; if their hash differs, nothing more is written and closing raises
+        DifferentPrefix (the caller writes the file from the start)."""
         self._path, self._buf, self._fill, self._size = Path(path), bounce, 0, 0
-        self._dropped = False  # handed over: the rest is not written
+        self._dropped: type[Exception] | None = None  # why the rest is not written: HandedOver or DifferentPrefix
         self._hash = getattr(xxhash, HASH_NAME)()
+        self._skip, self._expect = resume or (0, "")
+        self.on_disk = (0, self._hash.hexdigest())  # (bytes written out, their hash) as of the last full buffer
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        flags = os.O_WRONLY | os.O_CREAT | (0 if self._skip else os.O_TRUNC)
         self._direct = hasattr(os, "O_DIRECT")
         try:
             self._fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0), 0o666)
@@ -457,6 +471,8 @@ class UncachedFile:
                 raise
             self._direct = False
             self._fd = os.open(path, flags, 0o666)
+        if self._skip:  # a multiple of the buffer's size: aligned as O_DIRECT needs
+            os.lseek(self._fd, self._skip, os.SEEK_SET)
 
     def __enter__(self) -> "UncachedFile":
         return self
@@ -471,9 +487,16 @@ class UncachedFile:
     def write(self, data) -> int:
         src = np.frombuffer(data, dtype=np.uint8)
         done = 0
+        if self._size < self._skip and not self._dropped:  # on disk already (resume): hashed, not written again
+            done = min(src.size, self._skip - self._size)
+            self._hash.update(src[:done])
+            self._size += done
+            if self._size == self._skip and self._hash.hexdigest() != self._expect:
+                self._dropped = DifferentPrefix
         while done < src.size:
-            if self._dropped or (self.handover is not None and self.handover[0]):
-                self._dropped = True
+            if self._dropped is None and self.handover is not None and self.handover[0]:
+                self._dropped = HandedOver
+            if self._dropped:
                 return src.size
             n = min(src.size - done, len(self._buf) - self._fill)
             began = time.thread_time()
@@ -484,9 +507,10 @@ class UncachedFile:
             self.cpu["copy"] += time.thread_time() - began
             self._fill += n
             done += n
+            self._size += n
             if self._fill == len(self._buf):
                 self._drain(self._fill)
-        self._size += src.size
+                self.on_disk = (self._size, self._hash.hexdigest())
         return src.size
 
     def flush(self) -> None:
@@ -502,8 +526,12 @@ class UncachedFile:
         self.cpu["write"] += time.thread_time() - began
 
     def _finish(self) -> None:
-        if self._dropped or (self.handover is not None and self.handover[0]):
-            raise HandedOver(self._path)
+        if self._dropped is None and self.handover is not None and self.handover[0]:
+            self._dropped = HandedOver
+        if self._dropped is None and self._size < self._skip:  # shorter than what is on disk: not the same file
+            self._dropped = DifferentPrefix
+        if self._dropped is not None:
+            raise self._dropped(str(self._path), *self.on_disk)
         if self._fill:
             tail = self._fill
             if self._direct:  # a last whole block, cut back to the file's size below
@@ -512,7 +540,7 @@ class UncachedFile:
                 tail += pad
             self._drain(tail)
         began = time.thread_time()
-        if self._direct:
+        if self._direct or self._skip:
             os.ftruncate(self._fd, self._size)
         os.fsync(self._fd)
         self.cpu["write"] += time.thread_time() - began
@@ -523,7 +551,12 @@ class UncachedFile:
 
 
 class HandedOver(Exception):
-    """The writer process dropped a file because the training process writes it itself (HostStaging.write)."""
+    """The writer process dropped a file because the training process writes it itself (HostStaging.write). Its
+    args: the path, and the bytes the writer had written out with their hash (where the training process resumes)."""
+
+
+class DifferentPrefix(Exception):
+    """A resumed file's bytes on disk are not the ones the training process serializes (it then starts over)."""
 
 
 class _StatePickler(pickle.Pickler):
