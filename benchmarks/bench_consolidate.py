@@ -25,6 +25,7 @@ Targets: vs direct, wall time <= 1.0x and peak RSS <= 0.3x; vs upstream, wall ti
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -35,10 +36,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # ds_ckpt_helper builds the checkpoints
 
 from _common import append_result, base_parser, env, opentau_bin, print_rows, verdict  # noqa: E402
-import ds_ckpt_helper  # noqa: E402
 from opentau_cli.checkpoint.layout import DS_LATEST, MODEL_WEIGHTS, ZERO_TO_FP32  # noqa: E402
 
 # safetensors needs separate tensors where the state dict names one storage twice (the tied weight).
@@ -69,8 +69,23 @@ sys.argv = [script, ckpt, out, "--safe_serialization"]
 runpy.run_path(script, run_name="__main__")
 """
 
+# name -> [dtype, shape, xxh3 of the bytes] of a safetensors file, one tensor in memory at a time (safetensors' own
+# reader), printed as JSON.
+DIGEST = """
+import json, sys, torch, xxhash
+from safetensors import safe_open
+out = {}
+with safe_open(sys.argv[1], "pt") as f:
+    for k in f.keys():
+        t = f.get_tensor(k)
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        out[k] = [str(t.dtype), list(t.shape), xxhash.xxh3_128_hexdigest(memoryview(raw))]
+print(json.dumps(out))
+"""
+
 SIZES = {False: (2048, 1024, (64, 128)), True: (64, 37, (4, 8))}  # smoke -> (width, vocab, stacks)
 PATHS = ("direct", "upstream", "opentau")
+ZERO_TO_FP32_OUTPUT = "pytorch_model.bin"  # what zero_to_fp32.py writes without --safe_serialization
 
 
 def measured(cmd: list[str]) -> tuple[float, int]:
@@ -98,18 +113,12 @@ def read_into_page_cache(ckpt: Path) -> None:
 
 
 def digest(path: Path) -> dict:
-    """name -> (dtype, shape, xxh3 of the bytes) of a safetensors file, one tensor in memory at a time."""
-    import torch
-    import xxhash
-    from safetensors import safe_open
-
-    out = {}
-    with safe_open(str(path), "pt") as f:
-        for k in f.keys():
-            t = f.get_tensor(k)
-            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-            out[k] = (str(t.dtype), tuple(t.shape), xxhash.xxh3_128_hexdigest(memoryview(raw)))
-    return out
+    """DIGEST of a safetensors file, in another process: reading it here would grow this process, and a child
+    started from a large process starts with its peak RSS (ru_maxrss is carried over to the spawned command)."""
+    proc = subprocess.run([sys.executable, "-c", DIGEST, str(path)], capture_output=True, text=True, env=env())
+    if proc.returncode != 0:
+        raise SystemExit(f"reading {path} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
 
 
 def run_path(path: str, ckpt: Path, out: Path) -> tuple[float, int, Path]:
@@ -121,8 +130,8 @@ def run_path(path: str, ckpt: Path, out: Path) -> tuple[float, int, Path]:
         return w1 + w2, rss, out / MODEL_WEIGHTS
     if path == "upstream":
         w1, r1 = measured([python, str(ckpt / ZERO_TO_FP32), str(ckpt), str(out / "tmp")])
-        w2, r2 = measured([python, "-c", CONVERT_BIN_TO_SAFETENSORS,
-                           str(out / "tmp" / ds_ckpt_helper.ZERO_TO_FP32_OUTPUT), str(out / MODEL_WEIGHTS)])
+        w2, r2 = measured([python, "-c", CONVERT_BIN_TO_SAFETENSORS, str(out / "tmp" / ZERO_TO_FP32_OUTPUT),
+                           str(out / MODEL_WEIGHTS)])
         shutil.rmtree(out / "tmp")
         return w1 + w2, max(r1, r2), out / MODEL_WEIGHTS
     wall, rss = measured([opentau_bin(), "checkpoint", "consolidate", str(ckpt), "--output", str(out / MODEL_WEIGHTS)])
@@ -173,8 +182,10 @@ def main() -> None:
             if not (ckpt / DS_LATEST).exists():
                 built[stack] = f"stack {stack}x{width}x{width} + tied embedding {vocab}x{width}"
                 t = time.perf_counter()
-                ds_ckpt_helper.launch(ckpt, zero_stage=3, num_processes=2, mixed_precision="bf16", width=width,
-                                      vocab=vocab, stack=stack, steps=1, timeout=3600)
+                # In another process: the helper imports torch, and this one stays small (see digest).
+                launch = (f"import ds_ckpt_helper; ds_ckpt_helper.launch({str(ckpt)!r}, zero_stage=3, num_processes=2, "
+                          f"mixed_precision='bf16', width={width}, vocab={vocab}, stack={stack}, steps=1, timeout=3600)")
+                subprocess.run([sys.executable, "-c", launch], check=True, env={**env(), "PYTHONPATH": str(TESTS)})
                 print(f"built the {stack}-layer ZeRO-3 2-rank checkpoint in {time.perf_counter() - t:.0f}s: {ckpt}")
 
         walls = {(s, p): [] for s in stacks for p in PATHS}
