@@ -19,7 +19,7 @@ a tied embedding, a frozen layer and buffers (tests/ds_ckpt_helper.py): 64 layer
 1.1 GB consolidated) and 128 layers (537M, 2.2 GB).
 Targets: vs direct, wall time <= 1.0x and peak RSS <= 0.3x; vs upstream, wall time <= 0.7x and peak RSS <= 0.3x.
 
-    python benchmarks/bench_consolidate.py            # full size (needs ~17 GB of disk, ~10 minutes to build)
+    python benchmarks/bench_consolidate.py            # full size (~14 GB of disk; building both checkpoints: minutes)
     python benchmarks/bench_consolidate.py --smoke    # tiny models, seconds (CI runs this)
 """
 
