@@ -157,6 +157,7 @@ class Trainer:
     _logged_steps: int = 0
     _grad_norm: torch.Tensor | float = float("nan")  # read on log steps only: reading it waits for the device
     _train_time: float = 0.0
+    _trainable: list | None = None  # the parameters clip_gradients clips, listed on first use
     # LoRA (policies/lora.py): the record of the frozen base, and what save_state / load_state need to write and read
     # only the trained tensors.
     lora_base: dict | None = None
@@ -200,7 +201,8 @@ class Trainer:
     def update(self, timer: StepTimer) -> None:
         """One optimizer update: gradient_accumulation_steps micro-batches, clip, AdamW, schedule, zero_grad."""
         acc, accum = self.accelerator, self.cfg.gradient_accumulation_steps
-        self.model.train()
+        if not self.model.training:  # only validation switches it off; a walk over every module costs ~0.6 ms a step
+            self.model.train()
         for _ in range(accum):
             with timer.phase("data"):
                 batch = self.next_batch()
@@ -253,8 +255,9 @@ class Trainer:
     def clip_gradients(self) -> torch.Tensor | float:
         """The global gradient norm before clipping, left on the device (no host sync outside log steps)."""
         clip = self.cfg.optimizer.grad_clip_norm
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = self.accelerator.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if self._trainable is None:  # fixed once prepared (a restore loads into the same parameters)
+            self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        norm = self.accelerator.clip_grad_norm_(self._trainable, clip if clip > 0 else float("inf"))
         return float("nan") if norm is None else norm
 
     def collect_metrics(self) -> dict:
