@@ -8,7 +8,11 @@ steps/s is timed from outside, between its progress lines at step `warmup` and `
 --phases (timed the same way: a device sync at both ends of each phase) give each phase's median time on both sides,
 which shows where a gap comes from. Target: median ratio >= 0.97.
 
-    python benchmarks/bench_overhead.py            # pi05_small, 5 pairs of 5 warm-up + 20 measured steps
+Each round also runs opentau train with EMA on (`--ema.decay=0.99`) and with TensorBoard on (a tracker that runs here
+without a network), so what each costs shows as its own ratio to the same round's hand-written run, side by side
+(`--variants` picks them; the order of the runs rotates every round).
+
+    python benchmarks/bench_overhead.py            # pi05_small, 5 rounds of 5 warm-up + 20 measured steps
     python benchmarks/bench_overhead.py --smoke    # tiny preset, one pair of a few steps (CI)
 """
 
@@ -29,6 +33,9 @@ from _common import REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser,
 
 HERE = Path(__file__).resolve().parent
 TARGET = 0.97
+# opentau train's variants beside the plain run (the overrides each adds), the target applying to the plain one.
+VARIANTS = {"ema": ("EMA on (ema.decay 0.99)", ["--ema.decay=0.99"]),
+            "tensorboard": ("TensorBoard on", ["--logging.tensorboard=true"])}
 # The phases both sides report, in step order (opentau_cli.profiling.stats.REPORT_PHASES), and their labels.
 PHASES = {"data": "data", "forward": "forward", "backward": "backward", "optimizer": "optimizer (clip + step)",
           "zero_grad_sched": "zero-grad + scheduler", "sync": "sync (metrics / loss read)", "other": "other",
@@ -41,11 +48,12 @@ def train_args(config: Path, warmup: int) -> list[str]:
             "--logging.progress_bar=plain", "--scheduler.warmup_steps=0"]
 
 
-def opentau_steps_per_s(config: Path, warmup: int, steps: int, workdir: Path) -> float:
+def opentau_steps_per_s(config: Path, warmup: int, steps: int, workdir: Path, extra: list[str] = ()) -> float:
     """Steps/s of a real `opentau train` run, timed from outside: the arrival times of its progress lines at step
-    `warmup` and `warmup + steps` (so the loop's own logging, collectives and progress are all counted)."""
+    `warmup` and `warmup + steps` (so the loop's own logging, collectives and progress are all counted). `extra`:
+    overrides after the benchmark's own (a variant's)."""
     cmd = [opentau_bin(), "train", *train_args(config, warmup), f"--output_dir={workdir / 'run'}", "--overwrite=true",
-           f"--steps={warmup + steps}", f"--save_freq={10**9}"]
+           f"--steps={warmup + steps}", f"--save_freq={10**9}", *extra]
     seen: dict[int, float] = {}
     proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines = []
@@ -85,11 +93,25 @@ def listed(values: list[float]) -> str:
     return ", ".join(f"{x:.3f}" for x in values)
 
 
+def ratio_row(ratios: list[float], target: float | None) -> str:
+    median = statistics.median(ratios)
+    q1, q3 = quartiles(ratios)
+    goal = f"; target >= {target}: {verdict(median, target)}" if target is not None else ""
+    return (f"{median:.3f} median of {len(ratios)} pair{'s' * (len(ratios) > 1)} (min {min(ratios):.3f}, IQR "
+            f"{q1:.3f}-{q3:.3f}, max {max(ratios):.3f}{goal})")
+
+
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--steps", type=int, default=20, help="Measured steps (a multiple of --warmup).")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=5, help="Pairs of runs (opentau, hand-written), alternating which goes first.")
+    parser.add_argument("--pairs", type=int, default=5, help="Rounds of runs (hand-written, opentau and each variant), "
+                                                             "the order rotating every round: each run and its round's "
+                                                             "hand-written run are a pair.")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"opentau train variants run each round beside the plain run, comma-separated from "
+                             f"{', '.join(VARIANTS)} ('none': the plain run only).")
+    parser.add_argument("--no-phases", action="store_true", help="Skip the per-phase profile of both sides.")
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     if args.smoke:
@@ -98,49 +120,64 @@ def main() -> None:
         parser.error("--steps must be a multiple of --warmup (opentau logs every --warmup steps)")
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    variants = [] if args.variants == "none" else [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)}, or none)")
     # opentau's launcher gives one process all the cores; the hand-written loop must get the same thread count.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
-    ours, anchor = [], []
+    sides = ["opentau", "hand-written", *variants]
+    speeds: dict[str, list[float]] = {side: [] for side in sides}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         for i in range(args.pairs):
-            for side in ("opentau", "hand-written") if i % 2 == 0 else ("hand-written", "opentau"):
-                if side == "opentau":
-                    ours.append(opentau_steps_per_s(config, args.warmup, args.steps, Path(tmp)))
+            # Rotate the order every round, so a load that rises or falls during the benchmark favours no side.
+            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
+                if side == "hand-written":
+                    speeds[side].append(handwritten(config, args.warmup, args.steps)["steps_per_s"])
                 else:
-                    anchor.append(handwritten(config, args.warmup, args.steps)["steps_per_s"])
-            print(f"pair {i + 1}/{args.pairs}: opentau {ours[-1]:.3f}, hand-written {anchor[-1]:.3f} steps/s, "
-                  f"ratio {ours[-1] / anchor[-1]:.3f}", flush=True)
-        ours_phases = opentau_phases(config, args.warmup, args.steps, Path(tmp))
-        anchor_phases = handwritten(config, args.warmup, args.steps, phases=True)["phases"]
-    ratios = [a / b for a, b in zip(ours, anchor)]
-    median = statistics.median(ratios)
-    q1, q3 = quartiles(ratios)
+                    extra = VARIANTS[side][1] if side in VARIANTS else []
+                    speeds[side].append(opentau_steps_per_s(config, args.warmup, args.steps, Path(tmp), extra))
+            anchor = speeds["hand-written"][-1]
+            shown = ", ".join(f"{side} {speeds[side][-1]:.3f} ({speeds[side][-1] / anchor:.3f})"
+                              for side in sides if side != "hand-written")
+            print(f"pair {i + 1}/{args.pairs}: hand-written {anchor:.3f} steps/s; {shown}", flush=True)
+        if not args.no_phases:
+            ours_phases = opentau_phases(config, args.warmup, args.steps, Path(tmp))
+            anchor_phases = handwritten(config, args.warmup, args.steps, phases=True)["phases"]
+    anchor = speeds["hand-written"]
+    ratios = {side: [a / b for a, b in zip(speeds[side], anchor)] for side in sides if side != "hand-written"}
     rows = [
         ("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), {args.warmup} warm-up + {args.steps} measured "
                    f"steps, 1 process, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"),
-        ("opentau train steps/s per pair", listed(ours)),
         ("hand-written Accelerate loop steps/s per pair", listed(anchor)),
-        ("ratio opentau / hand-written", f"{median:.3f} median of {len(ratios)} pair{'s' * (len(ratios) > 1)} "
-                                          f"(min {min(ratios):.3f}, IQR {q1:.3f}-{q3:.3f}, max {max(ratios):.3f}; "
-                                          f"target >= {TARGET}: {verdict(median, TARGET)})"),
-        ("ratios per pair", listed(ratios)),
+        ("opentau train steps/s per pair", listed(speeds["opentau"])),
+        ("ratio opentau / hand-written", ratio_row(ratios["opentau"], TARGET)),
+        ("ratios per pair", listed(ratios["opentau"])),
     ]
-    for name, label in PHASES.items():
-        ours_phase, anchor_phase = ours_phases[name], anchor_phases[name]
-        a, b = ours_phase["median_s"] * 1e3, anchor_phase["median_s"] * 1e3
-        rows.append((f"phase {label} (median ms, share of step)",
-                     f"opentau {a:.1f} ({ours_phase['share']:.1%}), hand-written {b:.1f} ({anchor_phase['share']:.1%}), "
-                     f"difference {a - b:+.1f}"))
+    for side in variants:
+        label = VARIANTS[side][0]
+        rows += [(f"opentau train, {label}: steps/s per pair", listed(speeds[side])),
+                 (f"ratio opentau, {label} / hand-written", ratio_row(ratios[side], None)),
+                 (f"ratio opentau, {label} / opentau plain", ratio_row([a / b for a, b in zip(speeds[side], speeds["opentau"])], None))]
+    if not args.no_phases:
+        for name, label in PHASES.items():
+            ours_phase, anchor_phase = ours_phases[name], anchor_phases[name]
+            a, b = ours_phase["median_s"] * 1e3, anchor_phase["median_s"] * 1e3
+            rows.append((f"phase {label} (median ms, share of step)",
+                         f"opentau {a:.1f} ({ours_phase['share']:.1%}), hand-written {b:.1f} ({anchor_phase['share']:.1%}), "
+                         f"difference {a - b:+.1f}"))
     print_rows("Benchmark 1: framework overhead", rows)
     if not args.no_append:
-        notes = [f"pairs alternate which side runs first; whole benchmark took {time.perf_counter() - started:.0f} s",
-                 "phase rows: one `opentau profile` run and one `handwritten_loop.py --phases` run, each phase's "
-                 "median over the measured steps (a device sync at both ends of every phase on both sides); the share "
-                 "(of the mean step) holds still when a load slows a whole run",
-                 "forward, backward and the optimizer run the same code on both sides, so their difference is the "
-                 "load; opentau's own per-step work shows in data, zero-grad + scheduler, sync and other"]
+        notes = [f"the runs of a round rotate which goes first; each ratio is a run's steps/s over the same round's "
+                 f"hand-written run; whole benchmark took {time.perf_counter() - started:.0f} s"]
+        if not args.no_phases:
+            notes += ["phase rows: one `opentau profile` run and one `handwritten_loop.py --phases` run, each phase's "
+                      "median over the measured steps (a device sync at both ends of every phase on both sides); the share "
+                      "(of the mean step) holds still when a load slows a whole run",
+                      "forward, backward and the optimizer run the same code on both sides, so their difference is the "
+                      "load; opentau's own per-step work shows in data, zero-grad + scheduler, sync and other"]
         if args.smoke:
             notes.append("smoke run: numbers only show the script works")
         append_result("Framework overhead: opentau train vs hand-written Accelerate loop", rows, notes, path=args.results)
