@@ -1,6 +1,6 @@
 """The safetensors writer's file-to-file copies (what consolidation uses for weights kept in their source dtype): the
-bytes read back by safetensors' own reader equal the source file's bytes, a filesystem that refuses the copy gets the
-produced tensors instead, and a source cut short leaves nothing behind."""
+bytes read back by safetensors' own reader equal the source file's bytes; a filesystem that refuses the copy, or a
+source cut short, gets the produced tensor instead (whose read says what is wrong), and a failure leaves nothing."""
 
 from __future__ import annotations
 
@@ -81,10 +81,19 @@ def test_on_a_filesystem_that_refuses_the_copy_the_tensors_are_produced_and_the_
         shm.rmdir()
 
 
-def test_a_source_shorter_than_its_span_fails_and_leaves_nothing(tmp_path, source):
-    entries = [TensorEntry("a", (8,), torch.float32, lambda: torch.zeros(8), [FileSpan(source, 4080, 32)])]
-    with pytest.raises(EOFError, match="truncated"):
+def test_a_source_that_ends_before_its_span_is_produced_instead_and_its_read_error_leaves_nothing(tmp_path, source):
+    """copy_file_range copies nothing past the end of a file: the tensor is then produced, and its own read reports
+    what is wrong (for a shard: "truncated", tests/test_consolidate.py)."""
+    calls = []
+
+    def produce():
+        calls.append("a")
+        raise OSError(5, "the read found the file cut short")
+
+    entries = [TensorEntry("a", (8,), torch.float32, produce, [FileSpan(source, 4080, 32)])]
+    with pytest.raises(OSError, match="cut short"):
         write_safetensors(tmp_path / "out.safetensors", entries)
+    assert calls == ["a"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source.bin"]
 
 

@@ -642,7 +642,7 @@ def _write_weights(single: Path, shards: list[list[TensorEntry]], metadata: dict
             raise RunError(f"Disk full while writing the consolidated weights to {out_dir}; nothing was left behind. "
                            f"Free {total / 1e9:.2f} GB there or pass --output on another disk.") from None
         raise RunError(f"Writing the consolidated weights to {out_dir} failed ({e.strerror or e}); nothing was left behind.") from None
-    except (ShardFormatError, EOFError) as e:  # a tensor that reads as truncated or corrupt only when its turn comes
+    except ShardFormatError as e:  # a tensor that reads as truncated or corrupt only when its turn to be written comes
         for p in written:
             p.unlink(missing_ok=True)
         raise UserError(f"{ckpt_dir}: {e}; nothing was written.") from None

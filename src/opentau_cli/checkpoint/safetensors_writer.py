@@ -68,7 +68,7 @@ def header_bytes(entries: Iterable[TensorEntry], metadata: dict[str, str] | None
 
 _WRITEBACK_EVERY = 64 * 2**20  # bytes written between two requests to start writing them to disk
 # copy_file_range's refusals that mean "not between these two files" (another filesystem, an old kernel): write instead
-_NO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM}
+_NO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM, errno.ENODATA}
 
 
 def _libc_sync_file_range():
@@ -106,7 +106,7 @@ class _Output:
         except OSError as e:
             if e.errno not in _NO_COPY:
                 raise
-            self._copy = False  # these files cannot be copied between: every tensor is written from now on
+            self._copy = False  # these files cannot be copied between: every tensor is produced from now on
             self.pos = start
             self.write_tensor(produce())
         self._writeback()
@@ -120,8 +120,8 @@ class _Output:
         offset, left = span.offset, span.nbytes
         while left:
             n = os.copy_file_range(src, self.fd, left, offset, self.pos)
-            if n == 0:
-                raise EOFError(f"{span.path} ends before byte {span.offset + span.nbytes}: it was truncated")
+            if n == 0:  # the source ends early (or its filesystem copies nothing): reading it says which
+                raise OSError(errno.ENODATA, f"{span.path}: nothing to copy at byte {offset}")
             offset, left, self.pos = offset + n, left - n, self.pos + n
 
     def write_tensor(self, t: torch.Tensor) -> None:
