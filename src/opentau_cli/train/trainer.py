@@ -15,6 +15,7 @@ import torch
 from opentau_cli.checkpoint.layout import EMA_STATE
 from opentau_cli.checkpoint.reshard import topologies, topology_entry, with_topology
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.train import fsdp
 from opentau_cli.train.augment import ImageAugment
 from opentau_cli.train.ema import WeightEMA, build_ema, ema_record, resume_ema
 from opentau_cli.train.schedule import lr_factor
@@ -59,7 +60,8 @@ def make_accelerator(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_di
 
     cuda = torch.cuda.is_available()
     kwargs: dict = dict(
-        mixed_precision=setup.mixed_precision,
+        # FSDP2's MixedPrecisionPolicy casts (train/fsdp.py); Accelerate's autocast would run over it.
+        mixed_precision="no" if setup.backend == "fsdp" else setup.mixed_precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         # One scheduler step per optimizer step (Accelerate would otherwise step it num_processes times).
         step_scheduler_with_optimizer=False,
@@ -482,6 +484,8 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
         model.set_stats(data.stats)
         if accelerator.is_main_process:
             print("Mixture: each dataset is normalized with its own statistics; those of policy.pretrained_path are not used.", flush=True)
+    if setup.backend == "fsdp":  # sharded before the optimizer is made: it steps the shards (train/fsdp.py)
+        model = fsdp.shard_for_launch(model, setup, accelerator)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
@@ -491,7 +495,10 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
         save_kwargs, load_kwargs = register_checkpoint_hooks(accelerator, model)
         base = base_reference(cfg.policy, cfg.seed) if accelerator.is_main_process else None  # rank 0 writes it
         lora = dict(lora_base=base, save_state_kwargs=save_kwargs, load_state_kwargs=load_kwargs)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if setup.backend == "fsdp":
+        model, optimizer, scheduler = fsdp.prepare(accelerator, model, optimizer, scheduler)
+    else:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
     trainer = Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                       data=data, augment=ImageAugment(cfg.dataset.augment, cfg.seed), ema=build_ema(cfg, accelerator, model), **lora)
