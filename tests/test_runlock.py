@@ -104,3 +104,33 @@ def test_the_plans_check_refuses_as_acquire_does_and_takes_nothing(tmp_path):
     _other_hosts_lock(tmp_path, age_s=runlock.STALE_S + 1)
     runlock.check_free(tmp_path)  # stale: the launch will take it over
     assert runlock.lock_path(tmp_path).read_text() == before  # never removed nor rewritten by the check
+
+
+def test_a_rank_that_outlives_its_launcher_keeps_the_run_locked_until_it_is_gone(tmp_path):
+    """The launcher's lock is left behind by a SIGKILL while one of its ranks still lives (it dies with the launcher
+    a moment later: runtime.die_with_parent). Until that rank is gone, neither a new launch nor the plan's check takes
+    the directory; then the lock and the dead rank's registration are taken over."""
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from opentau_cli import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
+        "time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline().strip() == "held"  # the launcher takes the lock before it starts its ranks
+    rank = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from opentau_cli import runlock; runlock.register_rank(sys.argv[1]); print('rank', flush=True); "
+        "time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "rank"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        with pytest.raises(UserError, match=f"in use by a live run \\(pid {rank.pid} on "):
+            runlock.acquire(tmp_path)
+        with pytest.raises(UserError, match=f"pid {rank.pid}"):
+            runlock.check_free(tmp_path)
+        runlock.lock_path(tmp_path).unlink()  # even without the launcher's lock file, the live rank holds the run
+        with pytest.raises(UserError, match=f"pid {rank.pid}"):
+            runlock.acquire(tmp_path)
+    finally:
+        rank.send_signal(signal.SIGKILL)
+        rank.wait()
+    mine = runlock.acquire(tmp_path)
+    assert list(runlock.ranks_dir(tmp_path).glob("*.json")) == []
+    runlock.release(tmp_path, mine)

@@ -5,6 +5,10 @@ and start time of the launcher that holds it, and is refreshed (its mtime) every
 A lock is stale, and is taken over, when its holder is dead: on the same host, its process is gone (or the pid now
 belongs to a younger process); from another host, its heartbeat stopped for STALE_S (a SIGKILLed job, a lost
 node). `--break-lock` takes over another host's lock at once. Only machine 0 of a multi-machine run takes it.
+
+Every rank of the run also registers itself (`logs/run.lock.ranks/<host>-<pid>.json`): on the lock's host, the run
+counts as live while its launcher or any registered rank lives, so a lock is never taken over from ranks that outlived
+their launcher for a moment (they die with it: runtime.die_with_parent).
 """
 
 from __future__ import annotations
@@ -58,6 +62,37 @@ def holder_alive(holder: dict, mtime: float, *, now: float | None = None) -> boo
     return (now if now is not None else time.time()) - mtime < STALE_S
 
 
+def ranks_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / LOGS / (RUN_LOCK + ".ranks")
+
+
+def register_rank(run_dir: Path) -> None:
+    """Record this rank process as part of the live run (see the module doc)."""
+    me = _me()
+    folder = ranks_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{me['host']}-{me['pid']}.tmp"
+    tmp.write_text(json.dumps(me))
+    os.replace(tmp, folder / f"{me['host']}-{me['pid']}.json")
+
+
+def live_rank(run_dir: Path) -> dict | None:
+    """A registered rank of the run that still lives on this host, or None."""
+    for path in sorted(ranks_dir(run_dir).glob("*.json")) if ranks_dir(run_dir).is_dir() else ():
+        rank = _read(path)
+        if rank and rank.get("host") == socket.gethostname() and holder_alive(rank, 0.0):
+            return rank
+    return None
+
+
+def forget_dead_ranks(run_dir: Path) -> None:
+    """Drop the registrations of this host's ranks that are gone (every earlier launch leaves its own)."""
+    for path in ranks_dir(run_dir).glob("*.json") if ranks_dir(run_dir).is_dir() else ():
+        rank = _read(path)
+        if rank is None or (rank.get("host") == socket.gethostname() and not holder_alive(rank, 0.0)):
+            path.unlink(missing_ok=True)
+
+
 def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
 
@@ -72,7 +107,7 @@ def _blocking_holder(path: Path, break_lock: bool) -> dict | None:
     same_host = holder.get("host") == socket.gethostname()
     if holder_alive(holder, mtime) and not (break_lock and not same_host and holder):
         return holder
-    return None
+    return live_rank(path.parent.parent)
 
 
 def in_use_error(run_dir: Path, holder: dict) -> UserError:
@@ -89,7 +124,9 @@ def check_free(run_dir: Path, *, break_lock: bool = False) -> None:
     path = lock_path(run_dir)
     try:
         holder = _blocking_holder(path, break_lock)
-    except OSError:  # no lock (or no logs/ to hold one)
+    except FileNotFoundError:  # no lock: still, a rank of a run whose launcher just died may live on for a moment
+        holder = live_rank(run_dir)
+    except OSError:  # no logs/ to hold one
         return
     if holder is not None:
         raise in_use_error(run_dir, holder)
@@ -100,6 +137,10 @@ def acquire(run_dir: Path, *, break_lock: bool = False) -> dict:
     path = lock_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     mine = _me()
+    rank = live_rank(run_dir)
+    if rank is not None:
+        raise in_use_error(run_dir, rank)
+    forget_dead_ranks(run_dir)
     for _ in range(3):  # a stale lock removed, then one more try (another launcher may win the race: that is fine)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
