@@ -61,4 +61,4 @@ def test_the_plan_prints_the_timeout(isolated_env):
     result = CliRunner().invoke(app, ["config", "validate", str(EXAMPLES / "pi05_tiny_config.json"),
                                       "--distributed.timeout_minutes=45", f"--output_dir={isolated_env / 'run'}"])
     assert result.exit_code == 0, result.output
-    assert "distributed        process group timeout 45 min (distributed.timeout_minutes)" in result.stdout
+    assert "distributed        hang timeout 45 min (distributed.timeout_minutes)" in result.stdout

@@ -1,22 +1,41 @@
 """Accelerate's own launcher (`accelerate launch`, its `main`) as opentau starts it: `python -m
 opentau_cli.accelerate_launcher ARGS` takes the same arguments as `python -m accelerate.commands.launch ARGS`.
 
-Two differences: the launcher dies with the opentau command that started it (runtime.die_with_parent), and it imports torch with the garbage collector paused and freezes what it made,
-as every rank does (docs/ARCHITECTURE.md, "Start-up"), which also spares its exit a last pass over those objects;
-about a second of CPU per launch.
+Three differences: the launcher dies with the opentau command that started it (runtime.die_with_parent); it imports
+torch with the garbage collector paused and freezes what it made, as every rank does (docs/ARCHITECTURE.md,
+"Start-up"), which also spares its exit a last pass over those objects (about a second of CPU per launch); and
+OPENTAU_TORCHRUN_ARGS (JSON) sets torchrun arguments that `accelerate launch` has no flag for: the c10d rendezvous
+endpoint of a one-machine launch with restarts (else torchrun's fixed default port, shared by every run on the
+machine) and elastic `nnodes` MIN:MAX (docs/ARCHITECTURE.md, "Restarts").
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 from opentau_cli.runtime import die_with_parent, import_paused
+
+TORCHRUN_ARGS = "OPENTAU_TORCHRUN_ARGS"
 
 
 def main() -> None:
     die_with_parent()  # with `opentau train` / `resume`; its ranks die with it in turn (runtime.run_rank)
     import_paused("accelerate.commands.launch")
-    from accelerate.commands.launch import main as accelerate_launch
+    import accelerate.commands.launch as launch
 
-    accelerate_launch()
+    extra = json.loads(os.environ.pop(TORCHRUN_ARGS, "") or "{}")
+    if extra:
+        build = launch._filter_args  # how Accelerate turns its arguments into torchrun's (multi-GPU and DeepSpeed)
+
+        def with_extra(args, parser, default_args=[]):  # noqa: B006 (Accelerate's signature)
+            torchrun_args = build(args, parser, default_args)
+            for key, value in extra.items():
+                setattr(torchrun_args, key, value)
+            return torchrun_args
+
+        launch._filter_args = with_extra
+    launch.main()
 
 
 if __name__ == "__main__":

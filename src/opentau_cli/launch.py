@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAUNCH_FILE, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
+from opentau_cli.checkpoint.layout import CHECKPOINTS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
 from opentau_cli import runlock
 from opentau_cli.checkpoint.lineage import ROLLED_BACK, roll_back, span
 from opentau_cli.checkpoint.manager import checkpoint_steps, clean_leftovers, latest, run_dir_of
@@ -30,7 +30,9 @@ from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.plan import RunPlan
+from opentau_cli.accelerate_launcher import TORCHRUN_ARGS
 from opentau_cli.runtime import read_user_error
+from opentau_cli.train.restarts import ATTEMPT_MARK, STOPPED, is_knock_on, read_restarts
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,6 @@ class Worker:
 
 
 TRAIN_WORKER = Worker("opentau_cli.train.worker", "Training")
-LAUNCHER_LOG = "launcher.log"
 # Signals that mean "finish the current step, save, exit 0" (cluster preemption).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -55,7 +56,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool) -> dict:
+def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool, max_restarts: int = 0) -> dict:
     """The Accelerate config we hand to `accelerate launch`: the user's YAML as written, changed only where it must be.
 
     What changes: the launch's shape (processes, machines, machine rank, main process address: the command line and
@@ -65,7 +66,9 @@ def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool) -> dic
     one process; the worker then creates `Accelerator(cpu=True)`, which runs MULTI_CPU over gloo. Every other key
     (gpu_ids, dynamo_config, DeepSpeed offload, deepspeed_config_file, ...) reaches Accelerate as the user wrote it.
     """
-    multi = setup.world_size > 1
+    restarts = max_restarts > 0
+    # Restarts need torch's elastic agent (torchrun), which Accelerate runs for the multi-process launchers only.
+    multi = setup.world_size > 1 or restarts
     out: dict = {"compute_environment": "LOCAL_MACHINE", "rdzv_backend": "static", "same_network": True, **(setup.raw or {})}
     out.update(num_processes=setup.num_processes, num_machines=setup.num_machines, machine_rank=setup.machine_rank,
                mixed_precision=setup.mixed_precision, use_cpu=False)
@@ -100,8 +103,17 @@ def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool) -> dic
     return out
 
 
-def worker_env(setup: AccelerateSetup, cuda: bool) -> dict[str, str]:
+def worker_env(setup: AccelerateSetup, cuda: bool, max_restarts: int = 0) -> dict[str, str]:
     env = dict(os.environ)
+    if max_restarts > 0:
+        # The c10d rendezvous endpoint: machine 0's address, or a free port of this machine for a one-machine launch
+        # (torchrun's default, port 29400, would join every restartable run on the machine into one rendezvous).
+        host = setup.main_process_ip if setup.num_machines > 1 else "127.0.0.1"
+        port = setup.main_process_port or (free_port() if setup.num_machines == 1 else 29500)
+        env[TORCHRUN_ARGS] = json.dumps({"rdzv_endpoint": f"{host}:{port}"})
+        # A fresh store for each restarted group: with the agent's store shared across rendezvous rounds, the restarted
+        # ranks read the failed group's keys (gloo's peer addresses) and hang connecting to dead ranks (seen, torch 2.13).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     if setup.backend == "deepspeed" and not cuda:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU accelerator; the worker uses gloo
@@ -185,11 +197,11 @@ def interrupted_line(plan: RunPlan) -> str:
             "(Ctrl-C does not save: send SIGTERM to save first).")
 
 
-def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, Path, Path]:
+def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool, max_restarts: int = 0) -> tuple[Path, Path, Path]:
     cfg_path = log_dir / TRAIN_CONFIG
     cfg_path.write_text(json.dumps(plan.config.to_json_dict(), indent=2) + "\n")
     accel_path = log_dir / "accelerate_config.yaml"
-    accel_path.write_text(yaml.safe_dump(accelerate_yaml(plan.setup, plan.config, cuda), sort_keys=False))
+    accel_path.write_text(yaml.safe_dump(accelerate_yaml(plan.setup, plan.config, cuda, max_restarts), sort_keys=False))
     launch_path = log_dir / LAUNCH_FILE
     launch = {
         "accelerate": plan.setup.to_dict(),
@@ -202,9 +214,15 @@ def write_launch_files(plan: RunPlan, log_dir: Path, cuda: bool) -> tuple[Path, 
     return cfg_path, accel_path, launch_path
 
 
-def build_command(accel_path: Path, cfg_path: Path, launch_path: Path, module: str = TRAIN_WORKER.module) -> list[str]:
+def build_command(accel_path: Path, cfg_path: Path, launch_path: Path, module: str = TRAIN_WORKER.module,
+                  max_restarts: int = 0) -> list[str]:
+    # Restarts: torch's elastic agent checks its ranks every second and re-forms the group through the c10d
+    # rendezvous; the static one cannot (docs/ARCHITECTURE.md, "Restarts"). A flag: Accelerate ignores the YAML's
+    # rdzv_backend, whose command-line default wins.
+    restarts = (["--max_restarts", str(max_restarts), "--monitor_interval", "1", "--rdzv_backend", "c10d"]
+                if max_restarts else [])
     return [
-        sys.executable, "-m", "opentau_cli.accelerate_launcher", "--config_file", str(accel_path),
+        sys.executable, "-m", "opentau_cli.accelerate_launcher", "--config_file", str(accel_path), *restarts,
         "-m", module, "--config", str(cfg_path), "--launch", str(launch_path),
     ]
 
@@ -226,8 +244,6 @@ def _worker_processes(launcher_pid: int, module: str) -> list:
     return out
 
 
-# Errors a rank reports when another rank died first: never the root cause.
-_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "NCCL communicator was aborted")
 
 
 def failed_log(log_dir: Path) -> tuple[Path, str]:
@@ -236,10 +252,12 @@ def failed_log(log_dir: Path) -> tuple[Path, str]:
     found = []
     for log in logs:
         text = log.read_text(errors="replace")
+        mark = text.rfind(ATTEMPT_MARK)  # a restartable launch: only its last attempt's failure ended it
+        text = text[mark:] if mark >= 0 else text
         if "Traceback" in text or "Error:" in text:
             lines = [ln for ln in text.splitlines() if ln.strip()]
             last = lines[-1].strip() if lines else ""
-            found.append((any(k in last for k in _KNOCK_ON), log, last))
+            found.append((is_knock_on(last), log, last))
     if found:
         _, log, last = sorted(found, key=lambda f: f[0])[0]
         return log, last
@@ -267,8 +285,10 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         if note:
             echo(note)
     log_dir = new_log_dir(plan.config.output_dir, setup.machine_rank)
-    cfg_path, accel_path, launch_path = write_launch_files(plan, log_dir, cuda)
-    cmd = build_command(accel_path, cfg_path, launch_path, worker.module)
+    # Training restarts from its last checkpoint; other workers (profile) have nothing to restart from.
+    max_restarts = plan.config.distributed.max_restarts if worker == TRAIN_WORKER else 0
+    cfg_path, accel_path, launch_path = write_launch_files(plan, log_dir, cuda, max_restarts)
+    cmd = build_command(accel_path, cfg_path, launch_path, worker.module, max_restarts)
     if first:
         echo(f"Logs: {log_dir}/rank<N>.log")
     else:
@@ -278,7 +298,7 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     # The launcher's own chatter, and its traceback when a rank fails, go to launcher.log: the user gets one line.
     # Only global rank 0 (on machine 0) shows progress on the console.
     with (log_dir / LAUNCHER_LOG).open("w") as launcher_log:
-        proc = subprocess.Popen(cmd, env=worker_env(setup, cuda), stdout=None if worker.console and first else launcher_log,
+        proc = subprocess.Popen(cmd, env=worker_env(setup, cuda, max_restarts), stdout=None if worker.console and first else launcher_log,
                                 stderr=launcher_log)
     interrupted = stopped_early = False
 
@@ -324,6 +344,11 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         log, last = failed_log(log_dir)
         if log == log_dir:  # no rank got as far as its log
             log = log_dir / LAUNCHER_LOG
+        stopped = log_dir / STOPPED
+        if stopped.is_file():  # a restarted group found a failure no restart cures (train/restarts.py)
+            raise RunError(f"{worker.name} stopped: {stopped.read_text().strip()}. Full log: {log.resolve()}")
+        used = sum(1 for r in read_restarts(plan.config.output_dir) if r.get("run_id") == log_dir.name)
+        after = f" after {used} restart{'s' * (used != 1)}" if used else ""
         reason = f": {last}" if last else f" (exit code {rc})"
-        raise RunError(f"{worker.name} failed{reason}. Full log: {log.resolve()}")
+        raise RunError(f"{worker.name} failed{after}{reason}. Full log: {log.resolve()}")
     return 0

@@ -128,6 +128,13 @@ def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> 
     from opentau_cli.memory_plan import check_memory
 
     checked = validate(cfg, setup, machine, LAUNCH_CHECKS)
+    if cfg.distributed.max_restarts and setup.num_machines > 1:
+        # The c10d rendezvous that restarts need numbers the machines in the order they join, not by machine_rank, so
+        # the machine that holds the run's lock and prints its progress could change at a restart (docs/ARCHITECTURE.md,
+        # "Restarts"). Until that is handled, a multi-machine job restarts through its scheduler (README).
+        raise UserError(f"distributed.max_restarts ({cfg.distributed.max_restarts}) works on one machine for now; with "
+                        f"{setup.num_machines} machines set it to 0 and let the scheduler requeue the job "
+                        "(`opentau resume` continues from last).")
     check_memory(checked.config, setup, machine)  # a run that will not fit the card is refused before launch
     return checked
 

@@ -341,6 +341,7 @@ class RunInfo:
     launches: list[str] = field(default_factory=list)  # the launches that wrote the branch, oldest first
     rolled_back: dict[str, list[str]] = field(default_factory=dict)  # rolled_back/<time> -> the checkpoints it holds
     interrupted: list[str] = field(default_factory=list)  # leftovers of interrupted saves or deletions
+    restarts: list[dict] = field(default_factory=list)  # automatic restarts, oldest first (train/restarts.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -375,4 +376,7 @@ def inspect_run(run_dir: Path) -> RunInfo:
             info.launches.append(launch)
     for stamp, d in rolled_back(run):
         info.rolled_back.setdefault(stamp, []).append(d.name)
+    from opentau_cli.train.restarts import read_restarts
+
+    info.restarts = read_restarts(run)
     return info

@@ -180,6 +180,10 @@ def _print_run(run, as_json: bool) -> None:
         lines.append(("rolled back", f"{_names(names)} (moved to rolled_back/{stamp}/, kept)"))
     if run.interrupted:
         lines.append(("interrupted", f"{_names(run.interrupted)} (not checkpoints; the next run removes them)"))
+    for r in run.restarts:
+        source = f"from checkpoint {r['resumed_from']}" if r.get("resumed_from") else "from the start (no checkpoint yet)"
+        lines.append((f"restart {r.get('restart')}", f"{r.get('time')}: {r.get('cause')}; continued {source} at step "
+                                                      f"{r.get('step')} (launch {r.get('run_id')})"))
     for k, v in lines:
         typer.echo(f"{k + ':':18}{v}")
     typer.echo("Hashes not checked: `opentau checkpoint list RUN --verify` re-hashes every file; "

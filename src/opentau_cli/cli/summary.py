@@ -24,6 +24,15 @@ def human_bytes(n: int) -> str:
 ADAMW_BYTES_PER_PARAMETER = 8
 
 
+def restart_policy(cfg) -> str:
+    """What happens when a rank dies or hangs (docs/ARCHITECTURE.md, "Restarts")."""
+    n = cfg.distributed.max_restarts
+    if n == 0:
+        return "none: a failed or hung rank ends the run (distributed.max_restarts / --max-restarts)"
+    return (f"up to {n} automatic restart{'s' * (n != 1)} from the last checkpoint when a rank dies or hangs; bad input, "
+            "a checkpoint that fails verification or the same step failing twice end the run (distributed.max_restarts)")
+
+
 def parameter_row(counts: dict[str, int]) -> str:
     """Total and trainable parameters of the configured policy (with LoRA on, of the adapted one)."""
     return f"{_human(counts['total'])} total, {_human(counts['trainable'])} trainable ({counts['total']:,} / {counts['trainable']:,})"
@@ -61,7 +70,8 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("accelerate config", source),
         ("world size", f"{accel.world_size} ({accel.num_machines} machine{'s' if accel.num_machines > 1 else ''})"),
         ("mixed precision", accel.mixed_precision),
-        ("distributed", f"process group timeout {cfg.distributed.timeout_minutes} min (distributed.timeout_minutes)"),
+        ("distributed", f"hang timeout {cfg.distributed.timeout_minutes:g} min (distributed.timeout_minutes)"),
+        ("restarts", restart_policy(cfg)),
         (
             "global batch",
             f"{checked.global_batch_size} = {cfg.per_device_batch_size} per device x {cfg.gradient_accumulation_steps} "

@@ -17,6 +17,16 @@ GpuMemoryOpt = typer.Option(None, "--gpu-memory", help=(
     f"Check the memory plan against cards of this size instead of the visible GPU's: {CARD_SIZE_HELP}."))
 
 
+MaxRestartsOpt = typer.Option(None, "--max-restarts", "--max_restarts", help=(
+    "Restart the ranks from the run's last checkpoint up to this many times when one dies or hangs "
+    "(distributed.max_restarts; 0 = a failure ends the run)."))
+
+
+def _with_restarts(args: list[str], max_restarts: int | None) -> list[str]:
+    """--max-restarts N is the config's distributed.max_restarts, checked and reported as every override is."""
+    return args if max_restarts is None else [*args, f"--distributed.max_restarts={max_restarts}"]
+
+
 def _set_card(gpu_memory: str | None) -> None:
     """This command's card for the memory plan (--gpu-memory), not a previous command's."""
     from opentau_cli.memory_plan import parse_size, set_card_memory
@@ -46,7 +56,8 @@ def _launch(plan, break_lock: bool = False) -> None:
 def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_config: AccelerateConfigOpt = None,
           machine_rank: MachineRankOpt = None, num_machines: NumMachinesOpt = None, main_process_ip: MainIpOpt = None,
           main_process_port: MainPortOpt = None, break_lock: BreakLockOpt = False, reshard: ReshardOpt = "false",
-          rollback: RollbackOpt = "false", gpu_memory: Optional[str] = GpuMemoryOpt) -> None:
+          rollback: RollbackOpt = "false", gpu_memory: Optional[str] = GpuMemoryOpt,
+          max_restarts: Optional[int] = MaxRestartsOpt) -> None:
     """Train a policy under Accelerate (single process, DDP, DeepSpeed ZeRO-2/3).
 
     Examples:
@@ -59,7 +70,7 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
 
     _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
-    _launch(plan_train(config_path, accelerate_config, list(ctx.args), machines=machines,
+    _launch(plan_train(config_path, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
                        reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
                        break_lock=break_lock),
             break_lock)
@@ -78,6 +89,7 @@ def resume(
     reshard: ReshardOpt = "false",
     rollback: RollbackOpt = "false",
     gpu_memory: Optional[str] = GpuMemoryOpt,
+    max_restarts: Optional[int] = MaxRestartsOpt,
 ) -> None:
     """Resume a run from the checkpoint `last` designates (or the checkpoint given; an older one needs --rollback=true).
 
@@ -93,7 +105,7 @@ def resume(
 
     _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
-    _launch(plan_resume(run_dir, accelerate_config, list(ctx.args), machines=machines,
+    _launch(plan_resume(run_dir, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
                         reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
                         break_lock=break_lock),
             break_lock)

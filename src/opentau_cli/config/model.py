@@ -251,10 +251,19 @@ class EmaConfig(Section):
 
 
 class DistributedConfig(Section):
-    timeout_minutes: int = Field(
-        60, ge=1,
-        description="Process-group timeout: how long a rank waits in a collective (e.g. while rank 0 writes a large "
-                    "checkpoint) before the job is aborted. Applied to every backend; NCCL's own default is 10.",
+    timeout_minutes: float = Field(
+        60, gt=0,
+        description="Hang timeout: how long a rank waits in a collective (e.g. while rank 0 writes a large "
+                    "checkpoint), and how long any rank may go without finishing a step, a validation or a save, "
+                    "before it is stopped as hung (and the run restarted when max_restarts allows). Applied to every "
+                    "backend; NCCL's own default is 10.",
+    )
+    max_restarts: int = Field(
+        0, ge=0,
+        description="Restart the ranks from the run's last checkpoint up to this many times when one fails (a crash, "
+                    "a kill, a hang), through torch's elastic agent; 0 = a failure ends the run. Failures a restart "
+                    "cannot cure (bad input, a checkpoint that fails verification, the same step failing again) end "
+                    "it at once.",
     )
     memory_check: bool = Field(
         True, description="Refuse a launch whose memory plan exceeds the GPU's memory (the visible card, or config "

@@ -42,9 +42,11 @@ def agree_run_id(accelerator, launch: dict) -> str:
 
 def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
+    from opentau_cli import runlock
     from opentau_cli.checkpoint.layout import METRICS, TB_RUN, TENSORBOARD
     from opentau_cli.checkpoint.manager import BestCheckpoints, CheckpointManager
     from opentau_cli.runtime import keep_until_exit
+    from opentau_cli.train import restarts
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
     from opentau_cli.train.trackers import Trackers
     from opentau_cli.train.trainer import build_trainer
@@ -57,6 +59,11 @@ def fit(cfg, setup, launch: dict, console) -> int:
     keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
     acc = trainer.accelerator
     run_id = agree_run_id(acc, launch)
+    run_log_dir = Path(launch["log_dir"]).parent / run_id
+    runlock.register_rank(run_dir)  # the run stays locked while this rank lives, whatever happens to its launcher
+    failure = None
+    if restarts.attempt():
+        failure, resume_from = restart_point(acc, cfg, setup, launch, run_log_dir, resume_from)
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
                              keep_last=cfg.checkpoint.keep_last, protect=resume_from, parent=resume_from,
                              save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs,
@@ -68,24 +75,33 @@ def fit(cfg, setup, launch: dict, console) -> int:
     resume_state = None
     if resume_from is not None:
         resume_state = trainer.restore(ckpt, resume_from)
-        if acc.is_main_process:
-            truncate_metrics(run_dir / METRICS, trainer.step)
+    continued = resume_from is not None or failure is not None
+    if continued and acc.is_main_process:
+        truncate_metrics(run_dir / METRICS, trainer.step)
     if tb_dir is not None:
         # One TensorBoard run per run directory; a resume purges what a dead or rolled-back launch logged past its step.
-        acc.init_trackers(TB_RUN, init_kwargs={"tensorboard": {"purge_step": trainer.step + 1}} if resume_from else {})
+        acc.init_trackers(TB_RUN, init_kwargs={"tensorboard": {"purge_step": trainer.step + 1}} if continued else {})
     # W&B, MLflow, ...: continue (or fork) the tracked runs the checkpoint records (train/trackers.py).
     trackers = Trackers.open(acc, cfg, run_dir, resume_state=resume_state, step=trainer.step)
     metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None, trackers=trackers)
-    progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar)
-    if resume_from is not None:
+    progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar, restarts=restarts.attempt())
+    if failure is not None:
+        if acc.is_main_process:
+            progress.message(restarts.restart_line(restarts.record_restart(run_dir, run_id, failure, resume_from, trainer.step)))
+    elif resume_from is not None:
         progress.message(f"Resumed from {resume_from} at step {trainer.step}.")
     for note in trackers.notes:
         progress.message(note)
     config = cfg.to_json_dict()
     config["resume"] = False  # a saved config starts nothing by itself; --resume=true or `opentau resume` resumes it
+    marks = restarts.StepMarks(run_log_dir, acc.process_index) if restarts.max_restarts() else None
+    watchdog = restarts.Watchdog(cfg.distributed.timeout_minutes * 60, acc.process_index)
     try:
         while trainer.step < cfg.steps:
+            if marks is not None:
+                marks.running(trainer.step + 1)
             result = trainer.train_step(stop_requested=preemption.requested)
+            watchdog.beat(trainer.step)
             ckpt.poll()  # async_save: publishes the save in flight once written; raises if it failed
             step = trainer.step
             if result.record is not None:
@@ -105,6 +121,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
                 saved = ckpt.save(step, config=config, state={**trainer.state_dict(), "validation": validation,
                                                               "trackers": trackers.state()})
                 trackers.checkpoint(step, time.perf_counter() - started, saved)
+            watchdog.beat()
             if result.stop:
                 ckpt.wait()
                 progress.message(f"Preempted: saved step {step}; continue with `opentau resume {run_dir}`.")
@@ -117,6 +134,35 @@ def fit(cfg, setup, launch: dict, console) -> int:
             acc.end_training()
         trainer.data.stream.close()
     return 0
+
+
+def restart_point(acc, cfg, setup, launch: dict, run_log_dir: Path, resume_from: Path | None):
+    """A restarted group's start (docs/ARCHITECTURE.md, "Restarts"): why the previous attempt failed, and the
+    checkpoint to continue from (the run's `last`, else the launch's own source); a failure no restart can cure, or a
+    `last` that fails verification, ends the launch here. Rank 0 decides for all."""
+    from accelerate.utils import broadcast_object_list
+
+    from opentau_cli.checkpoint.manager import clean_leftovers, latest
+    from opentau_cli.checkpoint.manifest import verify_manifest
+    from opentau_cli.train import restarts
+
+    run_dir = Path(cfg.output_dir)
+    decision = [None, None, None]
+    if acc.is_main_process:
+        failure = restarts.previous_failure(launch, run_log_dir, setup.machine_rank,
+                                            setup.num_processes // setup.num_machines)
+        clean_leftovers(run_dir)  # the failed attempt's unfinished saves
+        source = latest(run_dir) or resume_from
+        reason = restarts.incurable(failure, run_dir, run_log_dir, source)
+        if reason is None and source is not None:
+            problems = verify_manifest(source)
+            if problems:
+                reason = f"checkpoint {source} fails verification ({problems[0]}); restore it or roll back with `opentau resume --rollback`"
+        decision = [failure, str(source) if source else None, reason]
+    failure, source, reason = broadcast_object_list(decision, from_process=0)
+    if reason:
+        restarts.stop_launch(run_log_dir, reason)
+    return failure, Path(source) if source else None
 
 
 def main(argv: list[str] | None = None) -> None:
