@@ -12,10 +12,9 @@ asynchronous saves.
 
 Three loads, one after the other, each for all of its rounds: quiet (the machine as it is); niced (a spinning process
 per core at nice +10, as `nice` runs a background job); loaded (a spinning process per core at the training process's
-own priority, as data workers keep a GPU node's cores busy). Loaded is where a writer process below training's
-priority is starved: when the loop must wait for a save (here at each async segment's end, as the next save would),
-the training process takes the write over (async_save.HostStaging.write), from where the writer stopped, and the
-table says how many files it wrote itself. Also measured: the
+own priority, as data workers keep a GPU node's cores busy). Loaded is where the writer process, below training's
+priority, gets the least CPU: when the loop must wait for a save (here at each async segment's end, as the next save
+would), it waits for that writer. Also measured: the
 CPU seconds a save spends per GB, in the training thread (sync save; async copy into host memory) and in async_save's
 writer process by phase (hashing, copying into the write buffer, write and sync calls, serializing): on a machine
 whose cores are all busy, that is the floor of what any save costs.
@@ -159,26 +158,23 @@ def measure(config: Path, workdir: Path, *, every: int, rounds: int, warmup: int
     managers["async"]._staging.stats.clear()
     segments: dict[str, dict[str, list[tuple[float, float, int, float]]]] = {}
     loads: dict[str, tuple[float, float]] = {}
-    files: dict[str, list[dict]] = {}  # per load: the async saves' files, by whom written (HostStaging.stats)
-    stats = managers["async"]._staging.stats
     for mode in modes:
         seg = segments[mode] = {k: [] for k in KINDS}
-        before, counted = os.getloadavg()[0], len(stats)
+        before = os.getloadavg()[0]
         with Busy(SPINNER_NICE[mode]) if mode in SPINNER_NICE else contextlib.nullcontext():
             for r in range(rounds):
                 for kind in KINDS[r % 3:] + KINDS[:r % 3]:
                     seg[kind].append(segment(kind))
                     print(f"{mode} round {r + 1}: {kind:5s} {seg[kind][-1][0]:.2f} s", flush=True)
         loads[mode] = (before, os.getloadavg()[0])
-        files[mode] = stats[counted:]
     rss.stop()
     peak["async"] = max(s[2] for seg in segments.values() for s in seg["async"])
     staging = managers["async"]._staging
     snapshot = (staging.nbytes, staging.tensor_bytes, staging.nbytes - staging.BOUNCE)
-    writer = [s for s in stats if not s.get("taken_over")]
+    writer = list(managers["async"]._staging.stats)
     trainer.data.stream.close()
     return {"segments": segments, "first": first, "snapshot": snapshot, "peak": peak, "cpu": cpu, "writer": writer,
-            "loads": loads, "files": files}
+            "loads": loads}
 
 
 def lost_per_save(seg: dict) -> tuple[dict[str, list[float]], dict[str, float], list[float]]:
@@ -195,15 +191,6 @@ def swung_rounds(seg: dict, sync_lost: float) -> list[int]:
     costs: there the load moved more than a save does, and the round's ratio measures the load, not the save."""
     middle = statistics.median(s[0] for s in seg["none"])
     return [r + 1 for r, s in enumerate(seg["none"]) if abs(s[0] - middle) > abs(sync_lost)]
-
-
-def taken_over(files: list[dict]) -> str:
-    """How many of a load's async files (and bytes) the training process wrote itself, having waited for them."""
-    took = [f for f in files if f.get("taken_over")]
-    gb = 1e9
-    return (f"{len(took)} of {len(files)} files, {sum(f['bytes'] for f in took) / gb:.2f} of "
-            f"{sum(f['bytes'] for f in files) / gb:.2f} GB, of which the writer process had written "
-            f"{sum(f.get('kept', 0) for f in took) / gb:.2f} GB (kept, not written again)")
 
 
 def cpu_per_gb(result: dict) -> list[tuple[str, str]]:
@@ -278,8 +265,6 @@ def main() -> None:
             (f"{prefix}save blocks the loop (median)", f"sync {median('sync', 1):.2f} s, async {median('async', 1):.2f} s"),
             (f"{prefix}async: waited for the writer at the segment's end", f"median {median('async', 3):.2f} s "
                                                                           f"(runs: {runs('async', 3)})"),
-            (f"{prefix}async: files the training process took over (wrote itself while the loop waited)",
-             taken_over(result["files"][mode])),
             *[(f"{prefix}training time lost per save, {m}", f"{lost[m]:.2f} s (median of the rounds': "
                                                             f"{', '.join(f'{d:.2f}' for d in paired[m])})")
               for m in ("sync", "async")],

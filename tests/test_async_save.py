@@ -259,124 +259,6 @@ def test_a_writer_process_that_died_fails_the_save_and_keeps_the_previous_checkp
     assert sorted(p.name for p in root.iterdir()) == ["000001", LAST] and verify_manifest(root / "000001") == []
 
 
-def writer_process() -> int:
-    """The pid of this process's async_save writer, found from outside: the child whose command runs _writer_main."""
-    found = []
-    for task in Path("/proc/self/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            if b"_writer_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(int(pid))
-    assert len(found) == 1, found
-    return found[0]
-
-
-def bytes_written_by(pid: int) -> int:
-    """What a process has passed to write calls so far (the kernel's count: files and sockets alike)."""
-    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    return int(io["wchar"])
-
-
-def test_a_save_the_loop_waits_for_is_written_by_the_training_process_when_the_writer_cannot_run(parts, tmp_path):
-    """The writer process runs below training's priority; on busy cores it is starved, here stopped outright. A loop
-    that waits for the save takes the write over: the writer writes none of it, the checkpoint is save_state's."""
-    m = parts.manager(tmp_path / "run")
-    save(m, 1)
-    m.wait()  # the writer process exists from the first save on
-    writer = writer_process()
-    parts.acc.save_state(str(tmp_path / "sync"), safe_serialization=True)  # the reference: the same state, synchronously
-    before = bytes_written_by(writer)
-    os.kill(writer, signal.SIGSTOP)
-    try:
-        ckpt = save(m, 2)
-        parts.step()  # the live state moves on before anything is written
-
-        def resume_once_waited_for() -> None:  # the writer may run again once the loop has said it waits
-            for _ in range(6000):
-                if m._in_flight is None or m._in_flight.waited_for:
-                    break
-                threading.Event().wait(0.01)
-            os.kill(writer, signal.SIGCONT)
-
-        threading.Thread(target=resume_once_waited_for, daemon=True).start()
-        m.wait()
-    finally:
-        os.kill(writer, signal.SIGCONT)
-    assert verify_manifest(ckpt) == [] and read_last(ckpt.parent) == "000002"
-    sync, written = files(tmp_path / "sync"), {k: v for k, v in files(ckpt).items() if k in files(tmp_path / "sync")}
-    assert sorted(written) == sorted(sync)
-    for name in sync:
-        if name.endswith(".safetensors"):
-            assert written[name] == sync[name], name
-        else:
-            assert_same(torch.load(ckpt / name, weights_only=False), torch.load(tmp_path / "sync" / name,
-                                                                                 weights_only=False), name)
-    saved = sum(len(v) for v in written.values())
-    assert bytes_written_by(writer) - before < 4096 < saved  # its replies only: it dropped the file it was sent
-
-    before = bytes_written_by(writer)
-    third = save(m, 3)  # nobody waits for this one: the writer process writes it all
-    for _ in range(6000):
-        m.poll()
-        if is_complete(third):
-            break
-        threading.Event().wait(0.01)
-    assert verify_manifest(third) == [] and bytes_written_by(writer) - before >= saved
-
-
-def test_an_uncached_file_handed_over_drops_the_rest_and_fails_when_closed(tmp_path, monkeypatch):
-    import mmap
-
-    from opentau_cli.checkpoint.async_save import HandedOver, UncachedFile
-
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    monkeypatch.setattr(UncachedFile, "handover", page)  # as in the writer process
-    with pytest.raises(HandedOver):
-        with UncachedFile(tmp_path / "f.bin", HostStaging().bounce) as f:
-            assert f.write(memoryview(b"a" * (HostStaging.BOUNCE + 5000))) == HostStaging.BOUNCE + 5000
-            page[0] = 1  # the training process takes the file over
-            assert f.write(memoryview(b"b" * (HostStaging.BOUNCE * 2))) == HostStaging.BOUNCE * 2  # accepted, dropped
-    assert (tmp_path / "f.bin").read_bytes() == b"a" * HostStaging.BOUNCE  # the one full buffer before; nothing after
-
-
-@pytest.mark.parametrize("o_direct", [True, False])
-def test_a_file_handed_over_midway_is_finished_from_where_the_writer_stopped_into_the_same_bytes(tmp_path, monkeypatch,
-                                                                                                   o_direct):
-    import mmap
-
-    from opentau_cli.checkpoint.async_save import DifferentPrefix, HandedOver, UncachedFile
-
-    if not o_direct:
-        monkeypatch.delattr(os, "O_DIRECT", raising=False)
-    buf = HostStaging.BOUNCE
-    data = os.urandom(2 * buf + 12345)
-    pieces = [data[:buf // 3], data[buf // 3:buf + 100], data[buf + 100:2 * buf + 7], data[2 * buf + 7:]]
-    page = mmap.mmap(-1, mmap.PAGESIZE)
-    monkeypatch.setattr(UncachedFile, "handover", page)  # the writer process's side
-    path = tmp_path / "f.bin"
-    with pytest.raises(HandedOver) as e:
-        with UncachedFile(path, HostStaging().bounce) as f:
-            f.write(memoryview(pieces[0]))
-            f.write(memoryview(pieces[1]))  # one buffer written out
-            page[0] = 1
-            f.write(memoryview(pieces[2]))
-    _, on_disk, digest = e.value.args
-    assert on_disk == buf and path.stat().st_size == buf
-    monkeypatch.setattr(UncachedFile, "handover", None)  # the training process's side
-
-    def write_all(parts, resume) -> tuple:
-        with UncachedFile(path, HostStaging().bounce, resume) as f:
-            for piece in parts:
-                f.write(memoryview(piece))
-        return f.result()
-
-    assert write_all(pieces, (on_disk, digest)) == (path, len(data), hash_file(path))
-    assert path.read_bytes() == data
-    for other in ([b"x" + data[1:]], [data[:buf - 1]]):  # other first bytes; fewer bytes than are on disk
-        with pytest.raises(DifferentPrefix):
-            write_all(other, (on_disk, digest))
-
-
-
 @pytest.mark.parametrize("o_direct", [True, False])
 def test_uncached_files_hold_exactly_the_bytes_written_with_or_without_o_direct(tmp_path, monkeypatch, o_direct):
     from opentau_cli.checkpoint.async_save import UncachedFile
@@ -536,7 +418,7 @@ def test_the_benchmark_arithmetic_on_canned_numbers():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_async_save import cpu_per_gb, lost_per_save, swung_rounds, taken_over
+    from bench_async_save import cpu_per_gb, lost_per_save, swung_rounds
 
     seg = {"none": [(10.0, 0, 0, 0), (12.0, 0, 0, 0), (11.0, 0, 0, 0)],
            "sync": [(14.0, 2, 0, 0), (16.0, 2, 0, 0), (13.0, 2, 0, 0)],
@@ -554,6 +436,3 @@ def test_the_benchmark_arithmetic_on_canned_numbers():
     assert rows["save CPU per GB, async writer process"] == (
         "2.00 CPU-s/GB: hashing 0.25, copying into the write buffer 0.25, write and sync calls 0.50, serializing and "
         "the rest 1.00 (1.00 GB in 2 files)")
-    assert taken_over([{"bytes": 2e8, "taken_over": True, "kept": 1e8}, {"bytes": 6e8},
-                       {"bytes": 5e7, "taken_over": True, "kept": 0}]) == (
-        "2 of 3 files, 0.25 of 0.85 GB, of which the writer process had written 0.10 GB (kept, not written again)")

@@ -11,12 +11,6 @@ process maps (HostStaging): serializing, hashing and writing never hold the trai
 thread did, and on a machine whose cores are all busy a descheduled thread holding it stalled the training loop (a
 save then cost more than a synchronous one). The background threads never run a collective: the main thread learns
 their progress (CheckpointManager.poll), so the ranks agree on it.
-
-The writer process runs below the training process's priority, so on busy cores it only takes the CPU they leave;
-when the loop has to wait for a save (the next save, the end of the run, a preemption) the training process takes the
-write over (BackgroundSave.wait_for_milestone): the writer drops the file it is on and the training process writes
-it and the rest itself, at its own priority, rather than wait on a starved writer (docs/ARCHITECTURE.md,
-"Asynchronous saves").
 """
 
 from __future__ import annotations
@@ -46,7 +40,6 @@ from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, r
 from opentau_cli.checkpoint.manifest import HASH_NAME
 
 WRITER_NICE = 10  # how much lower the writer process's priority is than the training process's
-_writing = threading.local()  # .save: the BackgroundSave whose part this thread writes (BackgroundSave._run)
 Write = Callable[[], tuple[Path, int, str]]  # writes one file: (its path, size, hash as the manifest records it)
 Job = Callable[[], None]
 
@@ -70,9 +63,7 @@ class HostStaging:
         self._pin = pin  # None: pin when the state is on CUDA
         self.bounce = mmap.mmap(-1, self.BOUNCE)  # page-aligned, as O_DIRECT needs
         self._writer: _WriterProcess | None = None
-        # Per file written: bytes and CPU seconds by phase; "taken_over": written by the training process because the
-        # loop waited for the save (BackgroundSave.wait_for_milestone), else by the writer process.
-        self.stats: list[dict] = []
+        self.stats: list[dict] = []  # per file written by the writer process: bytes and CPU seconds by phase
 
     @property
     def nbytes(self) -> int:
@@ -142,45 +133,14 @@ class HostStaging:
             torch.cuda.synchronize()
 
     def write(self, job: "FileWrite") -> tuple[Path, int, str]:
-        """Write one file of the snapshot: in the writer process when there is one, else in this thread. Once the
-        training loop waits for the save this thread writes (BackgroundSave.wait_for_milestone), this thread writes
-        it, the file the writer was on included: the writer runs at nice +WRITER_NICE, and on busy cores the loop
-        would wait on a starved process (docs/ARCHITECTURE.md, "Asynchronous saves")."""
+        """Write one file of the snapshot: in the writer process when there is one, else in this thread."""
         if isinstance(job.state, Staged):
             job = replace(job, state=job.state.value)
         if self._writer is None:
             return job.run(self.bounce)
-        self._writer.check_alive()  # a writer that ended fails the save, taken over or not
-        save = getattr(_writing, "save", None)
-        if save is None or not save.waited_for:
-            if save is not None:
-                save.writer = self._writer
-            self._writer.hand_over(False)
-            # Checked again after clearing: the loop sets waited_for before it asks the writer to hand over.
-            if save is None or not save.waited_for:
-                if self._arena.id not in self._writer.arenas:
-                    self._writer.share(self._arena)
-                try:
-                    result, stats = self._writer.write(job, self._staged)
-                except HandedOver as e:  # the writer dropped this file: written below, from where it stopped
-                    return self._write_here(job, e.args[1:] if e.args[1] else None)
-                self.stats.append(stats)
-                return result
-        return self._write_here(job)
-
-    def _write_here(self, job: "FileWrite", resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
-        """Write one file in this thread, at the training process's priority (the loop is waiting for it). `resume`:
-        the bytes the writer process wrote out before it handed the file over, and their hash: serialized and hashed
-        again, not written (serializing is deterministic: both processes skip the zip CRCs); if the hash differs,
-        the file is written from the start."""
-        before, began = dict(UncachedFile.cpu), time.thread_time()
-        try:
-            result = job.run(self.bounce, resume)
-        except DifferentPrefix:
-            resume = None
-            result = job.run(self.bounce)
-        stats = {k: UncachedFile.cpu[k] - before[k] for k in before}
-        stats.update(bytes=result[1], cpu=time.thread_time() - began, taken_over=True, kept=resume[0] if resume else 0)
+        if self._arena.id not in self._writer.arenas:
+            self._writer.share(self._arena)
+        result, stats = self._writer.write(job, self._staged)
         self.stats.append(stats)
         return result
 
@@ -396,22 +356,19 @@ class FileWrite:
     safetensors: bool = False
     zipfile: bool = True  # torch.save's format (DeepSpeed's engine may ask for the legacy one)
 
-    def run(self, bounce: mmap.mmap, resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
-        """Write the file; `resume`: its first bytes are on disk already (UncachedFile)."""
+    def run(self, bounce: mmap.mmap) -> tuple[Path, int, str]:
         if self.safetensors:
-            return _save_safetensors(self.state, self.path, bounce, resume)
-        return _torch_save(self.state, self.path, bounce, self.zipfile, resume)
+            return _save_safetensors(self.state, self.path, bounce)
+        return _torch_save(self.state, self.path, bounce, self.zipfile)
 
 
-def _torch_save(obj, path: Path, bounce: mmap.mmap, zipfile: bool = True,
-                resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
-    with UncachedFile(path, bounce, resume) as f:
+def _torch_save(obj, path: Path, bounce: mmap.mmap, zipfile: bool = True) -> tuple[Path, int, str]:
+    with UncachedFile(path, bounce) as f:
         torch.save(obj, f, _use_new_zipfile_serialization=zipfile)
     return f.result()
 
 
-def _save_safetensors(state: dict, path: Path, bounce: mmap.mmap,
-                      resume: tuple[int, str] | None = None) -> tuple[Path, int, str]:
+def _save_safetensors(state: dict, path: Path, bounce: mmap.mmap) -> tuple[Path, int, str]:
     """The file Accelerate's `save(state, path, safe_serialization=True)` writes, byte for byte, through an
     UncachedFile: shared tensors once, format=pt metadata, and the tensors in the order safetensors gives them (it
     sorts by dtype and name; asked here with empty stand-ins, so no data is copied)."""
@@ -430,7 +387,7 @@ def _save_safetensors(state: dict, path: Path, bounce: mmap.mmap,
     order = [k for k in json.loads(layout[8:8 + struct.unpack("<Q", layout[:8])[0]]) if k != "__metadata__"]
     tensors = [(name, state[name].contiguous()) for name in order]
     entries = [TensorEntry(name, tuple(t.shape), t.dtype, lambda: None) for name, t in tensors]
-    with UncachedFile(path, bounce, resume) as f:
+    with UncachedFile(path, bounce) as f:
         f.write(header_bytes(entries, {"format": "pt"}))
         for _, t in tensors:
             f.write(t.reshape(-1).view(torch.uint8).numpy())
@@ -447,22 +404,12 @@ class UncachedFile:
 
     BLOCK = 4096  # O_DIRECT's alignment of offsets and lengths
     cpu = {"hash": 0.0, "copy": 0.0, "write": 0.0}
-    # In the writer process: the shared page whose first byte the training process sets when it takes the write over
-    # (HostStaging.write). The file then takes no more of the writer's CPU: the rest of its bytes are dropped and
-    # closing it raises HandedOver with how far it is on disk (raised only there, never through torch.save's writer).
-    handover: mmap.mmap | None = None
 
-    def __init__(self, path: Path, bounce: mmap.mmap, resume: tuple[int, str] | None = None):
-        """`resume`: (bytes, their hash) the writer process left on disk when it handed the file over. They are
-        serialized and hashed again, not written; if their hash differs, nothing more is written and closing raises
-        DifferentPrefix (the caller writes the file from the start)."""
+    def __init__(self, path: Path, bounce: mmap.mmap):
         self._path, self._buf, self._fill, self._size = Path(path), bounce, 0, 0
-        self._dropped: type[Exception] | None = None  # why the rest is not written: HandedOver or DifferentPrefix
         self._hash = getattr(xxhash, HASH_NAME)()
-        self._skip, self._expect = resume or (0, "")
-        self.on_disk = (0, self._hash.hexdigest())  # (bytes written out, their hash) as of the last full buffer
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
-        flags = os.O_WRONLY | os.O_CREAT | (0 if self._skip else os.O_TRUNC)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self._direct = hasattr(os, "O_DIRECT")
         try:
             self._fd = os.open(path, flags | (os.O_DIRECT if self._direct else 0), 0o666)
@@ -471,8 +418,6 @@ class UncachedFile:
                 raise
             self._direct = False
             self._fd = os.open(path, flags, 0o666)
-        if self._skip:  # a multiple of the buffer's size: aligned as O_DIRECT needs
-            os.lseek(self._fd, self._skip, os.SEEK_SET)
 
     def __enter__(self) -> "UncachedFile":
         return self
@@ -486,31 +431,20 @@ class UncachedFile:
 
     def write(self, data) -> int:
         src = np.frombuffer(data, dtype=np.uint8)
+        began = time.thread_time()
+        self._hash.update(src)
+        self.cpu["hash"] += time.thread_time() - began
         done = 0
-        if self._size < self._skip and not self._dropped:  # on disk already (resume): hashed, not written again
-            done = min(src.size, self._skip - self._size)
-            self._hash.update(src[:done])
-            self._size += done
-            if self._size == self._skip and self._hash.hexdigest() != self._expect:
-                self._dropped = DifferentPrefix
         while done < src.size:
-            if self._dropped is None and self.handover is not None and self.handover[0]:
-                self._dropped = HandedOver
-            if self._dropped:
-                return src.size
             n = min(src.size - done, len(self._buf) - self._fill)
-            began = time.thread_time()
-            self._hash.update(src[done:done + n])  # a buffer at a time: a handover waits for one buffer at most
-            self.cpu["hash"] += time.thread_time() - began
             began = time.thread_time()
             ctypes.memmove(self._addr + self._fill, src.ctypes.data + done, n)
             self.cpu["copy"] += time.thread_time() - began
             self._fill += n
             done += n
-            self._size += n
             if self._fill == len(self._buf):
                 self._drain(self._fill)
-                self.on_disk = (self._size, self._hash.hexdigest())
+        self._size += src.size
         return src.size
 
     def flush(self) -> None:
@@ -526,12 +460,6 @@ class UncachedFile:
         self.cpu["write"] += time.thread_time() - began
 
     def _finish(self) -> None:
-        if self._dropped is None and self.handover is not None and self.handover[0]:
-            self._dropped = HandedOver
-        if self._dropped is None and self._size < self._skip:  # shorter than what is on disk: not the same file
-            self._dropped = DifferentPrefix
-        if self._dropped is not None:
-            raise self._dropped(str(self._path), *self.on_disk)
         if self._fill:
             tail = self._fill
             if self._direct:  # a last whole block, cut back to the file's size below
@@ -540,7 +468,7 @@ class UncachedFile:
                 tail += pad
             self._drain(tail)
         began = time.thread_time()
-        if self._direct or self._skip:
+        if self._direct:
             os.ftruncate(self._fd, self._size)
         os.fsync(self._fd)
         self.cpu["write"] += time.thread_time() - began
@@ -548,15 +476,6 @@ class UncachedFile:
     def result(self) -> tuple[Path, int, str]:
         """(path, size, hash) of the finished file."""
         return self._path, self._size, self._hash.hexdigest()
-
-
-class HandedOver(Exception):
-    """The writer process dropped a file because the training process writes it itself (HostStaging.write). Its
-    args: the path, and the bytes the writer had written out with their hash (where the training process resumes)."""
-
-
-class DifferentPrefix(Exception):
-    """A resumed file's bytes on disk are not the ones the training process serializes (it then starts over)."""
 
 
 class _StatePickler(pickle.Pickler):
@@ -589,8 +508,7 @@ class _StateUnpickler(pickle.Unpickler):
 class _WriterProcess:
     """The process that writes this rank's snapshots (one per training process, started with its first async save).
     It is fed through a socket: an arena's memfd once, then per file a pickle that names places in the arenas. It
-    writes under the file-size limit the training process has at that moment (RLIMIT_FSIZE), and dies with it. A
-    shared page tells it to hand the file it is on over to the training process (`hand_over`)."""
+    writes under the file-size limit the training process has at that moment (RLIMIT_FSIZE), and dies with it."""
 
     def __init__(self):
         import socket
@@ -599,16 +517,11 @@ class _WriterProcess:
         from multiprocessing.connection import Connection
 
         ours, theirs = socket.socketpair()
-        control = os.memfd_create("opentau-checkpoint-handover", os.MFD_CLOEXEC)
-        os.ftruncate(control, mmap.PAGESIZE)
-        self._handover = mmap.mmap(control, mmap.PAGESIZE)
         env = dict(os.environ, OMP_NUM_THREADS="1")  # it never computes: no thread pool
-        code = (f"from opentau_cli.checkpoint.async_save import _writer_main; "
-                f"_writer_main({theirs.fileno()}, {control})")
-        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno(), control], env=env,
+        code = f"from opentau_cli.checkpoint.async_save import _writer_main; _writer_main({theirs.fileno()})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env,
                                       stdin=subprocess.DEVNULL)
         theirs.close()
-        os.close(control)
         self._conn = Connection(ours.detach())
         self.arenas: set[int] = set()
         weakref.finalize(self, _WriterProcess._stop, self._conn, self._proc)
@@ -637,14 +550,6 @@ class _WriterProcess:
         except (EOFError, OSError):
             raise RuntimeError(f"the checkpoint writer process ended (exit code {self._proc.poll()})") from None
 
-    def check_alive(self) -> None:
-        if self._proc.poll() is not None:
-            raise RuntimeError(f"the checkpoint writer process ended (exit code {self._proc.poll()})")
-
-    def hand_over(self, now: bool) -> None:
-        """Ask the writer to drop the file it is on (and any it is sent) from now on, or no longer."""
-        self._handover[0] = int(now)
-
     def forget(self, arena: _Arena) -> None:
         if arena.id in self.arenas:
             self.arenas.discard(arena.id)
@@ -665,9 +570,8 @@ class _WriterProcess:
         return value, stats
 
 
-def _writer_main(fd: int, control: int) -> None:
-    """The writer process: write each file it is sent; leave when the training process closes the socket or dies.
-    `control`: the page through which the training process takes a file over (UncachedFile.handover)."""
+def _writer_main(fd: int) -> None:
+    """The writer process: write each file it is sent; leave when the training process closes the socket or dies."""
     import io
     import resource
     from multiprocessing.connection import Connection
@@ -683,8 +587,6 @@ def _writer_main(fd: int, control: int) -> None:
     with contextlib.suppress(OSError):
         os.nice(WRITER_NICE)
     conn = Connection(fd)
-    UncachedFile.handover = mmap.mmap(control, mmap.PAGESIZE)
-    os.close(control)
     arenas: dict[int, mmap.mmap] = {}
     bounce = mmap.mmap(-1, HostStaging.BOUNCE)
     from opentau_cli.checkpoint.manager import skip_zip_crcs
@@ -727,8 +629,6 @@ class BackgroundSave:
     def __init__(self, step: int, tmp: Path, final: Path, write_part: Job, publish: Job | None):
         self.step, self.tmp, self.final = step, tmp, final
         self.publishing = False  # the main thread's view: every rank's part is written
-        self.waited_for = False  # the loop waits for this rank's part: its thread writes it (HostStaging.write)
-        self.writer: _WriterProcess | None = None  # the writer process this rank's part went to, if any
         self.error: BaseException | None = None
         self._write_part, self._publish = write_part, publish
         self._written, self._go, self._done = threading.Event(), threading.Event(), threading.Event()
@@ -737,7 +637,6 @@ class BackgroundSave:
         self._thread.start()
 
     def _run(self) -> None:
-        _writing.save = self
         try:
             self._write_part()
         except BaseException as e:  # reported by the main thread (CheckpointManager.poll) on every rank
@@ -764,14 +663,7 @@ class BackgroundSave:
         return float(written and ok), float(done and ok and self._publish is not None)
 
     def wait_for_milestone(self) -> None:
-        """Block until this rank has something new to report: its part written, then (rank 0) the publish done.
-        While its part is being written, the training process takes it over: the loop waits either way, and its own
-        priority is the training process's, the writer process's is lower (HostStaging.write)."""
-        if not self._written.is_set():  # one process publishes as soon as it is written: `publishing` from the start
-            self.waited_for = True
-            writer = self.writer
-            if writer is not None:
-                writer.hand_over(True)
+        """Block until this rank has something new to report: its part written, then (rank 0) the publish done."""
         if not self.publishing:
             self._written.wait()
         elif self._publish is not None:
