@@ -27,7 +27,7 @@ from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS  # noqa: E402
 BACKENDS = {
     "DDP": EXAMPLES / "accelerate_cpu_ddp_config.yaml",
     "ZeRO-3": EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml",
-    "FSDP2": REPO / "configs" / "accelerate" / "accelerate_cpu_fsdp2_config.yaml",
+    "FSDP2": REPO / "configs" / "examples" / "accelerate_cpu_fsdp2_config.yaml",
 }
 
 

@@ -28,7 +28,7 @@ from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, TRAINING_STATE
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
-FSDP2 = REPO / "configs" / "accelerate" / "accelerate_cpu_fsdp2_config.yaml"
+FSDP2 = REPO / "configs" / "examples" / "accelerate_cpu_fsdp2_config.yaml"
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
 KILL_HOOK = Path(__file__).parent / "kill_hook"
 STEPS, SAVE = 6, 3

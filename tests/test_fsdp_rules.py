@@ -10,8 +10,8 @@ import pytest
 from conftest import EXAMPLES, REPO, refused, run_cli_in_process, tree
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
-CPU_FSDP2 = REPO / "configs" / "accelerate" / "accelerate_cpu_fsdp2_config.yaml"
-GPU_FSDP2 = REPO / "configs" / "accelerate" / "accelerate_fsdp2_config.yaml"
+CPU_FSDP2 = REPO / "configs" / "examples" / "accelerate_cpu_fsdp2_config.yaml"
+GPU_FSDP2 = REPO / "configs" / "examples" / "accelerate_fsdp2_config.yaml"
 BASE = "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n"
 
 

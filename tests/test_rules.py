@@ -114,10 +114,10 @@ def test_more_processes_than_visible_gpus_is_refused_naming_the_count(tmp_path, 
 
 
 @pytest.mark.parametrize("machine", [CPU, GPU_BOX], ids=["cpu", "8_gpus"])
-def test_fsdp_is_refused_on_every_machine_naming_the_alternatives(tmp_path, machine):
+def test_fsdp1_is_refused_on_every_machine_naming_fsdp2(tmp_path, machine):
     fsdp = read_accelerate_config(write_yaml(tmp_path / "f.yaml", "distributed_type: FSDP\nnum_processes: 2\n"
-                                                                  "fsdp_config:\n  fsdp_version: 2\n"))
-    with pytest.raises(UserError, match="FSDP, which opentau does not support yet; use DDP, DeepSpeed ZeRO-2 or ZeRO-3") as e:
+                                                                  "fsdp_config:\n  fsdp_version: 1\n"))
+    with pytest.raises(UserError, match="asks for FSDP1 .* set fsdp_version: 2") as e:
         validate(cfg(tmp=tmp_path), fsdp, machine)
     assert "\n" not in str(e.value)
 

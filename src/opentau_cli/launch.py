@@ -90,7 +90,9 @@ def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool, max_re
             ds.setdefault("deepspeed_multinode_launcher", "standard")  # torchrun on each machine, as srun starts it
         out["deepspeed_config"] = ds
     elif multi:
-        if not cuda or out.get("distributed_type") in (None, "NO", "MULTI_CPU"):
+        # FSDP too: opentau applies fully_shard itself (train/fsdp.py); Accelerate's own FSDP plugin would take over
+        # the model, and its clip_grad_norm_ would skip the unprepared one.
+        if not cuda or setup.backend == "fsdp" or out.get("distributed_type") in (None, "NO", "MULTI_CPU"):
             out["distributed_type"] = "MULTI_GPU"
         if cuda:
             out.setdefault("gpu_ids", "all")

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from opentau_cli.checkpoint import manifest as mf
-from opentau_cli.checkpoint.format import check_readable
+from opentau_cli.checkpoint.dcp import is_dcp_checkpoint, model_entries
+from opentau_cli.checkpoint.format import check_readable, migrate_training_state
 from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_LATEST, EMA_STATE, TRAINING_STATE, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, ds_shard_glob,
     ema_group_name, ema_rank_file, weights_index_path, weights_shard_path,
@@ -568,7 +569,9 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     max_bytes = parse_size(max_shard_size, "--max-shard-size")
     ckpt_dir = Path(ckpt_dir)
     single = output_paths(ckpt_dir, output)
-    find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
+    fsdp = is_dcp_checkpoint(ckpt_dir)  # FSDP2: its DCP shards (checkpoint/dcp.py)
+    if not fsdp:
+        find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
     check_readable(ckpt_dir)
     kind = "ema" if wants_ema(ckpt_dir, weights) else "live"
     if output is None and archive_of(ckpt_dir) is not None:  # nothing under rolled_back/ is written (lineage.py)
@@ -590,13 +593,18 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
         if problems:
             raise UserError(f"{ckpt_dir} does not match its manifest: " + "; ".join(map(str, problems[:5])))
 
-    ckpt = read_zero_checkpoint(ckpt_dir, ema=kind == "ema")
-    entries = [_cast(e, DTYPES[dtype]) for e in ckpt.entries]
+    if fsdp:
+        state = migrate_training_state(json.loads((ckpt_dir / TRAINING_STATE).read_text()))
+        source, world, step, raw = "fsdp", state["world_size"], state["step"], model_entries(ckpt_dir)
+    else:
+        ckpt = read_zero_checkpoint(ckpt_dir, ema=kind == "ema")
+        source, world, step, raw = str(ckpt.zero_stage), ckpt.world_size, ckpt.step, ckpt.entries
+    entries = [_cast(e, DTYPES[dtype]) for e in raw]
     total = sum(e.nbytes for e in entries)
     _check_writable(ckpt_dir if output is None else writable_parent(Path(output)), total)
 
-    metadata = {"format": "pt", "producer": f"opentau {CONSOLIDATE_COMMAND}", "zero_stage": str(ckpt.zero_stage),
-                "world_size": str(ckpt.world_size), "step": str(ckpt.step), "weights": kind}
+    metadata = {"format": "pt", "producer": f"opentau {CONSOLIDATE_COMMAND}", "zero_stage": source,
+                "world_size": str(world), "step": str(step), "weights": kind}
     shards = _split_shards(entries, max_bytes)
     if output is None or single == Path(output):
         # Its own place in the checkpoint, or a FILE.safetensors target: each file written to a hidden sibling and

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from opentau_cli.checkpoint.dcp import is_dcp_checkpoint, model_entries
 from opentau_cli.checkpoint.consolidate import weights_kind, read_zero_checkpoint, wants_ema
 from opentau_cli.checkpoint.format import check_readable
 from opentau_cli.checkpoint.layout import DS_TAG, EMA_WEIGHTS, MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
@@ -121,6 +122,8 @@ def open_saved_policy(target: Path, weights: str | None = None) -> SavedPolicy:
         from opentau_cli.policies.pretrained import weight_files
 
         entries = _safetensors_entries(weight_files(ckpt))
+    elif is_dcp_checkpoint(ckpt):  # FSDP2: assembled from its DCP shards (checkpoint/dcp.py)
+        entries = {e.name: e for e in model_entries(ckpt)}
     else:
         entries = {e.name: e for e in read_zero_checkpoint(ckpt).entries}
     if ema and not deepspeed:  # the trained tensors' EMA, by the same names

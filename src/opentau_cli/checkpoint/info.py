@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opentau_cli.checkpoint import manifest as mf
+from opentau_cli.checkpoint.dcp import is_dcp_checkpoint, summary as dcp_summary
 from opentau_cli.checkpoint.format import check_readable
 from opentau_cli.checkpoint.layout import (
     BEST, CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
@@ -140,7 +141,11 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
         info.dtypes = ds["dtypes"]
         info.parameters_source = "deepspeed shards (parameters only)"
         info.consolidated = bool(weights)
-    if weights and ds is None:
+    elif is_dcp_checkpoint(ckpt_dir):  # FSDP2: the model's tensors as its DCP metadata lists them
+        info.parameters, info.dtypes = dcp_summary(ckpt_dir)
+        info.parameters_source = "DCP shards (parameters and buffers)"
+        info.consolidated = bool(weights)
+    if weights and ds is None and info.consolidated is None:
         counts: Counter = Counter()
         for w in weights:
             for meta in safetensors_header(w).values():
@@ -308,7 +313,7 @@ def _listed(d: Path, name: str, verify: bool, leftover) -> ListedCheckpoint:
     state = _read_json(d / TRAINING_STATE)
     step = state.get("step", step_of(d.name))
     when = state.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.stat().st_mtime))
-    ds = (d / DS_TAG).is_dir() or any(d.glob(f"*/{ds_shard_glob('model')}"))
+    ds = (d / DS_TAG).is_dir() or any(d.glob(f"*/{ds_shard_glob('model')}")) or is_dcp_checkpoint(d)
     consolidated = ((d / MODEL_WEIGHTS).is_file() or (d / WEIGHTS_INDEX).is_file()) if ds else None
     problems = [] if leftover else mf.verify_manifest(d, rehash=verify)
     complete = not leftover and not problems

@@ -67,7 +67,8 @@ def is_reshard(state: dict, setup) -> bool:
     """Whether resuming `state` into `setup` changes the topology (processes, backend or ZeRO stage)."""
     saved_ds = state.get("backend") == "deepspeed"
     now_ds = setup.backend == "deepspeed"
-    return (state.get("world_size") != setup.world_size or saved_ds != now_ds
+    saved_fsdp, now_fsdp = state.get("backend") == "fsdp", setup.backend == "fsdp"
+    return (state.get("world_size") != setup.world_size or saved_ds != now_ds or saved_fsdp != now_fsdp
             or (saved_ds and state.get("zero_stage") != setup.zero_stage))
 
 
@@ -161,6 +162,10 @@ def read_canonical(ckpt_dir: Path, trainable: list[str]) -> CanonicalState:
         canon.moments = {m: {name: e.produce for name, e in zero.moments.get(m, {}).items()} for m in MOMENTS}
         if zero.optimizer_step is not None:
             canon.steps = {name: float(zero.optimizer_step) for name in canon.moments["exp_avg"]}
+    elif state.get("backend") == "fsdp":  # its DCP shards by name (checkpoint/dcp.py)
+        from opentau_cli.checkpoint.dcp import read_canonical as read_dcp
+
+        canon.weights, canon.moments, canon.steps = read_dcp(ckpt_dir, MOMENTS)
     else:
         from safetensors import safe_open
 
@@ -241,6 +246,8 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
     frozen parameters; the launch built them from the base the resume checked, and they stay as built."""
     import torch
 
+    from opentau_cli.checkpoint.dcp import apply_full, is_sharded
+
     module = accelerator.unwrap_model(model)
     zero_opt, stage = _zero(accelerator)
     params = dict(module.named_parameters(remove_duplicate=False))  # every name, tied ones too
@@ -250,7 +257,11 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
         for name, buf in module.named_buffers():
             if name in canon.weights:
                 buf.copy_(canon.weights[name]())
-        if zero_opt is None:
+        if is_sharded(module):  # FSDP2: each rank's shard of the full tensors (checkpoint/dcp.py)
+            apply_full(module, optimizer, lambda name, p: _weight(canon, params, p, name), canon.moments, canon.steps,
+                       stateless, lambda name, p: not p.requires_grad and frozen_from_base
+                       and _saved_name(canon, params, p, name) is None)
+        elif zero_opt is None:
             base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
             for name, p in module.named_parameters():
                 if p.requires_grad or not frozen_from_base or _saved_name(canon, params, p, name) is not None:
@@ -337,10 +348,15 @@ def _zero3_slice(value, part: int, rank: int):
 
 def live_parameters(accelerator, model, optimizer):
     """Yield (name, {"weight", "exp_avg", "exp_avg_sq": full fp32 tensor or None, "step": float or None}) for every
-    trainable parameter as the launch holds it now, one parameter at a time (a collective under ZeRO: every rank
-    iterates)."""
+    trainable parameter as the launch holds it now, one parameter at a time (a collective under ZeRO and FSDP2:
+    every rank iterates)."""
+    from opentau_cli.checkpoint.dcp import is_sharded, live_full
+
     module = accelerator.unwrap_model(model)
     zero_opt, stage = _zero(accelerator)
+    if is_sharded(module):
+        yield from live_full(module, optimizer, MOMENTS)
+        return
     if zero_opt is None:
         base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     else:

@@ -24,6 +24,15 @@ def human_bytes(n: int) -> str:
 ADAMW_BYTES_PER_PARAMETER = 8
 
 
+def fsdp_rows(accel) -> list[tuple[str, str]]:
+    """An FSDP2 launch's sharding, wrapping and precision (config/accelerate.py fsdp_lines), one row each."""
+    if accel.backend != "fsdp":
+        return []
+    from opentau_cli.config.accelerate import fsdp_lines
+
+    return [(line.split(":", 1)[0].lower(), line.split(":", 1)[1].strip()) for line in fsdp_lines(accel)]
+
+
 def restart_policy(cfg) -> str:
     """What happens when a rank dies or hangs (docs/ARCHITECTURE.md, "Restarts")."""
     n = cfg.distributed.max_restarts
@@ -70,6 +79,7 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("accelerate config", source),
         ("world size", f"{accel.world_size} ({accel.num_machines} machine{'s' if accel.num_machines > 1 else ''})"),
         ("mixed precision", accel.mixed_precision),
+        *fsdp_rows(accel),
         ("distributed", f"hang timeout {cfg.distributed.timeout_minutes:g} min (distributed.timeout_minutes)"),
         ("restarts", restart_policy(cfg)),
         (
