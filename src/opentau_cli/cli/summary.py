@@ -30,7 +30,9 @@ def fsdp_rows(accel) -> list[tuple[str, str]]:
         return []
     from opentau_cli.config.accelerate import fsdp_lines
 
-    return [(line.split(":", 1)[0].lower(), line.split(":", 1)[1].strip()) for line in fsdp_lines(accel)]
+    names = {"backend": "sharding"}  # the backend row says FSDP2 already
+    rows = [(line.split(":", 1)[0].lower(), line.split(":", 1)[1].strip()) for line in fsdp_lines(accel)]
+    return [(names.get(key, key), text) for key, text in rows]
 
 
 def restart_policy(cfg) -> str:
