@@ -57,10 +57,11 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     args = parser.parse_args(argv)
     launch = json.loads(Path(args.launch).read_text())
     console = redirect_output(Path(launch["log_dir"]), int(os.environ.get("RANK", "0")))
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
-        from opentau_cli.train.restarts import ATTEMPT_MARK, attempt
+    from opentau_cli.train import restarts  # stdlib only
 
-        print(f"{ATTEMPT_MARK}{attempt()}", flush=True)  # where this attempt begins in the rank log (it appends)
+    restartable = restarts.max_restarts() > 0
+    if restartable:
+        restarts.mark_attempt()
     try:
         import_paused(*RANK_IMPORTS)
         from opentau_cli.config import TrainConfig, setup_from_dict
@@ -71,12 +72,10 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
         code = 130
     except BaseException as e:
         code = report_failure(e)
-    if code == 2 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+    if code == 2 and restartable:
         # No restart cures bad input: end the launch now rather than let torch's elastic agent burn its restarts on
-        # it (the launcher reads the marked line; the other ranks die with the agent). docs/ARCHITECTURE.md, "Restarts".
-        import signal
-
-        os.kill(os.getppid(), signal.SIGKILL)
+        # it (the launcher reads the marked line). docs/ARCHITECTURE.md, "Restarts".
+        restarts.kill_agent()
     exit_rank(code)
 
 

@@ -43,6 +43,17 @@ def max_restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
 
 
+def mark_attempt() -> None:
+    """Where this attempt begins in the rank log (which every attempt appends to)."""
+    print(f"{ATTEMPT_MARK}{attempt()}", flush=True)
+
+
+def kill_agent() -> None:
+    """SIGKILL this rank's elastic agent, ending the launch without its remaining restarts; this rank and the
+    others of the machine die with it (runtime.die_with_parent)."""
+    os.kill(os.getppid(), signal.SIGKILL)
+
+
 def restarts_path(run_dir: Path) -> Path:
     return Path(run_dir) / LOGS / RESTARTS
 
@@ -218,7 +229,7 @@ def stop_launch(run_log_dir: Path, reason: str) -> None:
     except OSError:
         pass
     print(f"Stopping the launch: {reason}", flush=True)
-    os.kill(os.getppid(), signal.SIGKILL)
+    kill_agent()
     time.sleep(30)  # the kernel kills this rank with its agent (PR_SET_PDEATHSIG)
     os._exit(1)
 
@@ -262,9 +273,13 @@ class Watchdog:
         if step is not None:
             self.step = step
 
+    def stop(self) -> None:
+        """No more watching: the loop is over (the last save's wait and the teardown take what they take)."""
+        self.timeout_s = float("inf")
+
     def _watch(self) -> None:
         while True:
-            time.sleep(min(5.0, self.timeout_s / 4))
+            time.sleep(min(5.0, self.timeout_s / 4) if self.timeout_s != float("inf") else 5.0)
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
                 print(f"Error: rank {self.rank} made no progress for {idle:.0f} s after step {self.step} "

@@ -126,6 +126,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
                 ckpt.wait()
                 progress.message(f"Preempted: saved step {step}; continue with `opentau resume {run_dir}`.")
                 break
+        watchdog.stop()
         ckpt.wait()  # async_save: the last save is published before the run ends
     finally:
         progress.close()
