@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 FAULT_HOOK = Path(__file__).parent / "fault_hook"
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
 ZERO2 = EXAMPLES / "accelerate_cpu_deepspeed_config.yaml"
+ZERO3 = EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"
 STEPS = 12
 
 
@@ -94,21 +95,33 @@ def test_each_restart_is_recorded_with_its_cause_and_its_checkpoint(ddp):
     assert "restart 1" in inspected.stdout.lower() and "000004" in inspected.stdout and "000008" in inspected.stdout
 
 
-def test_a_restarted_zero2_run_with_async_saves_ends_as_if_nothing_happened(tmp_path):
-    extra = ("--checkpoint.async_save=true",)
-    reference, ref = train(tmp_path, "reference", ZERO2, *extra)
+def tensors_in(obj, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a torch.load'ed DeepSpeed state, by its path in the nesting."""
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return {k: v for key, value in items for k, v in tensors_in(value, f"{path}/{key}").items()}
+
+
+@pytest.mark.parametrize("yaml, extra", [(ZERO2, ("--checkpoint.async_save=true",)), (ZERO3, ())],
+                         ids=["zero2-async-saves", "zero3"])
+def test_a_restarted_deepspeed_run_ends_as_if_nothing_happened(tmp_path, yaml, extra):
+    reference, ref = train(tmp_path, "reference", yaml, *extra)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    # At step 10 checkpoint 4 is published (a save waits for the one in flight) and 8 may still be being written.
-    faulted, result = train(tmp_path, "faulted", ZERO2, *extra, "--max-restarts=1", fault="kill@10:0")
+    # At step 10 checkpoint 4 is published (an async save waits for the one in flight) and 8 may still be being written.
+    faulted, result = train(tmp_path, "faulted", yaml, *extra, "--max-restarts=1", fault="kill@10:0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(r["step"], r["loss"]) for r in train_records(faulted)] == [(r["step"], r["loss"]) for r in train_records(reference)]
     records = restarts_of(faulted)
     assert len(records) == 1 and records[0]["resumed_from"] in ("000004", "000008")
     assert records[0]["step"] == int(records[0]["resumed_from"])
     final = "%06d" % STEPS
-    states = [torch.load(run / CHECKPOINTS / final / "pytorch_model" / "mp_rank_00_model_states.pt", map_location="cpu",
-                         weights_only=False)["module"] for run in (faulted, reference)]
-    assert states[0].keys() == states[1].keys() and all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    # Every rank's fp32 master weights and AdamW moments, as DeepSpeed saved them.
+    states = [{f"{f.name}{k}": v for f in sorted((run / CHECKPOINTS / final / "pytorch_model").glob("*optim_states.pt"))
+               for k, v in tensors_in(torch.load(f, map_location="cpu", weights_only=False)).items()}
+              for run in (faulted, reference)]
+    assert states[0] and states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
 
 
 def test_the_same_step_failing_again_stops_the_run_without_burning_its_restarts(tmp_path):
