@@ -162,6 +162,12 @@ def describe(ckpt: Path, size: int, built: str | None) -> str:
             f"(checkpoint {ckpt_size / 1e9:.2f} GB)")
 
 
+def ratio_row(name: str, ratios: list[float], target: float) -> tuple[str, str]:
+    """A table row of opentau's ratios at each size against a target it must not exceed."""
+    ok = all(verdict(x, target, higher_is_better=False) == "meets target" for x in ratios)
+    return (f"{name} (target <= {target})", " / ".join(f"{x:.2f}x" for x in ratios) + (" meets target" if ok else " ABOVE target"))
+
+
 def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--workdir", type=Path, default=None,
@@ -215,10 +221,7 @@ def main() -> None:
             return " / ".join(fmt(s) for s in stacks)
 
         def ratio(name: str, values: dict, other: str, target: float) -> tuple[str, str]:
-            rs = [values[s, "opentau"] / values[s, other] for s in stacks]
-            ok = all(verdict(x, target, higher_is_better=False) == "meets target" for x in rs)
-            return (f"{name} vs {other}, {label} (target <= {target})",
-                    " / ".join(f"{x:.2f}x" for x in rs) + (" meets target" if ok else " ABOVE target"))
+            return ratio_row(f"{name} vs {other}, {label}", [values[s, "opentau"] / values[s, other] for s in stacks], target)
 
         mib = 2**20
         rows = [(f"model, {s} layers", describe(ckpts[s], sizes[s], built[s])) for s in stacks]

@@ -150,8 +150,10 @@ def test_verdicts_and_ratio_rows_compare_with_the_target_in_the_right_direction(
     assert common.verdict(0.97, 0.97) == "meets target" and common.verdict(0.96, 0.97) == "BELOW target"
     assert common.verdict(0.25, 0.25, higher_is_better=False) == "meets target"
     assert common.verdict(0.26, 0.25, higher_is_better=False) == "ABOVE target"
-    assert consolidate.ratio_row("wall ratio vs upstream", 0.4913, 0.7) == ("wall ratio vs upstream (target <= 0.7)", "0.49x meets target")
-    assert consolidate.ratio_row("RSS ratio vs upstream", 0.31, 0.3) == ("RSS ratio vs upstream (target <= 0.3)", "0.31x ABOVE target")
+    assert consolidate.ratio_row("wall ratio vs upstream", [0.4913, 0.3949], 0.7) == (
+        "wall ratio vs upstream (target <= 0.7)", "0.49x / 0.39x meets target")
+    assert consolidate.ratio_row("RSS ratio vs upstream", [0.11, 0.31], 0.3) == (
+        "RSS ratio vs upstream (target <= 0.3)", "0.11x / 0.31x ABOVE target")
 
 
 def test_overhead_quartiles_of_the_pair_ratios():

@@ -33,6 +33,12 @@ pytestmark = pytest.mark.usefixtures("published_pi05_hub")
 
 YAMLS = {
     "fsdp.yaml": "distributed_type: FSDP\nnum_processes: 2\n",
+    # Every fsdp_config setting FSDP2 cannot honour at once, on one process.
+    "fsdp_all_wrong.yaml": ("distributed_type: FSDP\nnum_processes: 1\nfsdp_config:\n  fsdp_version: 1\n"
+                            "  fsdp_sharding_strategy: HYBRID_SHARD\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n"
+                            "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
+                            "  fsdp_offload_params: true\n  fsdp_activation_checkpointing: true\n"),
+    "fsdp2_fp16.yaml": "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: fp16\nfsdp_config:\n  fsdp_version: 2\n",
     "fp16.yaml": "distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: fp16\n",
     "fp8.yaml": "distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp8\n",
     "two_machines.yaml": "distributed_type: MULTI_GPU\nnum_processes: 4\nnum_machines: 2\n",
@@ -87,6 +93,9 @@ CASES = [
     Case("validation without held-out episodes", TINY, ["--validation.val_split=0"]),
     Case("full pi05 preset without cuda", FULL, []),
     Case("fsdp without cuda", TINY, ["--accelerate-config={tmp}/fsdp.yaml"]),
+    Case("fsdp settings fsdp2 cannot honour", TINY, ["--accelerate-config={tmp}/fsdp_all_wrong.yaml", "--ema.decay=0.99",
+                                                     "--policy.lora.rank=8", "--checkpoint.async_save=true"]),
+    Case("fsdp2 with fp16 on gpus", TINY, ["--accelerate-config={tmp}/fsdp2_fp16.yaml"], machine=TWO_GPUS),
     Case("fp16 without cuda", TINY, ["--accelerate-config={tmp}/fp16.yaml"]),
     Case("fp8", TINY, ["--accelerate-config={tmp}/fp8.yaml"], TWO_GPUS),
     Case("more processes than gpus", TINY, [f"--accelerate-config={DDP8}"], TWO_GPUS),

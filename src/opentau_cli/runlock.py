@@ -86,11 +86,17 @@ def live_rank(run_dir: Path) -> dict | None:
 
 
 def forget_dead_ranks(run_dir: Path) -> None:
-    """Drop the registrations of this host's ranks that are gone (every earlier launch leaves its own)."""
-    for path in ranks_dir(run_dir).glob("*.json") if ranks_dir(run_dir).is_dir() else ():
+    """Drop the registrations of this host's ranks that are gone, and their folder once empty (a launch that ended
+    leaves none; one that was killed, its own until the next launch)."""
+    folder = ranks_dir(run_dir)
+    for path in folder.glob("*.json") if folder.is_dir() else ():
         rank = _read(path)
         if rank is None or (rank.get("host") == socket.gethostname() and not holder_alive(rank, 0.0)):
             path.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # absent, or a live rank's registration is still in it
+        pass
 
 
 def _describe(holder: dict) -> str:
@@ -166,6 +172,7 @@ def release(run_dir: Path, mine: dict) -> None:
     path = lock_path(run_dir)
     holder = _read(path)
     if holder is not None and all(holder.get(k) == mine[k] for k in ("host", "pid", "pid_started")):
+        forget_dead_ranks(run_dir)  # the launch is over: its ranks have exited
         path.unlink(missing_ok=True)
 
 
