@@ -21,11 +21,15 @@ UPSTREAM = "wall ratio vs upstream, 64 layers / 128 layers (target <= 0.7)"
 LORA = "LoRA rank 16 vs full fine-tuning on 2 CPU processes (opentau profile)"
 PLAN = "Memory plan: real CPU peaks and the example pi05 config on 8 GPUs"
 STARTUP = "Starting from pretrained weights: build + load vs no init"
+RESTART = "Restart: a rank's death to the first step after it (pi05_small_bench, DDP x2, CPU)"
 
 
 # README figure -> where it comes from: (a pattern of README.md whose group is the figure, the benchmark's section
 # title, the row of its table, a pattern of that row's value whose group is the measured number[, a conversion]).
 FIGURES = [
+    (r"a restart took ([\d.]+) s from the rank's death", RESTART, "total", r"^([\d.]+) s"),
+    (r"first step after it: ([\d.]+) s to\s+detect", RESTART, "detection", r"^([\d.]+) s"),
+    (r"detect, ([\d.]+) s to start and restore", RESTART, "start-up and restore", r"^([\d.]+) s"),
     (r"(-?[\d.]+) s per asynchronous save", ASYNC, "training time lost per save, async", r"^(-?[\d.]+) s"),
     (r"against ([\d.]+) s per synchronous one", ASYNC, "training time lost per save, sync", r"^([\d.]+) s"),
     (r"(-?[\d.]+) s against [\d.]+ s with a spinning process\s+on every core at nice", ASYNC,
