@@ -93,7 +93,7 @@ class Failure:
     exit_code: int | None
     error: str  # the last error line of that rank's log for that attempt ('' for a kill)
     log: str
-    step: int | None  # the step the ranks were running when it failed (the highest any rank had started)
+    failed_at_step: int | None  # the step the ranks were running when it failed (the highest any rank had started)
 
     def describe(self) -> str:
         who = f"rank {self.rank} on machine {self.machine}" if self.rank is not None else f"a rank on machine {self.machine}"
@@ -103,7 +103,7 @@ class Failure:
             how = "stopped responding"
         else:
             how = "failed" if self.error else "was killed (its log ends without an error)"
-        at = f" at step {self.step}" if self.step is not None else ""
+        at = f" at step {self.failed_at_step}" if self.failed_at_step is not None else ""
         error = f" ({self.error})" if self.error else ""
         return f"{who} {how}{at}{error}"
 
@@ -172,7 +172,8 @@ def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_ma
         error = f"hung: rank {waited[0]} reports {errors[waited[0]]}"
     return Failure(rank=rank, machine=machine if rank == agent_rank or rank is None else rank // procs_per_machine,
                    exit_code=code if rank == agent_rank else None, error=error,
-                   log=str(rank_log(run_log_dir, rank if rank is not None else 0).resolve()), step=started_step(run_log_dir))
+                   log=str(rank_log(run_log_dir, rank if rank is not None else 0).resolve()),
+                   failed_at_step=started_step(run_log_dir))
 
 
 def user_error_of_attempt(run_log_dir: Path, number: int) -> str | None:
@@ -214,9 +215,9 @@ def incurable(failure: Failure, run_dir: Path, run_log_dir: Path, resume_from: P
     if user_error:
         return user_error
     earlier = [r for r in read_restarts(run_dir) if r.get("run_id") == run_log_dir.name]
-    if earlier and failure.step is not None and earlier[-1].get("failed_at_step") == failure.step \
+    if earlier and failure.failed_at_step is not None and earlier[-1].get("failed_at_step") == failure.failed_at_step \
             and earlier[-1].get("resumed_from") == (resume_from.name if resume_from else None):
-        return (f"step {failure.step} failed again after restart {earlier[-1].get('restart')} "
+        return (f"step {failure.failed_at_step} failed again after restart {earlier[-1].get('restart')} "
                 f"({failure.describe()}); a restart cannot cure a failure that repeats")
     return None
 
@@ -237,9 +238,8 @@ def stop_launch(run_log_dir: Path, reason: str) -> None:
 def record_restart(run_dir: Path, run_id: str, failure: Failure, resumed_from: Path | None, step: int) -> dict:
     """Append this restart to <run>/logs/restarts.jsonl (rank 0) and return the record."""
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "run_id": run_id, "restart": attempt(),
-              "max_restarts": max_restarts(), "cause": failure.describe(), **{k: v for k, v in asdict(failure).items()},
-              "failed_at_step": failure.step, "resumed_from": resumed_from.name if resumed_from else None,
-              "step": step}
+              "max_restarts": max_restarts(), "cause": failure.describe(), **asdict(failure),
+              "resumed_from": resumed_from.name if resumed_from else None, "step": step}
     path = restarts_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
