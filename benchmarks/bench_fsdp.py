@@ -1,10 +1,9 @@
 """FSDP2 vs DeepSpeed ZeRO-3 vs DDP on 2 CPU processes, side by side in one run (issue #33).
 
 Training: `opentau profile --compare` of the three Accelerate configs (samples/s, step time, peak RSS per rank, the
-speedup vs DDP). Checkpoints, per backend: one `opentau train` that saves at its last step (how long training waited
-for the save: from its last step's progress line to its "Saved checkpoint" line; the checkpoint's size), then an
-`opentau resume` of it: seconds from the command to its first step, beside the fresh launch's (the difference is
-mostly the load).
+speedup vs DDP). Checkpoints, per backend: one `opentau train` that saves at its last step, then an `opentau resume` of
+that checkpoint: the save's and the load's seconds (the slowest rank's, timed around the product's calls by
+benchmarks/timing_hook) and the checkpoint's size.
 
     python benchmarks/bench_fsdp.py            # pi05_small, 2 warm-up + 6 measured steps per backend
     python benchmarks/bench_fsdp.py --smoke    # tiny preset, 1 + 2 steps (shows the script works)
@@ -21,8 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
-from bench_checkpoint import seconds_to_step  # noqa: E402
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS  # noqa: E402
+from opentau_cli.checkpoint.layout import CHECKPOINTS  # noqa: E402
 
 BACKENDS = {
     "DDP": EXAMPLES / "accelerate_cpu_ddp_config.yaml",
@@ -39,41 +37,42 @@ def fp32_yaml(name: str, yaml: Path, workdir: Path) -> Path:
     return out
 
 
-def save_seconds(cmd: list[str], steps: int) -> float:
-    """Run a training command that saves after its last step; seconds from its last progress line to its "Saved
-    checkpoint" line (the save, as training waits for it)."""
+TIMING_HOOK = REPO / "benchmarks" / "timing_hook"
+
+
+def timed_launch(cmd: list[str], record: Path) -> dict:
+    """Run `cmd` with benchmarks/timing_hook on PYTHONPATH; the slowest rank's seconds in each checkpoint save and
+    restore (every rank waits for the slowest: the save and the load end in collectives)."""
     import subprocess
-    import time
 
     from _common import env
 
-    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    last_step = saved = None
-    for line in proc.stdout:
-        if line.startswith(f"step {steps}/{steps}"):
-            last_step = time.perf_counter()
-        elif line.startswith("Saved checkpoint") and last_step is not None and saved is None:
-            saved = time.perf_counter()
-    if proc.wait() != 0 or last_step is None or saved is None:
-        raise SystemExit(f"command failed or printed no save ({proc.returncode}): {' '.join(cmd)}")
-    return saved - last_step
+    record.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, env={**env(), "PYTHONPATH": str(TIMING_HOOK), "BENCH_TIMING_RECORD": str(record)},
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    ranks = [json.loads(f.read_text()) for f in sorted(record.glob("rank*.json"))]
+    if not ranks:
+        raise SystemExit(f"no rank recorded its checkpoint times: {' '.join(cmd)}")
+    return {key: max(sum(r[key]) for r in ranks) for key in ("save_s", "load_s")}
 
 
 def checkpoint_times(config: Path, yaml: Path, workdir: Path, steps: int) -> dict:
+    """One `opentau train` that saves at its last step, then an `opentau resume` of that checkpoint: seconds the
+    save took as training waits for it (CheckpointManager.save, synchronous), seconds the resume took to read it
+    into the model, optimizer, scheduler and RNG (Trainer.restore), the checkpoint's size."""
     ot = opentau_bin()
     run_dir = workdir / f"run-{yaml.stem}"
     common = ["--log_freq=1", f"--save_freq={steps}", "--validation.val_freq=0", "--logging.tensorboard=false",
               "--logging.progress_bar=plain"]
-    fresh = seconds_to_step([ot, "train", f"--config_path={config}", f"--accelerate-config={yaml}", f"--output_dir={run_dir}",
-                             f"--steps={steps}", *common], run_dir / METRICS, 0)
-    saved = run_dir / CHECKPOINTS / f"{steps:06d}"
-    size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
-    resume = seconds_to_step([ot, "resume", str(run_dir), f"--steps={steps + 1}", "--log_freq=1"], run_dir / METRICS, steps)
-    # The save alone, timed on a second run's console (the first one above warmed caches and imports).
-    again = workdir / f"save-{yaml.stem}"
-    save = save_seconds([ot, "train", f"--config_path={config}", f"--accelerate-config={yaml}", f"--output_dir={again}",
-                         f"--steps={steps}", *common], steps)
-    return {"save_s": save, "bytes": size, "fresh_s": fresh, "resume_s": resume}
+    saved = timed_launch([ot, "train", f"--config_path={config}", f"--accelerate-config={yaml}", f"--output_dir={run_dir}",
+                          f"--steps={steps}", *common], workdir / f"timing-train-{yaml.stem}")
+    ckpt = run_dir / CHECKPOINTS / f"{steps:06d}"
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    loaded = timed_launch([ot, "resume", str(run_dir), f"--steps={steps + 1}", "--log_freq=1"],
+                          workdir / f"timing-resume-{yaml.stem}")
+    return {"save_s": saved["save_s"], "load_s": loaded["load_s"], "bytes": size}
 
 
 def main() -> None:
@@ -97,15 +96,16 @@ def main() -> None:
                        f"warm-up + {args.steps} measured steps per backend, batch {report['reports'][0]['global_batch_size']} global")]
     for name, r in zip(BACKENDS, report["rows"]):
         s = saves[name]
-        save = f"{s['save_s']:.2f} s"
         rows.append((name, f"{r['samples_per_s']:.2f} samples/s, {r['step_time_s'] * 1000:.0f} ms/step, peak RSS/rank "
                            f"{r['peak_memory_bytes'] / (1 << 20):.0f} MiB, {r['speedup']:.2f}x vs DDP; checkpoint "
-                           f"{s['bytes'] / (1 << 20):.1f} MiB saved in {save}; first step {s['fresh_s']:.1f} s fresh, "
-                           f"{s['resume_s']:.1f} s resumed"))
+                           f"{s['bytes'] / (1 << 20):.1f} MiB, saved in {s['save_s']:.2f} s, loaded in "
+                           f"{s['load_s']:.2f} s"))
     print_rows("FSDP2 vs ZeRO-3 vs DDP (2 CPU processes)", rows)
     if not args.no_append:
         notes = [f"profile comparison took {wall:.0f} s", "peak RSS is each worker process's own peak",
-                 "save: from the last step's progress line to the \"Saved checkpoint\" line of a second identical run"]
+                 "save: the slowest rank's seconds in the synchronous checkpoint save after the last step (training waits for "
+                 "it); load: the slowest rank's seconds restoring that checkpoint in `opentau resume` (model, optimizer, "
+                 "scheduler, RNG), both timed around the product's calls by benchmarks/timing_hook"]
         if args.smoke:
             notes.insert(0, "smoke run: numbers only show the script works")
         append_result("FSDP2 vs ZeRO-3 vs DDP on 2 CPU processes", rows, notes, path=args.results)
