@@ -5,7 +5,8 @@ atomic publish; a resume continues with == losses; the consolidated model equals
 fp32 it trains as DDP does.
 
 Launches are shared (module-scoped): the bf16 run, a resume of its middle checkpoint, and one fp32 run each of FSDP2
-and DDP.
+and DDP. The bf16 run carries the rest of the recipe: an EMA kept sharded like the parameters, asynchronous saves, a
+mixture of two datasets and TensorBoard; its resume's == losses and == EMA cover their exact resume.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
 KILL_HOOK = Path(__file__).parent / "kill_hook"
 STEPS, SAVE = 6, 3
 COMMON = ["--config_path", str(TINY), "--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1",
-          "--batch_size", "4", "--scheduler.warmup_steps", "1", "--logging.tensorboard=false"]
+          "--batch_size", "4", "--scheduler.warmup_steps", "1"]
+DECAY = 0.75  # the EMA's decay: far from 1, so that a few steps move it
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +49,29 @@ def env_for(home: Path) -> dict:
 
 
 BF16 = [f"--accelerate-config={FSDP2}", "--policy.gradient_checkpointing=true", "--validation.val_freq=3",
-        "--validation.max_batches=1"]
+        "--validation.max_batches=1", f"--ema.decay={DECAY}", "--checkpoint.async_save=true", "--logging.tensorboard=true",
+        "--dataset.num_cameras=2", "--validation.val_split=0.25"]
+
+
+@pytest.fixture(scope="module")
+def bf16_args(home) -> list[str]:
+    """BF16 over a mixture of two datasets (3:1) of this module's own."""
+    from opentau_cli.data.synth import write_synth
+
+    first = write_synth(home / "data" / "first", episodes=5, steps_per_episode=6, cameras=1, seed=1)
+    second = write_synth(home / "data" / "second", episodes=4, steps_per_episode=6, cameras=2, seed=2)
+    members = [{"root": str(first), "weight": 3}, {"root": str(second), "weight": 1, "name": "second"}]
+    return [*BF16, f"--dataset.mixture={json.dumps(members)}"]
+
+
+CONSOLE: dict[str, str] = {}  # what each launch of `train` printed (stdout + stderr), by run name
 
 
 def train(home: Path, name: str, *args: str) -> Path:
     run = home / name
     result = run_cli(["train", *COMMON, *args, f"--output_dir={run}"], env=env_for(home))
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    CONSOLE[name] = result.stdout + result.stderr
     return run
 
 
@@ -63,9 +81,28 @@ def losses(run: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def bf16_run(home) -> Path:
-    """bf16 FSDP2 with gradient checkpointing and validation: checkpoints at steps 3 and 6."""
-    return train(home, "bf16", *BF16)
+def bf16_run(home, bf16_args) -> Path:
+    """bf16 FSDP2 with gradient checkpointing, validation, EMA, asynchronous saves, a mixture and TensorBoard:
+    checkpoints at steps 3 and 6."""
+    return train(home, "bf16", *bf16_args)
+
+
+def dcp_reference(ckpt: Path, tmp_path: Path) -> dict:
+    """The checkpoint's DCP state as torch's own dcp_to_torch_save writes it ({"model": ..., "ema": ...})."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from opentau_cli.checkpoint.dcp import DCP_DIR
+
+    out = tmp_path / f"reference_{ckpt.parent.parent.name}_{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt / DCP_DIR), str(out))
+    return torch.load(out, weights_only=False)  # torch's own file, made here
+
+
+def trainable_names() -> list[str]:
+    from opentau_cli.config import load_config
+    from opentau_cli.policies import build_policy
+
+    return [name for name, p in build_policy(load_config(TINY, {}).policy).named_parameters() if p.requires_grad]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +132,19 @@ def test_fsdp2_yaml_trains_with_a_unit_per_transformer_layer_and_the_root(bf16_r
     train = losses(bf16_run)
     assert sorted(train) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in train.values())
     records = [json.loads(line) for line in (bf16_run / METRICS).read_text().splitlines()]
-    assert [r["step"] for r in records if r.get("kind") == "val"] == [3, 6]
+    val = [r for r in records if r.get("kind") == "val"]
+    assert [r["step"] for r in val] == [3, 6] and all(math.isfinite(r["ema_val_loss"]) for r in val)
+    # Asynchronous saves and the mixture's two members.
+    assert "Asynchronous saves: rank 0 copies the state" in CONSOLE["bf16"], CONSOLE["bf16"][-3000:]
+    assert set(state["samples_per_dataset"]) == {"first", "second"} and all(state["samples_per_dataset"].values())
+    # TensorBoard logged every training step.
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from opentau_cli.checkpoint.layout import TENSORBOARD
+
+    events = [e for f in (bf16_run / TENSORBOARD).rglob("events.out.tfevents.*") for e in EventFileLoader(str(f)).Load()]
+    logged = {e.step for e in events for v in e.summary.value if v.tag.endswith("loss")}
+    assert set(range(1, STEPS + 1)) <= logged, sorted(logged)
 
 
 def test_fsdp2_checkpoint_holds_each_ranks_dcp_shard_of_fp32_master_weights_and_moments(bf16_run):
@@ -124,22 +173,49 @@ def test_fsdp2_checkpoint_holds_each_ranks_dcp_shard_of_fp32_master_weights_and_
     assert {tensors[k].properties.dtype for k in params + moments} == {torch.float32}
     split = [k for k in params + moments if tensors[k].size[0] >= 2]
     assert split and all(chunks[k] == 2 for k in split)
+    # The EMA is kept sharded like the parameters: an fp32 DTensor per trainable parameter, split as it is, saved
+    # with the model's shards (no file of its own).
+    ema = ["ema." + name for name in trainable_names()]
+    assert {tensors[k].properties.dtype for k in ema} == {torch.float32}
+    assert all(tensors[k].size == tensors["model." + k[4:]].size and chunks[k] == chunks["model." + k[4:]] for k in ema)
+    assert not any(name.startswith("ema") for name in files)
+    assert sorted(k for k in tensors if k.startswith("ema.")) == sorted(ema)
 
 
-def test_fsdp2_resume_continues_with_the_same_losses(bf16_run, resumed):
+def test_fsdp2_resume_continues_with_the_same_losses_ema_and_mixture_position(bf16_run, resumed, tmp_path):
     uninterrupted, continued = losses(bf16_run), losses(resumed)
     assert sorted(continued) == list(range(SAVE + 1, STEPS + 1))
     assert {s: uninterrupted[s] for s in continued} == continued
+    # The EMA continued from the checkpoint's shards: the same at the end, bit for bit, and its validation loss.
+    end = f"{STEPS:06d}"
+    mine = dcp_reference(resumed / CHECKPOINTS / end, tmp_path)["ema"]
+    reference = dcp_reference(bf16_run / CHECKPOINTS / end, tmp_path)["ema"]
+    assert sorted(mine) == sorted(reference) == sorted(trainable_names())
+    assert all(torch.equal(mine[k], reference[k]) for k in reference)
+    val = {run: [r["ema_val_loss"] for r in map(json.loads, (run / METRICS).read_text().splitlines())
+                 if r.get("kind") == "val" and r["step"] == STEPS] for run in (bf16_run, resumed)}
+    assert val[resumed] == val[bf16_run] and len(val[bf16_run]) == 1
+    states = [json.loads((run / CHECKPOINTS / end / TRAINING_STATE).read_text()) for run in (bf16_run, resumed)]
+    assert states[0]["samples_per_dataset"] == states[1]["samples_per_dataset"]
+    # Lineage: the resumed launch's first save descends from the checkpoint it resumed.
+    import xxhash
+
+    parent = resumed / CHECKPOINTS / f"{SAVE:06d}"
+    lineage = json.loads((resumed / CHECKPOINTS / end / TRAINING_STATE).read_text())["lineage"]
+    assert lineage["parent"] == {"step": SAVE, "name": parent.name,
+                                 "manifest_xxh3": xxhash.xxh3_128((parent / "manifest.json").read_bytes()).hexdigest()}
+    assert lineage["launch"] != json.loads((parent / TRAINING_STATE).read_text())["lineage"]["launch"]
 
 
-def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_losses(bf16_run, home):
-    """SIGTERM (a scheduler's preemption) reaches the launcher while rank 0 writes the save of step 1; the run finishes
-    its step, saves and exits 0; the resume logs the uninterrupted run's losses bit for bit."""
+def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_losses(bf16_run, bf16_args, home, tmp_path):
+    """SIGTERM (a scheduler's preemption) reaches the launcher while rank 0 writes the (asynchronous) save of step 1;
+    the run finishes its step, saves and exits 0; the resume logs the uninterrupted run's losses bit for bit. Every
+    step is saved: each checkpoint's EMA is decay * the previous one's + (1 - decay) * its weights, in fp32."""
     run = home / "sigterm"
     env = {**os.environ, **env_for(home), "TEST_KILL_AT": "before_metadata@1", "TEST_KILL_SIGNAL": "SIGTERM",
            "PYTHONPATH": os.pathsep.join(p for p in (str(KILL_HOOK), os.environ.get("PYTHONPATH")) if p)}
     env.pop("OPENTAU_DEBUG", None)
-    proc = subprocess.run([opentau_bin(), "train", *COMMON, *BF16, "--save_freq=1", f"--output_dir={run}"], env=env,
+    proc = subprocess.run([opentau_bin(), "train", *COMMON, *bf16_args, "--save_freq=1", f"--output_dir={run}"], env=env,
                           capture_output=True, text=True, timeout=600, start_new_session=True)
     assert proc.returncode == 0 and "Preempted" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     saved = sorted(p.name for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit())
@@ -148,6 +224,11 @@ def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_los
     result = run_cli(["resume", str(run)], env=env_for(home))
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(run) == losses(bf16_run)
+    saved = [dcp_reference(run / CHECKPOINTS / f"{s:06d}", tmp_path) for s in range(1, STEPS + 1)]
+    for before, now in zip(saved, saved[1:]):
+        assert now["ema"].keys() == before["ema"].keys()
+        assert all(torch.equal(now["ema"][k], before["ema"][k] * DECAY + now["model"][k] * (1.0 - DECAY))
+                   for k in now["ema"])
 
 
 def test_fsdp2_checkpoint_consolidates_to_what_dcp_to_torch_save_gives(bf16_run, tmp_path):
@@ -171,7 +252,7 @@ def test_an_fsdp2_checkpoint_resumed_under_ddp_is_refused_in_one_line(bf16_run, 
             "FSDP2", "same backend")
 
 
-FP32_STEPS = ["--validation.val_freq=0"]
+FP32_STEPS = ["--validation.val_freq=0", "--logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -207,22 +288,22 @@ def test_consolidated_fsdp2_weights_have_the_names_shapes_and_dtypes_of_a_ddp_ch
 # The consumers of a checkpoint take FSDP2 ones (their dispatch to checkpoint/dcp.py).
 
 def test_checkpoint_consolidate_writes_fsdp2_weights_equal_to_dcp_to_torch_save_into_the_checkpoint(bf16_run, home, tmp_path):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from opentau_cli.checkpoint.dcp import DCP_DIR
-
+    """By default the EMA (the run kept one): the trained parameters' EMA, the buffers as saved; --weights live
+    gives the model itself."""
     run = tmp_path / "run"
     shutil.copytree(bf16_run, run, symlinks=True)
     ckpt = run / CHECKPOINTS / "000003"
-    result = run_cli_in_process(["checkpoint", "consolidate", str(ckpt)], env=env_for(home))
-    assert result.returncode == 0, result.stderr
-    dcp_to_torch_save(str(ckpt / DCP_DIR), str(tmp_path / "reference.pt"))
-    reference = torch.load(tmp_path / "reference.pt", weights_only=False)["model"]
-    mine = load_file(ckpt / "model.safetensors")
-    assert sorted(mine) == sorted(reference)
-    assert all(mine[k].dtype == v.dtype and torch.equal(mine[k], v) for k, v in reference.items())
-    # The manifest vouches for the new file: the checkpoint still verifies.
-    assert run_cli_in_process(["checkpoint", "verify", str(ckpt)]).returncode == 0
+    saved = dcp_reference(ckpt, tmp_path)
+    for weights, reference in (("ema", {**saved["model"], **saved["ema"]}), ("live", saved["model"])):
+        args = ["checkpoint", "consolidate", str(ckpt)] + (["--weights=live", "--force"] if weights == "live" else [])
+        result = run_cli_in_process(args, env=env_for(home))
+        assert result.returncode == 0, result.stderr
+        mine = load_file(ckpt / "model.safetensors")
+        assert sorted(mine) == sorted(reference)
+        assert all(mine[k].dtype == v.dtype and torch.equal(mine[k], v) for k, v in reference.items()), weights
+        # The manifest vouches for the new file: the checkpoint still verifies.
+        assert run_cli_in_process(["checkpoint", "verify", str(ckpt)]).returncode == 0
+    assert not all(torch.equal(saved["ema"][k], saved["model"][k]) for k in saved["ema"])
 
 
 def test_fsdp2_checkpoints_are_inspected_exported_and_evaluated(bf16_run, home, tmp_path):
@@ -233,14 +314,17 @@ def test_fsdp2_checkpoints_are_inspected_exported_and_evaluated(bf16_run, home, 
     assert "DCP shards" in inspect.stdout and "consolidated:    no" in inspect.stdout, inspect.stdout
     export = run_cli_in_process(["checkpoint", "export", str(bf16_run), "--output", str(tmp_path / "export")], env=env_for(home))
     assert export.returncode == 0, export.stderr
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    saved = dcp_reference(ckpt, tmp_path)
+    from safetensors import safe_open
 
-    from opentau_cli.checkpoint.dcp import DCP_DIR
-
-    dcp_to_torch_save(str(ckpt / DCP_DIR), str(tmp_path / "reference.pt"))
-    reference = torch.load(tmp_path / "reference.pt", weights_only=False)["model"]
+    with safe_open(str(tmp_path / "export" / "model.safetensors"), framework="pt") as f:
+        assert (f.metadata()["weights"], f.metadata()["step"]) == ("ema", str(STEPS))  # the EMA by default
     exported = load_file(tmp_path / "export" / "model.safetensors")
-    assert all(torch.equal(exported[k], reference[k]) for k in reference if k in exported)
+    # A few tensors by their names in the OpenTau layout: the EMA's values, not the live ones.
+    for ours, theirs in (("action_out_proj.weight", "model.action_out_proj.weight"),
+                         ("embed_suffix.action_in_proj.weight", "model.action_in_proj.weight")):
+        assert torch.equal(exported[theirs].float(), saved["ema"][ours])
+        assert not torch.equal(exported[theirs].float(), saved["model"][ours])
     evaluated = run_cli_in_process(["eval", str(bf16_run), "--output", str(tmp_path / "eval")], env=env_for(home))
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["step"] == STEPS
@@ -273,3 +357,81 @@ def test_an_elastic_resume_between_ddp_and_fsdp2_continues_with_the_uninterrupte
     state = json.loads((run / CHECKPOINTS / f"{STEPS:06d}" / TRAINING_STATE).read_text())
     assert state["backend"] == {"ddp": "ddp", "fsdp2": "fsdp"}[target]
     assert [t["backend"] for t in state["topologies"]] == [{"ddp": "ddp", "fsdp2": "fsdp"}[source], state["backend"]]
+
+
+# LoRA under FSDP2: one short run and a resume of its middle checkpoint.
+
+LORA_STEPS, LORA_SAVE, LORA_RANK, LORA_ALPHA = 4, 2, 4, 16.0
+
+
+@pytest.fixture(scope="module")
+def lora_base(home) -> Path:
+    """A pretrained base of the tiny policy (seeded initial weights), as a file of the test's own."""
+    from safetensors.torch import save_file
+
+    from opentau_cli.config import load_config
+    from opentau_cli.policies import build_policy
+
+    torch.manual_seed(7)
+    folder = home / "lora_base"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in build_policy(load_config(TINY, {}).policy).state_dict().items()},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def lora_launch(home: Path, run: Path, *command: str) -> None:
+    result = run_cli([*command], env=env_for(home))
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def lora_run(home, lora_base) -> Path:
+    run = home / "lora"
+    lora_launch(home, run, "train", "--config_path", str(TINY), "--steps", str(LORA_STEPS), "--save_freq", str(LORA_SAVE),
+                "--log_freq", "1", "--batch_size", "4", "--scheduler.warmup_steps", "1", f"--accelerate-config={FSDP2}",
+                f"--policy.lora.rank={LORA_RANK}", f"--policy.lora.alpha={LORA_ALPHA}",
+                f"--policy.pretrained_path={lora_base}", "--policy.pretrained_strict=false", "--validation.val_freq=0",
+                "--logging.tensorboard=false",
+                f"--output_dir={run}")
+    return run
+
+
+def test_lora_under_fsdp2_saves_only_what_trains_resumes_exactly_and_exports_the_merge(lora_run, lora_base, home, tmp_path):
+    from safetensors.torch import load_file as load
+
+    from opentau_cli.config.model import LORA_FULL_MODULES
+
+    ckpt = lora_run / CHECKPOINTS / f"{LORA_SAVE:06d}"
+    saved = dcp_reference(ckpt, tmp_path)
+    base = load(str(lora_base / "model.safetensors"))
+    model = saved["model"]
+    # Only the adapters, the fully trained modules and the buffers (not parameters of the base): never a frozen weight.
+    adapters = [k for k in model if ".lora_A." in k or ".lora_B." in k]
+    assert adapters and not any(".base_layer." in k for k in model)
+    assert all(k in adapters or any(k.startswith(m + ".") for m in LORA_FULL_MODULES) or k in base for k in model)
+    frozen = [k for k in base if k not in model and not any(k.startswith(m + ".") for m in LORA_FULL_MODULES)]
+    assert sum(model[k].numel() for k in model) < sum(base[k].numel() for k in frozen)  # small beside the base
+    moments = [k for k in saved["optimizer"]["state"]] if "state" in saved["optimizer"] else []
+    assert moments and all(".lora_" in k or any(k.startswith(m + ".") for m in LORA_FULL_MODULES) for k in moments)
+
+    # The resume of the middle checkpoint continues with the same losses.
+    run = home / "lora_resumed"
+    (run / CHECKPOINTS).mkdir(parents=True)
+    shutil.copytree(ckpt, run / CHECKPOINTS / ckpt.name, symlinks=True)
+    lora_launch(home, run, "resume", str(run))
+    uninterrupted, continued = losses(lora_run), losses(run)
+    assert sorted(continued) == list(range(LORA_SAVE + 1, LORA_STEPS + 1))
+    assert {s: uninterrupted[s] for s in continued} == continued
+
+    # Export merges the adapters into the base: one full model.safetensors, base + (alpha / rank) * B @ A.
+    export = run_cli_in_process(["checkpoint", "export", str(lora_run), "--output", str(tmp_path / "export")], env=env_for(home))
+    assert export.returncode == 0, export.stderr
+    exported = load(str(tmp_path / "export" / "model.safetensors"))
+    assert not any(".lora_" in k or "base_layer" in k for k in exported)
+    final = dcp_reference(lora_run / CHECKPOINTS / f"{LORA_STEPS:06d}", tmp_path)["model"]
+    module = "expert.layers.0.mlp.down_proj"
+    a, b = final[f"{module}.lora_A.default.weight"], final[f"{module}.lora_B.default.weight"]
+    merged = base[f"{module}.weight"].float() + (LORA_ALPHA / LORA_RANK) * (b.float() @ a.float())
+    assert torch.equal(exported["model.paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj.weight"], merged)
+    assert not torch.equal(merged, base[f"{module}.weight"])

@@ -258,12 +258,20 @@ def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dic
     that put it in save_dir. Runs on the main thread (under DeepSpeed it runs save_checkpoint's collectives); only
     small files (DeepSpeed's RNG states, `latest` and scripts) are written right away. `extra`: safetensors files
     this rank adds ({name: tensors}, e.g. its EMA), copied with the rest."""
+    from opentau_cli.checkpoint.dcp import registered
+
     Path(save_dir).mkdir(parents=True, exist_ok=True)  # as save_state does
     staging.begin()
     if accelerator.state.deepspeed_plugin is not None:
         writes = _deepspeed_snapshot(accelerator, Path(save_dir), staging, save_kwargs)
     else:
         writes = _accelerate_snapshot(accelerator, Path(save_dir), staging)
+    sharded = registered(accelerator)
+    if sharded is not None:
+        # FSDP2 (checkpoint/dcp.py): this rank's shards copied to host memory now; DCP writes them from the
+        # background thread, its plan and metadata gathered over a gloo group of their own (never the training's).
+        group = sharded.group()
+        writes.insert(0, partial(sharded.write_staged, sharded.stage(), Path(save_dir), accelerator.process_index, group))
     for name, tensors in (extra or {}).items():
         writes.append(partial(staging.write, FileWrite(Path(save_dir) / name, staging.copy(tensors), safetensors=True)))
     staging.end()  # every file's tensors into the one buffer
@@ -282,9 +290,12 @@ def _accelerate_snapshot(acc, save_dir: Path, staging: HostStaging) -> list[Writ
     writes.append(partial(staging.write, FileWrite(save_dir / rank_state_file(acc.process_index), rng)))
     if not acc.is_main_process:  # Accelerate's `save` writes the rest on the main process only
         return writes
+    from opentau_cli.checkpoint.dcp import ShardedState
+
     weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
     for hook in acc._save_model_state_pre_hook.values():
-        hook(acc._models, weights, str(save_dir))
+        if not isinstance(hook, ShardedState):  # FSDP2's shards: every rank, staged by `snapshot`
+            hook(acc._models, weights, str(save_dir))
     for i, state in enumerate(weights):
         name = _indexed(MODEL_WEIGHTS, i)
         writes.append(partial(staging.write, FileWrite(save_dir / name, staging.copy(state), safetensors=True)))

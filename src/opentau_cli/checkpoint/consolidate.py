@@ -595,7 +595,7 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
 
     if fsdp:
         state = migrate_training_state(json.loads((ckpt_dir / TRAINING_STATE).read_text()))
-        source, world, step, raw = "fsdp", state["world_size"], state["step"], model_entries(ckpt_dir)
+        source, world, step, raw = "fsdp", state["world_size"], state["step"], model_entries(ckpt_dir, ema=kind == "ema")
     else:
         ckpt = read_zero_checkpoint(ckpt_dir, ema=kind == "ema")
         source, world, step, raw = str(ckpt.zero_stage), ckpt.world_size, ckpt.step, ckpt.entries

@@ -80,39 +80,124 @@ def _planner():
     return SafeLoadPlanner()
 
 
-def save_sharded(directory: Path, model, optimizer) -> None:
-    """Write the model's and optimizer's sharded state into `directory / DCP_DIR` (a collective: every rank)."""
+def save_sharded(directory: Path, model, optimizer, extra: dict | None = None, keys: set | None = None) -> None:
+    """Write the model's and optimizer's sharded state (and `extra`'s, e.g. {"ema": ...}) into `directory / DCP_DIR`
+    (a collective: every rank). `keys`: the model's entries to write (LoRA: what trains and the buffers)."""
     import torch.distributed.checkpoint as dcp
+
+    dcp.save(sharded_state(model, optimizer, extra, keys), storage_writer=dcp.FileSystemWriter(str(Path(directory) / DCP_DIR)))
+
+
+def sharded_state(model, optimizer, extra: dict | None = None, keys: set | None = None) -> dict:
+    """What DCP_DIR holds: {"model": ..., "optimizer": ...} as `get_state_dict` gives them (DTensors: this rank's
+    shards, no copies), the model's only `keys` when given, plus `extra`'s top-level entries."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(str(Path(directory) / DCP_DIR)))
+    if keys is not None:
+        model_state = {k: v for k, v in model_state.items() if k in keys}
+    return {"model": model_state, "optimizer": optim_state, **(extra or {})}
 
 
-def load_sharded(directory: Path, model, optimizer) -> None:
+def load_sharded(directory: Path, model, optimizer, keys: set | None = None) -> None:
     """Read `directory / DCP_DIR` into the model and optimizer (a collective: every rank), reshaped by DCP to this
-    launch's shards."""
+    launch's shards; `keys`: the model's entries the checkpoint holds (LoRA: the rest is the base, built)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    state = sharded_state(model, optimizer, keys=keys)
     dcp.load(state, storage_reader=_reader(Path(directory) / DCP_DIR), planner=_planner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=keys is None))
 
 
-def register_with(accelerator, model, optimizer) -> None:
+EMA_KEY = "ema"  # the EMA's entry in DCP_DIR (train/ema.py): its shards, by parameter name, beside the model's
+
+
+def load_into(directory: Path, key: str, tensors: dict) -> None:
+    """Read `key`'s tensors of `directory / DCP_DIR` into `tensors` ({name: DTensor}, in place; a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(directory) / DCP_DIR
+    saved = {fqn for fqn in read_metadata(root).state_dict_metadata if fqn.startswith(key + ".")}
+    missing = sorted(f"{key}.{name}" for name in tensors if f"{key}.{name}" not in saved)
+    if missing or len(saved) != len(tensors):
+        from opentau_cli.errors import RunError
+
+        raise RunError(f"{root} does not hold this run's {key} (missing {missing[:3]}, {len(saved)} saved, "
+                       f"{len(tensors)} expected).")
+    dcp.load({key: tensors}, storage_reader=_reader(root), planner=_planner())
+
+
+class ShardedState:
+    """The save_state pre-hook of an FSDP2 launch: writes the sharded model, optimizer and, when the launch keeps
+    one, EMA (`ema`: a callable giving {name: DTensor} or None) with DCP. `stage` / `write_staged` are the
+    asynchronous save's two halves (checkpoint/async_save.py)."""
+
+    def __init__(self, model, optimizer, keys: set | None = None):
+        self.model, self.optimizer, self.keys = model, optimizer, keys
+        self.ema = lambda: None
+        self._group = None
+
+    def state(self) -> dict:
+        ema = self.ema()
+        return sharded_state(self.model, self.optimizer, {EMA_KEY: ema} if ema else None, self.keys)
+
+    def __call__(self, models, weights, output_dir) -> None:
+        save_sharded(Path(output_dir), self.model, self.optimizer, {EMA_KEY: e} if (e := self.ema()) else None, self.keys)
+
+    def stage(self) -> dict:
+        """This rank's state copied into fresh host memory (DCP's own staging functions: DTensors stay DTensors over
+        host copies of their shards), so training may change the live tensors while it is written."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        live = self.state()
+        staged = _create_cpu_state_dict(live, pin_memory=torch.cuda.is_available())
+        _copy_state_dict(live, staged)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return staged
+
+    def group(self):
+        """The gloo group the background writes coordinate over (DCP's plan and metadata gathers): never the
+        training's own group, whose collectives the main thread runs meanwhile. Made on the main thread by the
+        first asynchronous save, which every rank reaches at the same point."""
+        import torch.distributed as dist
+
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def write_staged(self, staged: dict, directory: Path, rank: int, group) -> tuple[Path, int, str]:
+        """Write a staged state into `directory / DCP_DIR` (a collective over `group`: every rank's background
+        thread), synced; returns this rank's shard file as the manifest records it (path, size, hash)."""
+        import torch.distributed.checkpoint as dcp
+
+        from opentau_cli.checkpoint.manifest import hash_file
+
+        root = Path(directory) / DCP_DIR
+        dcp.save(staged, storage_writer=dcp.FileSystemWriter(str(root), sync_files=True), process_group=group)
+        mine = root / f"__{rank}_0.distcp"  # one file per rank (FileSystemWriter's single_file_per_rank)
+        return mine, mine.stat().st_size, hash_file(mine, fsync=True)
+
+
+def register_with(accelerator, model, optimizer, keys: set | None = None) -> ShardedState:
     """Accelerate's save_state / load_state (what CheckpointManager calls on every rank) also write / read the
-    sharded model and optimizer: Accelerate itself writes the scheduler and each rank's RNG state."""
-
-    def save_hook(models, weights, output_dir):
-        save_sharded(Path(output_dir), model, optimizer)
+    sharded model and optimizer: Accelerate itself writes the scheduler and each rank's RNG state. `keys`: the
+    model's entries a checkpoint holds (None: all; LoRA: policies/lora.py checkpoint_keys)."""
+    hook = ShardedState(model, optimizer, keys)
 
     def load_hook(models, input_dir):
-        load_sharded(Path(input_dir), model, optimizer)
+        load_sharded(Path(input_dir), model, optimizer, keys)
 
-    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_save_state_pre_hook(hook)
     accelerator.register_load_state_pre_hook(load_hook)
+    return hook
+
+
+def registered(accelerator) -> ShardedState | None:
+    """The FSDP2 launch's save hook on `accelerator` (None: not an FSDP2 launch)."""
+    return next((h for h in accelerator._save_model_state_pre_hook.values() if isinstance(h, ShardedState)), None)
 
 
 def is_dcp_checkpoint(ckpt_dir: Path) -> bool:
@@ -123,11 +208,20 @@ def is_dcp_checkpoint(ckpt_dir: Path) -> bool:
 MODEL_PREFIX = "model."  # the model's entries in the saved state ({"model": ..., "optimizer": ...}, flattened)
 
 
-def model_entries(ckpt_dir: Path) -> list:
+def model_entries(ckpt_dir: Path, *, ema: bool = False) -> list:
     """The model's tensors of an FSDP2 checkpoint as `TensorEntry`s (checkpoint/safetensors_writer.py) named by the
     policy's parameter names, each assembled from its per-rank chunks when its turn to be written comes: one tensor
-    in memory at a time, never the model twice. Chunks are read with `weights_only` loads."""
-    return list(saved_entries(ckpt_dir, MODEL_PREFIX).values())
+    in memory at a time, never the model twice. Chunks are read with `weights_only` loads. With `ema` the trained
+    parameters are the EMA's (train/ema.py), by the same names; buffers and frozen parameters as saved."""
+    entries = saved_entries(ckpt_dir, MODEL_PREFIX)
+    if ema:
+        averaged = saved_entries(ckpt_dir, EMA_KEY + ".")
+        if not averaged or set(averaged) - set(entries):
+            from opentau_cli.errors import UserError
+
+            raise UserError(f"{ckpt_dir / DCP_DIR} holds no EMA of this model's parameters: pass --weights live.")
+        entries.update(averaged)
+    return list(entries.values())
 
 
 def saved_entries(ckpt_dir: Path, prefix: str) -> dict:
@@ -217,7 +311,7 @@ def read_canonical(ckpt_dir: Path, moments: tuple[str, ...]) -> tuple[dict, dict
     return weights, found, steps
 
 
-def _shard_like(full: torch.Tensor, like) -> torch.Tensor:
+def shard_like(full: torch.Tensor, like) -> torch.Tensor:
     """This rank's shard of `full` as the DTensor `like` lays it out (every rank holds `full`: no communication)."""
     from torch.distributed.tensor import distribute_tensor
 
@@ -238,7 +332,7 @@ def apply_full(module, optimizer, weight, moments: dict, steps: dict, stateless:
         for name, p in module.named_parameters():
             if keep_frozen(name, p):
                 continue
-            p.to_local().copy_(_shard_like(weight(name, p), p).to_local())
+            p.to_local().copy_(shard_like(weight(name, p), p).to_local())
         for name, p in module.named_parameters():
             if not p.requires_grad:
                 continue
@@ -246,7 +340,7 @@ def apply_full(module, optimizer, weight, moments: dict, steps: dict, stateless:
                 optimizer.state.pop(p, None)
                 continue
             optimizer.state[p] = {"step": torch.tensor(steps[name], dtype=torch.float32),
-                                  **{m: _shard_like(moments[m][name]().float(), p).clone() for m in moments}}
+                                  **{m: shard_like(moments[m][name]().float(), p).clone() for m in moments}}
 
 
 def live_full(module, optimizer, moments: tuple[str, ...]):

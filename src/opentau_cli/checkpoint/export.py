@@ -113,20 +113,21 @@ def open_saved_policy(target: Path, weights: str | None = None) -> SavedPolicy:
     config = load_config(ckpt / TRAIN_CONFIG, {})
     ema = wants_ema(ckpt, weights)
     deepspeed = (ckpt / DS_TAG).is_dir()
+    fsdp = is_dcp_checkpoint(ckpt)  # FSDP2: its DCP shards (checkpoint/dcp.py), its EMA among them
     consolidated = (ckpt / MODEL_WEIGHTS).is_file() or (ckpt / WEIGHTS_INDEX).is_file()
     if deepspeed and (not consolidated or weights_kind(ckpt / MODEL_WEIGHTS) != ("ema" if ema else "live")):
         entries = {e.name: e for e in read_zero_checkpoint(ckpt, ema=ema).entries}
+    elif fsdp and (not consolidated or weights_kind(ckpt / MODEL_WEIGHTS) != ("ema" if ema else "live")):
+        entries = {e.name: e for e in model_entries(ckpt, ema=ema)}
     elif (ckpt / MODEL_WEIGHTS).is_file():
         entries = _safetensors_entries([ckpt / MODEL_WEIGHTS])
     elif (ckpt / WEIGHTS_INDEX).is_file():
         from opentau_cli.policies.pretrained import weight_files
 
         entries = _safetensors_entries(weight_files(ckpt))
-    elif is_dcp_checkpoint(ckpt):  # FSDP2: assembled from its DCP shards (checkpoint/dcp.py)
-        entries = {e.name: e for e in model_entries(ckpt)}
     else:
         entries = {e.name: e for e in read_zero_checkpoint(ckpt).entries}
-    if ema and not deepspeed:  # the trained tensors' EMA, by the same names
+    if ema and not deepspeed and not fsdp:  # the trained tensors' EMA, by the same names
         averaged = _safetensors_entries([ckpt / EMA_WEIGHTS])
         unknown = sorted(set(averaged) - set(entries))
         if unknown:

@@ -256,13 +256,6 @@ def fsdp_rules(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine) -> tu
         errors.append(f"{where} sets fsdp_activation_checkpointing: {str(checkpointing).lower()} and the config "
                       f"policy.gradient_checkpointing={str(cfg.policy.gradient_checkpointing).lower()}: opentau's switch is "
                       "policy.gradient_checkpointing; make them agree (or remove the YAML key).")
-    # Parts of the recipe not built for FSDP2 yet: refused, never run differently.
-    if cfg.ema.enabled:
-        errors.append("ema.decay > 0 is not supported under FSDP2 yet; set --ema.decay=0 or use DDP / DeepSpeed.")
-    if cfg.policy.lora.enabled:
-        errors.append("policy.lora is not supported under FSDP2 yet; use DDP or DeepSpeed ZeRO-2 for LoRA.")
-    if cfg.checkpoint.async_save:
-        errors.append("checkpoint.async_save=true is not supported under FSDP2 yet; set --checkpoint.async_save=false.")
     if cfg.policy.use_torch_compile:
         warnings.append("policy.use_torch_compile=true is not supported under FSDP2 yet: running eager instead.")
         cfg.policy.use_torch_compile = False

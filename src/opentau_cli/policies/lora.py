@@ -106,13 +106,17 @@ def register_checkpoint_hooks(accelerator, model: nn.Module) -> tuple[dict, dict
     the two calls need (DeepSpeed writes its own files: it is told to leave the frozen parameters out).
 
     Single / DDP: the weights handed to the writer are filtered; a load checks that the file holds exactly those
-    keys, then loads non-strictly over the base already in place."""
+    keys, then loads non-strictly over the base already in place. FSDP2: the DCP state holds only those keys."""
     from opentau_cli.checkpoint.layout import MODEL_WEIGHTS
     from opentau_cli.errors import RunError
+
+    from opentau_cli.checkpoint.dcp import is_sharded
 
     keep = checkpoint_keys(model)
     if accelerator.state.deepspeed_plugin is not None:
         return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
+    if is_sharded(model):  # FSDP2: its DCP hook writes and reads `keep` only (train/fsdp.py prepare)
+        return {}, {}
 
     def keep_trainable(models, weights, output_dir):
         for state in weights:

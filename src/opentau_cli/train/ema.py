@@ -7,7 +7,9 @@ are) and rank 0 writes it, by parameter name, as `ema.safetensors`. DeepSpeed Ze
 its own flat fp32 master partitions (one per parameter group, what the wrapped AdamW steps), so no rank holds a full
 copy, and writes them as `ema_rank<r>.safetensors` (`group_<g>`) laid out exactly as DeepSpeed saves those
 partitions in its optimizer shards (ZeRO-1/2 without the alignment padding): the consolidator cuts them by the plan
-it cuts the master weights by (checkpoint/consolidate.py). With LoRA the trainable tensors are the adapters and the
+it cuts the master weights by (checkpoint/consolidate.py). FSDP2: the EMA of each parameter is a DTensor laid out as
+the parameter (each rank averages its own shard) and is saved with the model's shards by DCP, under `ema.` in
+`fsdp_state/` (checkpoint/dcp.py). With LoRA the trainable tensors are the adapters and the
 fully trained modules, so those are what is averaged.
 """
 
@@ -66,12 +68,19 @@ class WeightEMA:
     _zero_opt: object = None
     _module: object = None  # the unwrapped model (load_full finds parameters by name in it)
     _rank: int = 0
+    sharded: bool = False  # FSDP2: live and shadow are DTensors; the shadow is saved with DCP, not by `files`
 
     @classmethod
     def build(cls, decay: float, accelerator, model) -> "WeightEMA":
         """The EMA of what `model` (prepared) trains now, on every rank."""
+        from opentau_cli.checkpoint.dcp import is_sharded
         from opentau_cli.checkpoint.reshard import _flat_partitions, _zero
 
+        if is_sharded(model):  # FSDP2: each shadow a DTensor with its parameter's placement
+            named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            live = [p for _, p in named]
+            return cls(decay, [name for name, _ in named], live, [_fp32_copy(p) for p in live], [p.numel() for p in live],
+                       None, _module=model, _rank=accelerator.process_index, sharded=True)
         zero_opt, stage = _zero(accelerator)
         if zero_opt is None:
             module = accelerator.unwrap_model(model)
@@ -90,7 +99,7 @@ class WeightEMA:
     @torch.no_grad()
     def update(self) -> None:
         """One EMA step from the weights as they are now (call it after each optimizer step)."""
-        ema_update_(self.shadow, self.live, self.decay)
+        ema_update_(_local(self.shadow), _local(self.live), self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds of this rank's EMA, by name (views, not copies)."""
@@ -117,6 +126,11 @@ class WeightEMA:
         """Continue the EMA a checkpoint of the same topology holds (its manifest was checked by the resume plan)."""
         from safetensors.torch import load_file
 
+        if self.sharded:
+            from opentau_cli.checkpoint.dcp import EMA_KEY, load_into
+
+            load_into(Path(ckpt_dir), EMA_KEY, self.state_dict())
+            return
         path = Path(ckpt_dir) / (self.file or EMA_WEIGHTS)
         if not path.is_file():
             raise RunError(f"{path} is missing: the checkpoint holds no EMA for this rank.")
@@ -139,6 +153,12 @@ class WeightEMA:
                 raise RunError(f"the checkpoint's EMA holds no tensor for parameter '{name}': it does not fit this run.")
             return saved[found]().to(torch.float32)
 
+        if self.sharded:
+            from opentau_cli.checkpoint.dcp import shard_like
+
+            for name, shadow in zip(self.names, self.shadow):
+                shadow.to_local().copy_(shard_like(full(name, module_params[name]), shadow).to_local())
+            return
         if self.zero_stage is None:
             for name, shadow in zip(self.names, self.shadow):
                 shadow.copy_(full(name, module_params[name]).view_as(shadow))
@@ -164,19 +184,29 @@ class WeightEMA:
     def swap_in(self):
         """The model computes with the EMA weights inside the block (every rank enters it: a collective under
         ZeRO-1/2); the live weights come back exactly afterwards. Holds one copy of this rank's live tensors."""
-        saved = [t.detach().clone() for t in self.live]
+        live = _local(self.live)
+        saved = [t.detach().clone() for t in live]
         try:
-            for t, ema in zip(self.live, self.shadow):
+            for t, ema in zip(live, _local(self.shadow)):
                 t.copy_(ema)
             self._to_model()
             yield
         finally:
-            for t, keep in zip(self.live, saved):
+            for t, keep in zip(live, saved):
                 t.copy_(keep)
             self._to_model()
 
     def _to_model(self) -> None:
-        """Under ZeRO the model computes with its own (bf16) copy of the fp32 partitions: refresh it from them."""
+        """Under ZeRO the model computes with its own (bf16) copy of the fp32 partitions: refresh it from them. Under
+        FSDP2 a unit left gathered (reshard_after_forward: false) would compute with the gathered copy: every unit
+        is resharded, so its next forward gathers the shards as they are now."""
+        if self.sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self._module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            return
         if self.zero_stage is None:
             return
         opt = self._zero_opt
@@ -192,6 +222,11 @@ class WeightEMA:
         if opt.persistent_parameters:
             opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
         opt.invalidate_secondary_tensor()
+
+
+def _local(tensors: list) -> list:
+    """This rank's part of each tensor: a DTensor's local shard (same storage), a plain tensor itself."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
 def _fp32_copy(t: torch.Tensor) -> torch.Tensor:
@@ -234,6 +269,10 @@ def saved_by_name(ckpt_dir: Path, state: dict) -> dict:
         from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
 
         return {e.name: e.produce for e in read_zero_checkpoint(ckpt_dir, ema=True).entries}
+    if state.get("backend") == "fsdp":
+        from opentau_cli.checkpoint.dcp import EMA_KEY, saved_entries
+
+        return {name: e.produce for name, e in saved_entries(ckpt_dir, EMA_KEY + ".").items()}
     from safetensors import safe_open
 
     f = safe_open(str(Path(ckpt_dir) / EMA_WEIGHTS), framework="pt")

@@ -89,15 +89,25 @@ def describe_units(policy) -> str:
             f"expert layers, {fp32} fp32 modules, the root ({mesh_size} processes).")
 
 
-def prepare(accelerator, model, optimizer, scheduler):
+def prepare(accelerator, model, optimizer, scheduler, *, lora: bool = False):
     """What `accelerator.prepare` does for the other backends: the model is already sharded and is not handed to
     Accelerate (it would wrap it in DDP), the optimizer stays torch's (its state is sharded like the parameters) and
     the scheduler is Accelerate's; save_state / load_state write and read the sharded model and optimizer with DCP
-    (checkpoint/dcp.py)."""
+    (checkpoint/dcp.py). With `lora` a checkpoint holds only what trains and the buffers, as for every backend
+    (policies/lora.py); the frozen base is built again on resume."""
     from opentau_cli.checkpoint.dcp import register_with
+    from opentau_cli.policies.lora import checkpoint_keys
 
-    register_with(accelerator, model, optimizer)
+    register_with(accelerator, model, optimizer, checkpoint_keys(model) if lora else None)
     return model, optimizer, accelerator.prepare(scheduler)
+
+
+def checkpoint_ema(accelerator, ema) -> None:
+    """Every save of this launch also writes the EMA (`ema()`: the launch's WeightEMA or None, train/ema.py) with
+    the model's shards, under `ema.` in the DCP state (checkpoint/dcp.py)."""
+    from opentau_cli.checkpoint.dcp import registered
+
+    registered(accelerator).ema = lambda: (e.state_dict() if (e := ema()) is not None else None)
 
 
 def route_layer_calls(policy) -> None:

@@ -496,11 +496,13 @@ def build_trainer(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_dir=N
         base = base_reference(cfg.policy, cfg.seed) if accelerator.is_main_process else None  # rank 0 writes it
         lora = dict(lora_base=base, save_state_kwargs=save_kwargs, load_state_kwargs=load_kwargs)
     if setup.backend == "fsdp":
-        model, optimizer, scheduler = fsdp.prepare(accelerator, model, optimizer, scheduler)
+        model, optimizer, scheduler = fsdp.prepare(accelerator, model, optimizer, scheduler, lora=cfg.policy.lora.enabled)
     else:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     set_seed(cfg.seed + accelerator.process_index)  # each rank its own noise / flow-matching time stream
     trainer = Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler,
                       data=data, augment=ImageAugment(cfg.dataset.augment, cfg.seed), ema=build_ema(cfg, accelerator, model), **lora)
+    if setup.backend == "fsdp":  # the EMA's shards are saved with the model's (train/fsdp.py)
+        fsdp.checkpoint_ema(accelerator, lambda: trainer.ema)
     trainer.share_prompt_tokenizer()
     return trainer
