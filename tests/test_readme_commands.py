@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli_in_process
 
 pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
 
@@ -171,12 +171,21 @@ def test_the_readme_says_how_full_pi05_examples_validate_offline():
     assert " ".join(OFFLINE_FLAGS) in text, f"the README must say to add `{' '.join(OFFLINE_FLAGS)}` offline"
 
 
-def test_every_full_pi05_validate_example_runs_offline_with_the_readmes_flags(tmp_path):
+def test_every_full_pi05_validate_example_runs_offline_with_the_readmes_flags(tmp_path, monkeypatch):
+    """In-process (`config validate` launches nothing; the installed script running such a line from bash is the
+    blocks test's README.md:172 block): the scratch directory and the environment `_scratch` gives a shell."""
+    from huggingface_hub import constants
+
     cwd, env = _scratch(tmp_path)
+    for name in list(os.environ):
+        if name not in env:
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: as HF_HUB_OFFLINE=1 makes it in a shell
     failed = []
     for example in full_pi05_validates(BLOCKS):
         argv = example.argv + [f for f in OFFLINE_FLAGS if f not in example.argv]
-        result = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert argv[0] == "opentau"
+        result = run_cli_in_process(argv[1:], cwd=cwd, env=env)
         lines = result.stderr.strip().splitlines()
         errors = [ln for ln in lines if ln.startswith("Error:")]
         if example.error is None:
