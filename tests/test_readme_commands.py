@@ -173,7 +173,8 @@ def test_the_readme_says_how_full_pi05_examples_validate_offline():
 
 def test_every_full_pi05_validate_example_runs_offline_with_the_readmes_flags(tmp_path, monkeypatch):
     """In-process (`config validate` launches nothing; the installed script running such a line from bash is the
-    blocks test's README.md:172 block): the scratch directory and the environment `_scratch` gives a shell."""
+    README's runnable full-pi05 `config validate` block, in the test above): in the scratch directory, with the
+    environment `_scratch` gives a shell."""
     from huggingface_hub import constants
 
     cwd, env = _scratch(tmp_path)
