@@ -359,7 +359,7 @@ def test_an_elastic_resume_between_ddp_and_fsdp2_continues_with_the_uninterrupte
     assert [t["backend"] for t in state["topologies"]] == [{"ddp": "ddp", "fsdp2": "fsdp"}[source], state["backend"]]
 
 
-# LoRA under FSDP2: one short run and a resume of its middle checkpoint.
+# LoRA under FSDP2: one short run with asynchronous saves, SIGKILLed while its last save is written, and its resume.
 
 LORA_STEPS, LORA_SAVE, LORA_RANK, LORA_ALPHA = 4, 2, 4, 16.0
 
@@ -380,29 +380,37 @@ def lora_base(home) -> Path:
     return folder
 
 
-def lora_launch(home: Path, run: Path, *command: str) -> None:
-    result = run_cli([*command], env=env_for(home))
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-
-
 @pytest.fixture(scope="module")
-def lora_run(home, lora_base) -> Path:
+def lora_killed(home, lora_base) -> tuple[Path, dict[int, float]]:
+    """The run, killed (SIGKILL, every process) once rank 0 has written its part of the step-4 save; and the losses
+    it logged up to then."""
     run = home / "lora"
-    lora_launch(home, run, "train", "--config_path", str(TINY), "--steps", str(LORA_STEPS), "--save_freq", str(LORA_SAVE),
-                "--log_freq", "1", "--batch_size", "4", "--scheduler.warmup_steps", "1", f"--accelerate-config={FSDP2}",
-                f"--policy.lora.rank={LORA_RANK}", f"--policy.lora.alpha={LORA_ALPHA}",
-                f"--policy.pretrained_path={lora_base}", "--policy.pretrained_strict=false", "--validation.val_freq=0",
-                "--logging.tensorboard=false",
-                f"--output_dir={run}")
-    return run
+    env = {**os.environ, **env_for(home), "TEST_KILL_AT": f"before_metadata@{LORA_STEPS}",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(KILL_HOOK), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("OPENTAU_DEBUG", None)
+    command = [opentau_bin(), "train", "--config_path", str(TINY), "--steps", str(LORA_STEPS), "--save_freq",
+               str(LORA_SAVE), "--log_freq", "1", "--batch_size", "4", "--scheduler.warmup_steps", "1",
+               f"--accelerate-config={FSDP2}", f"--policy.lora.rank={LORA_RANK}", f"--policy.lora.alpha={LORA_ALPHA}",
+               f"--policy.pretrained_path={lora_base}", "--policy.pretrained_strict=false", "--validation.val_freq=0",
+               "--logging.tensorboard=false", "--checkpoint.async_save=true", f"--output_dir={run}"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
+    return run, losses(run)
 
 
-def test_lora_under_fsdp2_saves_only_what_trains_resumes_exactly_and_exports_the_merge(lora_run, lora_base, home, tmp_path):
+def test_lora_under_fsdp2_saves_only_what_trains_survives_a_kill_mid_save_resumes_exactly_and_exports_the_merge(
+        lora_killed, lora_base, home, tmp_path):
     from safetensors.torch import load_file as load
 
     from opentau_cli.config.model import LORA_FULL_MODULES
 
-    ckpt = lora_run / CHECKPOINTS / f"{LORA_SAVE:06d}"
+    run, before = lora_killed
+    # The kill left the previous checkpoint as it was, and published nothing of the interrupted save.
+    assert sorted(p.name for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit()) == [f"{LORA_SAVE:06d}"]
+    assert run_cli_in_process(["checkpoint", "verify", str(run)]).returncode == 0
+    assert sorted(before) == list(range(1, LORA_STEPS + 1))
+
+    ckpt = run / CHECKPOINTS / f"{LORA_SAVE:06d}"
     saved = dcp_reference(ckpt, tmp_path)
     base = load(str(lora_base / "model.safetensors"))
     model = saved["model"]
@@ -412,24 +420,22 @@ def test_lora_under_fsdp2_saves_only_what_trains_resumes_exactly_and_exports_the
     assert all(k in adapters or any(k.startswith(m + ".") for m in LORA_FULL_MODULES) or k in base for k in model)
     frozen = [k for k in base if k not in model and not any(k.startswith(m + ".") for m in LORA_FULL_MODULES)]
     assert sum(model[k].numel() for k in model) < sum(base[k].numel() for k in frozen)  # small beside the base
-    moments = [k for k in saved["optimizer"]["state"]] if "state" in saved["optimizer"] else []
+    moments = list(saved["optimizer"]["state"])
     assert moments and all(".lora_" in k or any(k.startswith(m + ".") for m in LORA_FULL_MODULES) for k in moments)
 
-    # The resume of the middle checkpoint continues with the same losses.
-    run = home / "lora_resumed"
-    (run / CHECKPOINTS).mkdir(parents=True)
-    shutil.copytree(ckpt, run / CHECKPOINTS / ckpt.name, symlinks=True)
-    lora_launch(home, run, "resume", str(run))
-    uninterrupted, continued = losses(lora_run), losses(run)
-    assert sorted(continued) == list(range(LORA_SAVE + 1, LORA_STEPS + 1))
-    assert {s: uninterrupted[s] for s in continued} == continued
+    # The resume continues from the intact checkpoint with the losses the killed launch logged.
+    result = run_cli(["resume", str(run)], env=env_for(home))
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    continued = losses(run)
+    assert {s: continued[s] for s in range(LORA_SAVE + 1, LORA_STEPS + 1)} == \
+        {s: before[s] for s in range(LORA_SAVE + 1, LORA_STEPS + 1)}
 
     # Export merges the adapters into the base: one full model.safetensors, base + (alpha / rank) * B @ A.
-    export = run_cli_in_process(["checkpoint", "export", str(lora_run), "--output", str(tmp_path / "export")], env=env_for(home))
+    export = run_cli_in_process(["checkpoint", "export", str(run), "--output", str(tmp_path / "export")], env=env_for(home))
     assert export.returncode == 0, export.stderr
     exported = load(str(tmp_path / "export" / "model.safetensors"))
     assert not any(".lora_" in k or "base_layer" in k for k in exported)
-    final = dcp_reference(lora_run / CHECKPOINTS / f"{LORA_STEPS:06d}", tmp_path)["model"]
+    final = dcp_reference(run / CHECKPOINTS / f"{LORA_STEPS:06d}", tmp_path)["model"]
     module = "expert.layers.0.mlp.down_proj"
     a, b = final[f"{module}.lora_A.default.weight"], final[f"{module}.lora_B.default.weight"]
     merged = base[f"{module}.weight"].float() + (LORA_ALPHA / LORA_RANK) * (b.float() @ a.float())
