@@ -206,6 +206,19 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """`one_thread` for a whole module (`pytestmark = pytest.mark.usefixtures("one_thread_module")`): for modules whose
+    in-process evals, exports and policy builds run while launches load both cores (measured: an in-process eval of
+    the tiny policy, 22 s on two threads against 0.8 s on one, on a loaded 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # Two uninterrupted 2-process runs of pi05_tiny on the demo data, each launched once per session and shared by every
 # module that compares with such a run or reads what it wrote: DDP (train end to end, several machines, the EMA) and
 # ZeRO-3 (train end to end, the EMA). Both keep an EMA of the weights and validate at each save (neither changes a
