@@ -31,7 +31,7 @@ from opentau_cli.cli.main import app
 from opentau_cli.config.paths import paths_base
 from opentau_cli.errors import UserError
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 VERSIONS = sorted(int(p.name[1:]) for p in FIXTURES.glob("v*") if p.is_dir())
