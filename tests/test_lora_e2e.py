@@ -25,7 +25,7 @@ from opentau_cli.config import load_config
 from opentau_cli.policies import build_policy, load_pretrained
 from opentau_cli.policies.lora import apply_lora, checkpoint_keys, restore_policy
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
 KILL_HOOK = Path(__file__).parent / "kill_hook"
