@@ -2,14 +2,15 @@
 the example pi05 config on 8 GPUs (the README's table).
 
 Part 1, checked: pi05_small at 224x224, 16 per device, launched for real by `opentau train` on CPU under single
-process, DDP x2, ZeRO-2 x2 and ZeRO-3 x2, with gradient checkpointing off and on, with `ema.decay` and with LoRA.
+process, DDP x2, ZeRO-2 x2, ZeRO-3 x2 and FSDP2 x2, with gradient checkpointing off and on, with `ema.decay` and with
+LoRA.
 Each rank's peak is read by the kernel (tests/memory_hook: VmHWM after the last step less VmRSS just before the
 policy is built) and set beside the plan for a CPU launch of the same run (`plan_memory(..., device="cpu")`: AdamW's
 per-tensor step, buffers resident only where written, glibc's retention instead of CUDA's context, NCCL and
 fragmentation). Target: the plan within 10% of the largest rank's peak in every row.
 Part 2, computed: the example pi05 config on 8 GPUs for each launch the README lists, with the parts of its plan.
 
-    python benchmarks/bench_memory_plan.py            # 8 real launches (minutes) + the full pi05's plan
+    python benchmarks/bench_memory_plan.py            # 11 real launches (minutes) + the full pi05's plan
     python benchmarks/bench_memory_plan.py --smoke    # pi05_tiny, one real launch (CI)
 """
 
@@ -31,8 +32,8 @@ LAUNCHES = [  # (row, Accelerate YAML, overrides) of the example config on 8 GPU
     ("ZeRO-2, 2 x 4", "accelerate_deepspeed_config.yaml", []),
     ("ZeRO-3, 2 x 4", "accelerate_deepspeed_zero3_config.yaml", []),
 ]
-DDP, ZERO2, ZERO3 = ("accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_config.yaml",
-                     "accelerate_cpu_deepspeed_zero3_config.yaml")
+DDP, ZERO2, ZERO3, FSDP2 = ("accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_config.yaml",
+                            "accelerate_cpu_deepspeed_zero3_config.yaml", "accelerate_cpu_fsdp2_config.yaml")
 REAL = [  # (row, Accelerate YAML or None, overrides) of pi05_small launched on CPU
     ("single process", None, []),
     ("single process, gradient checkpointing", None, ["--policy.gradient_checkpointing=true"]),
@@ -42,6 +43,9 @@ REAL = [  # (row, Accelerate YAML or None, overrides) of pi05_small launched on 
     ("ZeRO-2 x2", ZERO2, []),
     ("ZeRO-3 x2", ZERO3, []),
     ("ZeRO-2 x2, gradient checkpointing", ZERO2, ["--policy.gradient_checkpointing=true"]),  # refused under ZeRO-3
+    ("FSDP2 x2 (bf16)", FSDP2, []),
+    ("FSDP2 x2 (bf16), gradient checkpointing", FSDP2, ["--policy.gradient_checkpointing=true"]),
+    ("FSDP2 x2 (bf16), ema.decay", FSDP2, ["--ema.decay=0.99"]),
 ]
 SMALL = ["--steps=3", "--batch_size=16", "--policy.image_resolution=[224,224]", "--save_freq=1000", "--log_freq=1"]
 TINY = ["--steps=2", "--batch_size=4", "--save_freq=1000", "--log_freq=1", "--validation.val_freq=0"]

@@ -99,6 +99,7 @@ def test_with_gradient_accumulation_the_held_gradients_are_in_the_next_forward()
     (dict(backend="ddp", num_processes=4, mixed_precision="bf16"), False, 1),  # every rank keeps the whole EMA
     (dict(backend="deepspeed", zero_stage=2, num_processes=4, mixed_precision="bf16"), False, 4),  # its partition
     (dict(backend="deepspeed", zero_stage=3, num_processes=4, mixed_precision="bf16"), False, 4),
+    (dict(backend="fsdp", num_processes=4, mixed_precision="bf16", fsdp_version=2), False, 4),  # its shards
     (dict(backend="ddp", num_processes=2, mixed_precision="bf16"), True, 1),  # LoRA: the trainable tensors only
 ])
 def test_with_ema_the_plan_has_a_line_for_the_fp32_copy_each_rank_keeps(launch, lora, ranks_share):
@@ -112,6 +113,25 @@ def test_with_ema_the_plan_has_a_line_for_the_fp32_copy_each_rank_keeps(launch, 
     assert "EMA of the weights (fp32)" not in without.lives
     assert sum(with_ema.lives.values()) - sum(without.lives.values()) == expected
     assert with_ema.phases["optimizer step"]["EMA update temporary"] > 0  # train/ema.py's chunked product
+
+
+def test_under_fsdp2_on_cpu_every_rank_first_holds_the_whole_model_as_built_and_that_is_the_peak_when_larger():
+    """Every rank builds the whole policy in fp32 before fully_shard cuts it (docs/ARCHITECTURE.md, "Memory plan"): on
+    8 CPU processes at one sample per device that is more than a step holds, and the plan's peak is the build."""
+    cfg = TrainConfig(policy={"preset": "pi05_small", "gradient_checkpointing": True, "image_resolution": [112, 112],
+                              "chunk_size": 10, "n_action_steps": 10, "tokenizer_max_length": 48}, batch_size=1)
+    fsdp = AccelerateSetup(backend="fsdp", num_processes=8, mixed_precision="bf16", fsdp_version=2)
+    cpu, gpu = plan_memory(cfg, fsdp, device="cpu"), plan_memory(cfg, fsdp)
+    from opentau_cli.policies import build_policy
+
+    built = sum(p.numel() * p.element_size() for p in build_policy(cfg.policy).parameters())  # fp32, real tensors
+    assert cpu.build["the whole model as built (fp32)"] == built
+    assert cpu.build_is_peak and cpu.allocated == sum(cpu.build.values()) > cpu.step_peak
+    assert sum(cpu.parts.values()) == cpu.total
+    assert "= the model's build " in cpu.describe() and "above a step's" in cpu.describe()
+    # On a GPU the whole model is in host memory; each unit comes to the GPU whole only to be sharded.
+    assert not gpu.build_is_peak and gpu.allocated == gpu.step_peak
+    assert sum(gpu.build.values()) < built
 
 
 def test_the_device_costs_are_named_allowances_cuda_context_nccl_and_fragmentation_on_gpus_glibc_on_cpu():

@@ -1,7 +1,8 @@
-"""The memory plan against real training processes: `opentau train` launched on CPU under single process, DDP x2 and
-ZeRO-3 x2, each rank's peak resident memory read by the kernel (tests/memory_hook: VmHWM after the last step less
-VmRSS just before the policy is built), and what the plan allocates for a CPU launch of the same run within 10% of
-every rank's.
+"""The memory plan against real training processes: `opentau train` launched on CPU under single process, DDP x2,
+ZeRO-3 x2 and FSDP2 x2 (bf16), each rank's peak resident memory read by the kernel (tests/memory_hook: VmHWM after the
+last step less VmRSS just before the policy is built), and what the plan allocates for a CPU launch of the same run
+within 10% of every rank's. Under FSDP2 the build's own peak too (every rank builds the whole model, then shards it:
+VmHWM once sharded less the same VmRSS) against the plan's build.
 
 The launches run with glibc returning freed blocks to the kernel at once (real_peak.RETURNING), so that the peak
 counts what tensors hold, as torch.cuda.max_memory_allocated does on a GPU; with glibc's defaults a rank also keeps
@@ -41,15 +42,16 @@ def home(tmp_path_factory) -> Path:
     (None, 1),
     ("accelerate_cpu_ddp_config.yaml", 2),
     ("accelerate_cpu_deepspeed_zero3_config.yaml", 2),
-], ids=["single", "ddp2", "zero3x2"])
+    ("accelerate_cpu_fsdp2_config.yaml", 2),
+], ids=["single", "ddp2", "zero3x2", "fsdp2x2"])
 def test_what_the_cpu_plan_allocates_is_within_10_percent_of_every_rank_s_real_peak(yaml, ranks, home, tmp_path, monkeypatch):
     from opentau_cli.config import load_config, resolve_accelerate_config
     from opentau_cli.memory_plan import plan_memory
 
     env = {"OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HOME": str(home / "hf_home")}
     accel = [f"--accelerate-config={EXAMPLES / yaml}"] if yaml else []
-    peaks = [rank["peak"] for rank in launch(["--config_path", str(CONFIG), *accel, *ARGS], tmp_path / "run", env=env,
-                                             returning=True)]
+    records = launch(["--config_path", str(CONFIG), *accel, *ARGS], tmp_path / "run", env=env, returning=True)
+    peaks = [rank["peak"] for rank in records]
     assert len(peaks) == ranks
 
     monkeypatch.setenv("OPENTAU_CACHE_DIR", env["OPENTAU_CACHE_DIR"])
@@ -57,6 +59,10 @@ def test_what_the_cpu_plan_allocates_is_within_10_percent_of_every_rank_s_real_p
                        device="cpu")
     for peak in peaks:
         assert abs(plan.allocated - peak) <= 0.10 * peak, (plan.describe(), peaks)
+    if plan.build:  # FSDP2: the whole model as built on every rank, then its shards
+        built = sum(plan.build.values())
+        for rank in records:
+            assert abs(built - rank["build_peak"]) <= 0.10 * rank["build_peak"], (plan.build, records)
 
 
 def test_the_memory_plan_benchmark_smoke_run_appends_a_real_row_and_every_launch_of_the_readme_table(home, tmp_path):

@@ -263,21 +263,32 @@ def sizes(policy_cfg: PolicyConfig) -> Sizes:
 @dataclass
 class MemoryPlan:
     """Peak bytes per GPU of one configured run: what lives through the run, each phase of a step on top of it (the
-    peak is the largest), and the device's own costs."""
+    peak is the largest), the model's build when it holds more than any step (FSDP2 on CPU), and the device's own
+    costs."""
 
     label: str  # backend, world size, per-device batch, checkpointing
     lives: dict[str, int] = field(default_factory=dict)
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # forward / backward / optimizer -> their parts
     device_costs: dict[str, int] = field(default_factory=dict)
+    build: dict[str, int] = field(default_factory=dict)  # what the model's build holds, before anything of `lives`
+
+    @property
+    def build_is_peak(self) -> bool:
+        return sum(self.build.values()) > self.step_peak
 
     @property
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda name: sum(self.phases[name].values()))
 
     @property
-    def allocated(self) -> int:
-        """The peak of what tensors hold: what lives through the run plus the largest phase."""
+    def step_peak(self) -> int:
+        """What lives through the run plus the largest phase of a step."""
         return sum(self.lives.values()) + sum(self.phases[self.peak_phase].values())
+
+    @property
+    def allocated(self) -> int:
+        """The peak of what tensors hold: a step's (`step_peak`), or the build's where that is larger."""
+        return max(self.step_peak, sum(self.build.values()))
 
     @property
     def total(self) -> int:
@@ -285,7 +296,10 @@ class MemoryPlan:
 
     @property
     def parts(self) -> dict[str, int]:
-        """Every part of the peak, added up to `total`: what lives, the peak phase's parts, the device's costs."""
+        """Every part of the peak, added up to `total`: what lives, the peak phase's parts (or the build's), the
+        device's costs."""
+        if self.build_is_peak:
+            return {**self.build, **self.device_costs}
         parts = dict(self.lives)
         for name, n in self.phases[self.peak_phase].items():
             parts[name] = parts.get(name, 0) + n
@@ -300,9 +314,14 @@ class MemoryPlan:
 
         steps = "; ".join(f"{name} {gib(sum(p.values()))}" for name, p in self.phases.items())
         peak = self.peak_phase
-        line = (f"{gib(self.total)} peak per GPU ({self.label}) = through the run {gib(sum(self.lives.values()))} "
-                f"({listed(self.lives)}) + the {peak} {gib(sum(self.phases[peak].values()))} ({listed(self.phases[peak])}; "
-                f"by phase: {steps}) + {listed(self.device_costs)}")
+        step = (f"through the run {gib(sum(self.lives.values()))} ({listed(self.lives)}) + the {peak} "
+                f"{gib(sum(self.phases[peak].values()))} ({listed(self.phases[peak])}; by phase: {steps})")
+        if self.build_is_peak:
+            head = (f"the model's build {gib(sum(self.build.values()))} ({listed(self.build)}; above a step's "
+                    f"{gib(self.step_peak)}: {step})")
+        else:
+            head = step
+        line = f"{gib(self.total)} peak per GPU ({self.label}) = {head} + {listed(self.device_costs)}"
         if card:
             verdict = "fits" if self.fits(card) else "does NOT fit"
             line += f"; {verdict} a {gib(card)} card (margin {gib(card - self.total)})"
@@ -341,13 +360,18 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
     updated = s.trainable if stage is None else shard(s.trainable)
     largest = s.largest_trainable if stage is None else updated
     adamw_temporaries = 8 * largest if cpu else 4 * updated
-    ema = (s.trainable if stage is None else shard(s.trainable)) if cfg.ema.enabled else 0
+    fsdp = setup.backend == "fsdp"
+    # train/ema.py: each rank averages its own ZeRO partition or FSDP2 shard (fp32 under FSDP2 whatever the compute
+    # dtype: the shards are the master weights), else the whole of what trains.
+    ema = (s.trainable if stage is None and not fsdp else shard(s.trainable)) if cfg.ema.enabled else 0
     optimizer: dict[str, int] = {"AdamW temporaries": adamw_temporaries}
     if ema:
-        optimizer["EMA update temporary"] = 4 * min(EMA_CHUNK, ema) * (2 if w != 4 else 1)
+        optimizer["EMA update temporary"] = 4 * min(EMA_CHUNK, ema) * (2 if w != 4 and not fsdp else 1)
     lives: dict[str, int] = {}
-    if setup.backend == "fsdp":
+    build: dict[str, int] = {}
+    if fsdp:
         lives, forward, backward, optimizer = _fsdp_phases(s, step, world, w, accumulates, cpu, optimizer)
+        build = _fsdp_build(s, world, cpu)
     elif stage is None:
         lives["weights"] = w * s.total
         lives["AdamW state"] = 8 * s.trainable
@@ -401,9 +425,11 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
                         "reduce-scatter copy of the bucket": bucket}
     if ema:
         # train/ema.py: an fp32 copy of what the optimizer trains (LoRA: the adapters and fully trained modules) on
-        # every rank under DDP; under ZeRO each rank averages its own partition of the fp32 master weights.
+        # every rank under DDP; under ZeRO each rank averages its own partition of the fp32 master weights, under
+        # FSDP2 its own shard of each parameter.
         lives["EMA of the weights (fp32)"] = 4 * ema
-    plan = MemoryPlan(label="", lives=lives, phases={"forward": forward, "backward": backward, "optimizer step": optimizer})
+    plan = MemoryPlan(label="", lives=lives, phases={"forward": forward, "backward": backward, "optimizer step": optimizer},
+                      build=build)
     allocated = plan.allocated
     if cpu:
         plan.device_costs = {f"glibc retention ({CPU_RETENTION:.0%} of allocated)": int(CPU_RETENTION * allocated)}
@@ -439,6 +465,22 @@ def _fsdp_phases(s: Sizes, step, world: int, w: int, accumulates: bool, cpu: boo
     adamw = 8 * shard(s.largest_trainable) if cpu else 4 * shard(s.trainable)
     optimizer = {"gradient shards": grads, **optimizer, "AdamW temporaries": adamw}
     return lives, forward, backward, optimizer
+
+
+def _fsdp_build(s: Sizes, world: int, cpu: bool) -> dict[str, int]:
+    """What building the model holds under FSDP2 (train/fsdp.py), before the optimizer exists: every rank builds the
+    whole policy in fp32 in host memory, then fully_shard makes one unit at a time, each unit's shard copied out of
+    its whole tensors before they are freed. On CPU that host memory is the device's: the whole model plus the
+    largest unit's shard. On CUDA each unit comes to the GPU whole to be sharded there: the shards made so far plus
+    the largest unit, whole and its shard (below what a step adds to the same shards)."""
+
+    def shard(n: int) -> int:
+        return -(-n // world)
+
+    unit = max(s.largest_layer, s.root)
+    if cpu:
+        return {"the whole model as built (fp32)": 4 * s.total, "a unit's shard being made": 4 * shard(unit)}
+    return {"weights (fp32 shard)": 4 * shard(s.total), "a unit moved whole to be sharded": 4 * (unit + shard(unit))}
 
 
 def alternatives(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> list[str]:

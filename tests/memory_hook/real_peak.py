@@ -23,7 +23,8 @@ RETURNING = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 def launch(args: list[str], run_dir: Path, *, env: dict | None = None, returning: bool = False,
            timeout: float = 1800) -> list[dict]:
     """`opentau train ARGS --output_dir RUN_DIR` with the hook; returns each rank's record (rank order), each with
-    `peak`: its training steps' high-water mark above its resident bytes just before the policy was built.
+    `peak`: its training steps' high-water mark above its resident bytes just before the policy was built, and
+    `build_peak`: its high-water mark once the policy was built (and sharded, FSDP2) above the same.
     `returning`: glibc returns freed blocks to the kernel at once (RETURNING)."""
     record = Path(run_dir).parent / (Path(run_dir).name + "_memory")
     record.mkdir(parents=True, exist_ok=True)
@@ -39,5 +40,6 @@ def launch(args: list[str], run_dir: Path, *, env: dict | None = None, returning
     for path in sorted(record.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
         rank = json.loads(path.read_text())
         rank["peak"] = rank["hwm_steps"][-1] - rank["rss_before_policy"]
+        rank["build_peak"] = rank["hwm_built"] - rank["rss_before_policy"]
         ranks.append(rank)
     return ranks

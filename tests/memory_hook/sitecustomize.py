@@ -5,6 +5,8 @@ Put this directory on PYTHONPATH and set TEST_MEMORY_RECORD=DIR: each rank write
 - `rss_before_policy`: its resident bytes just before the policy is built (train/trainer.py build_policy_model),
   after the imports, the Accelerator and the data are made;
 - `hwm_before_policy`: its high-water mark at that moment (what start-up alone reached);
+- `hwm_built`: its high-water mark once the policy is built and, under FSDP2, sharded (train/fsdp.py
+  shard_for_launch), before the optimizer is made: the build's peak;
 - `hwm_steps`: its high-water mark after each training step (the last one is the peak of the training steps, before
   the final checkpoint save);
 - `hwm_exit`: its high-water mark when the rank leaves (runtime.exit_rank, before os._exit).
@@ -39,17 +41,24 @@ def _install(directory: str) -> None:
         paused(*modules)
         if modules != runtime.RANK_IMPORTS:  # the rank's own imports (run_rank), not a package's paused import
             return
-        from opentau_cli.train import trainer
+        from opentau_cli.train import fsdp, trainer
 
         if getattr(trainer, "_memory_hook", False):
             return
         trainer._memory_hook = True
-        build, step = trainer.build_policy_model, trainer.Trainer.train_step
+        build, step, shard = trainer.build_policy_model, trainer.Trainer.train_step, fsdp.shard_for_launch
 
         def build_policy_model(*args, **kwargs):
             record["rss_before_policy"] = status_bytes("VmRSS")
             record["hwm_before_policy"] = status_bytes("VmHWM")
-            return build(*args, **kwargs)
+            model = build(*args, **kwargs)
+            record["hwm_built"] = status_bytes("VmHWM")
+            return model
+
+        def shard_for_launch(*args, **kwargs):
+            model = shard(*args, **kwargs)
+            record["hwm_built"] = status_bytes("VmHWM")
+            return model
 
         def train_step(self, *args, **kwargs):
             result = step(self, *args, **kwargs)
@@ -57,6 +66,7 @@ def _install(directory: str) -> None:
             return result
 
         trainer.build_policy_model, trainer.Trainer.train_step = build_policy_model, train_step
+        fsdp.shard_for_launch = shard_for_launch  # trainer.py calls it as fsdp.shard_for_launch
 
     exit_rank = runtime.exit_rank
 
