@@ -3,12 +3,12 @@
 On a CUDA machine, through the installed CLI (`opentau train`, `opentau resume`, `opentau profile`):
 single-GPU bf16 training of pi05_small, two steps of the full pi05 preset through `opentau profile` (the training
 step's code, no checkpoint written; skipped when the memory plan says the card is too small) with the memory plan's
-estimate next to torch.cuda.max_memory_allocated, DDP (when more than one GPU is visible), DeepSpeed ZeRO-2 and
-ZeRO-3 on every visible GPU; under each backend a run of N steps saving at N/2, a resume of that checkpoint whose
+estimate next to torch.cuda.max_memory_allocated, DDP (when more than one GPU is visible), DeepSpeed ZeRO-2,
+ZeRO-3 and FSDP2 (configs/examples/accelerate_fsdp2_config.yaml) on every visible GPU; under each backend a run of N steps saving at N/2, a resume of that checkpoint whose
 first resumed loss must equal the uninterrupted run's bit for bit and later ones within RESUME_TOLERANCE, and the
 restored state itself (the checkpoint restored on the same ranks and saved again before any step: every tensor equal
 to the bit, gpu_check_restore.py); every process runs PyTorch's deterministic settings (Checker.env); the same train + resume with gradient checkpointing, with LoRA, and with async saves; an
-elastic resume (ZeRO-2 on every GPU -> DDP on half, --reshard=true); `opentau eval` (bf16 on CUDA) on a checkpoint;
+elastic resume (ZeRO-2 on every GPU -> DDP on half, and -> FSDP2 on every GPU, --reshard=true); `opentau eval` (bf16 on CUDA) on a checkpoint;
 the full pi05's inference latency through `opentau serve`'s code, eager and torch.compiled, next to the upstream
 tool's published 152.9 ms; the attention kernel pi05 runs in; then `opentau profile` with MFU.
 Prints one table and writes it as gpu_check.json and gpu_check.md (a section to paste into BENCHMARKS.md).
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, command_line, env, machine, opentau_bin, p99  # noqa: E402
 from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, step_dir_name  # noqa: E402
 
-CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "gc", "lora", "async", "elastic", "eval", "inference", "attention",
-          "profile")
+CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "fsdp2", "gc", "lora", "async", "elastic", "eval", "inference",
+          "attention", "profile")
 # Later resumed steps may differ by this much (relative): DDP rebuilds its gradient buckets after the first step, and
 # some CUDA kernels reduce in a varying order; the first resumed step, from the restored state, must be exact.
 RESUME_TOLERANCE = 1e-3
@@ -59,7 +59,7 @@ torch.use_deterministic_algorithms(True, warn_only=True)
 torch.backends.cudnn.deterministic = True
 torch.backends.cudnn.benchmark = False
 """
-BACKENDS = ("single", "ddp", "zero2", "zero3")
+BACKENDS = ("single", "ddp", "zero2", "zero3", "fsdp2")
 FULL_CONFIG = EXAMPLES / "pi05_config.json"
 
 
@@ -101,6 +101,11 @@ def accelerate_yaml(backend: str, plan: Plan, procs: int | None = None) -> dict:
     """An Accelerate config as `accelerate config` writes it (the keys of configs/examples/accelerate_*); `procs`:
     another process count than every GPU."""
     procs = 1 if backend == "single" else (procs or plan.procs)
+    if backend == "fsdp2":  # the example FSDP2 YAML (GPUs) or its CPU variant, on this machine's processes
+        example = "accelerate_cpu_fsdp2_config.yaml" if plan.cpu else "accelerate_fsdp2_config.yaml"
+        out = yaml.safe_load((EXAMPLES / example).read_text())
+        out.update(num_processes=procs, mixed_precision=plan.precision)
+        return out
     out = {"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "machine_rank": 0, "num_processes": procs,
            "mixed_precision": plan.precision, "main_training_function": "main", "rdzv_backend": "static",
            "same_network": True, "use_cpu": plan.cpu}
@@ -219,11 +224,11 @@ class Checker:
         return Row(check, backend, "FAIL", f"{last} (log: {log})", seconds)
 
     def backend(self, backend: str, label: str | None = None, extra: tuple[str, ...] = (),
-                resume_procs: int | None = None) -> list[Row]:
+                resume_to: tuple[str, int] | None = None) -> list[Row]:
         """Train N steps saving at N/2, then resume a copy of the N/2 checkpoint in a run directory of its own: the
         resumed run's metrics.jsonl then holds only what the resume logged, compared step by step with the original.
-        `label` names a variant trained with `extra` settings; `resume_procs`: an elastic resume of the checkpoint
-        under DDP on that many processes (--reshard=true)."""
+        `label` names a variant trained with `extra` settings; `resume_to`: (backend, processes) of an elastic
+        resume of the checkpoint under another backend or process count (--reshard=true)."""
         steps, mid = self.plan.steps, self.plan.steps // 2
         label = label or backend
         name = re.sub(r"[^A-Za-z0-9.-]+", "_", label.replace("->", "to"))
@@ -254,14 +259,13 @@ class Checker:
             return [train, Row("exact resume", label, "SKIP", "training failed", None)]
         copy = resumed / CHECKPOINTS / ckpt.name
         shutil.copytree(ckpt, copy, symlinks=True)
-        elastic = [] if resume_procs is None else [f"--accelerate-config={self.yaml_for('ddp', resume_procs)}",
-                                                   "--reshard=true"]
+        elastic = [] if resume_to is None else [f"--accelerate-config={self.yaml_for(*resume_to)}", "--reshard=true"]
         ok, last, seconds, log = self.opentau(f"{name}-resume", ["resume", str(copy), *elastic])
         if not ok:
-            return [train, self.failed("elastic resume" if resume_procs else "exact resume", label, last, seconds, log)]
+            return [train, self.failed("elastic resume" if resume_to else "exact resume", label, last, seconds, log)]
         rows = [train, resume_row(label, losses, {r["step"]: r["loss"] for r in train_records(resumed)},
-                                  range(mid + 1, steps + 1), seconds, log, elastic=resume_procs is not None)]
-        if resume_procs is None:  # an elastic resume reshards: its files are another topology's
+                                  range(mid + 1, steps + 1), seconds, log, elastic=resume_to is not None)]
+        if resume_to is None:  # an elastic resume reshards: its files are another topology's
             rows.append(self.restored_state(backend, label, ckpt, home))
         if not self.keep_runs and all(r.result == "PASS" for r in rows):
             shutil.rmtree(home)  # pi05_small checkpoints are about 1 GB each; a failed backend's runs stay for a look
@@ -549,12 +553,17 @@ def main(argv: list[str] | None = None) -> int:
         elif check == "async":
             parallel = "ddp" if plan.procs >= 2 else "single"
             done = checker.backend(parallel, f"{parallel}, async save", ("--checkpoint.async_save=true",))
-        elif check == "elastic":
+        elif check == "elastic":  # a ZeRO-2 checkpoint resumed under DDP on half the GPUs, and under FSDP2 on all
             if plan.procs < 2:
-                done = skipped("zero2 -> ddp on half", ("train + checkpoint", "elastic resume"), "1 GPU visible")
+                done = skipped("zero2 -> ddp on half, zero2 -> fsdp2", ("train + checkpoint", "elastic resume"),
+                               "1 GPU visible")
             else:
                 done = checker.backend("zero2", f"zero2 on {plan.procs} -> ddp on {plan.procs // 2}",
-                                       resume_procs=plan.procs // 2)
+                                       resume_to=("ddp", plan.procs // 2))
+                done += checker.backend("zero2", f"zero2 on {plan.procs} -> fsdp2 on {plan.procs}",
+                                        resume_to=("fsdp2", plan.procs))
+        elif check == "fsdp2" and plan.procs < 2:  # FSDP2 shards over 2 or more processes
+            done = skipped("fsdp2", ("train + checkpoint", "exact resume"), "1 GPU visible")
         elif check == "eval":
             done = [checker.evaluation()]
         elif check == "profile":

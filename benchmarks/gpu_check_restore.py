@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# What a checkpoint holds besides tensors: records (step, time, lineage, hashes) and DeepSpeed's scripts.
+# What a checkpoint holds besides tensors: records (step, time, lineage, hashes) and DeepSpeed's scripts. An FSDP2
+# checkpoint's DCP shards are compared tensor by tensor (`differences`).
 TENSOR_FILES = (".safetensors", ".bin", ".pt", ".pth", ".pkl")
 
 
@@ -52,6 +53,16 @@ def differences(saved: Path, again: Path) -> tuple[list[str], int]:
             a = torch.load(saved / name, map_location="cpu", weights_only=False)
             b = torch.load(again / name, map_location="cpu", weights_only=False)
         _compare(a, b, name, found, count)
+    from opentau_cli.checkpoint.dcp import DCP_DIR, is_dcp_checkpoint, saved_entries
+
+    if is_dcp_checkpoint(saved) or is_dcp_checkpoint(again):  # FSDP2: the model, optimizer and EMA shards, by name
+        if not (is_dcp_checkpoint(saved) and is_dcp_checkpoint(again)):
+            return found + [f"{DCP_DIR}: in one checkpoint only"], count[0]
+        a, b = saved_entries(saved, ""), saved_entries(again, "")
+        if sorted(a) != sorted(b):
+            return found + [f"{DCP_DIR}: entries {sorted(set(a) ^ set(b))[:5]} in one checkpoint only"], count[0]
+        for key in sorted(a):  # each tensor assembled from its rank chunks, one at a time
+            _compare(a[key].produce(), b[key].produce(), f"{DCP_DIR}/{key}", found, count)
     return found, count[0]
 
 

@@ -79,6 +79,46 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
     assert "use_deterministic_algorithms(True" in (out / "setup" / "deterministic" / "sitecustomize.py").read_text()
 
 
+@pytest.mark.e2e
+def test_cpu_dry_run_of_fsdp2_resumes_exactly_and_restores_every_dcp_shard_to_the_bit(tmp_path):
+    """The FSDP2 rows on the CPU variant of the example YAML: train + checkpoint, exact resume, and the restored
+    state read back from the DCP shards tensor by tensor (model, AdamW moments) next to the scheduler and RNG files."""
+    out = tmp_path / "check"
+    r = run_check("--cpu-dry-run", "--only", "fsdp2", "--out", str(out), "--keep-runs", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads((out / "gpu_check.json").read_text())["rows"]
+    assert [(row["check"], row["backend"], row["result"]) for row in rows] == [
+        ("train + checkpoint", "fsdp2", "PASS"), ("exact resume", "fsdp2", "PASS"), ("restored state", "fsdp2", "PASS")]
+    full = losses(out / "runs" / "fsdp2" / "full" / "metrics.jsonl")
+    resumed = losses(out / "runs" / "fsdp2" / "resumed" / "metrics.jsonl")
+    assert sorted(resumed) == [3, 4] and [resumed[3], resumed[4]] == [full[3], full[4]]
+    used = yaml.safe_load((out / "setup" / "accelerate_fsdp2.yaml").read_text())
+    assert used == {**yaml.safe_load((EXAMPLES / "accelerate_cpu_fsdp2_config.yaml").read_text()), "mixed_precision": "no"}
+    saved = out / "runs" / "fsdp2" / "full" / "checkpoints" / "000002"
+    again = out / "runs" / "fsdp2" / "restored" / "checkpoints" / "000002"
+    found, tensors = gpu_check_restore.differences(saved, again)
+    assert found == [] and f"{tensors} tensors equal to the bit after the resume" == rows[2]["key"]
+    from opentau_cli.checkpoint.dcp import saved_entries
+
+    shards = saved_entries(saved, "")
+    assert any(name.startswith("model.") for name in shards) and any(name.startswith("optimizer.state.") for name in shards)
+    assert tensors > len(shards)  # the DCP tensors and the scheduler / RNG files' tensors
+    # A shard one value off is told apart (the comparison can fail): rank 1's file rewritten with one value moved.
+    import torch.distributed.checkpoint as dcp
+
+    state = {name: entry.produce() for name, entry in saved_entries(again, "").items()}
+    name = next(k for k, v in state.items() if k.startswith("model.") and v.is_floating_point())
+    state[name].view(-1)[-1] = torch.nextafter(state[name].view(-1)[-1], torch.tensor(float("inf")))
+    moved = tmp_path / "moved"
+    import shutil
+
+    shutil.copytree(again, moved)
+    shutil.rmtree(moved / "fsdp_state")
+    dcp.save(state, checkpoint_id=moved / "fsdp_state", no_dist=True)
+    assert [f for f in gpu_check_restore.differences(saved, moved)[0] if "tensors differ" in f] == [
+        f"fsdp_state/{name}: tensors differ"]
+
+
 def test_a_resume_passes_on_an_exact_first_step_and_later_steps_within_the_stated_tolerance():
     full = {3: 1.5, 4: 1.25, 5: 1.0}
     assert gpu_check.resume_row("ddp", full, dict(full), range(3, 6), 1.0, REPO).key == "steps 3-5: losses equal"
@@ -129,6 +169,7 @@ def test_cpu_dry_run_times_inference_eager_and_compiled_names_the_attention_kern
     ("ddp", "accelerate_ddp_config.yaml"),
     ("zero2", "accelerate_deepspeed_config.yaml"),
     ("zero3", "accelerate_deepspeed_zero3_config.yaml"),
+    ("fsdp2", "accelerate_fsdp2_config.yaml"),
 ])
 def test_gpu_launches_use_the_example_accelerate_configs_on_every_visible_gpu(backend, example):
     plan = gpu_check.Plan.for_machine(cpu_dry_run=False, gpus=8)
@@ -162,6 +203,6 @@ def test_an_unknown_check_exits_2_naming_it_and_writes_nothing(tmp_path, capsys)
     r = check_in_process(capsys, "--cpu-dry-run", "--only", "single,fsdp", "--out", str(tmp_path / "check"))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "--only takes checks of single, pi05, ddp, zero2, zero3, gc, lora, async, elastic, eval, inference, attention, "
-        "profile; got 'fsdp'."]
+        "--only takes checks of single, pi05, ddp, zero2, zero3, fsdp2, gc, lora, async, elastic, eval, inference, "
+        "attention, profile; got 'fsdp'."]
     assert not (tmp_path / "check").exists()
