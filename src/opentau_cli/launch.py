@@ -27,6 +27,7 @@ from opentau_cli import runlock
 from opentau_cli.checkpoint.lineage import ROLLED_BACK, roll_back, span
 from opentau_cli.checkpoint.manager import checkpoint_steps, clean_leftovers, latest, run_dir_of
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.config.model import DistributedConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.plan import RunPlan
@@ -105,14 +106,28 @@ def accelerate_yaml(setup: AccelerateSetup, cfg: TrainConfig, cuda: bool, max_re
     return out
 
 
-def worker_env(setup: AccelerateSetup, cuda: bool, max_restarts: int = 0) -> dict[str, str]:
+def worker_env(setup: AccelerateSetup, cuda: bool, max_restarts: int = 0, distributed: DistributedConfig | None = None
+               ) -> dict[str, str]:
     env = dict(os.environ)
     if max_restarts > 0:
         # The c10d rendezvous endpoint: machine 0's address, or a free port of this machine for a one-machine launch
         # (torchrun's default, port 29400, would join every restartable run on the machine into one rendezvous).
         host = setup.main_process_ip if setup.num_machines > 1 else "127.0.0.1"
         port = setup.main_process_port or (free_port() if setup.num_machines == 1 else 29500)
-        env[TORCHRUN_ARGS] = json.dumps({"rdzv_endpoint": f"{host}:{port}"})
+        torchrun = {"rdzv_endpoint": f"{host}:{port}"}
+        machines = distributed.machine_range if distributed is not None else None
+        if setup.num_machines > 1 or machines is not None:
+            # Elastic machines (torch's --nnodes MIN:MAX; a fixed count with restarts is N:N). Machine 0 hosts the
+            # rendezvous store whatever its address resolves to (on loopback every "machine" would claim it); the
+            # others connect to it. Once MIN machines are there, the rendezvous waits machine_wait_seconds for more; a
+            # machine that left is dropped after 3 missed heartbeats, one every machine_wait_seconds / 3 (torch's 5 s
+            # at most).
+            low, high = machines or (setup.num_machines, setup.num_machines)
+            wait = max(1, round(distributed.machine_wait_seconds)) if distributed is not None else 30
+            beat = min(5, max(1, wait // 3))
+            torchrun.update(nnodes=f"{low}:{high}", rdzv_conf=f"is_host={int(setup.machine_rank == 0)},last_call_timeout="
+                                                              f"{wait},keep_alive_interval={beat},keep_alive_max_attempt=3")
+        env[TORCHRUN_ARGS] = json.dumps(torchrun)
         # A fresh store for each restarted group: with the agent's store shared across rendezvous rounds, the restarted
         # ranks read the failed group's keys (gloo's peer addresses) and hang connecting to dead ranks (seen, torch 2.13).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -300,7 +315,7 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     # The launcher's own chatter, and its traceback when a rank fails, go to launcher.log: the user gets one line.
     # Only global rank 0 (on machine 0) shows progress on the console.
     with (log_dir / LAUNCHER_LOG).open("w") as launcher_log:
-        proc = subprocess.Popen(cmd, env=worker_env(setup, cuda, max_restarts), stdout=None if worker.console and first else launcher_log,
+        proc = subprocess.Popen(cmd, env=worker_env(setup, cuda, max_restarts, plan.config.distributed), stdout=None if worker.console and first else launcher_log,
                                 stderr=launcher_log)
     interrupted = stopped_early = False
 

@@ -128,15 +128,41 @@ def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> 
     from opentau_cli.memory_plan import check_memory
 
     checked = validate(cfg, setup, machine, LAUNCH_CHECKS)
-    if cfg.distributed.max_restarts and setup.num_machines > 1:
-        # The c10d rendezvous that restarts need numbers the machines in the order they join, not by machine_rank, so
-        # the machine that holds the run's lock and prints its progress could change at a restart (docs/ARCHITECTURE.md,
-        # "Restarts"). Until that is handled, a multi-machine job restarts through its scheduler (README).
-        raise UserError(f"distributed.max_restarts ({cfg.distributed.max_restarts}) works on one machine for now; with "
-                        f"{setup.num_machines} machines set it to 0 and let the scheduler requeue the job "
-                        "(`opentau resume` continues from last).")
+    check_machines(checked.config, setup)
     check_memory(checked.config, setup, machine)  # a run that will not fit the card is refused before launch
     return checked
+
+
+def check_machines(cfg: TrainConfig, setup: AccelerateSetup) -> None:
+    """Elastic machines (distributed.machines MIN:MAX) are refused unless every world they allow can continue the run
+    (docs/ARCHITECTURE.md, "Restarts"); restarts over a fixed number of machines count as MIN = MAX."""
+    span = cfg.distributed.machine_range
+    if span is None:
+        return
+    text = cfg.distributed.machines
+    low, high = span
+    where = f"distributed.machines {text}"
+    if high != setup.num_machines:
+        raise UserError(f"{where} needs --num_machines {high} (the most machines; the YAML's num_processes is for them "
+                        f"all), got {setup.num_machines}.")
+    # Machine 0's address (the rendezvous endpoint) is the multi-machine rule's (config/rules.py).
+    if not cfg.distributed.max_restarts:
+        raise UserError(f"{where} needs distributed.max_restarts of 1 or more: a machine that leaves ends the group, "
+                        "which re-forms through a restart.")
+    per_machine = setup.num_processes // setup.num_machines
+    if setup.backend == "fsdp" and low * per_machine < 2:
+        raise UserError(f"{where} lets the run go on with {low * per_machine} process, which FSDP2 cannot shard over: "
+                        f"raise MIN so that at least 2 processes remain.")
+    batch = {"batch_size": cfg.batch_size, "per_device_batch_size": cfg.per_device_batch_size,
+             "gradient_accumulation_steps": cfg.gradient_accumulation_steps}
+    for machines in range(low, high + 1):
+        world = machines * per_machine
+        global_batch = cfg.batch_size * setup.world_size
+        if global_batch % world:
+            raise UserError(f"{where} lets the run go on with {machines} machine{'s' * (machines != 1)} ({world} "
+                            f"processes), over which the global batch of {global_batch} does not divide: pick a MIN:MAX "
+                            "whose every process count divides it, or change batch_size.")
+        fit_global_batch(batch, setup.world_size, world, {})
 
 
 @dataclass
@@ -225,6 +251,8 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
     setup = with_machine(setup, machines)
     check_not_live(cfg.output_dir, setup, break_lock)
+    # A run on elastic machines changes its world by design (a machine that left or joins): no flag needed.
+    reshard = reshard or cfg.distributed.machines is not None
     saved_config = None  # the checkpoint's train_config.json, read once
     if reshard and is_reshard(saved, setup):
         saved_config = _read_train_config(ckpt)
@@ -239,7 +267,9 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
     check_lora_resume(ckpt, checked.config, state, saved_config)
     check_mixture_resume(ckpt, checked.config, saved_config, overrides)
-    history = check_history(ckpt, rollback)  # a line only when there are newer checkpoints to move aside
+    # A line only when there are newer checkpoints to move aside. Machine 0 judges the run's history: another machine
+    # joins the live run, whose newest checkpoint may be published while this plan is made (elastic machines).
+    history = check_history(ckpt, rollback) if setup.machine_rank == 0 else []
     notes.extend(history)
     schedule = describe_schedule_change(saved_config, checked.config, int(state.get("step", 0)))
     if schedule:

@@ -56,12 +56,15 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     parser.add_argument("--launch", required=True, help="launch.json: accelerate setup, resume checkpoint, log dir, run id.")
     args = parser.parse_args(argv)
     launch = json.loads(Path(args.launch).read_text())
-    console = redirect_output(Path(launch["log_dir"]), int(os.environ.get("RANK", "0")))
+    # The console is machine 0's launcher's terminal, for machine 0's first rank: with restarts over several machines
+    # global rank 0 may be elsewhere (train/worker.py agree_run_id).
+    shows = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0 and not int(launch["accelerate"].get("machine_rank", 0) or 0)
+    console = redirect_output(Path(launch["log_dir"]), int(os.environ.get("RANK", "0")), shows)
     from opentau_cli.train import restarts  # stdlib only
 
     restartable = restarts.max_restarts() > 0
     if restartable:
-        restarts.mark_attempt()
+        restarts.mark_attempt(int(launch["accelerate"].get("machine_rank", 0) or 0))
     try:
         import_paused(*RANK_IMPORTS)
         from opentau_cli.config import TrainConfig, setup_from_dict
@@ -79,9 +82,10 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     exit_rank(code)
 
 
-def redirect_output(log_dir: Path, rank: int) -> IO | None:
-    """Send this rank's stdout/stderr (Python and C level) to its log file; return a handle on the console for rank 0."""
-    console = os.fdopen(os.dup(1), "w", buffering=1) if rank == 0 else None
+def redirect_output(log_dir: Path, rank: int, shows_console: bool) -> IO | None:
+    """Send this rank's stdout/stderr (Python and C level) to its log file; return a handle on the console for the
+    rank that shows it."""
+    console = os.fdopen(os.dup(1), "w", buffering=1) if shows_console else None
     log = open(rank_log(log_dir, rank), "a", buffering=1)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -122,7 +126,21 @@ def join_run_logs(log_dir: Path, run_log_dir: Path, rank: int) -> None:
         return
     Path(run_log_dir).mkdir(parents=True, exist_ok=True)
     here, there = rank_log(log_dir, rank), rank_log(run_log_dir, rank)
-    os.replace(here, there)
+    if here.is_symlink():  # an earlier group of this launch linked it: this rank already writes through the link
+        return
+    if not there.exists():
+        os.replace(here, there)
+    else:
+        # Another group of the run had this rank number (elastic machines re-number ranks): continue its log.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(there, "ab") as out:
+            out.write(here.read_bytes())
+        fd = os.open(there, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        here.unlink()
     os.symlink(os.path.relpath(there, log_dir), here)
 
 

@@ -1,8 +1,12 @@
 """Test-only: make one rank of a real `opentau train` launch fail at a chosen step of a chosen attempt.
 
 Put this directory on PYTHONPATH and set TEST_FAULT=ACTION@STEP:ATTEMPT[,ACTION@STEP:ATTEMPT...] and TEST_FAULT_RANK=N
-(default 1). Just before that rank starts step STEP in attempt ATTEMPT (TORCHELASTIC_RESTART_COUNT; `*` = every
-attempt), it acts: `kill` SIGKILLs itself (a lost node, the OOM killer), `stop` SIGSTOPs itself (a hang), `raise`
+(default 1; `any`: whichever rank the process gets, for a machine's only rank under elastic machines, whose global
+rank the rendezvous decides). Just before that rank starts step STEP in attempt ATTEMPT (TORCHELASTIC_RESTART_COUNT; `*` = every
+attempt), it acts: `kill` SIGKILLs itself (a lost node, the OOM killer), `machine` SIGKILLs its launcher's process
+group (the `opentau` command and its agent: the whole machine leaves; the rank dies with its agent), `hold` waits
+for a SIGTERM (the agent stopping the group to admit a machine that joins) and then runs the step, `stop` SIGSTOPs
+itself (a hang), `raise`
 raises a RuntimeError (a crash in the step), `user` raises the product's UserError (bad input found late). The hook
 wraps Trainer.train_step when opentau_cli.train.trainer is imported; processes without TEST_FAULT are untouched.
 With TEST_FAULT_TIMES=FILE that rank appends the wall-clock time of each moment (its start, the fault, the start and
@@ -36,12 +40,29 @@ def _note(event: str) -> None:
                                 "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}) + "\n")
 
 
-def _act(action: str) -> None:
+def _act(action: str) -> bool:
+    """Act; True when the step must run as a requested stop (`hold` got its signal)."""
     import signal
 
     _note(action)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "machine":
+        os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+        signal.pause()  # dies with its agent
+    if action == "hold":  # wait for the agent's SIGTERM (it re-forms the group when a machine joins), then go on
+        import threading
+
+        received = threading.Event()
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def handle(signum, frame):
+            received.set()
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, handle)
+        return received.wait(300)  # the step then runs as the stop the signal asked for
     if action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     if action == "raise":
@@ -50,6 +71,7 @@ def _act(action: str) -> None:
         from opentau_cli.errors import UserError
 
         raise UserError("fault_hook: episode 3 of the dataset is unreadable.")
+    return False
 
 
 def _wrap(module) -> None:
@@ -60,8 +82,8 @@ def _wrap(module) -> None:
 
     def train_step(self, *args, **kwargs):
         action = faults.get(self.step + 1)
-        if action:
-            _act(action)
+        if action and _act(action):
+            kwargs["stop_requested"] = True
         if not first[0]:
             return original(self, *args, **kwargs)
         first[0] = False
@@ -77,7 +99,7 @@ def _install() -> None:
     import importlib.abc
     import sys
 
-    if os.environ.get("RANK", "") != os.environ.get("TEST_FAULT_RANK", "1"):
+    if os.environ.get("TEST_FAULT_RANK", "1") not in ("any", os.environ.get("RANK", "")):
         return
     _note("start")
 

@@ -182,8 +182,11 @@ def _print_run(run, as_json: bool) -> None:
         lines.append(("interrupted", f"{_names(run.interrupted)} (not checkpoints; the next run removes them)"))
     for r in run.restarts:
         source = f"from checkpoint {r['resumed_from']}" if r.get("resumed_from") else "from the start (no checkpoint yet)"
-        lines.append((f"restart {r.get('restart')}", f"{r.get('time')}: {r.get('cause')}; continued {source} at step "
-                                                      f"{r.get('step')} (launch {r.get('run_id')})"))
+        world, before = r.get("world"), r.get("world_before")
+        on = f" on {world} process{'es' * (world != 1)} (was {before})" if world and before and world != before else ""
+        lines.append(("re-formed" if r.get("regroup") else f"restart {r.get('restart')}",
+                      f"{r.get('time')}: {r.get('cause')}; continued {source} at step {r.get('step')}{on} "
+                      f"(launch {r.get('run_id')})"))
     for k, v in lines:
         typer.echo(f"{k + ':':18}{v}")
     typer.echo("Hashes not checked: `opentau checkpoint list RUN --verify` re-hashes every file; "

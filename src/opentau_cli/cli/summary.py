@@ -40,8 +40,14 @@ def restart_policy(cfg) -> str:
     n = cfg.distributed.max_restarts
     if n == 0:
         return "none: a failed or hung rank ends the run (distributed.max_restarts / --max-restarts)"
-    return (f"up to {n} automatic restart{'s' * (n != 1)} from the last checkpoint when a rank dies or hangs; bad input, "
-            "a checkpoint that fails verification or the same step failing twice end the run (distributed.max_restarts)")
+    policy = (f"up to {n} automatic restart{'s' * (n != 1)} from the last checkpoint when a rank dies or hangs; bad "
+              "input, a checkpoint that fails verification or the same step failing twice end the run "
+              "(distributed.max_restarts)")
+    machines = cfg.distributed.machine_range
+    if machines and machines[0] < machines[1]:
+        policy += (f"; elastic machines {machines[0]}:{machines[1]}: goes on with {machines[0]} or more, the global "
+                   f"batch kept; re-forms after {cfg.distributed.machine_wait_seconds:g} s (distributed.machines)")
+    return policy
 
 
 def parameter_row(counts: dict[str, int]) -> str:

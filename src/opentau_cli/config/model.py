@@ -250,6 +250,15 @@ class EmaConfig(Section):
         return self.decay > 0
 
 
+def machine_range(text: str) -> tuple[int, int] | None:
+    """(MIN, MAX) of 'MIN:MAX' with 1 <= MIN <= MAX, else None."""
+    low, sep, high = text.strip().partition(":")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        return None
+    low, high = int(low), int(high)
+    return (low, high) if 1 <= low <= high else None
+
+
 class DistributedConfig(Section):
     timeout_minutes: float = Field(
         60, gt=0,
@@ -265,6 +274,32 @@ class DistributedConfig(Section):
                     "cannot cure (bad input, a checkpoint that fails verification, the same step failing again) end "
                     "it at once.",
     )
+    machines: str | None = Field(
+        None, description="Elastic machines 'MIN:MAX' (torch's elastic --nnodes): the run goes on while at least MIN "
+                          "of its MAX machines (--num_machines) are there; a machine that leaves ends the group, the "
+                          "others re-form it and continue from the last checkpoint on the smaller world, keeping the "
+                          "global batch; a machine that comes back (`opentau resume RUN --machine_rank K ...`) is "
+                          "admitted at the next re-forming. Needs max_restarts >= 1 and machine 0's address "
+                          "(--main_process_ip). None: a fixed number of machines.",
+    )
+    machine_wait_seconds: float = Field(
+        30, gt=0,
+        description="Elastic machines: once MIN machines are there, how long a re-forming group waits for more "
+                    "before it continues without them (the c10d rendezvous' last call).",
+    )
+    @field_validator("machines", mode="before")
+    @classmethod
+    def _machine_range(cls, value):
+        if value is None:
+            return None
+        if machine_range(str(value)) is None:
+            raise PydanticCustomError("machine_range", "must be MIN:MAX, two whole numbers with 1 <= MIN <= MAX (e.g. 1:2)")
+        return str(value).strip()
+
+    @property
+    def machine_range(self) -> tuple[int, int] | None:
+        return machine_range(self.machines) if self.machines else None
+
     memory_check: bool = Field(
         True, description="Refuse a launch whose memory plan exceeds the GPU's memory (the visible card, or config "
                           "validate --gpu-memory); false launches anyway.",

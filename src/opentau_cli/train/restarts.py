@@ -29,6 +29,8 @@ from opentau_cli.checkpoint.layout import LAUNCHER_LOG, LOGS
 RESTARTS = "restarts.jsonl"  # <run>/logs/restarts.jsonl: one line per automatic restart, every launch of the run
 STOPPED = "stopped"  # <run log dir>/stopped: why a restarted launch ended without using its remaining restarts
 ATTEMPT_MARK = "opentau-attempt: "  # a rank log line where each attempt of a restartable launch begins
+MACHINE_MARK = "opentau-machine: "  # the next line: the machine (its --machine_rank) and local rank of that attempt
+GROUPS = "groups.jsonl"  # <run log dir>/groups.jsonl: each worker group of the launch (attempt, world size)
 # Errors a rank reports when another rank died first: never the root cause.
 KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "NCCL communicator was aborted")
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
@@ -43,9 +45,58 @@ def max_restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
 
 
-def mark_attempt() -> None:
-    """Where this attempt begins in the rank log (which every attempt appends to)."""
-    print(f"{ATTEMPT_MARK}{attempt()}", flush=True)
+def mark_attempt(machine: int) -> None:
+    """Where this attempt begins in the rank log (which every attempt appends to), and on which machine: with
+    elastic machines a global rank may run on another machine after a re-forming."""
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    print(f"{ATTEMPT_MARK}{attempt()}\n{MACHINE_MARK}{machine} local_rank {local}", flush=True)
+
+
+def fit_to_world(cfg, setup):
+    """(cfg, setup) for the world this group has. A group of an elastic launch may re-form on fewer or more machines
+    than the launch planned for (distributed.machines); it keeps the run's global batch (the planned per-process
+    batch x processes) as `opentau resume --reshard=true` does, and the checkpoint it continues from is resharded
+    (checkpoint/reshard.py). Unchanged for a group of the planned size."""
+    from dataclasses import replace
+
+    from opentau_cli.checkpoint.reshard import fit_global_batch
+
+    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if not world or world == setup.world_size:
+        return cfg, setup
+    batch = {"batch_size": cfg.batch_size, "per_device_batch_size": cfg.per_device_batch_size,
+             "gradient_accumulation_steps": cfg.gradient_accumulation_steps}
+    fitted = fit_global_batch(batch, setup.world_size, world, {})
+    per_machine = setup.num_processes // setup.num_machines
+    return (cfg.model_copy(update=fitted),
+            replace(setup, num_processes=world, num_machines=max(1, world // per_machine)))
+
+
+def group_change(run_log_dir: Path, world: int) -> dict | None:
+    """None for the launch's first worker group; else how this group follows the previous one: after a failure (the
+    agent counted a restart) or because machines joined (torch's agent re-forms a healthy group when a machine
+    asks to join, without counting a restart)."""
+    try:
+        lines = (Path(run_log_dir) / GROUPS).read_text().splitlines()
+    except OSError:
+        return None
+    groups = [json.loads(line) for line in lines if line.strip()]
+    if not groups:
+        return None
+    before = groups[-1]
+    return {"machines_changed": before["attempt"] == attempt(), "world_before": before["world"], "world": world}
+
+
+def note_group(run_log_dir: Path, world: int) -> None:
+    with (Path(run_log_dir) / GROUPS).open("a") as f:
+        f.write(json.dumps({"attempt": attempt(), "world": world, "time": time.time()}) + "\n")
+
+
+def machines_changed(change: dict, world: int) -> "Failure":
+    """The cause of a group re-formed because machines joined."""
+    return Failure(rank=None, machine=0, exit_code=None, error="", log="", failed_at_step=None,
+                   regroup=f"machines joined: {world} processes now, {change['world_before']} before",
+                   world_before=change["world_before"])
 
 
 def kill_agent() -> None:
@@ -94,8 +145,12 @@ class Failure:
     error: str  # the last error line of that rank's log for that attempt ('' for a kill)
     log: str
     failed_at_step: int | None  # the step the ranks were running when it failed (the highest any rank had started)
+    regroup: str = ""  # not a failure: the group re-formed because machines joined (elastic machines)
+    world_before: int | None = None  # the failed group's number of processes
 
     def describe(self) -> str:
+        if self.regroup:
+            return self.regroup
         who = f"rank {self.rank} on machine {self.machine}" if self.rank is not None else f"a rank on machine {self.machine}"
         if self.exit_code is not None:
             how = exit_description(self.exit_code)
@@ -153,11 +208,14 @@ def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_ma
     number = attempt()
     failures = agent_failures(Path(launch["log_dir"]) / LAUNCHER_LOG)
     code, local = failures[number - 1] if len(failures) >= number else (None, None)
-    agent_rank = machine * procs_per_machine + local if local is not None else None
-    errors = {}
+    errors, placed = {}, {}
     for log in Path(run_log_dir).glob("rank*.log"):
         if log.stem[4:].isdigit():
             errors[int(log.stem[4:])] = last_error_line(attempt_segment(log.read_text(errors="replace"), number - 1))
+            placed[int(log.stem[4:])] = placement(log, number - 1)
+    # The rank the agent names: its machine and local rank, wherever the rendezvous put it in the global order.
+    agent_rank = next((r for r, where in placed.items() if where == (machine, local)),
+                      machine * procs_per_machine + local if local is not None else None) if local is not None else None
     own = [r for r in sorted(errors) if errors[r] and not is_knock_on(errors[r]) and not is_timeout(errors[r])]
     silent = [r for r in sorted(errors) if not errors[r]]
     waited = [r for r in sorted(errors) if errors[r] and is_timeout(errors[r])]
@@ -168,12 +226,23 @@ def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_ma
     else:
         rank = waited[0] if waited else agent_rank
     error = errors.get(rank, "") if rank is not None else ""
+    if rank is not None and rank != agent_rank:
+        machine = (placed.get(rank) or (rank // procs_per_machine, 0))[0]
     if not error and waited:  # a rank that went silent while its peers timed out waiting for it: a hang
         error = f"hung: rank {waited[0]} reports {errors[waited[0]]}"
-    return Failure(rank=rank, machine=machine if rank == agent_rank or rank is None else rank // procs_per_machine,
-                   exit_code=code if rank == agent_rank else None, error=error,
+    return Failure(rank=rank, machine=machine, exit_code=code if rank == agent_rank else None, error=error,
                    log=str(rank_log(run_log_dir, rank if rank is not None else 0).resolve()),
                    failed_at_step=started_step(run_log_dir))
+
+
+def placement(log: Path, number: int) -> tuple[int, int] | None:
+    """(machine, local rank) of a rank in attempt `number`, as its log's marks say."""
+    try:
+        segment = attempt_segment(log.read_text(errors="replace"), number)
+    except OSError:
+        return None
+    found = re.search(rf"^{re.escape(MACHINE_MARK)}(\d+) local_rank (\d+)$", segment, re.M)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def user_error_of_attempt(run_log_dir: Path, number: int) -> str | None:
@@ -235,11 +304,13 @@ def stop_launch(run_log_dir: Path, reason: str) -> None:
     os._exit(1)
 
 
-def record_restart(run_dir: Path, run_id: str, failure: Failure, resumed_from: Path | None, step: int) -> dict:
-    """Append this restart to <run>/logs/restarts.jsonl (rank 0) and return the record."""
+def record_restart(run_dir: Path, run_id: str, failure: Failure, resumed_from: Path | None, step: int,
+                   world: int | None = None) -> dict:
+    """Append this restart to <run>/logs/restarts.jsonl (the leader) and return the record."""
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "run_id": run_id, "restart": attempt(),
               "max_restarts": max_restarts(), "cause": failure.describe(), **asdict(failure),
-              "resumed_from": resumed_from.name if resumed_from else None, "step": step}
+              "resumed_from": resumed_from.name if resumed_from else None, "step": step,
+              "world": world}
     path = restarts_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
@@ -251,8 +322,12 @@ def record_restart(run_dir: Path, run_id: str, failure: Failure, resumed_from: P
 
 def restart_line(record: dict) -> str:
     resumed = f"resumed from checkpoint {record['resumed_from']}" if record.get("resumed_from") else "started over (no checkpoint yet)"
+    world, before = record.get("world"), record.get("world_before")
+    on = f" on {world} process{'es' * (world != 1)} (was {before})" if world and before and world != before else ""
+    if record.get("regroup"):
+        return f"Group re-formed: {record['cause']}; {resumed} at step {record['step']}{on}."
     return (f"Restart {record['restart']} of {record['max_restarts']}: {record['cause']}; {resumed} at step "
-            f"{record['step']}. Log: {record['log']}")
+            f"{record['step']}{on}. Log: {record['log']}")
 
 
 class Watchdog:

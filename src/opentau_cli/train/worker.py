@@ -26,18 +26,28 @@ class Preemption:
         print(f"Received {signal.Signals(signum).name}: finishing the current step, then saving.", flush=True)
 
 
-def agree_run_id(accelerator, launch: dict) -> str:
-    """The run's identity on every machine: global rank 0's launcher's run id, shared through the process group
-    (each machine's launcher started on its own clock). Names the save's temp dirs and the run's log dir, into
-    which this rank's log moves."""
-    from accelerate.utils import broadcast_object_list
+def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int]:
+    """The run's identity on every machine, and its leader: the run id of machine 0's launcher (which holds the run
+    lock, hosts the rendezvous and shows progress; each machine's launcher started on its own clock), and the global
+    rank of machine 0's first rank. With restarts the c10d rendezvous numbers machines in the order it sorts them, so
+    global rank 0 may be on another machine (docs/ARCHITECTURE.md, "Restarts"). The run id names the save's temp dirs
+    and the run's log dir, into which this rank's log moves."""
+    import os
+
+    import torch.distributed as dist
 
     from opentau_cli.runtime import join_run_logs
 
-    run_id = broadcast_object_list([launch["run_id"]], from_process=0)[0]
+    me = (machine_rank, int(os.environ.get("LOCAL_RANK", "0") or 0), launch["run_id"])
+    everyone = [me]
+    if accelerator.num_processes > 1:
+        everyone = [None] * accelerator.num_processes
+        dist.all_gather_object(everyone, me)
+    leader = min(range(len(everyone)), key=lambda rank: everyone[rank][:2])
+    run_id = everyone[leader][2]
     log_dir = Path(launch["log_dir"])
     join_run_logs(log_dir, log_dir.parent / run_id, accelerator.process_index)
-    return run_id
+    return run_id, leader
 
 
 def fit(cfg, setup, launch: dict, console) -> int:
@@ -53,17 +63,19 @@ def fit(cfg, setup, launch: dict, console) -> int:
 
     run_dir = Path(cfg.output_dir)
     resume_from = Path(launch["resume_from"]) if launch.get("resume_from") else None
+    cfg, setup = restarts.fit_to_world(cfg, setup)  # elastic machines: the group may have re-formed smaller or larger
     preemption = Preemption(cfg.checkpoint.save_on_preemption)
     tb_dir = run_dir / TENSORBOARD if cfg.logging.uses_tensorboard else None
     trainer = build_trainer(cfg, setup, tensorboard_dir=tb_dir, console=console)
     keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
     acc = trainer.accelerator
-    run_id = agree_run_id(acc, launch)
+    run_id, leader = agree_run_id(acc, launch, setup.machine_rank)
     run_log_dir = Path(launch["log_dir"]).parent / run_id
     runlock.register_rank(run_dir)  # the run stays locked while this rank lives, whatever happens to its launcher
     failure = None
-    if restarts.attempt():
-        failure, resume_from = restart_point(acc, cfg, setup, launch, run_log_dir, resume_from)
+    if restarts.max_restarts():
+        failure, resume_from = restart_point(acc, leader, cfg, setup, launch, run_log_dir, resume_from)
+    leads = acc.process_index == leader
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
                              keep_last=cfg.checkpoint.keep_last, protect=resume_from, parent=resume_from,
                              save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs,
@@ -86,8 +98,9 @@ def fit(cfg, setup, launch: dict, console) -> int:
     metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None, trackers=trackers)
     progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar, restarts=restarts.attempt())
     if failure is not None:
-        if acc.is_main_process:
-            progress.message(restarts.restart_line(restarts.record_restart(run_dir, run_id, failure, resume_from, trainer.step)))
+        if leads:
+            progress.message(restarts.restart_line(restarts.record_restart(run_dir, run_id, failure, resume_from, trainer.step,
+                                                                          setup.world_size)))
     elif resume_from is not None:
         progress.message(f"Resumed from {resume_from} at step {trainer.step}.")
     for note in trackers.notes:
@@ -124,7 +137,11 @@ def fit(cfg, setup, launch: dict, console) -> int:
             watchdog.beat()
             if result.stop:
                 ckpt.wait()
-                progress.message(f"Preempted: saved step {step}; continue with `opentau resume {run_dir}`.")
+                if restarts.max_restarts():  # the signal may be the agent's, re-forming the group (machines joined)
+                    progress.message(f"Stopped by a signal: saved step {step}; the group continues from it if it "
+                                     f"re-forms, else continue with `opentau resume {run_dir}`.")
+                else:
+                    progress.message(f"Preempted: saved step {step}; continue with `opentau resume {run_dir}`.")
                 break
         watchdog.stop()
         ckpt.wait()  # async_save: the last save is published before the run ends
@@ -137,10 +154,12 @@ def fit(cfg, setup, launch: dict, console) -> int:
     return 0
 
 
-def restart_point(acc, cfg, setup, launch: dict, run_log_dir: Path, resume_from: Path | None):
-    """A restarted group's start (docs/ARCHITECTURE.md, "Restarts"): why the previous attempt failed, and the
-    checkpoint to continue from (the run's `last`, else the launch's own source); a failure no restart can cure, or a
-    `last` that fails verification, ends the launch here. Rank 0 decides for all."""
+def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path, resume_from: Path | None):
+    """Where a group of a restartable launch starts (docs/ARCHITECTURE.md, "Restarts"): the launch's own source for
+    its first group; for a later one (a failure restarted it, or machines left or joined) why the previous group
+    ended and the checkpoint to continue from (the run's `last`, else the launch's own source). A failure no restart
+    can cure, or a `last` that fails verification, ends the launch here. The leader (machine 0's first rank) decides
+    for all and notes each group in `<run log dir>/groups.jsonl`."""
     from accelerate.utils import broadcast_object_list
 
     from opentau_cli.checkpoint.manager import clean_leftovers, latest
@@ -148,19 +167,26 @@ def restart_point(acc, cfg, setup, launch: dict, run_log_dir: Path, resume_from:
     from opentau_cli.train import restarts
 
     run_dir = Path(cfg.output_dir)
-    decision = [None, None, None]
-    if acc.is_main_process:
-        failure = restarts.previous_failure(launch, run_log_dir, setup.machine_rank,
-                                            setup.num_processes // setup.num_machines)
-        clean_leftovers(run_dir)  # the failed attempt's unfinished saves
-        source = latest(run_dir) or resume_from
-        reason = restarts.incurable(failure, run_dir, run_log_dir, source)
-        if reason is None and source is not None:
-            problems = verify_manifest(source)
-            if problems:
-                reason = f"checkpoint {source} fails verification ({problems[0]}); restore it or roll back with `opentau resume --rollback`"
-        decision = [failure, str(source) if source else None, reason]
-    failure, source, reason = broadcast_object_list(decision, from_process=0)
+    decision = [None, str(resume_from) if resume_from else None, None]
+    if acc.process_index == leader:
+        change = restarts.group_change(run_log_dir, setup.world_size)
+        if change is not None:
+            if change["machines_changed"]:
+                failure = restarts.machines_changed(change, setup.world_size)
+            else:
+                failure = restarts.previous_failure(launch, run_log_dir, setup.machine_rank,
+                                                    setup.num_processes // setup.num_machines)
+                failure.world_before = change["world_before"]
+            clean_leftovers(run_dir)  # the previous group's unfinished saves
+            source = latest(run_dir) or resume_from
+            reason = None if change["machines_changed"] else restarts.incurable(failure, run_dir, run_log_dir, source)
+            if reason is None and source is not None:
+                problems = verify_manifest(source)
+                if problems:
+                    reason = f"checkpoint {source} fails verification ({problems[0]}); restore it or roll back with `opentau resume --rollback`"
+            decision = [failure, str(source) if source else None, reason]
+        restarts.note_group(run_log_dir, setup.world_size)
+    failure, source, reason = broadcast_object_list(decision, from_process=leader)
     if reason:
         restarts.stop_launch(run_log_dir, reason)
     return failure, Path(source) if source else None
