@@ -59,10 +59,8 @@ def test_every_example_config_validates_with_every_accelerate_config_for_an_8_gp
     monkeypatch.chdir(example_datasets)
     # A multi-machine YAML leaves machine 0's address to the launch (the SLURM script passes it), as a user does.
     address = ["--main_process_ip", "127.0.0.1"] if yaml.safe_load(accel.read_text()).get("num_machines", 1) > 1 else []
-    # The EMA is not kept under FSDP2 yet (refused in one line): the example pi05 config keeps one.
-    no_ema = ["--ema.decay=0"] if "fsdp2" in accel.stem and json.loads(config.read_text()).get("ema", {}).get("decay") else []
     result = invoke("config", "validate", str(config), "--accelerate-config", str(accel), "--gpus", "8", *address,
-                    f"--output_dir={isolated_env / 'run'}", *no_ema)
+                    f"--output_dir={isolated_env / 'run'}")
     assert result.exit_code == 0, result.output
     assert "Config OK" in result.output and "checked for        a machine with 8 CUDA GPUs (--gpus 8)" in result.output
 

@@ -57,7 +57,9 @@ def _rank_layout(ckpt_dir: Path) -> tuple[int, int | None, bool] | None:
     world = state.get("world_size") if isinstance(state, dict) else None
     if not isinstance(world, int) or world < 1:
         return None
-    return world, (state.get("zero_stage") if state.get("backend") == "deepspeed" else None), bool(state.get(EMA_STATE))
+    # An FSDP2 EMA lies in the DCP shards with the model's (checkpoint/dcp.py), not in a file of its own.
+    ema = bool(state.get(EMA_STATE)) and state.get("backend") != "fsdp"
+    return world, (state.get("zero_stage") if state.get("backend") == "deepspeed" else None), ema
 
 
 def rank_files(files, world_size: int, zero_stage: int | None, ema: bool = False
