@@ -104,3 +104,17 @@ def test_the_final_checkpoint_verifies_and_records_each_world_the_run_had(elasti
     assert state["world_size"] == 2
     assert [(t["step"], t["world_size"], t["per_device_batch"]) for t in state["topologies"]] == [
         (0, 2, 4), (SAVE, 1, 8), (LEAVES_AT, 2, 4)]  # the global batch of 8 kept on each world
+
+
+def test_config_validate_prints_the_restart_policy_and_the_elastic_machines(tmp_path):
+    two = tmp_path / "two.yaml"
+    two.write_text((EXAMPLES / "accelerate_cpu_ddp_config.yaml").read_text().replace("num_machines: 1", "num_machines: 2"))
+    base = ["config", "validate", str(EXAMPLES / "pi05_tiny_config.json"), f"--output_dir={tmp_path / 'run'}"]
+    plain = run_cli_in_process([*base, "--distributed.max_restarts=2"])
+    elastic = run_cli_in_process([*base, f"--accelerate-config={two}", "--main_process_ip=10.0.0.1",
+                                  "--distributed.max_restarts=3", "--distributed.machines=1:2"])
+    assert plain.returncode == 0 and elastic.returncode == 0, plain.stderr + elastic.stderr
+    assert "restarts           up to 2 automatic restarts from the last checkpoint when a rank dies or hangs" in plain.stdout
+    assert "elastic machines" not in plain.stdout
+    assert ("up to 3 automatic restarts" in elastic.stdout and "elastic machines 1:2: goes on with 1 or more, the global "
+            "batch kept; re-forms after 30 s (distributed.machines)" in elastic.stdout), elastic.stdout
