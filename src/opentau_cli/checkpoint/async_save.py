@@ -9,8 +9,10 @@ and RNG states that Accelerate saves are copied. The writer bypasses the page ca
 writes it, so the manifest need not read it back (UncachedFile). The copy lies in shared memory that the writer
 process maps (HostStaging): serializing, hashing and writing never hold the training process's GIL, which a writer
 thread did, and on a machine whose cores are all busy a descheduled thread holding it stalled the training loop (a
-save then cost more than a synchronous one). The background threads never run a collective: the main thread learns
-their progress (CheckpointManager.poll), so the ranks agree on it.
+save then cost more than a synchronous one). The background threads never run a collective on the training's process
+group: the main thread learns their progress (CheckpointManager.poll), so the ranks agree on it. FSDP2's shards are
+the exception to the writer process: DCP writes them from the background thread, coordinating over a gloo group of
+its own (checkpoint/dcp.py ShardedState).
 """
 
 from __future__ import annotations

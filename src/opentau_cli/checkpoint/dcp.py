@@ -5,7 +5,9 @@ Every rank writes its own shard file into `DCP_DIR` of the checkpoint's temporar
 `__<rank>_0.distcp` and one `.metadata`); Accelerate's save_state writes the scheduler and each rank's RNG state
 beside it, and the manifest, publish, `last` and retention are the same as for every backend. Reading never runs
 pickled code: DCP's metadata is unpickled against an allow-list of its own record types, and the optimizer's
-non-tensor values (hyper-parameters, steps) with `weights_only` loads.
+non-tensor values (hyper-parameters, steps) with `weights_only` loads. The EMA (train/ema.py) is saved in the same DCP
+state under `ema.`; LoRA checkpoints hold only what trains (policies/lora.py). An asynchronous save stages this
+rank's state into host memory and writes it with DCP from the background (checkpoint/async_save.py).
 """
 
 from __future__ import annotations
@@ -153,9 +155,7 @@ class ShardedState:
 
         live = self.state()
         staged = _create_cpu_state_dict(live, pin_memory=torch.cuda.is_available())
-        _copy_state_dict(live, staged)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _copy_state_dict(live, staged)  # blocking copies: done when it returns
         return staged
 
     def group(self):
