@@ -185,7 +185,8 @@ def test_the_step_measurement_cache_is_keyed_by_the_code_it_measures(monkeypatch
 
 
 def test_the_example_pi05_config_fits_an_80gb_card_under_every_backend_with_the_margin_printed(tmp_path):
-    for accel in ("accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml", "accelerate_deepspeed_zero3_config.yaml"):
+    for accel in ("accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml", "accelerate_deepspeed_zero3_config.yaml",
+                  "accelerate_fsdp2_config.yaml"):
         result = CliRunner().invoke(app, [
             "config", "validate", str(EXAMPLES / "pi05_config.json"), "--accelerate-config", str(EXAMPLES / accel),
             "--gpus", "8", "--gpu-memory", "80GB", f"--output_dir={tmp_path / 'run'}",
@@ -193,6 +194,8 @@ def test_the_example_pi05_config_fits_an_80gb_card_under_every_backend_with_the_
         assert result.exit_code == 0, result.output
         row = next(line for line in result.stdout.splitlines() if line.strip().startswith("memory plan"))
         assert "fits a 80.0 GiB card (margin" in row and " per device" in row, row
+        if "fsdp2" in accel:
+            assert "(FSDP2 on 8 GPUs, " in row and "weights (fp32 shard)" in row, row
 
 
 def test_a_run_that_does_not_fit_is_refused_naming_settings_that_would():
