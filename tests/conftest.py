@@ -219,6 +219,13 @@ def one_thread_module():
     torch.set_num_threads(before)
 
 
+# The environment of a single-process launch in a test: one OpenMP thread. The launcher gives a lone process every
+# core's thread (launch.py); on CI's two cores, shared by two pytest workers, those threads spin against the other
+# worker's launches (a 20-step pi05_tiny run on a loaded machine: 21-26 CPU-s on two threads, 8.5 CPU-s on one).
+# Multi-process launches get one thread per process on two cores already. Nothing a test asserts depends on it.
+SINGLE_PROCESS_ENV = {"OMP_NUM_THREADS": "1"}
+
+
 # Two uninterrupted 2-process runs of pi05_tiny on the demo data, each launched once per session and shared by every
 # module that compares with such a run or reads what it wrote: DDP (train end to end, several machines, the EMA) and
 # ZeRO-3 (train end to end, the EMA). Both keep an EMA of the weights and validate at each save (neither changes a

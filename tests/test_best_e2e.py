@@ -12,10 +12,10 @@ import json
 import pytest
 from safetensors import safe_open
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.layout import BEST, CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_module")]
 
 STEPS = 6
 
@@ -33,7 +33,7 @@ def run(tmp_path_factory):
     ok(run_cli(["train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}", f"--output_dir={out}", "--steps", str(STEPS),
                 "--save_freq=1", "--log_freq=1", "--batch_size=4", "--validation.val_split=0.25", "--validation.val_freq=1",
                 "--validation.max_batches=2", "--checkpoint.keep_last=1", "--checkpoint.keep_best=2", "--ema.decay=0.5"],
-               env=env))
+               env={**env, **SINGLE_PROCESS_ENV}))
     return tmp, out, env
 
 

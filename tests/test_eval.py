@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, run_cli, run_cli_in_process
 from opentau_cli.cli.main import app
 from opentau_cli.config.load import load_config
 from opentau_cli.data.build import split_episodes
@@ -19,7 +19,7 @@ from opentau_cli.policies.layouts import LEROBOT
 from published import write_published
 from test_policy_learning import STEPS, learning, train
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 runner = CliRunner()
@@ -44,7 +44,8 @@ def fine_tuned(tmp_path_factory):
     run = root / "run"
     trained = run_cli(["train", f"--config_path={TINY}", f"--output_dir={run}", f"--policy.pretrained_path={pretrained}",
                        "--steps=20", "--save_freq=20", "--optimizer.lr=1e-4", "--scheduler.type=constant",
-                       "--scheduler.warmup_steps=1", "--validation.val_freq=0"], env={"HF_HOME": str(root / "hf_home")})
+                       "--scheduler.warmup_steps=1", "--validation.val_freq=0"],
+                      env={"HF_HOME": str(root / "hf_home"), **SINGLE_PROCESS_ENV})
     assert trained.returncode == 0, trained.stderr[-3000:]
     cfg = load_config(TINY, [])
     _, held_out = split_episodes(resolve_dataset_root(cfg.dataset.root), cfg.validation.val_split, cfg.seed)

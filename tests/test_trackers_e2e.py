@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli
 from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, TRAIN_CONFIG, TRAINING_STATE, read_last
 from test_data_hub import FRONT, TOP, lay_out, unselected
 from test_trackers import mlflow_metric, wandb_runs
@@ -43,7 +43,8 @@ def tracked_run(tmp_path_factory):
     uri = f"file:{base / 'mlruns'}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(base / "hf_home"),
            "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(base / "wandb_config"),
-           "WANDB_CACHE_DIR": str(base / "wandb_cache"), "MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}
+           "WANDB_CACHE_DIR": str(base / "wandb_cache"), "MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true",
+           **SINGLE_PROCESS_ENV}
     env.pop("OPENTAU_DEBUG", None)
     run = base / "run"
     args = ["train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}", f"--output_dir={run}", "--steps", str(STEPS),
