@@ -58,7 +58,9 @@ CUDA_FRAGMENTATION = 0.10
 # up to 32 MiB as large blocks are freed) stay in its heaps instead of going back to the kernel. Measured on
 # pi05_small at 224x224, 16 per device (benchmarks/bench_memory_plan.py --glibc default, BENCHMARKS.md): 12% (DDP with
 # ema.decay, ZeRO-3) to 37% (ZeRO-2 with gradient checkpointing) above what the plan allocates, which the same
-# launches reach with MALLOC_MMAP_THRESHOLD_=131072 (every freed block returned at once); a middle figure.
+# launches reach with MALLOC_MMAP_THRESHOLD_=131072 (every freed block returned at once); a middle figure. It does not
+# cover FSDP2 on CPU: each unit's all-gather and reduce-scatter buffers, freed and allocated again every layer, stay in
+# the heaps, about 0.6 GiB per rank on pi05_small whatever the batch (docs/ARCHITECTURE.md, "Memory plan").
 CPU_RETENTION = 0.25
 # Part of the cache key of step measurements, with a hash of this file and of the policy's code.
 MEASURE_VERSION = 3
