@@ -164,6 +164,7 @@ def test_the_optimizer_row_prints_binary_units_once_not_bb():
     row = optimizer_row(counts, 8, None)
     assert row.startswith(f"{8 * 2_832_000_000 / GIB:.2f} GiB AdamW state") and "BB" not in row
     assert f"{8 * 2_832_000_000 / 8 / GIB:.2f} GiB per process, ZeRO-2 shards it over 8" in optimizer_row(counts, 8, 2)
+    assert f"{8 * 2_832_000_000 / 8 / GIB:.2f} GiB per process, FSDP2 shards it over 8" in optimizer_row(counts, 8, None, "FSDP2")
 
 
 def test_the_step_measurement_cache_is_keyed_by_the_code_it_measures(monkeypatch, tmp_path):

@@ -55,12 +55,13 @@ def parameter_row(counts: dict[str, int]) -> str:
     return f"{_human(counts['total'])} total, {_human(counts['trainable'])} trainable ({counts['total']:,} / {counts['trainable']:,})"
 
 
-def optimizer_row(counts: dict[str, int], world_size: int, zero_stage: int | None) -> str:
-    """The AdamW state the trainable parameters imply: per process, divided among the ranks by ZeRO-1/2/3; in binary
-    units, as the memory plan counts memory."""
+def optimizer_row(counts: dict[str, int], world_size: int, zero_stage: int | None, sharded_by: str | None = None) -> str:
+    """The AdamW state the trainable parameters imply: per process, divided among the ranks by ZeRO-1/2/3 or FSDP2
+    (`sharded_by`); in binary units, as the memory plan counts memory."""
     total = ADAMW_BYTES_PER_PARAMETER * counts["trainable"]
-    shards = world_size if zero_stage else 1
-    where = f"{human_bytes(-(-total // shards))} per process, ZeRO-{zero_stage} shards it over {world_size}" if zero_stage and shards > 1 \
+    who = sharded_by or (f"ZeRO-{zero_stage}" if zero_stage else None)
+    shards = world_size if who else 1
+    where = f"{human_bytes(-(-total // shards))} per process, {who} shards it over {world_size}" if shards > 1 \
         else "on every process"
     return f"{human_bytes(total)} AdamW state (2 fp32 moments per trainable parameter; {where})"
 
@@ -99,7 +100,8 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("output dir", str(cfg.output_dir)),
         ("policy", f"{cfg.policy.type} (preset {cfg.policy.preset})"),
         ("parameters", parameter_row(counts)),
-        ("optimizer memory", optimizer_row(counts, accel.world_size, accel.zero_stage if accel.backend == "deepspeed" else None)),
+        ("optimizer memory", optimizer_row(counts, accel.world_size, accel.zero_stage if accel.backend == "deepspeed" else None,
+                                           sharded_by="FSDP2" if accel.backend == "fsdp" else None)),
         ("dataset", (cfg.dataset.root if cfg.dataset.repo_id is None else
                      f"{cfg.dataset.repo_id} at {cfg.dataset.revision} (Hugging Face Hub, read from its cache)")
          if cfg.dataset.mixture is None else "mixture of " + ", ".join(f"{m.label} (weight {m.weight:g})" for m in cfg.dataset.mixture)),
