@@ -19,14 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, opentau_bin, run_cli, run_cli_in_process
+from conftest import (
+    DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli, run_cli_in_process,
+)
 from opentau_cli.checkpoint.layout import (
     CHECKPOINTS, DS_TAG, LAST, LOGS, MANIFEST, METRICS, MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TENSORBOARD, TRAIN_CONFIG,
     TRAINING_STATE, ZERO_TO_FP32, ds_shard_glob, leftover_of, read_last, step_of,
 )
 from opentau_cli.checkpoint.lineage import ROLLED_BACK
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 YAML = {
@@ -96,6 +98,8 @@ class Run:
 
     def __init__(self, backend: str, tmp: Path, *extra: str, name: str | None = None, reference: Path | None = None):
         self.backend, self.dir, self.env = backend, tmp / (name or backend), env_for(tmp)
+        if backend == "single":
+            self.env.update(SINGLE_PROCESS_ENV)
         if reference is None:
             ok(run_cli(train_args(backend, self.dir, *extra), env=self.env))
         else:
