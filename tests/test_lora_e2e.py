@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
 from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, step_of
 from opentau_cli.checkpoint.manifest import hash_file
@@ -46,6 +46,10 @@ def home(tmp_path_factory) -> Path:
 def env_for(home: Path) -> dict:
     # This module's own demo data (runs compared with each other read the same), no user Accelerate default.
     return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HUB_OFFLINE": "1"}
+
+
+def launch_env(home: Path, backend: str) -> dict:
+    return {**env_for(home), **(SINGLE_PROCESS_ENV if backend == "single" else {})}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,7 @@ def train_args(backend: str, out: Path, base: Path, *extra: str) -> list[str]:
 
 
 def train(home: Path, backend: str, out: Path, base: Path, *extra: str):
-    return run_cli(train_args(backend, out, base, *extra), env=env_for(home))
+    return run_cli(train_args(backend, out, base, *extra), env=launch_env(home, backend))
 
 
 def ok(result) -> None:
@@ -109,7 +113,7 @@ def runs(home, base):
                 out = home / key
                 (out / CHECKPOINTS).mkdir(parents=True)
                 shutil.copytree(ckpt(full, SAVE), ckpt(out, SAVE))
-                ok(run_cli(["resume", str(out)], env=env_for(home)))
+                ok(run_cli(["resume", str(out)], env=launch_env(home, backend)))
             else:
                 out = home / key
                 ok(train(home, backend, out, base))
