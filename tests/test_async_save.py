@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.checkpoint import faults
 from opentau_cli.checkpoint.async_save import HostStaging, snapshot
 from opentau_cli.checkpoint.layout import (
@@ -29,7 +29,7 @@ from opentau_cli.checkpoint.manager import CheckpointManager, latest
 from opentau_cli.checkpoint.manifest import hash_file, is_complete, verify_manifest
 from opentau_cli.errors import RunError
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
 
 
 class Parts:
@@ -354,7 +354,7 @@ def zero2(e2e_env):
         "sound": [d for d in step_dirs(ckpts) if is_complete(ckpts / d) and verify_manifest(ckpts / d) == []],
         "latest": latest(killed),
         "leftovers": {leftover_of(p.name): p for p in ckpts.iterdir() if p.name.startswith(".")},
-        "verify": run_cli(["checkpoint", "verify", str(killed)], env=env).returncode,
+        "verify": run_cli_in_process(["checkpoint", "verify", str(killed)], env=env).returncode,  # launches nothing
         "logged": logged(killed),
     }
     after_kill["cut_shard"] = [p.name for p in after_kill["leftovers"].get(("save", "000002"), tmp).rglob(
