@@ -22,11 +22,23 @@ LORA = "LoRA rank 16 vs full fine-tuning on 2 CPU processes (opentau profile)"
 PLAN = "Memory plan: real CPU peaks and the example pi05 config on 8 GPUs"
 STARTUP = "Starting from pretrained weights: build + load vs no init"
 RESTART = "Restart: a rank's death to the first step after it (pi05_small_bench, DDP x2, CPU)"
+FSDP = "FSDP2 vs ZeRO-3 vs DDP on 2 CPU processes"
 
 
 # README figure -> where it comes from: (a pattern of README.md whose group is the figure, the benchmark's section
 # title, the row of its table, a pattern of that row's value whose group is the measured number[, a conversion]).
 FIGURES = [
+    (r"pi05_small, ([\d.]+) samples/s against [\d.]+ for FSDP2", FSDP, "DDP", r"^([\d.]+) samples/s"),
+    (r"samples/s against ([\d.]+) for FSDP2", FSDP, "FSDP2", r"^([\d.]+) samples/s"),
+    (r"for FSDP2 and ([\d.]+) for ZeRO-3, `bench_fsdp.py`", FSDP, "ZeRO-3", r"^([\d.]+) samples/s"),
+    (r"a lower peak per process \(([\d.]+) MiB", FSDP, "FSDP2", r"peak RSS/rank (\d+) MiB"),
+    (r"against ZeRO-3's ([\d.]+) MiB in that run", FSDP, "ZeRO-3", r"peak RSS/rank (\d+) MiB"),
+    (r"faster saves \(([\d.]+) s, ZeRO-3", FSDP, "FSDP2", r"saved in ([\d.]+) s"),
+    (r"faster saves \([\d.]+ s, ZeRO-3 ([\d.]+) s, DDP", FSDP, "ZeRO-3", r"saved in ([\d.]+) s"),
+    (r"ZeRO-3 [\d.]+ s, DDP ([\d.]+) s:\s+every rank writes", FSDP, "DDP", r"saved in ([\d.]+) s"),
+    (r"load slower \(([\d.]+) s, ZeRO-3", FSDP, "FSDP2", r"loaded in ([\d.]+) s"),
+    (r"load slower \([\d.]+ s, ZeRO-3 ([\d.]+) s, DDP", FSDP, "ZeRO-3", r"loaded in ([\d.]+) s"),
+    (r"ZeRO-3 [\d.]+ s, DDP ([\d.]+) s\)\. Prefer ZeRO-3", FSDP, "DDP", r"loaded in ([\d.]+) s"),
     (r"a restart took ([\d.]+) s from the rank's death", RESTART, "total", r"^([\d.]+) s"),
     (r"first step after it: ([\d.]+) s to\s+detect", RESTART, "detection", r"^([\d.]+) s"),
     (r"detect, ([\d.]+) s to start and restore", RESTART, "start-up and restore", r"^([\d.]+) s"),
