@@ -457,3 +457,21 @@ def test_lora_under_fsdp2_saves_only_what_trains_survives_a_kill_mid_save_resume
     merged = base[f"{module}.weight"].float() + (LORA_ALPHA / LORA_RANK) * (b.float() @ a.float())
     assert torch.equal(exported["model.paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj.weight"], merged)
     assert not torch.equal(merged, base[f"{module}.weight"])
+
+
+def test_an_fsdp2_checkpoint_continues_on_another_world_size_keeping_the_global_batch(fsdp_fp32, home, tmp_path):
+    """FSDP2 on 2 processes -> one process (--reshard=true): DCP's shards are assembled for the one rank (the launch
+    checks that weights and AdamW state arrive bit for bit, else it fails), the global batch is kept (twice the
+    per-process batch), the EMA continues from its shards as one file, and every step after the checkpoint is logged
+    once with a finite loss (new random streams: not the uninterrupted losses, as for every world-size change)."""
+    one = home / "one_process.yaml"
+    one.write_text(DDP.read_text().replace("num_processes: 2", "num_processes: 1").replace("MULTI_CPU", "NO"))
+    run = reshard(home, fsdp_fp32, "fsdp2_to_one", one)
+    got = losses(run)
+    assert sorted(got) == list(range(SAVE + 1, STEPS + 1)) and all(math.isfinite(v) for v in got.values())
+    state = json.loads((run / CHECKPOINTS / f"{STEPS:06d}" / TRAINING_STATE).read_text())
+    before, after = state["topologies"]
+    assert (before["backend"], before["world_size"], after["world_size"]) == ("fsdp", 2, 1)
+    assert after["per_device_batch"] * after["grad_accum"] == 2 * before["per_device_batch"] * before["grad_accum"]
+    assert sorted(load_file(run / CHECKPOINTS / f"{STEPS:06d}" / "ema.safetensors")) == sorted(
+        dcp_reference(fsdp_fp32 / CHECKPOINTS / f"{STEPS:06d}", tmp_path)["ema"])
