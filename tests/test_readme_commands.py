@@ -1,15 +1,15 @@
 """The README's commands work on a fresh clone as written.
 
 Every ```bash block of README.md runs, in README order, in one scratch directory that holds a copy of the repository's
-configs/ (the blocks' relative paths), with the installed CLI first on PATH, offline and without the user's
-Accelerate default config. A command that trains for its config's own number of steps (no `--steps` on its line) is
-shortened by `OPENTAU_STEPS` (the documented environment override, which a command-line `--steps` beats), so the
-whole test stays within minutes. A block that needs what CI does not have (a GPU, the network, a cluster) is marked just
-above it with `<!-- readme-test: skip: <why> -->`; the reason is required. Blocks are found when the test runs, so a
-block added to the README is tested (or must say why not) without touching this file. A block that runs says what it
-makes with `<!-- readme-test: makes: PATH ... -->` just above it: each path (relative to the scratch directory) must
-exist afterwards and hold something, so a command that exits 0 without doing its job fails too; a block that makes
-no file says what it prints instead (`<!-- readme-test: prints: TEXT -->`).
+configs/ (the blocks' relative paths), with the installed CLI first on PATH, offline, on one OpenMP thread per process
+and without the user's Accelerate default config. A command that trains for its config's own number of steps (no
+`--steps` on its line) is shortened by `OPENTAU_STEPS` (the documented environment override, which a command-line
+`--steps` beats), so the whole test stays within minutes. A block that needs what CI does not have (a GPU, the network,
+a cluster) is marked just above it with `<!-- readme-test: skip: <why> -->`; the reason is required. Blocks are found
+when the test runs, so a block added to the README is tested (or must say why not) without touching this file. A block
+that runs says what it makes with `<!-- readme-test: makes: PATH ... -->` just above it: each path (relative to the
+scratch directory) must exist afterwards and hold something, so a command that exits 0 without doing its job fails too;
+a block that makes no file says what it prints instead (`<!-- readme-test: prints: TEXT -->`).
 
 The full pi05 preset starts from weights and a tokenizer on the Hub, so its blocks are skipped; the README says how its
 `config validate` examples run offline (`OFFLINE_FLAGS`), and every such example, skipped block or not, is run so,
@@ -110,6 +110,10 @@ def _scratch(tmp: Path) -> tuple[Path, dict[str, str]]:
         HF_HOME=str(tmp / "hf_home"),  # no user Accelerate default config, no Hub cache
         HF_HUB_OFFLINE="1",
         OPENTAU_STEPS="4",  # e.g. the mixture example's 200 steps of video decoding: minutes on a CI machine
+        # One OpenMP thread per process: on CI's two cores, shared with the other pytest worker, a second thread of
+        # `opentau eval` or of a single-process run only spins (conftest.SINGLE_PROCESS_ENV). A 2-process launch gets
+        # one per process on two cores anyway.
+        OMP_NUM_THREADS="1",
     )
     env.pop("ACCELERATE_CONFIG_DIR", None)
     return cwd, env
