@@ -348,7 +348,7 @@ BACKEND = {"ddp": "ddp", "fsdp2": "fsdp", "zero2": "deepspeed"}
 @pytest.mark.parametrize("source, target", [("ddp", "fsdp2"), ("fsdp2", "ddp"), ("fsdp2", "zero2")])
 def test_an_elastic_resume_between_ddp_or_zero2_and_fsdp2_continues_with_the_uninterrupted_losses(
         source, target, fsdp_fp32, ddp_fp32, home, tmp_path):
-    """2 processes under DDP <-> 2 under FSDP2, and FSDP2 -> ZeRO-2 (fp32): the weights and AdamW state arrive bit for
+    """2 processes under DDP <-> 2 under FSDP2, and FSDP2 -> ZeRO-2 -> FSDP2 (fp32): the weights and AdamW state arrive bit for
     bit (the launch checks it, else it fails), each rank continues its own random streams on the same samples, so the
     losses are the uninterrupted run's up to the reduction order. The FSDP2 run keeps an EMA: it continues from its
     shards, cut into the new launch's layout, to the uninterrupted run's EMA up to the same rounding."""
@@ -373,6 +373,16 @@ def test_an_elastic_resume_between_ddp_or_zero2_and_fsdp2_continues_with_the_uni
         assert sorted(continued) == sorted(uninterrupted)
         # Attention key biases get (almost) no gradient: their tiny values are noise, hence the absolute tolerance.
         assert all(torch.allclose(continued[k], uninterrupted[k], rtol=1e-4, atol=1e-6) for k in uninterrupted)
+    if target == "zero2":
+        # And back: the ZeRO-2 checkpoint continues under FSDP2 for two more steps (the launch checks that weights
+        # and AdamW state arrive bit for bit); the run's topologies record the round trip.
+        back = run_cli(["resume", str(run), "--reshard=true", f"--accelerate-config={yaml['fsdp2']}",
+                        f"--steps={STEPS + 2}"], env=env_for(home))
+        assert back.returncode == 0, f"exit {back.returncode}\n{back.stderr[-5000:]}"
+        after = losses(run)
+        assert sorted(after) == list(range(SAVE + 1, STEPS + 3)) and all(math.isfinite(v) for v in after.values())
+        state = json.loads((run / CHECKPOINTS / f"{STEPS + 2:06d}" / TRAINING_STATE).read_text())
+        assert [t["backend"] for t in state["topologies"]] == ["fsdp", "deepspeed", "fsdp"]
 
 
 # LoRA under FSDP2: one short run with asynchronous saves, SIGKILLed while its last save is written, and its resume.
