@@ -118,3 +118,42 @@ def test_both_bf16_backends_train_on_the_raw_fp32_batch():
     loss_zero2.backward()
     assert torch.isfinite(loss_ddp) and torch.isfinite(loss_zero2)
     assert all(p.grad is not None for p in zero2.parameters() if p.requires_grad)
+
+
+def test_fsdp2_bf16_hands_the_policy_the_raw_fp32_batch_and_computes_what_ddp_bf16_computes():
+    """Under FSDP2's bf16 policy (bf16 parameters inside each unit, fp32 reduction) the root does not cast its inputs:
+    the policy receives the batch bit for bit as the data pipeline made it and computes the normalized state and
+    actions and the flow-matching target in fp32, equal to what DDP bf16 computes. One process, a gloo group of one."""
+    import torch.distributed as dist
+
+    from opentau_cli.config.accelerate import FsdpSettings
+    from opentau_cli.train.fsdp import shard_policy
+
+    ddp = tiny_policy()
+    batch = raw_batch()
+    g = torch.Generator().manual_seed(2)
+    noise, time = torch.randn(3, CHUNK, 8, generator=g), torch.rand(3, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen_ddp = training_inputs(ddp, batch, noise, time)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = shard_policy(copy.deepcopy(ddp), FsdpSettings(mixed_precision="bf16"), torch.device("cpu"))
+        received = {}
+        prepare = sharded._prepare
+
+        def recording(inputs, **kwargs):
+            received.update({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return prepare(inputs, **kwargs)
+
+        sharded._prepare = recording
+        loss = sharded(to_device(batch, "cpu"))["loss"]  # through the root's forward, where FSDP2 would cast
+        assert torch.isfinite(loss)
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                assert received[key].dtype == value.dtype and torch.equal(received[key], value), key
+        seen_fsdp = training_inputs(sharded, batch, noise, time)
+        for key in ("state", "actions", "noisy", "target"):
+            assert seen_fsdp[key].dtype == torch.float32 and torch.equal(seen_fsdp[key], seen_ddp[key]), key
+    finally:
+        dist.destroy_process_group()
