@@ -333,7 +333,7 @@ class Checker:
         import torch
 
         from opentau_cli.config.model import PolicyConfig
-        from opentau_cli.evaluate import for_inference
+        from opentau_cli.inference import for_inference
         from opentau_cli.policies import build_policy
         from opentau_cli.serve import ServedPolicy
 

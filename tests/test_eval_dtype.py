@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opentau_cli.config.model import PolicyConfig
-from opentau_cli.evaluate import inference_dtype
+from opentau_cli.inference import inference_dtype
 from opentau_cli.policies import build_policy
 
 STATS = {

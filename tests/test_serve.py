@@ -74,7 +74,7 @@ def _start(args, env):
 
 def test_the_real_openpi_client_drives_a_served_checkpoint(tiny_run, tmp_path):
     from opentau_cli.data.sampler import collate
-    from opentau_cli.evaluate import _from_checkpoint
+    from opentau_cli.inference import from_checkpoint
 
     python = peer_python(*CLIENT)
     image, state, task, sample = _first_frame(tiny_run)
@@ -98,7 +98,7 @@ def test_the_real_openpi_client_drives_a_served_checkpoint(tiny_run, tmp_path):
     assert meta["state_dim"] == 4 and meta["action_dim"] == 2 and meta["action_horizon"] == 10 and meta["seed"] == 0
 
     # The same chunk as the policy samples for the training pipeline's sample of that frame, with the same seed.
-    _, _, policy, _ = _from_checkpoint(tiny_run, {}, None)
+    _, _, policy, _ = from_checkpoint(tiny_run, {}, None)
     policy.eval()
     batch = collate([sample])
     expected = {}

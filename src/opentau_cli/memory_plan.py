@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
-from opentau_cli.config.load import _deep_merge
+from opentau_cli.config.load import deep_merge
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 
@@ -489,7 +489,7 @@ def alternatives(cfg: TrainConfig, setup: AccelerateSetup, card: int) -> list[st
     """Settings that would fit `card`, each one change away from `cfg`: gradient checkpointing, the largest smaller
     per-device batch that fits (the same batch_size through accumulation), ZeRO-2, LoRA."""
     def fits(change: dict, other_setup: AccelerateSetup | None = None) -> bool:
-        changed = TrainConfig.model_validate(_deep_merge(cfg.model_dump(), change))
+        changed = TrainConfig.model_validate(deep_merge(cfg.model_dump(), change))
         return plan_memory(changed, other_setup or setup).fits(card)
 
     found = []

@@ -131,7 +131,7 @@ class ServedPolicy:
 
     def describe(self) -> str:
         """The served weights in words, for the banner: 'EMA weights of step 60 (RUN/checkpoints/000060)'."""
-        from opentau_cli.evaluate import describe_weights
+        from opentau_cli.inference import describe_weights
 
         return describe_weights(self.origin)
 
@@ -178,11 +178,11 @@ class ServedPolicy:
 
     def infer(self, obs) -> dict:
         """The action chunk for one observation: {"actions": float32 (n_action_steps, action_dim)}."""
-        from opentau_cli.evaluate import _sample
+        from opentau_cli.inference import sample
 
         batch, seed = self.batch(obs), self.request_seed(obs)
         with self._lock:  # one sampling at a time: concurrent clients queue instead of sharing the cores
-            actions = _sample(self.policy, batch, self.device, torch.Generator().manual_seed(seed))
+            actions = sample(self.policy, batch, self.device, torch.Generator().manual_seed(seed))
         return {"actions": actions[0].float().numpy()}
 
 
@@ -231,21 +231,21 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
     """The policy of a run / checkpoint directory (DDP, DeepSpeed shards, LoRA), an export or a repo id, loaded as
     `opentau eval` loads it, with the observation keys of the dataset it was trained on. `compiled`: sampling's loop
     torch.compiled and compiled here, on one blank observation, before the first client waits for it."""
-    from opentau_cli.evaluate import (
-        _device, _from_checkpoint, _from_model, _is_training_checkpoint, _model_policy_config, for_inference,
+    from opentau_cli.inference import (
+        device_named, for_inference, from_checkpoint, from_model, is_training_checkpoint, model_policy_config,
     )
     from opentau_cli.data.mixture import select_member
 
     overrides = dict(overrides or {})
-    dev = _device(device)
+    dev = device_named(device)
     path = Path(str(source)).expanduser()
-    if _is_training_checkpoint(path):
-        cfg, member, policy, origin = _from_checkpoint(path, overrides, dataset, weights)
+    if is_training_checkpoint(path):
+        cfg, member, policy, origin = from_checkpoint(path, overrides, dataset, weights)
         features = None
     else:
-        cfg = _model_policy_config(str(source), overrides)
+        cfg = model_policy_config(str(source), overrides)
         member = select_member(cfg, dataset)
-        policy, origin = _from_model(cfg, str(source), None)
+        policy, origin = from_model(cfg, str(source), None)
         if str(origin.get("statistics", "")).startswith("none"):
             raise UserError(f"{source}: the model carries no normalization statistics ({origin['statistics']}); "
                             "serve a training checkpoint or an export of one.")

@@ -191,7 +191,7 @@ def read_canonical(ckpt_dir: Path, trainable: list[str]) -> CanonicalState:
 
 # Putting it into a prepared launch.
 
-def _zero(accelerator):
+def zero_optimizer(accelerator):
     """DeepSpeed's ZeRO optimizer of a prepared launch (None for single / DDP) and its stage."""
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if wrapped is None:
@@ -200,7 +200,7 @@ def _zero(accelerator):
     return engine.optimizer, engine.zero_optimization_stage()
 
 
-def _flat_partitions(zero_opt, stage: int) -> list:
+def flat_partitions(zero_opt, stage: int) -> list:
     """This rank's flat fp32 master partitions, one per parameter group: what the wrapped AdamW steps."""
     return zero_opt.fp32_partitioned_groups_flat if stage == 3 else zero_opt.single_partition_of_fp32_groups
 
@@ -210,7 +210,7 @@ def _trainable(module) -> list:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def _saved_name(canon: CanonicalState, module_params: dict, p, name: str) -> str | None:
+def saved_name(canon: CanonicalState, module_params: dict, p, name: str) -> str | None:
     """The name a parameter's full tensor is saved under: its own or that of a parameter tied to it (None: absent)."""
     if name in canon.weights:
         return name
@@ -219,7 +219,7 @@ def _saved_name(canon: CanonicalState, module_params: dict, p, name: str) -> str
 
 def _weight(canon: CanonicalState, module_params: dict, p, name: str):
     """A parameter's saved full tensor under its own name or the name of a parameter tied to it."""
-    saved = _saved_name(canon, module_params, p, name)
+    saved = saved_name(canon, module_params, p, name)
     if saved is None:
         raise UserError(f"the checkpoint holds no tensor for parameter '{name}': it does not fit this config.")
     return canon.weights[saved]()
@@ -229,7 +229,7 @@ def _never_stepped(canon: CanonicalState, module_params: dict, trainable: list) 
     """Trainable parameters the checkpoint holds weights but no AdamW state for: they never received a gradient
     (AdamW creates a parameter's state at its first gradient). A parameter without weights does not fit."""
     stateless = {n for n, _ in trainable if n not in canon.moments.get("exp_avg", {})}
-    absent = [n for n, p in trainable if n in stateless and _saved_name(canon, module_params, p, n) is None]
+    absent = [n for n, p in trainable if n in stateless and saved_name(canon, module_params, p, n) is None]
     if absent:
         raise UserError(f"the checkpoint holds neither weights nor optimizer state for '{absent[0]}' ({len(absent)} "
                         "parameters): it does not fit this config.")
@@ -249,7 +249,7 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
     from opentau_cli.checkpoint.dcp import apply_full, is_sharded
 
     module = accelerator.unwrap_model(model)
-    zero_opt, stage = _zero(accelerator)
+    zero_opt, stage = zero_optimizer(accelerator)
     params = dict(module.named_parameters(remove_duplicate=False))  # every name, tied ones too
     trainable = _trainable(module)
     stateless = _never_stepped(canon, params, trainable)
@@ -260,11 +260,11 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
         if is_sharded(module):  # FSDP2: each rank's shard of the full tensors (checkpoint/dcp.py)
             apply_full(module, optimizer, lambda name, p: _weight(canon, params, p, name), canon.moments, canon.steps,
                        stateless, lambda name, p: not p.requires_grad and frozen_from_base
-                       and _saved_name(canon, params, p, name) is None)
+                       and saved_name(canon, params, p, name) is None)
         elif zero_opt is None:
             base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
             for name, p in module.named_parameters():
-                if p.requires_grad or not frozen_from_base or _saved_name(canon, params, p, name) is not None:
+                if p.requires_grad or not frozen_from_base or saved_name(canon, params, p, name) is not None:
                     p.copy_(_weight(canon, params, p, name))
             for name, p in trainable:
                 if name in stateless:
@@ -288,7 +288,7 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable, 
         safe_set_full_fp32_param, safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_optimizer_state,
     )
 
-    flats = _flat_partitions(zero_opt, stage)
+    flats = flat_partitions(zero_opt, stage)
     step = next(iter(canon.steps.values()))
     if any(s != step for s in canon.steps.values()):
         raise RunError("the checkpoint's parameters are at different optimizer steps; ZeRO keeps one per group.")
@@ -308,7 +308,7 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable, 
             if stage == 3:
                 # This rank's slice: DeepSpeed's full setter cuts the last rank's slice past the end of a tensor
                 # whose size does not divide by the world size (its partitions are zero-padded).
-                local = _zero3_slice(value, p.ds_tensor.numel(), accelerator.process_index)
+                local = zero3_slice(value, p.ds_tensor.numel(), accelerator.process_index)
                 if key is None:
                     safe_set_local_fp32_param(p, local)
                 else:
@@ -318,7 +318,7 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable, 
             else:
                 safe_set_full_optimizer_state(p, value, key)
     def kept_as_built(name, p) -> bool:
-        return frozen_from_base and not p.requires_grad and _saved_name(canon, params, p, name) is None
+        return frozen_from_base and not p.requires_grad and saved_name(canon, params, p, name) is None
 
     if stage < 3:
         zero_opt.update_lp_params()  # the model's own (bit16) weights from the fp32 partitions, gathered
@@ -335,7 +335,7 @@ def _apply_zero(canon, accelerator, module, params, zero_opt, stage, trainable, 
                     p.copy_(_weight(canon, params, p, name))
 
 
-def _zero3_slice(value, part: int, rank: int):
+def zero3_slice(value, part: int, rank: int):
     """Rank `rank`'s `part` values of a full tensor under ZeRO-3's partitioning (zero-padded at the end)."""
     import torch
 
@@ -353,7 +353,7 @@ def live_parameters(accelerator, model, optimizer):
     from opentau_cli.checkpoint.dcp import is_sharded, live_full
 
     module = accelerator.unwrap_model(model)
-    zero_opt, stage = _zero(accelerator)
+    zero_opt, stage = zero_optimizer(accelerator)
     if is_sharded(module):
         yield from live_full(module, optimizer, MOMENTS)
         return
@@ -362,7 +362,7 @@ def live_parameters(accelerator, model, optimizer):
     else:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        step = zero_opt.optimizer.state.get(_flat_partitions(zero_opt, stage)[0], {}).get("step")
+        step = zero_opt.optimizer.state.get(flat_partitions(zero_opt, stage)[0], {}).get("step")
     for name, p in _trainable(module):
         if zero_opt is None:
             s = base.state.get(p, {})
@@ -382,7 +382,7 @@ def check_applied(canon: CanonicalState, accelerator, model, optimizer) -> None:
     module = accelerator.unwrap_model(model)
     params = dict(module.named_parameters(remove_duplicate=False))
     for name, have in live_parameters(accelerator, model, optimizer):
-        saved = _saved_name(canon, params, params[name], name)
+        saved = saved_name(canon, params, params[name], name)
         stateless = name not in canon.moments["exp_avg"]
         want = {"weight": canon.weights.get(saved) if saved else None, **{m: canon.moments[m].get(name) for m in MOMENTS}}
         for what, produce in want.items():

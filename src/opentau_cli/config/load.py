@@ -162,10 +162,10 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _deep_merge(base: dict, top: Mapping) -> dict:
+def deep_merge(base: dict, top: Mapping) -> dict:
     out = dict(base)
     for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -290,7 +290,7 @@ def load_config(
         # Relative paths mean where they were given (config/paths.py): the file's own base, then this command's cwd.
         data = resolve_paths(read_json(found), paths_base(found))
         origin = f" in {found}"
-    data = _deep_merge(data, resolve_paths(env_values(environ), cwd))
+    data = deep_merge(data, resolve_paths(env_values(environ), cwd))
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     origins = env_origins(environ)

@@ -74,21 +74,21 @@ class WeightEMA:
     def build(cls, decay: float, accelerator, model) -> "WeightEMA":
         """The EMA of what `model` (prepared) trains now, on every rank."""
         from opentau_cli.checkpoint.dcp import is_sharded
-        from opentau_cli.checkpoint.reshard import _flat_partitions, _zero
+        from opentau_cli.checkpoint.reshard import flat_partitions, zero_optimizer
 
         if is_sharded(model):  # FSDP2: each shadow a DTensor with its parameter's placement
             named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
             live = [p for _, p in named]
             return cls(decay, [name for name, _ in named], live, [_fp32_copy(p) for p in live], [p.numel() for p in live],
                        None, _module=model, _rank=accelerator.process_index, sharded=True)
-        zero_opt, stage = _zero(accelerator)
+        zero_opt, stage = zero_optimizer(accelerator)
         if zero_opt is None:
             module = accelerator.unwrap_model(model)
             named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
             live = [p for _, p in named]
             return cls(decay, [name for name, _ in named], live, [_fp32_copy(p) for p in live], [p.numel() for p in live],
                        EMA_WEIGHTS if accelerator.is_main_process else None, _module=module)
-        live = list(_flat_partitions(zero_opt, stage))
+        live = list(flat_partitions(zero_opt, stage))
         # ZeRO-1/2 pad each group's partition for alignment and save it without the padding (its state_dict).
         padding = list(zero_opt.groups_padding) if stage < 3 else [0] * len(live)
         return cls(decay, [ema_group_name(g) for g in range(len(live))], live, [_fp32_copy(t) for t in live],
@@ -142,13 +142,13 @@ class WeightEMA:
         gives each parameter's full fp32 EMA by name (a callable). Under ZeRO each rank keeps its own slice: DeepSpeed's
         own setters of the fp32 master weights cut it into the live partitions, which are then copied into the EMA
         and given their live values back (the model's own weights are not touched)."""
-        from opentau_cli.checkpoint.reshard import CanonicalState, _saved_name, _zero3_slice
+        from opentau_cli.checkpoint.reshard import CanonicalState, saved_name, zero3_slice
 
         module_params = dict(self._module.named_parameters(remove_duplicate=False))
         trainable = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
 
         def full(name, p) -> torch.Tensor:
-            found = _saved_name(CanonicalState(weights=saved), module_params, p, name)
+            found = saved_name(CanonicalState(weights=saved), module_params, p, name)
             if found is None:
                 raise RunError(f"the checkpoint's EMA holds no tensor for parameter '{name}': it does not fit this run.")
             return saved[found]().to(torch.float32)
@@ -170,7 +170,7 @@ class WeightEMA:
             for name, p in trainable:
                 value = full(name, p).to(self.live[0].device)
                 if self.zero_stage == 3:
-                    safe_set_local_fp32_param(p, _zero3_slice(value, p.ds_tensor.numel(), self._rank))
+                    safe_set_local_fp32_param(p, zero3_slice(value, p.ds_tensor.numel(), self._rank))
                 else:
                     safe_set_full_fp32_param(p, value)
             for shadow, t in zip(self.shadow, self.live):
