@@ -328,6 +328,12 @@ def test_fsdp2_checkpoints_are_inspected_exported_and_evaluated(bf16_run, home, 
     evaluated = run_cli_in_process(["eval", str(bf16_run), "--output", str(tmp_path / "eval")], env=env_for(home))
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["step"] == STEPS
+    from opentau_cli.serve import load_served
+
+    served = load_served(bf16_run, device="cpu")  # what `opentau serve` answers clients with
+    assert (served.metadata()["weights"], served.metadata()["step"]) == ("ema", STEPS)
+    chunk = served.infer(served.blank_observation())["actions"]
+    assert chunk.shape[0] > 0 and bool(torch.isfinite(torch.as_tensor(chunk)).all())
     assert tree(bf16_run) == before
 
 
