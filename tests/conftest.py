@@ -194,6 +194,16 @@ def published_pi05_hub(published_pi05_cache, monkeypatch) -> dict[str, str]:
     return offline_hub(monkeypatch, published_pi05_cache)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_test_process():
+    """Every test process computes on one intra-op torch thread: CI runs two pytest workers on two cores, whose
+    launches keep both cores busy, and two threads per worker thrash against them (measured: an in-process eval of the
+    tiny policy, 22 s on two threads against 0.8 s on one). A launch's ranks set their own threads (launch.py)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op torch thread: other jobs share the CPU, and two threads on two loaded cores thrash (10x slower
