@@ -118,12 +118,24 @@ def isolated_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+# Seconds each of the longest modules took in the last CI run (its "slowest 15 modules" table): they start longest
+# first, so the two workers end together instead of one finishing a long module alone. A module not listed keeps its
+# place; a stale figure costs only balance, never a test.
+MODULE_SECONDS_LAST_CI = {
+    "test_fsdp_e2e.py": 224, "test_restarts.py": 219, "test_train_e2e.py": 189, "test_profile_benchmarks.py": 181,
+    "test_checkpoint_fixtures.py": 173, "test_memory_plan_real.py": 170, "test_lora_e2e.py": 160,
+    "test_gpu_check.py": 126, "test_async_save.py": 117, "test_readme_commands.py": 108, "test_ema_e2e.py": 91,
+    "test_elastic_machines.py": 80, "test_history_e2e.py": 77, "test_checkpoint_faults.py": 70,
+    "test_process_lifetime.py": 67, "test_consolidate.py": 66,
+}
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Modules with a test marked `slow` run first, each module's tests kept together: under two workers
-    (scripts/test.sh) the long modules then overlap with each other and the short ones fill in at the end, instead of
-    one long module running alone after everything else."""
+    """Modules with a test marked `slow` run first, the longest first (MODULE_SECONDS_LAST_CI), each module's tests
+    kept together: under two workers (scripts/test.sh) the long modules then overlap with each other and the short
+    ones fill in at the end, instead of one long module running alone after everything else."""
     slow = {item.module for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module not in slow)
+    items.sort(key=lambda item: (item.module not in slow, -MODULE_SECONDS_LAST_CI.get(Path(item.fspath).name, 0)))
 
 
 # The whole suite's time by module, printed after pytest's slowest tests: where CI's minutes go, at a glance.
