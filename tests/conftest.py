@@ -131,11 +131,11 @@ MODULE_SECONDS_LAST_CI = {
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Modules with a test marked `slow` run first, the longest first (MODULE_SECONDS_LAST_CI), each module's tests
-    kept together: under two workers (scripts/test.sh) the long modules then overlap with each other and the short
-    ones fill in at the end, instead of one long module running alone after everything else."""
+    """The longest modules run first (MODULE_SECONDS_LAST_CI), then the other modules with a test marked `slow`, each
+    module's tests kept together: under two workers (scripts/test.sh) the long modules then overlap with each other and
+    the short ones fill in at the end, instead of one long module running alone after everything else."""
     slow = {item.module for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (item.module not in slow, -MODULE_SECONDS_LAST_CI.get(Path(item.fspath).name, 0)))
+    items.sort(key=lambda item: (-MODULE_SECONDS_LAST_CI.get(Path(item.fspath).name, 0), item.module not in slow))
 
 
 # The whole suite's time by module, printed after pytest's slowest tests: where CI's minutes go, at a glance.
