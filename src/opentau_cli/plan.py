@@ -153,8 +153,6 @@ def check_machines(cfg: TrainConfig, setup: AccelerateSetup) -> None:
     if setup.backend == "fsdp" and low * per_machine < 2:
         raise UserError(f"{where} lets the run go on with {low * per_machine} process, which FSDP2 cannot shard over: "
                         f"raise MIN so that at least 2 processes remain.")
-    batch = {"batch_size": cfg.batch_size, "per_device_batch_size": cfg.per_device_batch_size,
-             "gradient_accumulation_steps": cfg.gradient_accumulation_steps}
     for machines in range(low, high + 1):
         world = machines * per_machine
         global_batch = cfg.batch_size * setup.world_size
@@ -162,7 +160,7 @@ def check_machines(cfg: TrainConfig, setup: AccelerateSetup) -> None:
             raise UserError(f"{where} lets the run go on with {machines} machine{'s' * (machines != 1)} ({world} "
                             f"processes), over which the global batch of {global_batch} does not divide: pick a MIN:MAX "
                             "whose every process count divides it, or change batch_size.")
-        fit_global_batch(batch, setup.world_size, world, {})
+        fit_global_batch(cfg.model_dump(), setup.world_size, world, {})
 
 
 @dataclass

@@ -64,9 +64,7 @@ def fit_to_world(cfg, setup):
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
     if not world or world == setup.world_size:
         return cfg, setup
-    batch = {"batch_size": cfg.batch_size, "per_device_batch_size": cfg.per_device_batch_size,
-             "gradient_accumulation_steps": cfg.gradient_accumulation_steps}
-    fitted = fit_global_batch(batch, setup.world_size, world, {})
+    fitted = fit_global_batch(cfg.model_dump(), setup.world_size, world, {})
     per_machine = setup.num_processes // setup.num_machines
     return (cfg.model_copy(update=fitted),
             replace(setup, num_processes=world, num_machines=max(1, world // per_machine)))
