@@ -99,8 +99,8 @@ class Busy:
 
 def measure(config: Path, workdir: Path, *, every: int, rounds: int, warmup: int, modes: list[str],
             batch: int | None = None) -> dict:
-    from opentau_cli.checkpoint.manager import CheckpointManager
     from opentau_cli.config import AccelerateSetup, load_config
+    from opentau_cli.train.manager import CheckpointManager
     from opentau_cli.train.trainer import build_trainer
 
     total = warmup + (len(modes) * rounds * len(KINDS) + 2) * every

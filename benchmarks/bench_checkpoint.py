@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, env, opentau_bin, print_rows, verdict  # noqa: E402
-from opentau_cli.checkpoint.layout import METRICS  # noqa: E402
+from opentau_cli.store.layout import METRICS  # noqa: E402
 
 CHUNK = 16 << 20
 
@@ -55,8 +55,8 @@ def plain_write(files: list[tuple[Path, int]], dest: Path) -> float:
 
 
 def save_times(config: Path, repeats: int, workdir: Path) -> tuple[list[float], list[float], int]:
-    from opentau_cli.checkpoint.manager import CheckpointManager
     from opentau_cli.config import AccelerateSetup, load_config
+    from opentau_cli.train.manager import CheckpointManager
     from opentau_cli.train.trainer import build_trainer
 
     run_dir = workdir / "save"

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # ds_ckpt_helper builds the checkpoints
 
 from _common import append_result, base_parser, env, opentau_bin, print_rows, verdict  # noqa: E402
-from opentau_cli.checkpoint.layout import DS_LATEST, MODEL_WEIGHTS, ZERO_TO_FP32  # noqa: E402
+from opentau_cli.store.layout import DS_LATEST, MODEL_WEIGHTS, ZERO_TO_FP32  # noqa: E402
 
 # safetensors needs separate tensors where the state dict names one storage twice (the tied weight).
 UNTIE = """

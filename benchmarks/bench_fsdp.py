@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
-from opentau_cli.checkpoint.layout import CHECKPOINTS  # noqa: E402
+from opentau_cli.store.layout import CHECKPOINTS  # noqa: E402
 
 BACKENDS = {
     "DDP": EXAMPLES / "accelerate_cpu_ddp_config.yaml",

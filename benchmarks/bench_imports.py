@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_parser, env, print_rows, report  # noqa: E402
 
-from opentau_cli.runtime import RANK_IMPORTS as MODULES  # noqa: E402
+from opentau_cli.process.runtime import RANK_IMPORTS as MODULES  # noqa: E402
 
 SIDES = ("collector running", "collector paused")
 
@@ -41,7 +41,7 @@ def child(side: str) -> None:
         for name in MODULES:
             importlib.import_module(name)
     else:
-        from opentau_cli.runtime import import_paused
+        from opentau_cli.process.runtime import import_paused
 
         import_paused(*MODULES)
     wall, after = time.perf_counter() - start, os.times()

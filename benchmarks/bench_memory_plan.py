@@ -1,4 +1,4 @@
-"""Benchmark: the memory plan (opentau_cli.memory_plan) against the peak of real training processes, and the plan of
+"""Benchmark: the memory plan (opentau_cli.plan.memory) against the peak of real training processes, and the plan of
 the example pi05 config on 8 GPUs (the README's table).
 
 Part 1, checked: pi05_small at 224x224, 16 per device, launched for real by `opentau train` on CPU under single
@@ -54,7 +54,7 @@ TINY = ["--steps=2", "--batch_size=4", "--save_freq=1000", "--log_freq=1", "--va
 def cpu_plan(config: Path, yaml: str | None, overrides: list[str]):
     """The plan of a CPU launch of `opentau train --config_path CONFIG OVERRIDES` under YAML."""
     from opentau_cli.config import load_config, resolve_accelerate_config
-    from opentau_cli.memory_plan import plan_memory
+    from opentau_cli.plan.memory import plan_memory
 
     cfg = load_config(config, overrides, environ={})
     return plan_memory(cfg, resolve_accelerate_config(EXAMPLES / yaml if yaml else None), device="cpu")
@@ -70,7 +70,7 @@ def real_peaks(config: Path, yaml: str | None, overrides: list[str], work: Path,
 
 
 def real_rows(smoke: bool, glibc: str) -> list[tuple[str, str]]:
-    from opentau_cli.memory_plan import gib
+    from opentau_cli.plan.memory import gib
 
     config, base = (TINY_CONFIG, TINY) if smoke else (SMALL_CONFIG, SMALL)
     rows = []
@@ -98,7 +98,7 @@ def real_rows(smoke: bool, glibc: str) -> list[tuple[str, str]]:
 def example_plan(yaml: str, overrides: list[str], smoke: bool = False):
     """The plan of the example pi05 config (random weights: nothing downloaded) launched with `yaml`."""
     from opentau_cli.config import load_config, resolve_accelerate_config
-    from opentau_cli.memory_plan import plan_memory
+    from opentau_cli.plan.memory import plan_memory
 
     extra = ["--policy.preset=pi05_tiny", "--policy.image_resolution=[32,32]"] if smoke else []
     cfg = load_config(EXAMPLES / "pi05_config.json", [*overrides, *extra, "--policy.pretrained_path=null",
@@ -107,7 +107,7 @@ def example_plan(yaml: str, overrides: list[str], smoke: bool = False):
 
 
 def example_rows(smoke: bool) -> list[tuple[str, str]]:
-    from opentau_cli.memory_plan import gib
+    from opentau_cli.plan.memory import gib
 
     rows, example = [], None
     for name, yaml, overrides in LAUNCHES:

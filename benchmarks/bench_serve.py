@@ -28,7 +28,7 @@ def _served(config):
 
     from opentau_cli.config.load import load_config
     from opentau_cli.policies import build_policy
-    from opentau_cli.serve import ServedPolicy
+    from opentau_cli.tools.serve import ServedPolicy
 
     cfg = load_config(config, [])
     torch.manual_seed(0)
@@ -49,7 +49,7 @@ class _Background:
     """The server on a loopback port, in its own thread and event loop."""
 
     def __init__(self, served):
-        from opentau_cli.serve import PolicyServer
+        from opentau_cli.tools.serve import PolicyServer
 
         self.server = PolicyServer(served, "127.0.0.1", 0)
         self.port = None
@@ -76,7 +76,7 @@ class _Background:
 def _client_latencies(port: int, requests: int, offset: int) -> list[float]:
     from websockets.sync.client import connect
 
-    from opentau_cli.serve import packb, unpackb
+    from opentau_cli.tools.serve import packb, unpackb
 
     out = []
     with connect(f"ws://127.0.0.1:{port}", compression=None, max_size=None) as ws:

@@ -39,7 +39,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, command_line, env, machine, opentau_bin, p99  # noqa: E402
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, step_dir_name  # noqa: E402
+from opentau_cli.store.layout import CHECKPOINTS, METRICS, step_dir_name  # noqa: E402
 
 CHECKS = ("single", "pi05", "ddp", "zero2", "zero3", "fsdp2", "gc", "lora", "async", "elastic", "eval", "inference",
           "attention", "profile")
@@ -188,7 +188,7 @@ class Checker:
         (benchmarks/gpu_check_restore.py): every tensor (weights, optimizer state, schedule, random states, EMA) must
         equal the saved one to the bit."""
         from opentau_cli.config import load_config, resolve_accelerate_config
-        from opentau_cli.launch import accelerate_yaml as launch_yaml, worker_env
+        from opentau_cli.process.launch import accelerate_yaml as launch_yaml, worker_env
 
         out, name = home / "restored", re.sub(r"[^A-Za-z0-9.-]+", "_", label)
         logs = self.logs / f"{name}-restore"
@@ -281,7 +281,7 @@ class Checker:
         import torch
 
         from opentau_cli.config import TrainConfig, read_accelerate_config
-        from opentau_cli.memory_plan import gib, plan_memory
+        from opentau_cli.plan.memory import gib, plan_memory
 
         config = training_config(FULL_CONFIG, self.setup / "pi05_full.json")
         accel = self.yaml_for("single")
@@ -333,9 +333,9 @@ class Checker:
         import torch
 
         from opentau_cli.config.model import PolicyConfig
-        from opentau_cli.inference import for_inference
         from opentau_cli.policies import build_policy
-        from opentau_cli.serve import ServedPolicy
+        from opentau_cli.tools.inference import for_inference
+        from opentau_cli.tools.serve import ServedPolicy
 
         preset = "pi05_tiny" if self.plan.cpu else "pi05"
         device = torch.device("cpu" if self.plan.cpu else "cuda")
@@ -392,7 +392,7 @@ class Checker:
         import torch
 
         from opentau_cli.config.model import PolicyConfig
-        from opentau_cli.memory_plan import fake_inputs, policy_module
+        from opentau_cli.plan.memory import fake_inputs, policy_module
         from opentau_cli.policies.pi05.modeling import attention_kernels
 
         device = "cpu" if self.plan.cpu else "cuda"
@@ -473,7 +473,7 @@ def memory_row(backend: str, planned: int, measured: int) -> Row:
     buffers and the allocator's fragmentation, which max_memory_allocated does not count either) next to
     torch.cuda.max_memory_allocated. What a first GPU run must show: within 10% either way (a plan 10% high refuses
     runs that fit; 10% low launches runs that do not)."""
-    from opentau_cli.memory_plan import gib
+    from opentau_cli.plan.memory import gib
 
     ratio = measured / max(planned, 1)
     result = "PASS" if abs(ratio - 1) <= 0.10 else "FAIL"

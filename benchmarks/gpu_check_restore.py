@@ -22,7 +22,7 @@ TENSOR_FILES = (".safetensors", ".bin", ".pt", ".pth", ".pkl")
 
 
 def restore_and_save(cfg, setup, launch: dict, console) -> int:
-    from opentau_cli.checkpoint.manager import CheckpointManager
+    from opentau_cli.train.manager import CheckpointManager
     from opentau_cli.train.trainer import build_trainer
 
     trainer = build_trainer(cfg, setup, console=console)
@@ -53,7 +53,7 @@ def differences(saved: Path, again: Path) -> tuple[list[str], int]:
             a = torch.load(saved / name, map_location="cpu", weights_only=False)
             b = torch.load(again / name, map_location="cpu", weights_only=False)
         _compare(a, b, name, found, count)
-    from opentau_cli.checkpoint.dcp import DCP_DIR, is_dcp_checkpoint, saved_entries
+    from opentau_cli.store.dcp import DCP_DIR, is_dcp_checkpoint, saved_entries
 
     if is_dcp_checkpoint(saved) or is_dcp_checkpoint(again):  # FSDP2: the model, optimizer and EMA shards, by name
         if not (is_dcp_checkpoint(saved) and is_dcp_checkpoint(again)):
@@ -92,6 +92,6 @@ def _compare(a, b, where: str, found: list[str], count: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    from opentau_cli.runtime import run_rank
+    from opentau_cli.process.runtime import run_rank
 
     run_rank(restore_and_save, description=__doc__)

@@ -55,8 +55,10 @@ def _arm(moment: str) -> None:
 
 def _train(acc, model, opt, run_dir: Path, steps: int, *, arm: str | None = None, resume: bool = False,
            async_save: bool = False) -> dict:
-    from opentau_cli.checkpoint.manager import CheckpointManager, check_resumable, clean_leftovers, find_checkpoint
     from opentau_cli.config import AccelerateSetup, TrainConfig
+    from opentau_cli.plan.resume import check_resumable
+    from opentau_cli.store.runs import clean_leftovers, find_checkpoint
+    from opentau_cli.train.manager import CheckpointManager
 
     # A default config and launch stand for the run's own: check_resumable compares the checkpoint with them.
     cfg, setup = TrainConfig(), AccelerateSetup()

@@ -210,7 +210,7 @@ def published_pi05_hub(published_pi05_cache, monkeypatch) -> dict[str, str]:
 def one_thread_per_test_process():
     """Every test process computes on one intra-op torch thread: CI runs two pytest workers on two cores, whose
     launches keep both cores busy, and two threads per worker thrash against them (measured: an in-process eval of the
-    tiny policy, 22 s on two threads against 0.8 s on one). A launch's ranks set their own threads (launch.py)."""
+    tiny policy, 22 s on two threads against 0.8 s on one). A launch's ranks set their own threads (process/launch.py)."""
     import torch
 
     torch.set_num_threads(1)
@@ -242,7 +242,7 @@ def one_thread_module():
 
 
 # The environment of a single-process launch in a test: one OpenMP thread. The launcher gives a lone process every
-# core's thread (launch.py); on CI's two cores, shared by two pytest workers, those threads spin against the other
+# core's thread (process/launch.py); on CI's two cores, shared by two pytest workers, those threads spin against the other
 # worker's launches (a 20-step pi05_tiny run on a loaded machine: 21-26 CPU-s on two threads, 8.5 CPU-s on one).
 # Multi-process launches get one thread per process on two cores already. Nothing a test asserts depends on it.
 SINGLE_PROCESS_ENV = {"OMP_NUM_THREADS": "1"}

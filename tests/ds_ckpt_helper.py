@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from opentau_cli.checkpoint.layout import ZERO_TO_FP32
+from opentau_cli.store.layout import ZERO_TO_FP32
 
 ZERO_TO_FP32_OUTPUT = "pytorch_model.bin"  # what DeepSpeed's zero_to_fp32.py writes into its output directory
 
@@ -65,7 +65,7 @@ def main() -> None:
         _train_and_save(args, args.zero3_out, args.extra_out, zero_stage=3)
     # Leave the way opentau's workers do: a rank that exits with gloo's and the store's native threads still up
     # sometimes aborts in teardown ("terminate called without an active exception") after its work is done.
-    from opentau_cli.runtime import exit_rank
+    from opentau_cli.process.runtime import exit_rank
 
     exit_rank(0)
 

@@ -1,4 +1,4 @@
-"""Drive elastic resume (opentau_cli.checkpoint.reshard) through real launches (run under `accelerate launch`).
+"""Drive elastic resume (opentau_cli.train.reshard) through real launches (run under `accelerate launch`).
 
 A chain of phases in one set of processes, each with a fresh Accelerator over the same gloo process group:
 `--phases ddp:save,zero2:load+save,...`. A phase (ddp, zero1/2/3, zero2bf16: bf16 weights over fp32 master weights) builds the tiny model (a frozen layer, buffers, a tied weight,
@@ -77,7 +77,7 @@ def _build(backend: str, seed: int):
 
 
 def _dump(path: Path, acc, model, optimizer, scheduler) -> None:
-    from opentau_cli.checkpoint.reshard import MOMENTS, live_parameters
+    from opentau_cli.train.reshard import MOMENTS, live_parameters
 
     live = {"weight": {}, **{m: {} for m in MOMENTS}, "step": {}}
     for name, values in live_parameters(acc, model, optimizer):
@@ -115,7 +115,7 @@ def _train(acc, model, optimizer, scheduler, steps: int) -> None:
 
 
 def main() -> None:
-    from opentau_cli.checkpoint.reshard import load_resharded
+    from opentau_cli.train.reshard import load_resharded
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -147,7 +147,7 @@ def main() -> None:
                 (ckpt / "training_state.json").write_text(json.dumps(state))
             acc.wait_for_everyone()
             previous = (name, str(ckpt))
-    from opentau_cli.runtime import exit_rank
+    from opentau_cli.process.runtime import exit_rank
 
     exit_rank(0)
 

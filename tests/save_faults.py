@@ -1,5 +1,5 @@
 """Moments of a checkpoint save at which fault tests kill a run, each struck at one of the save's named fault points
-(opentau_cli.checkpoint.faults), never by patching a function or matching a file name.
+(opentau_cli.store.faults), never by patching a function or matching a file name.
 
 Used in-process by tests/ckpt_save_driver.py (single process, kills itself) and by tests/kill_hook (a real
 multi-rank `opentau train`, kills the whole launch).
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opentau_cli.checkpoint import faults
-from opentau_cli.checkpoint.layout import MANIFEST, OPTIMIZER, ds_shard_glob, leftover_of
+from opentau_cli.store import faults
+from opentau_cli.store.layout import MANIFEST, OPTIMIZER, ds_shard_glob, leftover_of
 
 # moment -> (the fault point it strikes at, what the disk holds then)
 MOMENTS = {

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, run_cli, run_cli_in_process, refused, tree
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MANIFEST, METRICS, MODEL_WEIGHTS, ROLLED_BACK, TRAIN_CONFIG
-from opentau_cli.checkpoint.lineage import roll_back
+from opentau_cli.store.layout import CHECKPOINTS, LAST, MANIFEST, METRICS, MODEL_WEIGHTS, ROLLED_BACK, TRAIN_CONFIG
+from opentau_cli.store.lineage import roll_back
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints" / "v2"

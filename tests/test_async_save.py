@@ -20,14 +20,15 @@ import torch
 from torch import nn
 
 from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
-from opentau_cli.checkpoint import faults
-from opentau_cli.checkpoint.async_save import HostStaging, snapshot
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.errors import RunError
+from opentau_cli.store import faults
+from opentau_cli.store.layout import (
     CHECKPOINTS, LAST, METRICS, TRAINING_STATE, ds_shard_glob, leftover_of, read_last, step_of,
 )
-from opentau_cli.checkpoint.manager import CheckpointManager, latest
-from opentau_cli.checkpoint.manifest import hash_file, is_complete, verify_manifest
-from opentau_cli.errors import RunError
+from opentau_cli.store.manifest import hash_file, is_complete, verify_manifest
+from opentau_cli.store.runs import latest
+from opentau_cli.train.async_save import HostStaging, snapshot
+from opentau_cli.train.manager import CheckpointManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
 
@@ -73,7 +74,7 @@ def parts():
 
 @pytest.fixture
 def hooks(monkeypatch):
-    """The save's named fault points (opentau_cli.checkpoint.faults), for this test only."""
+    """The save's named fault points (opentau_cli.store.faults), for this test only."""
     installed: list = []
     monkeypatch.setattr(faults, "hooks", installed)
     return installed
@@ -222,7 +223,7 @@ def test_the_snapshot_is_one_exact_size_buffer_reused_by_every_save_and_its_size
 
 def test_on_cuda_the_one_buffer_is_pinned_whole_once_and_unpinned_when_replaced(monkeypatch):
     """No GPU here: cudaHostRegister / Unregister are recorded, what they are asked for is checked (address, size)."""
-    from opentau_cli.checkpoint import async_save
+    from opentau_cli.train import async_save
 
     calls = []
     monkeypatch.setattr(async_save, "_pin", lambda buf, size: calls.append(("pin", async_save._address(buf), size)) or True)
@@ -261,7 +262,7 @@ def test_a_writer_process_that_died_fails_the_save_and_keeps_the_previous_checkp
 
 @pytest.mark.parametrize("o_direct", [True, False])
 def test_uncached_files_hold_exactly_the_bytes_written_with_or_without_o_direct(tmp_path, monkeypatch, o_direct):
-    from opentau_cli.checkpoint.async_save import UncachedFile
+    from opentau_cli.train.async_save import UncachedFile
 
     if not o_direct:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)  # as on a system without it: the ordinary way

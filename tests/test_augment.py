@@ -211,7 +211,7 @@ def test_eval_ignores_the_training_augmentation(tmp_path):
     import json
     import shutil
 
-    from opentau_cli.evaluate import evaluate
+    from opentau_cli.tools.evaluate import evaluate
 
     run = tmp_path / "run"
     shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoints" / "v2" / "single" / "run", run, symlinks=True)

@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from conftest import EXAMPLES, SINGLE_PROCESS_ENV, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.layout import BEST, CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
+from opentau_cli.store.layout import BEST, CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_module")]
 
@@ -62,8 +62,8 @@ def test_the_two_best_by_the_ema_weights_val_loss_and_the_newest_are_kept_and_be
 
 
 def test_export_eval_and_serve_take_run_best_and_record_its_weights_and_step(run):
-    from opentau_cli.checkpoint.export import export
-    from opentau_cli.serve import load_served
+    from opentau_cli.tools.export import export
+    from opentau_cli.tools.serve import load_served
 
     tmp, out, env = run
     best = (out / CHECKPOINTS / BEST).resolve()
@@ -112,7 +112,7 @@ def test_serve_run_best_with_each_weights_answers_the_chunk_of_those_weights_rea
 
     from opentau_cli.config.load import load_config
     from opentau_cli.policies import build_policy
-    from opentau_cli.serve import ServedPolicy, load_served
+    from opentau_cli.tools.serve import ServedPolicy, load_served
 
     _, out, _ = run
     best = (out / CHECKPOINTS / BEST).resolve()

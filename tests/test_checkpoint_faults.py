@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, read_last, step_of
-from opentau_cli.checkpoint.manager import latest
-from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
 from opentau_cli.cli.main import app
+from opentau_cli.store.layout import CHECKPOINTS, LAST, read_last, step_of
+from opentau_cli.store.manifest import is_complete, verify_manifest
+from opentau_cli.store.runs import latest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_save_driver import MOMENTS  # noqa: E402

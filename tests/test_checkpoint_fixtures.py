@@ -21,15 +21,15 @@ from typer.testing import CliRunner
 
 import ds_ckpt_helper
 from conftest import run_cli
-from opentau_cli.checkpoint.consolidate import consolidate
-from opentau_cli.checkpoint.export import export
-from opentau_cli.checkpoint.format import FIRST_VERSION, FORMAT_VERSION, check_readable, migrate_training_state, read_version
-from opentau_cli.checkpoint.info import verify_path
-from opentau_cli.checkpoint.manifest import verify_manifest, write_manifest
-from opentau_cli.checkpoint.layout import CHECKPOINTS, EMA_WEIGHTS, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 from opentau_cli.cli.main import app
 from opentau_cli.config.paths import paths_base
 from opentau_cli.errors import UserError
+from opentau_cli.store.format import FIRST_VERSION, FORMAT_VERSION, check_readable, migrate_training_state, read_version
+from opentau_cli.store.layout import CHECKPOINTS, EMA_WEIGHTS, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
+from opentau_cli.store.manifest import verify_manifest, write_manifest
+from opentau_cli.tools.consolidate import consolidate
+from opentau_cli.tools.export import export
+from opentau_cli.tools.info import verify_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
 

@@ -9,11 +9,11 @@ from safetensors.torch import save_file
 import torch
 from typer.testing import CliRunner
 
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.cli.main import app
+from opentau_cli.store.layout import (
     BEST, CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, rank_state_file, tmp_dir,
 )
-from opentau_cli.checkpoint.manifest import write_manifest
-from opentau_cli.cli.main import app
+from opentau_cli.store.manifest import write_manifest
 
 runner = CliRunner()
 

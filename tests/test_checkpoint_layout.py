@@ -7,7 +7,7 @@ from pathlib import Path
 
 from accelerate.utils import constants
 
-from opentau_cli.checkpoint import layout
+from opentau_cli.store import layout
 
 
 def test_the_names_of_save_state_files_are_accelerates_own():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from opentau_cli.checkpoint.layout import DS_MODEL_STATES, DS_TAG, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, tmp_dir
-from opentau_cli.checkpoint.manifest import add_to_manifest, is_complete, verify_manifest, write_manifest
+from opentau_cli.store.layout import DS_MODEL_STATES, DS_TAG, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, tmp_dir
+from opentau_cli.store.manifest import add_to_manifest, is_complete, verify_manifest, write_manifest
 
 SHARD = f"{DS_TAG}/global_step2/{DS_MODEL_STATES}"
 
@@ -86,7 +86,7 @@ def test_added_file_becomes_vouched_for(tmp_path):
 def test_durable_manifest_fsyncs_every_file_it_vouches_for(tmp_path, monkeypatch):
     import os
 
-    from opentau_cli.checkpoint import manifest as manifest_mod
+    from opentau_cli.store import manifest as manifest_mod
 
     (tmp_path / "a.bin").write_bytes(b"a" * 10)
     (tmp_path / "sub").mkdir()
@@ -100,7 +100,7 @@ def test_durable_manifest_fsyncs_every_file_it_vouches_for(tmp_path, monkeypatch
 
 def test_manifest_records_the_checkpoint_format_and_the_release_that_wrote_it(tmp_path):
     from opentau_cli import __version__
-    from opentau_cli.checkpoint.format import FORMAT_VERSION, read_version
+    from opentau_cli.store.format import FORMAT_VERSION, read_version
 
     d = _make_ckpt(tmp_path / "000002")
     data = json.loads(write_manifest(d).read_text())

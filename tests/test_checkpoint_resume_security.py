@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from opentau_cli.checkpoint.pickle_scan import UnsafePickleError, scan_checkpoint_pickles, scan_pickle_file
+from opentau_cli.store.pickle_scan import UnsafePickleError, scan_checkpoint_pickles, scan_pickle_file
 
 
 class _Evil:

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import REPO, opentau_bin, run_cli
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.cli.main import app
+from opentau_cli.store.layout import (
     CHECKPOINTS, DS_TAG, LAST, MODEL_WEIGHTS, WEIGHTS_INDEX, ds_shard_glob, weights_shard_path,
 )
-from opentau_cli.cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ds_ckpt_helper  # noqa: E402
@@ -79,7 +79,7 @@ def _assert_bit_equal(ours: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("name", ["z2r1", "z2r2", "z3r1", "z3r2"])
 def test_consolidate_equals_deepspeed_zero_to_fp32_bit_for_bit(ds_ckpts, tmp_path, name):
-    from opentau_cli.checkpoint.info import inspect_checkpoint
+    from opentau_cli.tools.info import inspect_checkpoint
 
     ckpt = _copy(ds_ckpts, name, tmp_path)
     info = inspect_checkpoint(ckpt)
@@ -158,7 +158,7 @@ def test_already_consolidated_says_so_exits_0_and_force_redoes_it(ds_ckpts, tmp_
 
 
 def test_consolidate_of_a_checkpoint_with_manifest_keeps_it_verifiable(ds_ckpts, tmp_path):
-    from opentau_cli.checkpoint.manifest import verify_manifest, write_manifest
+    from opentau_cli.store.manifest import verify_manifest, write_manifest
 
     ckpt = _copy(ds_ckpts, "z3r2", tmp_path)
     write_manifest(ckpt)
@@ -202,7 +202,7 @@ def test_output_dir_follows_the_output_convention_parents_made_a_used_target_ref
     out = tmp_path / "new" / "parents" / "consolidated"
     made = cli(["checkpoint", "consolidate", ckpt, "--output", out])  # in-process: the installed script runs in the pickle test
     assert made.exit_code == 0, made.stderr
-    assert sorted(p.name for p in out.iterdir()) == [".opentau-output.json", MODEL_WEIGHTS]  # the marker: see outputs.py
+    assert sorted(p.name for p in out.iterdir()) == [".opentau-output.json", MODEL_WEIGHTS]  # the marker: see store/outputs.py
     assert sorted(p.name for p in out.parent.iterdir()) == ["consolidated"]
     _assert_bit_equal(load_file(out / MODEL_WEIGHTS), _reference(ds_ckpts, "z3r2"))
     refused = cli(["checkpoint", "consolidate", ckpt, "--output", out, "--dtype", "bf16"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opentau_cli.checkpoint.safetensors_writer import FileSpan, TensorEntry, write_safetensors
+from opentau_cli.store.safetensors_writer import FileSpan, TensorEntry, write_safetensors
 
 SHM = Path("/dev/shm")  # tmpfs: another filesystem than the test's tmp_path, so copy_file_range refuses (EXDEV)
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import EXAMPLES, opentau_bin, run_cli
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.cli.main import app
+from opentau_cli.store.layout import (
     CHECKPOINTS, LAST, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, leftover_of, rank_state_file, read_last,
 )
-from opentau_cli.cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ds_ckpt_helper  # noqa: E402
@@ -86,7 +86,7 @@ class _Evil:
 
 @pytest.mark.parametrize("forge_manifest", [False, True], ids=["tampered", "tampered_with_forged_manifest"])
 def test_resume_refuses_a_planted_malicious_pickle_and_never_runs_it(zero3_run, isolated_env_module, tmp_path, forge_manifest):
-    from opentau_cli.checkpoint.manifest import write_manifest
+    from opentau_cli.store.manifest import write_manifest
 
     run = tmp_path / "run"
     shutil.copytree(zero3_run, run, symlinks=True)
@@ -104,7 +104,7 @@ def test_resume_refuses_a_planted_malicious_pickle_and_never_runs_it(zero3_run, 
 
 
 def test_sigkill_mid_save_leaves_checkpoints_verifiable_and_resume_continues_exactly(zero3_run, isolated_env_module, tmp_path):
-    from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
+    from opentau_cli.store.manifest import is_complete, verify_manifest
 
     run = tmp_path / "run"
     shutil.copytree(zero3_run, run, symlinks=True)

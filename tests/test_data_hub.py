@@ -204,7 +204,7 @@ def test_a_resume_asks_the_hub_where_the_branch_points_now(tmp_path, monkeypatch
     from huggingface_hub import constants
 
     from hub_server import HubServer
-    from opentau_cli.policies.hub import hub_reachable
+    from opentau_cli.store.hub import hub_reachable
 
     server = HubServer().start()
     try:

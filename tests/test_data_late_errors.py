@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from conftest import EXAMPLES, run_cli
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD
+from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

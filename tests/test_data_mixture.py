@@ -15,7 +15,7 @@ from conftest import EXAMPLES
 from opentau_cli.config.load import load_config
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, build_data, write_synth
 from opentau_cli.data.mixture import MixtureSampler, draw_counts
-from opentau_cli.normalization import IDENTITY, mode_of, normalize, unnormalize
+from opentau_cli.data.normalization import IDENTITY, mode_of, normalize, unnormalize
 
 pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
 
@@ -121,7 +121,7 @@ def test_samples_per_dataset_follow_from_the_stream_position_and_a_resumed_strea
 
 
 def test_each_member_reaches_the_policy_normalized_with_its_own_statistics_and_padded(members):
-    from opentau_cli.normalization import normalize as policy_normalize
+    from opentau_cli.data.normalization import normalize as policy_normalize
 
     cfg = config(members)
     data = build_data(cfg)
@@ -207,8 +207,8 @@ def test_data_workers_bin_each_members_state_with_its_own_statistics_and_width(m
 
 
 def test_one_normalization_serves_the_data_layers_numpy_arrays_and_the_policys_tensors():
-    """opentau_cli.normalization is the one formula: the data layer calls it on numpy arrays, the policy on tensors."""
-    from opentau_cli.normalization import MEAN_STD, QUANTILE
+    """opentau_cli.data.normalization is the one formula: the data layer calls it on numpy arrays, the policy on tensors."""
+    from opentau_cli.data.normalization import MEAN_STD, QUANTILE
 
     rng = np.random.default_rng(0)
     stats = {"mean": rng.normal(size=5), "std": rng.uniform(0.1, 2, 5), "q01": rng.uniform(-3, -1, 5), "q99": rng.uniform(1, 3, 5)}

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, opentau_bin, run_cli_in_process
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LOGS, METRICS, TRAINING_STATE
-from opentau_cli.launch import free_port
+from opentau_cli.process.launch import free_port
+from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS, TRAINING_STATE
 
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 LEAVES_AT = 5  # machine 1 leaves as step 5 starts: the group re-forms alone from checkpoint 3

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opentau_cli.checkpoint.layout import EMA_WEIGHTS, ema_rank_file, rank_state_file
-from opentau_cli.checkpoint.manifest import rank_files
+from opentau_cli.store.layout import EMA_WEIGHTS, ema_rank_file, rank_state_file
+from opentau_cli.store.manifest import rank_files
 from opentau_cli.train import ema as ema_module
 from opentau_cli.train.ema import WeightEMA, ema_update_
 
@@ -129,9 +129,9 @@ def test_ema_decay_is_off_by_default_and_below_1():
 def test_weights_ema_of_a_checkpoint_without_an_ema_is_refused_in_one_line(tmp_path):
     import json
 
-    from opentau_cli.checkpoint.consolidate import wants_ema
-    from opentau_cli.checkpoint.layout import TRAINING_STATE
     from opentau_cli.errors import UserError
+    from opentau_cli.store.layout import TRAINING_STATE
+    from opentau_cli.tools.consolidate import wants_ema
 
     (tmp_path / TRAINING_STATE).write_text(json.dumps({"step": 4}))
     assert wants_ema(tmp_path, None) is False and wants_ema(tmp_path, "live") is False
@@ -178,9 +178,10 @@ def test_with_the_ema_on_run_best_is_the_best_checkpoint_by_the_ema_weights_vali
     and serve use by default); on hand-written validation records where the live and the EMA rankings disagree,
     RUN:best resolves to the EMA's best, whatever the live weights scored."""
     from conftest import EXAMPLES
-    from opentau_cli.checkpoint.layout import BEST, CHECKPOINTS, read_last
-    from opentau_cli.checkpoint.manager import BestCheckpoints, CheckpointManager, find_checkpoint
     from opentau_cli.config import AccelerateSetup, Machine, load_config, validate
+    from opentau_cli.store.layout import BEST, CHECKPOINTS, read_last
+    from opentau_cli.store.runs import find_checkpoint
+    from opentau_cli.train.manager import BestCheckpoints, CheckpointManager
     from test_train_checkpoint_manager import FakeAccelerator
 
     cfg = load_config(EXAMPLES / "pi05_tiny_config.json", [

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from conftest import (
     EMA_HOOK, EXAMPLES, REFERENCE_EMA_DECAY, REFERENCE_SAVE, REFERENCE_STEPS, recorded_weights, run_cli, run_cli_in_process,
 )
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.store.layout import (
     CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, ema_rank_file,
 )
 
@@ -158,7 +158,7 @@ def test_an_elastic_resume_carries_the_ema_over_exactly(ema_runs, tmp_path, sour
 
 @pytest.mark.parametrize("backend", ["ddp", "zero3"])
 def test_export_eval_and_serve_read_the_ema_by_default_and_the_live_weights_when_asked(ema_runs, backend):
-    from opentau_cli.checkpoint.export import open_saved_policy
+    from opentau_cli.tools.export import open_saved_policy
 
     run = ema_runs(backend)
     want = {"ema": reference_ema(run.recorded, STEPS), "live": load_file(str(run.recorded / f"step_{STEPS}.safetensors"))}

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from opentau_cli.config.model import PolicyConfig
-from opentau_cli.inference import inference_dtype
 from opentau_cli.policies import build_policy
+from opentau_cli.tools.inference import inference_dtype
 
 STATS = {
     "state": {"q01": [-1.0] * 4, "q99": [1.0] * 4, "mean": [0.0] * 4, "std": [1.0] * 4},

@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import EXAMPLES, run_cli
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS, TRAIN_CONFIG
 from opentau_cli.cli.main import app
 from opentau_cli.config.load import load_config
 from opentau_cli.data import build_data
 from opentau_cli.policies import build_policy
 from opentau_cli.policies.layouts import LEROBOT, LEROBOT_NORMALIZER, OPENPI, OPENTAU
+from opentau_cli.store.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS, TRAIN_CONFIG
 from published import write_published
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -150,12 +150,12 @@ def test_lerobots_own_loaders_read_the_lerobot_export_as_opentau_acts(round_trip
 
     import numpy as np
 
-    from opentau_cli.checkpoint.export import open_saved_policy, statistics
     from opentau_cli.data.build import make_dataset
     from opentau_cli.data.mixture import select_member
+    from opentau_cli.data.normalization import QUANTILE, normalize, unnormalize
     from opentau_cli.data.synth import resolve_dataset_root
-    from opentau_cli.normalization import QUANTILE, normalize, unnormalize
     from opentau_cli.policies.pi05.tokenization import clean_task, state_bins
+    from opentau_cli.tools.export import open_saved_policy, statistics
     from peer_envs import peer_python
 
     python = peer_python("lerobot", "0.4.4")
@@ -196,7 +196,7 @@ def test_serve_reads_the_zero3_shards_and_acts_as_the_export_does(round_trips):
     export: the same chunk for the same observation and seed."""
     import numpy as np
 
-    from opentau_cli.serve import load_served
+    from opentau_cli.tools.serve import load_served
 
     run, out = round_trips(LEROBOT)
     obs = {"observation.images.top": np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REFERENCE_UMASK, run_cli
-from opentau_cli.checkpoint.layout import CHECKPOINTS
+from opentau_cli.store.layout import CHECKPOINTS
 
 pytestmark = pytest.mark.e2e
 

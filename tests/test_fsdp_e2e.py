@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import EXAMPLES, REPO, opentau_bin, refused, run_cli, run_cli_in_process, tree
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, TRAINING_STATE
+from opentau_cli.store.layout import CHECKPOINTS, METRICS, TRAINING_STATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -91,7 +91,7 @@ def dcp_reference(ckpt: Path, tmp_path: Path) -> dict:
     """The checkpoint's DCP state as torch's own dcp_to_torch_save writes it ({"model": ..., "ema": ...})."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from opentau_cli.checkpoint.dcp import DCP_DIR
+    from opentau_cli.store.dcp import DCP_DIR
 
     out = tmp_path / f"reference_{ckpt.parent.parent.name}_{ckpt.name}.pt"
     dcp_to_torch_save(str(ckpt / DCP_DIR), str(out))
@@ -140,7 +140,7 @@ def test_fsdp2_yaml_trains_with_a_unit_per_transformer_layer_and_the_root(bf16_r
     # TensorBoard logged every training step.
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    from opentau_cli.checkpoint.layout import TENSORBOARD
+    from opentau_cli.store.layout import TENSORBOARD
 
     events = [e for f in (bf16_run / TENSORBOARD).rglob("events.out.tfevents.*") for e in EventFileLoader(str(f)).Load()]
     logged = {e.step for e in events for v in e.summary.value if v.tag.endswith("loss")}
@@ -150,9 +150,9 @@ def test_fsdp2_yaml_trains_with_a_unit_per_transformer_layer_and_the_root(bf16_r
 def test_fsdp2_checkpoint_holds_each_ranks_dcp_shard_of_fp32_master_weights_and_moments(bf16_run):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from opentau_cli.checkpoint.dcp import DCP_DIR, read_metadata
     from opentau_cli.config import load_config
     from opentau_cli.policies import build_policy
+    from opentau_cli.store.dcp import DCP_DIR, read_metadata
 
     ckpt = bf16_run / CHECKPOINTS / "000003"
     files = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
@@ -234,7 +234,7 @@ def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_los
 def test_fsdp2_checkpoint_consolidates_to_what_dcp_to_torch_save_gives(bf16_run, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from opentau_cli.checkpoint.dcp import DCP_DIR, consolidate_model
+    from opentau_cli.store.dcp import DCP_DIR, consolidate_model
 
     ckpt = bf16_run / CHECKPOINTS / "000006"
     before = tree(ckpt)
@@ -276,7 +276,7 @@ def test_fsdp2_in_fp32_trains_as_ddp_does(fsdp_fp32, ddp_fp32):
 
 
 def test_consolidated_fsdp2_weights_have_the_names_shapes_and_dtypes_of_a_ddp_checkpoint(fsdp_fp32, ddp_fp32, tmp_path):
-    from opentau_cli.checkpoint.dcp import consolidate_model
+    from opentau_cli.store.dcp import consolidate_model
 
     mine = load_file(consolidate_model(fsdp_fp32 / CHECKPOINTS / "000003", tmp_path / "model.safetensors"))
     ddp = load_file(ddp_fp32 / CHECKPOINTS / "000003" / "model.safetensors")
@@ -285,7 +285,7 @@ def test_consolidated_fsdp2_weights_have_the_names_shapes_and_dtypes_of_a_ddp_ch
     assert all(torch.allclose(mine[k], ddp[k], rtol=1e-4, atol=1e-6) for k in ddp)
 
 
-# The consumers of a checkpoint take FSDP2 ones (their dispatch to checkpoint/dcp.py).
+# The consumers of a checkpoint take FSDP2 ones (their dispatch to store/dcp.py).
 
 def test_checkpoint_consolidate_writes_fsdp2_weights_equal_to_dcp_to_torch_save_into_the_checkpoint(bf16_run, home, tmp_path):
     """By default the EMA (the run kept one): the trained parameters' EMA, the buffers as saved; --weights live
@@ -328,7 +328,7 @@ def test_fsdp2_checkpoints_are_inspected_exported_and_evaluated(bf16_run, home, 
     evaluated = run_cli_in_process(["eval", str(bf16_run), "--output", str(tmp_path / "eval")], env=env_for(home))
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["step"] == STEPS
-    from opentau_cli.serve import load_served
+    from opentau_cli.tools.serve import load_served
 
     served = load_served(bf16_run, device="cpu")  # what `opentau serve` answers clients with
     assert (served.metadata()["weights"], served.metadata()["step"]) == ("ema", STEPS)
@@ -374,7 +374,7 @@ def test_an_elastic_resume_between_ddp_or_zero2_and_fsdp2_continues_with_the_uni
         uninterrupted = dcp_reference(fsdp_fp32 / CHECKPOINTS / f"{STEPS:06d}", tmp_path)["ema"]
         if target == "ddp":
             continued = load_file(end / "ema.safetensors")
-        else:  # ZeRO-2's partitions, cut by the consolidator's plan
+        else:  # ZeRO-2's partitions, cut by the ZeRO reader's plan
             continued = {name: produce() for name, produce in saved_by_name(end, state).items() if name in uninterrupted}
         assert sorted(continued) == sorted(uninterrupted)
         # Attention key biases get (almost) no gradient: their tiny values are noise, hence the absolute tolerance.

@@ -98,7 +98,7 @@ def test_cpu_dry_run_of_fsdp2_resumes_exactly_and_restores_every_dcp_shard_to_th
     again = out / "runs" / "fsdp2" / "restored" / "checkpoints" / "000002"
     found, tensors = gpu_check_restore.differences(saved, again)
     assert found == [] and f"{tensors} tensors equal to the bit after the resume" == rows[2]["key"]
-    from opentau_cli.checkpoint.dcp import saved_entries
+    from opentau_cli.store.dcp import saved_entries
 
     shards = saved_entries(saved, "")
     assert any(name.startswith("model.") for name in shards) and any(name.startswith("optimizer.state.") for name in shards)

@@ -24,7 +24,7 @@ import pytest
 import xxhash
 
 from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, LOGS, MANIFEST, METRICS, TENSORBOARD, TRAIN_CONFIG, TRAINING_STATE
+from opentau_cli.store.layout import CHECKPOINTS, LAST, LOGS, MANIFEST, METRICS, TENSORBOARD, TRAIN_CONFIG, TRAINING_STATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import yaml
 from conftest import EXAMPLES, REPO, opentau_bin, run_cli
 from opentau_cli.config import load_config, read_accelerate_config
 from opentau_cli.errors import UserError
-from opentau_cli.launch import accelerate_yaml, build_command, failed_log, worker_env
+from opentau_cli.process.launch import accelerate_yaml, build_command, failed_log, worker_env
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
 
@@ -138,11 +138,11 @@ def test_worker_env_sets_the_allocator_hint_and_deepspeed_cpu_accelerator(monkey
 
 def test_command_runs_the_worker_module_through_accelerate_launch(tmp_path):
     cmd = build_command(tmp_path / "a.yaml", tmp_path / "c.json", tmp_path / "l.json")
-    assert cmd[1:3] == ["-m", "opentau_cli.accelerate_launcher"]
+    assert cmd[1:3] == ["-m", "opentau_cli.process.accelerate_launcher"]
     assert cmd[cmd.index("-m", 3) + 1] == "opentau_cli.train.worker" and "--config" in cmd
     # That module is Accelerate's own launcher: the same parser and entry point as `python -m accelerate.commands.launch`.
     ours, theirs = (subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
-                    for module in ("opentau_cli.accelerate_launcher", "accelerate.commands.launch"))
+                    for module in ("opentau_cli.process.accelerate_launcher", "accelerate.commands.launch"))
     assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout and "--config_file" in ours.stdout
 
 
@@ -156,7 +156,7 @@ def test_import_paused_collects_nothing_while_it_imports_freezes_what_was_made_a
     (tmp_path / "broken.py").write_text("raise ImportError('broken on purpose')\n")
     script = """
 import gc, json, sys
-from opentau_cli.runtime import import_paused
+from opentau_cli.process.runtime import import_paused
 before = sum(s["collections"] for s in gc.get_stats())
 import_paused("made_garbage", "json")
 import made_garbage

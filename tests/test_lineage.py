@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from opentau_cli.checkpoint import layout
-from opentau_cli.checkpoint.layout import CHECKPOINTS, MANIFEST, METRICS, TRAIN_CONFIG, TRAINING_STATE, point_last, read_last
-from opentau_cli.checkpoint.lineage import (
-    LINEAGE, ROLLED_BACK, archive_of, current_branch, newer_checkpoints, resume_point, roll_back, rolled_back,
-)
-from opentau_cli.checkpoint.manager import CheckpointManager, find_checkpoint
 from opentau_cli.config import load_config
 from opentau_cli.config import paths as config_paths
 from opentau_cli.config.paths import missing_paths, record_paths
 from opentau_cli.errors import UserError
+from opentau_cli.store import layout
+from opentau_cli.store.layout import CHECKPOINTS, MANIFEST, METRICS, TRAIN_CONFIG, TRAINING_STATE, point_last, read_last
+from opentau_cli.store.lineage import (
+    LINEAGE, ROLLED_BACK, archive_of, current_branch, newer_checkpoints, resume_point, roll_back, rolled_back,
+)
+from opentau_cli.store.runs import find_checkpoint
+from opentau_cli.train.manager import CheckpointManager
 
 from test_train_checkpoint_manager import FakeAccelerator
 
@@ -216,7 +217,7 @@ def test_a_first_deepspeed_cpu_launch_says_it_builds_its_op_and_later_ones_do_no
     import sys
 
     from opentau_cli.config import setup_from_dict
-    from opentau_cli.launch import deepspeed_op_note
+    from opentau_cli.process.launch import deepspeed_op_note
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     zero2 = setup_from_dict({"backend": "deepspeed", "zero_stage": 2, "num_processes": 2})
@@ -231,8 +232,8 @@ def test_a_first_deepspeed_cpu_launch_says_it_builds_its_op_and_later_ones_do_no
 
 
 def test_keep_best_keeps_the_best_by_a_metric_that_rises_and_falls_beside_the_newest(tmp_path):
-    from opentau_cli.checkpoint.layout import BEST
-    from opentau_cli.checkpoint.manager import BestCheckpoints
+    from opentau_cli.store.layout import BEST
+    from opentau_cli.train.manager import BestCheckpoints
 
     run = tmp_path / "run"
     m = CheckpointManager(FakeAccelerator(), run, total_steps=100, run_id="a", keep_last=2,
@@ -246,8 +247,8 @@ def test_keep_best_keeps_the_best_by_a_metric_that_rises_and_falls_beside_the_ne
 
 
 def test_keep_best_by_a_larger_is_better_metric_and_never_the_resume_source(tmp_path):
-    from opentau_cli.checkpoint.layout import BEST
-    from opentau_cli.checkpoint.manager import BestCheckpoints
+    from opentau_cli.store.layout import BEST
+    from opentau_cli.train.manager import BestCheckpoints
 
     run = tmp_path / "run"
     m = manager(run, "a")

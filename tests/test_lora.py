@@ -14,7 +14,7 @@ from opentau_cli.cli.summary import ADAMW_BYTES_PER_PARAMETER
 from opentau_cli.config import Machine, load_config, setup_from_dict, validate
 from opentau_cli.config.model import LoraConfig, PolicyConfig
 from opentau_cli.errors import UserError
-from opentau_cli.plan import check_policy
+from opentau_cli.plan.run_plan import check_policy
 from opentau_cli.policies import build_policy
 from opentau_cli.policies.lora import (
     BASE_KEY, apply_lora, base_reference, check_resume, checkpoint_keys, is_adapter, merge_adapter,
@@ -216,7 +216,7 @@ def test_a_resume_is_refused_when_the_lora_setting_or_the_seed_of_a_seeded_base_
 
 def test_config_validate_prints_the_trainable_count_and_the_adamw_memory_it_implies(tmp_path):
     from opentau_cli.cli.summary import summarize
-    from opentau_cli.plan import RunPlan
+    from opentau_cli.process.launch import RunPlan
 
     checked = _validate(f"output_dir={tmp_path / 'run'}", "policy.lora.rank=4")
     text = summarize(RunPlan(checked=checked))

@@ -18,12 +18,12 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, step_of
-from opentau_cli.checkpoint.manifest import hash_file
 from opentau_cli.config import load_config
 from opentau_cli.policies import build_policy, load_pretrained
 from opentau_cli.policies.lora import apply_lora, checkpoint_keys, restore_policy
+from opentau_cli.store.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINING_STATE, step_of
+from opentau_cli.store.manifest import hash_file
+from opentau_cli.store.zero import read_zero_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 

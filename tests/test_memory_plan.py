@@ -1,4 +1,4 @@
-"""The memory plan (opentau_cli/memory_plan.py), in-process: its peak is the largest phase of a step on top of what
+"""The memory plan (opentau_cli/plan/memory.py), in-process: its peak is the largest phase of a step on top of what
 lives through the run, its parts add up, card sizes are read as cards are sold, the device's costs are named, its
 step measurement cannot go stale, and a run that does not fit is refused with settings that would. How close it
 comes to real training processes is tests/test_memory_plan_real.py's business."""
@@ -14,7 +14,7 @@ from opentau_cli.cli.main import app
 from opentau_cli.config import TrainConfig
 from opentau_cli.config.accelerate import AccelerateSetup
 from opentau_cli.errors import UserError
-from opentau_cli.memory_plan import (CPU_RETENTION, CUDA_CONTEXT, CUDA_FRAGMENTATION, NCCL_BUFFERS, check_fits, parse_size,
+from opentau_cli.plan.memory import (CPU_RETENTION, CUDA_CONTEXT, CUDA_FRAGMENTATION, NCCL_BUFFERS, check_fits, parse_size,
                                      plan_memory)
 from conftest import EXAMPLES
 
@@ -168,7 +168,7 @@ def test_the_optimizer_row_prints_binary_units_once_not_bb():
 
 
 def test_the_step_measurement_cache_is_keyed_by_the_code_it_measures(monkeypatch, tmp_path):
-    from opentau_cli import memory_plan
+    from opentau_cli.plan import memory as memory_plan
 
     monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
     cfg = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=2)
@@ -214,7 +214,7 @@ def test_a_run_that_does_not_fit_is_refused_naming_settings_that_would():
     assert message.endswith("(--distributed.memory_check=false launches anyway).")
     check_fits(smaller, setup, card)  # the named setting does fit
     from opentau_cli.config import Machine
-    from opentau_cli.memory_plan import check_memory, set_card_memory
+    from opentau_cli.plan.memory import check_memory, set_card_memory
 
     set_card_memory(card)
     try:

@@ -22,7 +22,7 @@ def files_under(path):
 
 def test_config_validate_refuses_a_run_too_big_for_the_card_in_one_line_naming_what_fits_and_writes_nothing(tmp_path):
     from opentau_cli.config import AccelerateSetup, load_config
-    from opentau_cli.memory_plan import plan_memory
+    from opentau_cli.plan.memory import plan_memory
 
     run = tmp_path / "run"
     overrides = [f"--output_dir={run}", "--batch_size=16", "--policy.image_resolution=[224,224]"]

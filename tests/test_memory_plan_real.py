@@ -46,7 +46,7 @@ def home(tmp_path_factory) -> Path:
 ], ids=["single", "ddp2", "zero3x2", "fsdp2x2"])
 def test_what_the_cpu_plan_allocates_is_within_10_percent_of_every_rank_s_real_peak(yaml, ranks, home, tmp_path, monkeypatch):
     from opentau_cli.config import load_config, resolve_accelerate_config
-    from opentau_cli.memory_plan import plan_memory
+    from opentau_cli.plan.memory import plan_memory
 
     env = {"OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HOME": str(home / "hf_home")}
     accel = [f"--accelerate-config={EXAMPLES / yaml}"] if yaml else []

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, opentau_bin, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.errors import RunError
+from opentau_cli.process.launch import free_port
+from opentau_cli.store.layout import (
     CHECKPOINTS, EMA_WEIGHTS, LOGS, MANIFEST, METRICS, TRAINING_STATE, rank_state_file, step_of,
 )
-from opentau_cli.checkpoint.manager import CheckpointManager, latest
-from opentau_cli.checkpoint.manifest import MissingRankState, add_to_manifest, is_complete, verify_manifest, write_manifest
-from opentau_cli.errors import RunError
-from opentau_cli.launch import free_port
+from opentau_cli.store.manifest import MissingRankState, add_to_manifest, is_complete, verify_manifest, write_manifest
+from opentau_cli.store.runs import latest
+from opentau_cli.train.manager import CheckpointManager
 
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 # pi05_tiny under the CPU DDP example (2 processes in all: here 1 on each of 2 machines); the session's 1-machine

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
-from opentau_cli.outputs import MARKER
+from opentau_cli.store.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
+from opentau_cli.store.outputs import MARKER
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 GPU_YAMLS = ["accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml", "accelerate_deepspeed_zero3_config.yaml"]
@@ -105,7 +105,7 @@ def test_dataset_synth_makes_parents_refuses_a_used_target_and_replaces_it_with_
 
 
 def test_a_write_that_fails_midway_leaves_no_temp_sibling_no_parents_it_made_and_the_old_target_intact(tmp_path):
-    from opentau_cli.outputs import publishing
+    from opentau_cli.store.outputs import publishing
 
     target = tmp_path / "a" / "b" / "out"
     with pytest.raises(RuntimeError):

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli_in_process, refused, tree
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
+from opentau_cli.store.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints" / "v2"
 STEP = "000002"
-MARKER = ".opentau-output.json"  # what opentau_cli/outputs.py puts into each directory it publishes
+MARKER = ".opentau-output.json"  # what opentau_cli/store/outputs.py puts into each directory it publishes
 OVERLAP = "an output never"  # every overlap refusal says why in these words
 
 

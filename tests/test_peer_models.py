@@ -66,15 +66,15 @@ def case(tmp_path_factory):
     """The checkpoint, its two exports, one observation + noise, and opentau's own action chunk for them."""
     openpi_root, commit = openpi_source()
     python = peer_python("lerobot-0.4.4-openpi", commit)
-    from opentau_cli.checkpoint.export import export
-    from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
     from opentau_cli.config.load import load_config, parse_overrides
     from opentau_cli.data import build_data
-    from opentau_cli.normalization import QUANTILE, normalize
+    from opentau_cli.data.normalization import QUANTILE, normalize
     from opentau_cli.policies import build_policy
-    from opentau_cli.policies.pi05.tokenization import clean_task, state_bins
     from opentau_cli.policies.layouts import LEROBOT, OPENPI
-    from opentau_cli.serve import load_served
+    from opentau_cli.policies.pi05.tokenization import clean_task, state_bins
+    from opentau_cli.store.layout import MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
+    from opentau_cli.tools.export import export
+    from opentau_cli.tools.serve import load_served
 
     root = tmp_path_factory.mktemp("peer_models")
     tokenizer = _tokenizer(root / "tokenizer")

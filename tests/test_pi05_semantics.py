@@ -20,9 +20,9 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.data import LeRobotDataset, write_synth
 from opentau_cli.data.images import resize_with_pad
+from opentau_cli.data.normalization import normalize, unnormalize
 from opentau_cli.policies import build_policy
 from opentau_cli.policies.pi05.modeling import AdaRMS, sample_time, time_embedding
-from opentau_cli.normalization import normalize, unnormalize
 
 STATS = {
     "state": {"mean": [0.5, -1.0, 2.0, 0.0], "std": [2.0, 0.5, 1.0, 3.0], "q01": [-1.5, -2.0, 0.0, -6.0], "q99": [2.5, 0.0, 4.0, 6.0]},

@@ -70,7 +70,7 @@ out["output_dtypes"] = dtypes
 out["weight_dtype"] = str(policy.action_out_proj.weight.dtype)
 out["sample_shape"] = list(engine.module.sample_actions(batch).shape)
 print("RESULT" + json.dumps(out), flush=True)
-from opentau_cli.runtime import exit_rank
+from opentau_cli.process.runtime import exit_rank
 
 exit_rank(0)  # as opentau's workers leave: native teardown can abort after the work is done
 """
@@ -83,8 +83,8 @@ def free_port() -> int:
 
 
 def test_pi05_builds_inside_zero_init_with_its_initial_values_and_trains_a_step(tmp_path):
-    from opentau_cli.policies import count_parameters
     from opentau_cli.config.model import PolicyConfig
+    from opentau_cli.policies import count_parameters
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}

@@ -12,14 +12,15 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import EXAMPLES, offline_hub
-from opentau_cli import launch
 from opentau_cli.cli.main import app
 from opentau_cli.config import Machine, load_config
 from opentau_cli.errors import UserError
 from opentau_cli.policies import check_pretrained
-from opentau_cli.policies.hub import check_sources, hub_reachable, resolve
+from opentau_cli.policies.hub import check_sources, resolve
 from opentau_cli.policies.layouts import LEROBOT, Layout
 from opentau_cli.policies.pi05.tokenization import load_tokenizer
+from opentau_cli.process import launch
+from opentau_cli.store.hub import hub_reachable
 from published import hub_cache_header_only, published_keys
 
 FULL = str(EXAMPLES / "pi05_config.json")

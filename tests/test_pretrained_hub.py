@@ -11,8 +11,9 @@ import torch
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 from opentau_cli.policies import build_policy, load_pretrained
-from opentau_cli.policies.hub import check_weights_source, parse_repo_id, resolve
+from opentau_cli.policies.hub import check_weights_source, resolve
 from opentau_cli.policies.layouts import LEROBOT, Layout
+from opentau_cli.store.hub import parse_repo_id
 from published import hub_cache, save_word_tokenizer, write_published
 
 

@@ -245,7 +245,7 @@ param_reads = [k for k in reads if any(k == report.loaded.get(n) for n in params
 print("RESULT" + json.dumps({"rank": dist.get_rank(), "equal": bool(equal), "peak": peak[0], "largest": largest,
       "total": sum(p.ds_numel for p in params.values()), "param_reads": len(param_reads), "params": len(params),
       "q99": policy.action_q99[:3].tolist()}), flush=True)
-from opentau_cli.runtime import exit_rank
+from opentau_cli.process.runtime import exit_rank
 exit_rank(0)
 """
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from conftest import EXAMPLES, opentau_bin, run_cli
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, read_last
+from opentau_cli.store.layout import CHECKPOINTS, METRICS, read_last
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

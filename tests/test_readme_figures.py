@@ -148,7 +148,7 @@ def test_the_what_fits_where_table_is_a_fresh_plan_of_the_example_config(one_thr
     """Each row of the table computed again now, with this module's own step-measurement cache: the README cannot
     keep figures of an older plan, whatever BENCHMARKS.md recorded."""
     from opentau_cli.config import load_config, resolve_accelerate_config
-    from opentau_cli.memory_plan import plan_memory
+    from opentau_cli.plan.memory import plan_memory
 
     monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
     rows = TABLE_ROW.findall(README)

@@ -1,5 +1,5 @@
 """Elastic resume, model and optimizer side: a checkpoint saved under one topology, put into a launch of another
-through opentau_cli.checkpoint.reshard, holds exactly the saved state there, parameter by parameter.
+through opentau_cli.train.reshard, holds exactly the saved state there, parameter by parameter.
 
 Each transition compares the state the saving launch held (DeepSpeed's safe_get_* / the torch optimizer, dumped
 before the save: not read back from the files) with the state the new launch holds after the load. Three launches

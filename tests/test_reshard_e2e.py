@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import EXAMPLES, run_cli, run_cli_in_process
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
+from opentau_cli.store.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

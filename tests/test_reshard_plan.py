@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from opentau_cli.checkpoint.reshard import describe_change, fit_global_batch, sampler_position, topologies, with_topology
 from opentau_cli.errors import UserError
+from opentau_cli.store.topology import describe_change, fit_global_batch, topologies, with_topology
+from opentau_cli.train.reshard import sampler_position
 
 
 def saved(batch, accum=1, micro=None):

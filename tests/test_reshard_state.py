@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAINING_STATE
-from opentau_cli.checkpoint.reshard import apply_canonical, check_applied, read_canonical
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.store.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAINING_STATE
+from opentau_cli.train.reshard import apply_canonical, check_applied, read_canonical
 
 
 class WithIdle(nn.Module):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import EXAMPLES, run_cli
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS
+from opentau_cli.store.layout import CHECKPOINTS, METRICS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -11,10 +11,10 @@ import pytest
 from opentau_cli.config import (
     AccelerateSetup, Machine, load_config, read_accelerate_config, resolve_accelerate_config, setup_from_dict, validate,
 )
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAST, LOGS, METRICS, TENSORBOARD
-from opentau_cli.checkpoint.layout import holds_run
-from opentau_cli.plan import check_output_dir
 from opentau_cli.errors import UserError
+from opentau_cli.plan.run_plan import check_output_dir
+from opentau_cli.store.layout import CHECKPOINTS, LAST, LOGS, METRICS, TENSORBOARD
+from opentau_cli.store.layout import holds_run
 from conftest import EXAMPLES
 
 ZERO3 = EXAMPLES / "accelerate_deepspeed_zero3_config.yaml"
@@ -247,7 +247,7 @@ def test_setup_from_dict_reads_back_what_to_dict_wrote():
 
 
 def test_the_config_package_imports_no_other_opentau_package_but_errors():
-    """The rules get the data and policy checks from the layer above (opentau_cli.plan), never by importing them."""
+    """The rules get the data and policy checks from the layer above (opentau_cli.plan.run_plan), never by importing them."""
     import ast
 
     import opentau_cli.config

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from conftest import EXAMPLES
-from opentau_cli import runlock
-from opentau_cli.checkpoint.layout import METRICS
 from opentau_cli.errors import UserError
+from opentau_cli.process import runlock
+from opentau_cli.store.layout import METRICS
 
 
 def test_a_live_runs_lock_refuses_a_second_launch_naming_host_and_pid(tmp_path):
@@ -86,7 +86,7 @@ def test_train_overwrite_on_a_live_run_exits_2_and_deletes_nothing(tmp_path, iso
 
 
 def test_the_plans_check_refuses_as_acquire_does_and_takes_nothing(tmp_path):
-    """`check_free` (the plan's: before any other refusal, runlock.py) says what `acquire` would, and writes nothing."""
+    """`check_free` (the plan's: before any other refusal, process/runlock.py) says what `acquire` would, and writes nothing."""
     runlock.check_free(tmp_path)  # no lock
     assert list(tmp_path.iterdir()) == []
     mine = runlock.acquire(tmp_path)

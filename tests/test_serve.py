@@ -39,10 +39,10 @@ def _first_frame(run):
     """(the raw camera image, state and task of episode 0's first frame, and the training pipeline's sample of it)."""
     import pyarrow.parquet as pq
 
+    from opentau_cli.config.load import load_config
     from opentau_cli.data.build import make_dataset
     from opentau_cli.data.mixture import select_member
     from opentau_cli.data.synth import resolve_dataset_root
-    from opentau_cli.config.load import load_config
 
     cfg = load_config(run / "checkpoints" / "last" / "train_config.json", {})
     member = select_member(cfg, None)
@@ -74,7 +74,7 @@ def _start(args, env):
 
 def test_the_real_openpi_client_drives_a_served_checkpoint(tiny_run, tmp_path):
     from opentau_cli.data.sampler import collate
-    from opentau_cli.inference import from_checkpoint
+    from opentau_cli.tools.inference import from_checkpoint
 
     python = peer_python(*CLIENT)
     image, state, task, sample = _first_frame(tiny_run)
@@ -127,7 +127,7 @@ def test_the_real_openpi_client_drives_a_served_checkpoint(tiny_run, tmp_path):
 def served():
     from opentau_cli.config.load import load_config
     from opentau_cli.policies import build_policy
-    from opentau_cli.serve import ServedPolicy
+    from opentau_cli.tools.serve import ServedPolicy
 
     cfg = load_config(TINY, [])
     torch.manual_seed(0)
@@ -161,7 +161,7 @@ def _obs(**change):
     ({"seed": 1.5}, "'seed' must be an integer"),
 ])
 def test_a_malformed_observation_is_refused_naming_the_problem(served, change, message):
-    from opentau_cli.serve import BadRequest
+    from opentau_cli.tools.serve import BadRequest
 
     with pytest.raises(BadRequest) as caught:
         served.infer(_obs(**change))
@@ -187,7 +187,7 @@ def test_images_of_any_size_and_layout_reach_the_policy_as_training_lays_them_ou
 def test_the_wire_format_is_msgpack_with_numpy_maps():
     import msgpack
 
-    from opentau_cli.serve import BadRequest, packb, unpackb
+    from opentau_cli.tools.serve import BadRequest, packb, unpackb
 
     message = {"actions": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.int64(3), "text": "a"}
     raw = msgpack.unpackb(packb(message), raw=False)
@@ -236,7 +236,7 @@ def test_a_model_listing_its_cameras_is_served_with_every_one_and_a_smaller_slot
     """A LeRobot-layout config.json lists each camera; the default dataset.num_cameras (1) must not drop the second."""
     from opentau_cli.config.load import load_config
     from opentau_cli.errors import UserError
-    from opentau_cli.serve import _observation_keys
+    from opentau_cli.tools.serve import _observation_keys
 
     features = {"observation.images.top": {"type": "VISUAL", "shape": [3, 224, 224]},
                 "observation.images.wrist": {"type": "VISUAL", "shape": [3, 224, 224]},
@@ -254,7 +254,7 @@ def test_serve_compile_compiles_before_the_first_client_and_serves_the_eager_chu
     the first robot request compiles nothing; the chunk is the eager one up to fused kernels' rounding."""
     from torch._dynamo.utils import counters
 
-    from opentau_cli.serve import load_served
+    from opentau_cli.tools.serve import load_served
 
     image, state, task, _ = _first_frame(tiny_run)
     obs = {CAMERA: image, STATE: state, "prompt": task}
@@ -271,7 +271,7 @@ def test_serve_compile_where_the_compiler_fails_is_refused_in_one_line(tiny_run,
     import torch._inductor.config as inductor_config
 
     from opentau_cli.errors import UserError
-    from opentau_cli.serve import load_served
+    from opentau_cli.tools.serve import load_served
 
     torch._dynamo.reset()  # compile anew rather than reuse a graph compiled by another test in this process
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached build would need no compiler
@@ -290,7 +290,7 @@ def test_the_server_sends_which_weights_of_which_step_it_serves_and_refuses_a_0_
 
     from websockets.sync.client import connect
 
-    from opentau_cli.serve import PolicyServer, load_served, packb, unpackb
+    from opentau_cli.tools.serve import PolicyServer, load_served, packb, unpackb
 
     served = load_served(tiny_run, device="cpu")
     ckpt = (tiny_run / "checkpoints" / "000002").resolve()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli
-from opentau_cli.checkpoint.layout import CHECKPOINTS, METRICS, TRAIN_CONFIG, TRAINING_STATE, read_last
+from opentau_cli.store.layout import CHECKPOINTS, METRICS, TRAIN_CONFIG, TRAINING_STATE, read_last
 from test_data_hub import FRONT, TOP, lay_out, unselected
 from test_trackers import mlflow_metric, wandb_runs
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from opentau_cli.checkpoint import faults
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.errors import RunError, UserError
+from opentau_cli.store import faults
+from opentau_cli.store.layout import (
     CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir,
     read_last, step_dir_name, tmp_dir,
 )
-from opentau_cli.checkpoint.manager import CheckpointManager, clean_leftovers, find_checkpoint, latest
-from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
-from opentau_cli.errors import RunError, UserError
+from opentau_cli.store.manifest import is_complete, verify_manifest
+from opentau_cli.store.runs import clean_leftovers, find_checkpoint, latest
+from opentau_cli.train.manager import CheckpointManager
 
 
 class FakeAccelerator:

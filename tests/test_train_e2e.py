@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from conftest import (
     DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli, run_cli_in_process,
 )
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.store.layout import (
     CHECKPOINTS, DS_TAG, LAST, LOGS, MANIFEST, METRICS, MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TENSORBOARD, TRAIN_CONFIG,
     TRAINING_STATE, ZERO_TO_FP32, ds_shard_glob, leftover_of, read_last, step_of,
 )
-from opentau_cli.checkpoint.lineage import ROLLED_BACK
+from opentau_cli.store.lineage import ROLLED_BACK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
@@ -311,9 +311,9 @@ def test_resuming_a_mixture_with_another_mixture_exits_2_naming_what_changed(run
     """Planned in-process like the other resume refusals: nothing launched or written."""
     from typer.testing import CliRunner
 
-    from opentau_cli import launch
     from opentau_cli.cli.main import app
     from opentau_cli.config import Machine
+    from opentau_cli.process import launch
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setattr(Machine, "this", classmethod(lambda cls: Machine(cuda=False, gpus=0)))
@@ -390,8 +390,8 @@ KILL_HOOK = Path(__file__).parent / "kill_hook"
 
 
 def test_sigkill_at_four_moments_of_real_2_rank_saves_keeps_checkpoints_sound_and_resume_exact(runs, tmp_path):
-    from opentau_cli.checkpoint.manager import latest
-    from opentau_cli.checkpoint.manifest import is_complete, verify_manifest
+    from opentau_cli.store.manifest import is_complete, verify_manifest
+    from opentau_cli.store.runs import latest
 
     reference = runs("zero2").full
     run = tmp_path / "run"
@@ -515,9 +515,9 @@ def test_config_validate_refuses_a_resume_exactly_as_train_does(runs, tmp_path, 
     same words, nothing launched or written (in-process, on a pinned machine without CUDA)."""
     from typer.testing import CliRunner
 
-    from opentau_cli import launch
     from opentau_cli.cli.main import app
     from opentau_cli.config import Machine
+    from opentau_cli.process import launch
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setattr(Machine, "this", classmethod(lambda cls: Machine(cuda=False, gpus=0)))
@@ -552,7 +552,7 @@ def test_config_validate_of_a_finished_runs_checkpoint_says_there_is_nothing_to_
 def test_train_config_path_with_resume_true_resumes_that_checkpoint_with_more_steps(runs, tmp_path, monkeypatch):
     """The upstream line `opentau-train --config_path=<ckpt>/train_config.json --resume=true --steps=N`, planned
     in-process (the launch itself is the one the other tests run)."""
-    from opentau_cli.plan import plan_train
+    from opentau_cli.plan.run_plan import plan_train
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     run_dir = tmp_path / "moved_run"

@@ -17,10 +17,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import EXAMPLES
-from opentau_cli import launch
 from opentau_cli.cli.main import app
 from opentau_cli.config import Machine
 from opentau_cli.data.synth import write_synth
+from opentau_cli.process import launch
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 FULL = str(EXAMPLES / "pi05_config.json")

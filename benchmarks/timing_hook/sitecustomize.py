@@ -17,7 +17,7 @@ def _install(directory: str) -> None:
     import time
     from pathlib import Path
 
-    from opentau_cli import runtime
+    from opentau_cli.process import runtime
 
     record: dict = {"save_s": [], "load_s": []}
     paused = runtime.import_paused
@@ -35,7 +35,7 @@ def _install(directory: str) -> None:
         paused(*modules)
         if modules != runtime.RANK_IMPORTS:  # the rank's own imports (run_rank), not a package's paused import
             return
-        from opentau_cli.checkpoint.manager import CheckpointManager
+        from opentau_cli.train.manager import CheckpointManager
         from opentau_cli.train.trainer import Trainer
 
         if getattr(Trainer, "_bench_timing", False):

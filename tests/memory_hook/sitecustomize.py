@@ -31,7 +31,7 @@ def _install(directory: str) -> None:
     import json
     from pathlib import Path
 
-    from opentau_cli import runtime
+    from opentau_cli.process import runtime
 
     record: dict = {"hwm_steps": []}
     rank = os.environ.get("RANK", "0")

@@ -49,7 +49,7 @@ def consolidate_cmd(
     """
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
-    from opentau_cli.checkpoint.consolidate import consolidate
+    from opentau_cli.tools.consolidate import consolidate
 
     console = _stderr_console()
     with Progress(SpinnerColumn(), TextColumn("consolidating: {task.fields[mb]:.1f} MB written"), transient=True,
@@ -87,7 +87,7 @@ def export_cmd(
 
       opentau checkpoint export outputs/train/mixture --output exported/reach_video --dataset reach_video
     """
-    from opentau_cli.checkpoint.export import export
+    from opentau_cli.tools.export import export
 
     result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset, force=force, weights=weights)
     typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}, {result.weights} weights of step {result.step} from "
@@ -113,7 +113,7 @@ def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint di
 
       opentau checkpoint inspect outputs/train/pi05
     """
-    from opentau_cli.checkpoint.info import inspect_checkpoint, inspect_run, is_run_dir
+    from opentau_cli.tools.info import inspect_checkpoint, inspect_run, is_run_dir
 
     if is_run_dir(checkpoint_dir):
         _print_run(inspect_run(checkpoint_dir), as_json)
@@ -200,7 +200,7 @@ def verify_cmd(path: Path = typer.Argument(..., help="A checkpoint directory or 
 
     Example: opentau checkpoint verify outputs/train/pi05
     """
-    from opentau_cli.checkpoint.info import verify_path
+    from opentau_cli.tools.info import verify_path
 
     report = verify_path(path)
     if as_json:
@@ -242,7 +242,7 @@ def list_cmd(
     """
     from dataclasses import asdict
 
-    from opentau_cli.checkpoint.info import list_run
+    from opentau_cli.tools.info import list_run
 
     rows = list_run(run_dir, verify=verify)
     failed = [r.name for r in rows if verify and r.verified is False]

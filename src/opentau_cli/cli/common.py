@@ -31,7 +31,7 @@ AccelerateConfigOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help=(
     "Replace an earlier output of this same command (the old one is removed only once the new one is complete); never "
-    "a run, a checkpoint or anything opentau did not write (opentau_cli/outputs.py)."))]
+    "a run, a checkpoint or anything opentau did not write (opentau_cli/store/outputs.py)."))]
 WeightsOpt = Annotated[Optional[str], typer.Option("--weights", help=(
     "ema or live, for a training checkpoint: the EMA of the weights (ema.decay) or the weights as trained; default: "
     "the EMA when the checkpoint holds one (what RUN:best is ranked on unless checkpoint.best_metric names a val_* "

@@ -54,9 +54,9 @@ def validate_cmd(
         opentau config validate configs/examples/pi05_config.json --accelerate-config configs/examples/accelerate_2nodes_deepspeed_config.yaml --main_process_ip 10.1.0.7 --machine_rank 1 --gpus 8
     """
     from opentau_cli.cli.summary import summarize
-    from opentau_cli.plan import plan_train
+    from opentau_cli.plan.run_plan import plan_train
 
-    from opentau_cli.memory_plan import parse_size, set_card_memory
+    from opentau_cli.plan.memory import parse_size, set_card_memory
 
     set_card_memory(parse_size(gpu_memory) if gpu_memory is not None else None)  # this command's card, not a previous one's
     machine = Machine.with_gpus(gpus) if gpus is not None else None

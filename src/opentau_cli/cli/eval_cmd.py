@@ -41,7 +41,7 @@ def eval_cmd(
       opentau eval outputs/train/mixture --dataset reach_video
     """
     from opentau_cli.config.load import parse_overrides
-    from opentau_cli.evaluate import evaluate, parse_episodes
+    from opentau_cli.tools.evaluate import evaluate, parse_episodes
 
     result = evaluate(source, overrides=parse_overrides(list(ctx.args)), episodes=parse_episodes(episodes), output=output,
                       batch_size=batch_size, stride=stride, plot_episodes=plot_episodes, device=device, seed=seed,

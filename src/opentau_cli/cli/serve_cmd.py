@@ -40,7 +40,7 @@ def serve_cmd(
     """
     from opentau_cli.config.load import parse_overrides
     from opentau_cli.errors import UserError
-    from opentau_cli.serve import API_KEY_ENV, PolicyServer, load_served, run_server
+    from opentau_cli.tools.serve import API_KEY_ENV, PolicyServer, load_served, run_server
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port={port}: a TCP port is 0-65535.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opentau_cli.plan import RunPlan
+from opentau_cli.process.launch import RunPlan
 
 
 def _human(count: int) -> str:
@@ -67,8 +67,8 @@ def optimizer_row(counts: dict[str, int], world_size: int, zero_stage: int | Non
 
 
 def memory_row(cfg, accel, machine) -> str:
-    """The memory plan's peak per GPU, and the margin on the card it was checked against (opentau_cli/memory_plan.py)."""
-    from opentau_cli.memory_plan import card_memory, plan_memory
+    """The memory plan's peak per GPU, and the margin on the card it was checked against (opentau_cli/plan/memory.py)."""
+    from opentau_cli.plan.memory import card_memory, plan_memory
 
     try:
         return plan_memory(cfg, accel).describe(card_memory(machine))

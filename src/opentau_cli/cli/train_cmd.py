@@ -29,14 +29,14 @@ def _with_restarts(args: list[str], max_restarts: int | None) -> list[str]:
 
 def _set_card(gpu_memory: str | None) -> None:
     """This command's card for the memory plan (--gpu-memory), not a previous command's."""
-    from opentau_cli.memory_plan import parse_size, set_card_memory
+    from opentau_cli.plan.memory import parse_size, set_card_memory
 
     set_card_memory(parse_size(gpu_memory) if gpu_memory is not None else None)
 
 
 def _launch(plan, break_lock: bool = False) -> None:
-    from opentau_cli import launch
     from opentau_cli.cli.summary import summarize
+    from opentau_cli.process import launch
 
     first = plan.setup.machine_rank == 0  # machine 0 prints the plan and the progress; the others where their logs go
     for note in plan.checked.warnings:
@@ -66,7 +66,7 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
 
         opentau-train --config_path=outputs/train/pi05/checkpoints/000040/train_config.json --resume=true --steps=100
     """
-    from opentau_cli.plan import plan_train
+    from opentau_cli.plan.run_plan import plan_train
 
     _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
@@ -101,7 +101,7 @@ def resume(
 
         opentau resume outputs/train/pi05 --reshard=true --accelerate-config=configs/examples/accelerate_deepspeed_zero3_config.yaml
     """
-    from opentau_cli.plan import plan_resume
+    from opentau_cli.plan.run_plan import plan_resume
 
     _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)

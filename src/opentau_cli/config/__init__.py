@@ -1,7 +1,7 @@
 """The shared config: model, loading (JSON < env < overrides), Accelerate YAML, validation rules.
 
 This package imports no other opentau package but `errors`: the data and policy checks are handed to the rules
-from above (`opentau_cli.plan`)."""
+from above (`opentau_cli.plan.run_plan`)."""
 
 from opentau_cli.config.accelerate import (
     AccelerateSetup, read_accelerate_config, resolve_accelerate_config, setup_from_dict, with_machine,

@@ -19,7 +19,7 @@ DEMO_ROOT = "@demo"
 PATH_KEYS = ("output_dir", "dataset.root", "policy.pretrained_path", "policy.tokenizer_path")
 # Fields that may also hold a Hugging Face repo id (org/name[@revision]) instead of a path.
 REPO_ID_KEYS = ("policy.pretrained_path", "policy.tokenizer_path")
-# checkpoint/layout.py's names (config/ imports no other opentau package; tests/test_paths.py checks they agree).
+# store/layout.py's names (config/ imports no other opentau package; tests/test_paths.py checks they agree).
 CHECKPOINTS, TRAINING_STATE, LINEAGE = "checkpoints", "training_state.json", "lineage"
 
 

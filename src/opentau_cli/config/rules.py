@@ -1,7 +1,7 @@
 """Every rule that decides, before any process starts, whether a launch may run (docs/ARCHITECTURE.md, "Rules").
 
 `validate` checks the config against itself, the Accelerate setup and a `Machine`, and runs the data and policy
-checks it is handed (`opentau_cli.plan` composes them: this package imports neither `data` nor `policies`).
+checks it is handed (`opentau_cli.plan.run_plan` composes them: this package imports neither `data` nor `policies`).
 `config validate`, `train`, `resume` and `profile` all reach it through `opentau_cli.plan.check_launch`.
 """
 

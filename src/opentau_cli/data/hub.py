@@ -38,7 +38,7 @@ class HubDataset:
 
 def repo_and_revision(member: MixtureMember, prefix: str = "dataset") -> tuple[str, str | None]:
     """(org/name, revision or None for main) from `repo_id` (with an optional @revision) and `revision`."""
-    from opentau_cli.policies.hub import parse_repo_id
+    from opentau_cli.store.hub import parse_repo_id
 
     parsed = parse_repo_id(member.repo_id or "")
     if parsed is None:
@@ -80,7 +80,7 @@ def resolve(member: MixtureMember, num_cameras: int, prefix: str = "dataset", *,
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError
 
-    from opentau_cli.policies.hub import hub_offline, hub_reachable
+    from opentau_cli.store.hub import hub_offline, hub_reachable
 
     repo_id, revision = repo_and_revision(member, prefix)
     cached_only = local_only or hub_offline() or not hub_reachable()
@@ -113,7 +113,7 @@ def _shown(repo_id: str, revision: str | None) -> str:
 def _why_cache_only(repo_id: str, revision: str | None, local_only: bool) -> str:
     from huggingface_hub import constants
 
-    from opentau_cli.policies.hub import hub_offline
+    from opentau_cli.store.hub import hub_offline
 
     download = f"`hf download {repo_id} --repo-type dataset" + (f" --revision {revision}`" if revision else "`")
     fill = (f"on a machine with network (same HF_HUB_CACHE) run `opentau config validate` on this config, which downloads "
@@ -216,7 +216,7 @@ def branch_head(repo_id: str, branch: str) -> tuple[str, bool] | None:
     from huggingface_hub import HfApi, constants
     from huggingface_hub.file_download import repo_folder_name
 
-    from opentau_cli.policies.hub import hub_offline, hub_reachable
+    from opentau_cli.store.hub import hub_offline, hub_reachable
 
     if not hub_offline() and hub_reachable():
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from opentau_cli.normalization import IDENTITY, STATS, normalize, unnormalize
+from opentau_cli.data.normalization import IDENTITY, STATS, normalize, unnormalize
 
 
 def widen(stats: dict, width: int) -> dict:

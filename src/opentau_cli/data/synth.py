@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
+from opentau_cli.config.model import DEMO_DATASET
 from opentau_cli.data.images import encode_png
 from opentau_cli.data.stats import feature_stats
-from opentau_cli.config.model import DEMO_DATASET
 from opentau_cli.errors import UserError
-from opentau_cli.outputs import check_target, publishing, writable_parent
+from opentau_cli.store.outputs import check_target, publishing, writable_parent
 
-SYNTH_COMMAND = "dataset synth"  # names its outputs (opentau_cli/outputs.py): --force replaces only those
+SYNTH_COMMAND = "dataset synth"  # names its outputs (opentau_cli/store/outputs.py): --force replaces only those
 DEMO_VERSION = "v3"  # bump whenever the generated data changes, so old caches are not reused
 DEMO_SETTINGS = dict(episodes=40, steps_per_episode=50, cameras=1, fmt="v2.1", seed=0)
 CAMERA_NAMES = ["top", "front", "side", "wrist"]
@@ -135,7 +135,7 @@ def write_synth(
     video: bool = False, force: bool = False,
 ) -> Path:
     """Write the dataset into out_dir (which must not exist or be empty, unless `force`): written whole into a hidden
-    sibling and renamed into place (opentau_cli/outputs.py). Same arguments -> same data.
+    sibling and renamed into place (opentau_cli/store/outputs.py). Same arguments -> same data.
 
     video=True stores the cameras as mp4 (needs PyAV): one file per episode (v2.1) or one per camera holding every
     episode (v3.0, located by from_timestamp), with a keyframe every 2 frames as LeRobot encodes them.

@@ -7,11 +7,11 @@ only the local Hugging Face cache is read).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import NamedTuple
 
 from opentau_cli.errors import UserError
+from opentau_cli.store.hub import cache_dir, hub_offline, hub_reachable, parse_repo_id
 
 # What a policy checkpoint needs from a repo: weights (and shards' index), configs, LeRobot's normalizer
 # files and openpi's assets/<robot>/norm_stats.json (fnmatch's * also matches "/").
@@ -19,54 +19,8 @@ WEIGHT_FILES = ["*.safetensors", "*.json"]
 TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "*.model"]
 
 
-def parse_repo_id(text: str) -> tuple[str, str | None] | None:
-    """`org/name` or `org/name@revision` -> (repo_id, revision); None when `text` is not shaped like one."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    repo_id, _, revision = text.partition("@")
-    if repo_id.count("/") != 1 or (revision == "" and "@" in text):
-        return None
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        return None
-    return repo_id, revision or None
-
-
-# One quick request says whether the Hub answers at all: without network, checks and loads go straight to the cache
-# instead of waiting out the hub client's timeouts and retries (tens of seconds) for each repo.
-HUB_PROBE_TIMEOUT = 3.0  # seconds
-
-
-@functools.cache
-def hub_reachable() -> bool:
-    """Whether the Hugging Face Hub answers one HEAD request (asked once per process)."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import get_session
-
-    try:
-        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT)
-    except Exception:  # the HTTP client's connection, proxy and timeout errors
-        return False
-    return True
-
-
 def _patterns(field: str) -> list[str]:
     return TOKENIZER_FILES if field.endswith("tokenizer_path") else WEIGHT_FILES
-
-
-def hub_offline() -> bool:
-    """Whether HF_HUB_OFFLINE is set (as huggingface_hub read it): only the cache is read."""
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_OFFLINE
-
-
-def _cache_dir() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
 
 
 class NotCached(NamedTuple):
@@ -91,7 +45,7 @@ def _not_cached(missing: list[NotCached]) -> str:
     else:
         how = f"the Hugging Face Hub cannot be reached: {fill}, or give {paths}."
     return (f"{fields}: {'not a local path' if one else 'not local paths'}, and {repos} {'is' if one else 'are'} not in "
-            f"the Hugging Face cache ({_cache_dir()}) while {how}")
+            f"the Hugging Face cache ({cache_dir()}) while {how}")
 
 
 def _hub_error(field: str, text: str, repo_id: str, revision: str | None, exc: Exception) -> UserError:

@@ -107,10 +107,10 @@ def register_checkpoint_hooks(accelerator, model: nn.Module) -> tuple[dict, dict
 
     Single / DDP: the weights handed to the writer are filtered; a load checks that the file holds exactly those
     keys, then loads non-strictly over the base already in place. FSDP2: the DCP state holds only those keys."""
-    from opentau_cli.checkpoint.layout import MODEL_WEIGHTS
     from opentau_cli.errors import RunError
+    from opentau_cli.store.layout import MODEL_WEIGHTS
 
-    from opentau_cli.checkpoint.dcp import is_sharded
+    from opentau_cli.store.dcp import is_sharded
 
     keep = checkpoint_keys(model)
     if accelerator.state.deepspeed_plugin is not None:
@@ -144,9 +144,9 @@ def base_reference(policy_cfg: PolicyConfig, seed: int) -> dict:
     its weight files; without pretrained_path the base is the seeded initial policy, recorded by its seed."""
     if policy_cfg.pretrained_path is None:
         return {"source": None, "seed": seed}
-    from opentau_cli.checkpoint.manifest import hash_file
     from opentau_cli.policies import hub
     from opentau_cli.policies.pretrained import weight_files
+    from opentau_cli.store.manifest import hash_file
 
     path = hub.resolve(str(policy_cfg.pretrained_path), "policy.pretrained_path")
     return {"source": str(policy_cfg.pretrained_path), "files": {f.name: hash_file(f) for f in weight_files(path)}}
@@ -219,7 +219,8 @@ def restore_policy(cfg, trained: dict[str, torch.Tensor]) -> nn.Module:
     (the checkpoint's tensors; check_base first). Under DeepSpeed bf16 the run saw its base rounded to bf16."""
     from accelerate.utils import set_seed
 
-    from opentau_cli.policies import build_policy, load_pretrained
+    from opentau_cli.policies.build import build_policy
+    from opentau_cli.policies.pretrained import load_pretrained
 
     set_seed(cfg.seed)
     policy = build_policy(cfg.policy)

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, WEIGHTS_INDEX
 from opentau_cli.errors import UserError
 from opentau_cli.policies import hub
 from opentau_cli.policies.layouts import NATIVE, Layout, detect_layout, ignored_reason, our_name, read_stats
+from opentau_cli.store.layout import MODEL_WEIGHTS, WEIGHTS_INDEX
 
 SHORT_LIST = 8
 
@@ -398,7 +398,7 @@ def build_pretrained(policy_cfg, stats: dict | None = None, *, dataset_stats: di
 
     A non-strict load that leaves a parameter unfilled (missing or mis-shaped in the file) needs that parameter's
     initial value: the policy is then built as build_policy builds it, from the same RNG state."""
-    from opentau_cli.policies import build_policy
+    from opentau_cli.policies.build import build_policy
 
     rng = torch.get_rng_state()
     policy = build_policy(policy_cfg, stats, empty=True, rng_draws=rng_draws)
@@ -417,7 +417,7 @@ def check_pretrained(policy_cfg) -> LoadReport:
     """What loading `policy_cfg.pretrained_path` will report, from the checkpoint's headers alone (the policy built on
     the meta device, no weight read): the refusals a load would make (layout, type, strict key match), before any
     process starts."""
-    from opentau_cli.policies import build_policy
+    from opentau_cli.policies.build import build_policy
 
     with torch.device("meta"):
         policy = build_policy(policy_cfg)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from opentau_cli import launch
 from opentau_cli.config import Validated
 from opentau_cli.errors import RunError
-from opentau_cli.plan import RunPlan
+from opentau_cli.process import launch
+from opentau_cli.process.launch import RunPlan
 
 # The launcher's output goes to the log: the report is what the user reads (and --json - must stay pure JSON).
 PROFILE_WORKER = launch.Worker("opentau_cli.profiling.worker", "Profiling", console=False)

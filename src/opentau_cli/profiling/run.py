@@ -1,6 +1,6 @@
 """What `opentau profile` does, callable without the CLI: profile a run, compare backends, find the largest batch.
 
-Training profiles go through the same launcher as `train` (`opentau_cli.launch`) and run the same per-rank
+Training profiles go through the same launcher as `train` (`opentau_cli.process.launch`) and run the same per-rank
 training code with checkpoints off; the request and the results travel as JSON files in a scratch run directory.
 """
 
@@ -14,7 +14,7 @@ from typing import Callable
 
 from opentau_cli.config import AccelerateSetup, Machine, TrainConfig, resolve_accelerate_config
 from opentau_cli.errors import UserError
-from opentau_cli.plan import check_launch
+from opentau_cli.plan.run_plan import check_launch
 from opentau_cli.profiling.launcher import OutOfMemory, launch_profile
 from opentau_cli.profiling.stats import compare_row, summarize
 from opentau_cli.units import parse_size

@@ -1,6 +1,6 @@
 """The per-rank profile process: `python -m opentau_cli.profiling.worker --config ... --launch ...` (via the launcher).
 
-It runs under opentau's per-rank runtime (`opentau_cli.runtime`), builds exactly what `train` builds (TRAIN's
+It runs under opentau's per-rank runtime (`opentau_cli.process.runtime`), builds exactly what `train` builds (TRAIN's
 `build_trainer`) and runs `train`'s loop without checkpoints and validation: TRAIN's `train_step`, its per-step
 collectives included, with a phase timer. Then every rank's timings go to rank 0, which writes them to
 <output_dir>/profile_result.json. A rank that runs out of memory writes profile_oom_rank<N>.json.
@@ -69,8 +69,8 @@ def gather(accelerator, item: dict) -> list[dict]:
 def profile(cfg, setup, request: dict) -> dict | None:
     import torch
 
+    from opentau_cli.process.runtime import keep_until_exit
     from opentau_cli.profiling.stats import rank_result
-    from opentau_cli.runtime import keep_until_exit
     from opentau_cli.train.trainer import build_trainer
 
     warmup, steps = request["warmup"], request["steps"]
@@ -131,7 +131,7 @@ def work(cfg, setup, launch: dict, _console) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from opentau_cli.runtime import run_rank
+    from opentau_cli.process.runtime import run_rank
 
     run_rank(work, argv, description=__doc__)
 

@@ -6,10 +6,10 @@ Single process / DDP: every rank keeps the EMA of every trainable parameter (the
 are) and rank 0 writes it, by parameter name, as `ema.safetensors`. DeepSpeed ZeRO-1/2/3: each rank keeps the EMA of
 its own flat fp32 master partitions (one per parameter group, what the wrapped AdamW steps), so no rank holds a full
 copy, and writes them as `ema_rank<r>.safetensors` (`group_<g>`) laid out exactly as DeepSpeed saves those
-partitions in its optimizer shards (ZeRO-1/2 without the alignment padding): the consolidator cuts them by the plan
-it cuts the master weights by (checkpoint/consolidate.py). FSDP2: the EMA of each parameter is a DTensor laid out as
+partitions in its optimizer shards (ZeRO-1/2 without the alignment padding): the ZeRO reader cuts them by the plan
+it cuts the master weights by (store/zero.py). FSDP2: the EMA of each parameter is a DTensor laid out as
 the parameter (each rank averages its own shard) and is saved with the model's shards by DCP, under `ema.` in
-`fsdp_state/` (checkpoint/dcp.py). With LoRA the trainable tensors are the adapters and the
+`fsdp_state/` (store/dcp.py). With LoRA the trainable tensors are the adapters and the
 fully trained modules, so those are what is averaged.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from opentau_cli.checkpoint.layout import EMA_STATE, EMA_WEIGHTS, ema_group_name, ema_rank_file
 from opentau_cli.errors import RunError
+from opentau_cli.store.layout import EMA_STATE, EMA_WEIGHTS, ema_group_name, ema_rank_file
 
 CHUNK = 1 << 24  # values updated at a time: the temporary (1 - decay) * w stays small beside a large partition
 
@@ -73,8 +73,8 @@ class WeightEMA:
     @classmethod
     def build(cls, decay: float, accelerator, model) -> "WeightEMA":
         """The EMA of what `model` (prepared) trains now, on every rank."""
-        from opentau_cli.checkpoint.dcp import is_sharded
-        from opentau_cli.checkpoint.reshard import flat_partitions, zero_optimizer
+        from opentau_cli.store.dcp import is_sharded
+        from opentau_cli.train.reshard import flat_partitions, zero_optimizer
 
         if is_sharded(model):  # FSDP2: each shadow a DTensor with its parameter's placement
             named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -127,7 +127,7 @@ class WeightEMA:
         from safetensors.torch import load_file
 
         if self.sharded:
-            from opentau_cli.checkpoint.dcp import EMA_KEY, load_into
+            from opentau_cli.store.dcp import EMA_KEY, load_into
 
             load_into(Path(ckpt_dir), EMA_KEY, self.state_dict())
             return
@@ -142,7 +142,7 @@ class WeightEMA:
         gives each parameter's full fp32 EMA by name (a callable). Under ZeRO each rank keeps its own slice: DeepSpeed's
         own setters of the fp32 master weights cut it into the live partitions, which are then copied into the EMA
         and given their live values back (the model's own weights are not touched)."""
-        from opentau_cli.checkpoint.reshard import CanonicalState, saved_name, zero3_slice
+        from opentau_cli.train.reshard import CanonicalState, saved_name, zero3_slice
 
         module_params = dict(self._module.named_parameters(remove_duplicate=False))
         trainable = [(name, p) for name, p in self._module.named_parameters() if p.requires_grad]
@@ -154,7 +154,7 @@ class WeightEMA:
             return saved[found]().to(torch.float32)
 
         if self.sharded:
-            from opentau_cli.checkpoint.dcp import shard_like
+            from opentau_cli.store.dcp import shard_like
 
             for name, shadow in zip(self.names, self.shadow):
                 shadow.to_local().copy_(shard_like(full(name, module_params[name]), shadow).to_local())
@@ -264,13 +264,13 @@ def resume_ema(ema: WeightEMA | None, state: dict, ckpt_dir: Path, accelerator, 
 
 def saved_by_name(ckpt_dir: Path, state: dict) -> dict:
     """A checkpoint's EMA as full fp32 tensors by parameter name, each read when called: ema.safetensors, or the
-    ranks' partitions cut by the consolidator's plan (checkpoint/consolidate.py)."""
+    ranks' partitions cut by the ZeRO reader's plan (store/zero.py)."""
     if state.get("backend") == "deepspeed":
-        from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+        from opentau_cli.store.zero import read_zero_checkpoint
 
         return {e.name: e.produce for e in read_zero_checkpoint(ckpt_dir, ema=True).entries}
     if state.get("backend") == "fsdp":
-        from opentau_cli.checkpoint.dcp import EMA_KEY, saved_entries
+        from opentau_cli.store.dcp import EMA_KEY, saved_entries
 
         return {name: e.produce for name, e in saved_entries(ckpt_dir, EMA_KEY + ".").items()}
     from safetensors import safe_open

@@ -4,7 +4,7 @@
 opentau applies `fully_shard` itself, on GPUs and on CPU processes over gloo alike: Accelerate's launcher turns an
 FSDP config into plain CPU DDP on a machine without GPUs, so the same code path on both needs it done here. The
 model is never handed to `accelerator.prepare` (that would wrap it in DDP); the optimizer and scheduler stay plain
-torch objects and the checkpoint writes them with torch.distributed.checkpoint (checkpoint/dcp.py).
+torch objects and the checkpoint writes them with torch.distributed.checkpoint (store/dcp.py).
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ def prepare(accelerator, model, optimizer, scheduler, *, lora: bool = False):
     """What `accelerator.prepare` does for the other backends: the model is already sharded and is not handed to
     Accelerate (it would wrap it in DDP), the optimizer stays torch's (its state is sharded like the parameters) and
     the scheduler is Accelerate's; save_state / load_state write and read the sharded model and optimizer with DCP
-    (checkpoint/dcp.py). With `lora` a checkpoint holds only what trains and the buffers, as for every backend
+    (store/dcp.py). With `lora` a checkpoint holds only what trains and the buffers, as for every backend
     (policies/lora.py); the frozen base is built again on resume."""
-    from opentau_cli.checkpoint.dcp import register_with
     from opentau_cli.policies.lora import checkpoint_keys
+    from opentau_cli.store.dcp import register_with
 
     register_with(accelerator, model, optimizer, checkpoint_keys(model) if lora else None)
     return model, optimizer, accelerator.prepare(scheduler)
@@ -104,8 +104,8 @@ def prepare(accelerator, model, optimizer, scheduler, *, lora: bool = False):
 
 def checkpoint_ema(accelerator, ema) -> None:
     """Every save of this launch also writes the EMA (`ema()`: the launch's WeightEMA or None, train/ema.py) with
-    the model's shards, under `ema.` in the DCP state (checkpoint/dcp.py)."""
-    from opentau_cli.checkpoint.dcp import registered
+    the model's shards, under `ema.` in the DCP state (store/dcp.py)."""
+    from opentau_cli.store.dcp import registered
 
     registered(accelerator).ema = lambda: (e.state_dict() if (e := ema()) is not None else None)
 

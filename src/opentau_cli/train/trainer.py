@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opentau_cli.checkpoint.layout import EMA_STATE
-from opentau_cli.checkpoint.reshard import topologies, topology_entry, with_topology
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.store.layout import EMA_STATE
+from opentau_cli.store.topology import topologies, topology_entry, with_topology
 from opentau_cli.train import fsdp
 from opentau_cli.train.augment import ImageAugment
 from opentau_cli.train.ema import WeightEMA, build_ema, ema_record, resume_ema
@@ -370,10 +370,11 @@ class Trainer:
 
     def restore(self, checkpoints, ckpt_dir) -> dict:
         """Resume from `ckpt_dir`: Accelerate's load_state under the topology it was saved by (`checkpoints`: the
-        run's CheckpointManager), else an elastic resume (checkpoint/reshard.py). Returns the checkpoint's training
+        run's CheckpointManager), else an elastic resume (train/reshard.py). Returns the checkpoint's training
         state."""
-        from opentau_cli.checkpoint.manager import read_training_state
-        from opentau_cli.checkpoint.reshard import is_reshard, load_resharded
+        from opentau_cli.store.runs import read_training_state
+        from opentau_cli.store.topology import is_reshard
+        from opentau_cli.train.reshard import load_resharded
 
         resharded = is_reshard(read_training_state(ckpt_dir), self.setup)
         if resharded:

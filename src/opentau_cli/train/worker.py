@@ -1,6 +1,6 @@
 """The per-rank training process that `accelerate launch` starts: `python -m opentau_cli.train.worker --config ... --launch ...`.
 
-It runs under opentau's per-rank runtime (`opentau_cli.runtime`): everything it prints goes to `<log_dir>/rank<N>.log`,
+It runs under opentau's per-rank runtime (`opentau_cli.process.runtime`): everything it prints goes to `<log_dir>/rank<N>.log`,
 rank 0 also shows progress on the launcher's console. Exit codes: 0 done or preempted-and-saved; 2 a problem with the
 user's input found late (e.g. in the data); 1 a failure.
 """
@@ -36,7 +36,7 @@ def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int
 
     import torch.distributed as dist
 
-    from opentau_cli.runtime import join_run_logs
+    from opentau_cli.process.runtime import join_run_logs
 
     me = (machine_rank, int(os.environ.get("LOCAL_RANK", "0") or 0), launch["run_id"])
     everyone = [me]
@@ -52,11 +52,11 @@ def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int
 
 def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
-    from opentau_cli import runlock
-    from opentau_cli.checkpoint.layout import METRICS, TB_RUN, TENSORBOARD
-    from opentau_cli.checkpoint.manager import BestCheckpoints, CheckpointManager
-    from opentau_cli.runtime import keep_until_exit
-    from opentau_cli.train import restarts
+    from opentau_cli.process import runlock
+    from opentau_cli.process import restarts
+    from opentau_cli.process.runtime import attempt, keep_until_exit, max_restarts
+    from opentau_cli.store.layout import METRICS, TB_RUN, TENSORBOARD
+    from opentau_cli.train.manager import BestCheckpoints, CheckpointManager
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
     from opentau_cli.train.trackers import Trackers
     from opentau_cli.train.trainer import build_trainer
@@ -73,7 +73,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     run_log_dir = Path(launch["log_dir"]).parent / run_id
     runlock.register_rank(run_dir)  # the run stays locked while this rank lives, whatever happens to its launcher
     failure = None
-    if restarts.max_restarts():
+    if max_restarts():
         failure, resume_from = restart_point(acc, leader, cfg, setup, launch, run_log_dir, resume_from)
     leads = acc.process_index == leader
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
@@ -96,7 +96,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     # W&B, MLflow, ...: continue (or fork) the tracked runs the checkpoint records (train/trackers.py).
     trackers = Trackers.open(acc, cfg, run_dir, resume_state=resume_state, step=trainer.step)
     metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None, trackers=trackers)
-    progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar, restarts=restarts.attempt())
+    progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar, restarts=attempt())
     if failure is not None:
         if leads:
             progress.message(restarts.restart_line(restarts.record_restart(run_dir, run_id, failure, resume_from, trainer.step,
@@ -107,7 +107,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
         progress.message(note)
     config = cfg.to_json_dict()
     config["resume"] = False  # a saved config starts nothing by itself; --resume=true or `opentau resume` resumes it
-    marks = restarts.StepMarks(run_log_dir, acc.process_index) if restarts.max_restarts() else None
+    marks = restarts.StepMarks(run_log_dir, acc.process_index) if max_restarts() else None
     watchdog = restarts.Watchdog(cfg.distributed.timeout_minutes * 60, acc.process_index)
     try:
         while trainer.step < cfg.steps:
@@ -137,7 +137,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
             watchdog.beat()
             if result.stop:
                 ckpt.wait()
-                if restarts.max_restarts():  # the signal may be the agent's, re-forming the group (machines joined)
+                if max_restarts():  # the signal may be the agent's, re-forming the group (machines joined)
                     progress.message(f"Stopped by a signal: saved step {step}; the group continues from it if it "
                                      f"re-forms, else continue with `opentau resume {run_dir}`.")
                 else:
@@ -162,9 +162,9 @@ def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path,
     for all and notes each group in `<run log dir>/groups.jsonl`."""
     from accelerate.utils import broadcast_object_list
 
-    from opentau_cli.checkpoint.manager import clean_leftovers, latest
-    from opentau_cli.checkpoint.manifest import verify_manifest
-    from opentau_cli.train import restarts
+    from opentau_cli.process import restarts
+    from opentau_cli.store.manifest import verify_manifest
+    from opentau_cli.store.runs import clean_leftovers, latest
 
     run_dir = Path(cfg.output_dir)
     decision = [None, str(resume_from) if resume_from else None, None]
@@ -193,7 +193,7 @@ def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from opentau_cli.runtime import run_rank
+    from opentau_cli.process.runtime import run_rank
 
     run_rank(fit, argv, description=__doc__)
 

@@ -32,9 +32,9 @@ from transformers.models.paligemma.modeling_paligemma import PaliGemmaModel
 
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.data.images import to_unit_float
+from opentau_cli.data.normalization import IDENTITY, MEAN_STD, QUANTILE, STATS, STATS_OF, mode_of, normalize, unnormalize
 from opentau_cli.errors import UserError
 from opentau_cli.policies.pi05.configuration import arch_config
-from opentau_cli.normalization import IDENTITY, MEAN_STD, QUANTILE, STATS, STATS_OF, mode_of, normalize, unnormalize
 from opentau_cli.policies.pi05.tokenization import PromptTokenizer, action_token_id, load_tokenizer
 
 # Parameters that openpi keeps in fp32 when the rest of the model is bf16 (matched as name fragments): SigLIP's patch
@@ -535,7 +535,7 @@ class Pi05Policy(nn.Module):
 
     def loss(self, inputs: dict, noise: torch.Tensor | None = None, time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The losses on prepared inputs (`_prepare`): everything after tokenization, so that the memory plan can run
-        it on fake tensors of the configured shapes (opentau_cli/memory_plan.py)."""
+        it on fake tensors of the configured shapes (opentau_cli/plan/memory.py)."""
         actions = inputs["actions"]
         batch_size = inputs["batch_size"]
         if time is None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from opentau_cli.data.normalization import normalize
 from opentau_cli.errors import UserError
-from opentau_cli.normalization import normalize
 
 STATE_BINS = 256
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

@@ -19,15 +19,15 @@ import torch
 from opentau_cli.config.model import MixtureMember, TrainConfig
 from opentau_cli.data.mixture import select_member
 from opentau_cli.errors import UserError
-from opentau_cli.inference import (
+from opentau_cli.store.outputs import check_target, publishing, writable_parent
+from opentau_cli.tools.inference import (
     describe_weights, device_named, for_inference, from_checkpoint, from_model, is_training_checkpoint,
     model_policy_config, sample,
 )
-from opentau_cli.outputs import check_target, publishing, writable_parent
 
 EVAL_JSON = "eval.json"
 EVAL_PLOT = "eval.png"
-COMMAND = "eval"  # its name in the output convention's marker (outputs.py)
+COMMAND = "eval"  # its name in the output convention's marker (store/outputs.py)
 
 
 @dataclass
@@ -165,7 +165,7 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     dev = device_named(device)
     path = Path(str(source)).expanduser()
     output = Path(output) if output is not None else Path("outputs") / "eval" / (path.name or "model")
-    check_target(output, force=force, source=path, command=COMMAND)  # the output convention: opentau_cli/outputs.py
+    check_target(output, force=force, source=path, command=COMMAND)  # the output convention: opentau_cli/store/outputs.py
     writable_parent(output)
     from_run = is_training_checkpoint(path)
     if from_run:
@@ -203,7 +203,7 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     report["mse_ratio"] = report["policy"]["mse"] / max(report["mean_action"]["mse"], 1e-12)
     report["beats_mean_action"] = report["policy"]["mse"] < report["mean_action"]["mse"]
 
-    from opentau_cli.checkpoint.manifest import write_json_atomic
+    from opentau_cli.store.manifest import write_json_atomic
 
     shown = list(data.episodes)[:plot_episodes]
     with publishing(output, force=force, source=path, command=COMMAND) as staging:

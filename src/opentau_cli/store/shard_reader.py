@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from opentau_cli.checkpoint.pickle_scan import record_data_start
-from opentau_cli.checkpoint.safetensors_writer import FileSpan
 from opentau_cli.errors import UserError
+from opentau_cli.store.pickle_scan import record_data_start
+from opentau_cli.store.safetensors_writer import FileSpan
 
 
 class UnsafeCheckpointError(Exception):

@@ -12,7 +12,7 @@ thread did, and on a machine whose cores are all busy a descheduled thread holdi
 save then cost more than a synchronous one). The background threads never run a collective on the training's process
 group: the main thread learns their progress (CheckpointManager.poll), so the ranks agree on it. FSDP2's shards are
 the exception to the writer process: DCP writes them from the background thread, coordinating over a gloo group of
-its own (checkpoint/dcp.py ShardedState).
+its own (store/dcp.py ShardedState).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import xxhash
 
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, rank_state_file
-from opentau_cli.checkpoint.manifest import HASH_NAME
+from opentau_cli.store.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, rank_state_file
+from opentau_cli.store.manifest import HASH_NAME
 
 WRITER_NICE = 10  # how much lower the writer process's priority is than the training process's
 Write = Callable[[], tuple[Path, int, str]]  # writes one file: (its path, size, hash as the manifest records it)
@@ -260,7 +260,7 @@ def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dic
     that put it in save_dir. Runs on the main thread (under DeepSpeed it runs save_checkpoint's collectives); only
     small files (DeepSpeed's RNG states, `latest` and scripts) are written right away. `extra`: safetensors files
     this rank adds ({name: tensors}, e.g. its EMA), copied with the rest."""
-    from opentau_cli.checkpoint.dcp import registered
+    from opentau_cli.store.dcp import registered
 
     Path(save_dir).mkdir(parents=True, exist_ok=True)  # as save_state does
     staging.begin()
@@ -270,7 +270,7 @@ def snapshot(accelerator, save_dir: Path, staging: HostStaging, save_kwargs: dic
         writes = _accelerate_snapshot(accelerator, Path(save_dir), staging)
     sharded = registered(accelerator)
     if sharded is not None:
-        # FSDP2 (checkpoint/dcp.py): this rank's shards copied to host memory now; DCP writes them from the
+        # FSDP2 (store/dcp.py): this rank's shards copied to host memory now; DCP writes them from the
         # background thread, its plan and metadata gathered over a gloo group of their own (never the training's).
         group = sharded.group()
         writes.insert(0, partial(sharded.write_staged, sharded.stage(), Path(save_dir), accelerator.process_index, group))
@@ -292,7 +292,7 @@ def _accelerate_snapshot(acc, save_dir: Path, staging: HostStaging) -> list[Writ
     writes.append(partial(staging.write, FileWrite(save_dir / rank_state_file(acc.process_index), rng)))
     if not acc.is_main_process:  # Accelerate's `save` writes the rest on the main process only
         return writes
-    from opentau_cli.checkpoint.dcp import ShardedState
+    from opentau_cli.store.dcp import ShardedState
 
     weights = [acc.get_state_dict(model, unwrap=False) for model in acc._models]
     for hook in acc._save_model_state_pre_hook.values():
@@ -392,7 +392,7 @@ def _save_safetensors(state: dict, path: Path, bounce: mmap.mmap) -> tuple[Path,
     from accelerate.utils.other import clean_state_dict_for_safetensors
     from safetensors.torch import save as safetensors_bytes
 
-    from opentau_cli.checkpoint.safetensors_writer import TensorEntry, header_bytes
+    from opentau_cli.store.safetensors_writer import TensorEntry, header_bytes
 
     if isinstance(state, OrderedDict):
         state = clean_state_dict_for_safetensors(state)
@@ -531,7 +531,7 @@ class _WriterProcess:
 
         ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS="1")  # it never computes: no thread pool
-        code = f"from opentau_cli.checkpoint.async_save import _writer_main; _writer_main({theirs.fileno()})"
+        code = f"from opentau_cli.train.async_save import _writer_main; _writer_main({theirs.fileno()})"
         self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env,
                                       stdin=subprocess.DEVNULL)
         theirs.close()
@@ -590,7 +590,7 @@ def _writer_main(fd: int) -> None:
     from multiprocessing.connection import Connection
     from multiprocessing.reduction import recv_handle
 
-    from opentau_cli.runtime import die_with_parent
+    from opentau_cli.process.runtime import die_with_parent
 
     # Die with the training process (the thread that started this one is its main thread, which outlives it).
     die_with_parent()
@@ -602,7 +602,7 @@ def _writer_main(fd: int) -> None:
     conn = Connection(fd)
     arenas: dict[int, mmap.mmap] = {}
     bounce = mmap.mmap(-1, HostStaging.BOUNCE)
-    from opentau_cli.checkpoint.manager import skip_zip_crcs
+    from opentau_cli.store.format import skip_zip_crcs
 
     skip_zip_crcs()  # as the training process writes them
     while True:

@@ -28,9 +28,9 @@ METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 TB_RUN = "train"  # tensorboard/train/: every launch of a run writes there (a resume with purge_step)
 LOGS = "logs"
-RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.runlock)
+RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.process.runlock)
 LAUNCHER_LOG = "launcher.log"  # logs/<time>/launcher.log: Accelerate's launcher and torch's elastic agent write here
-LAUNCH_FILE = "launch.json"  # logs/<run id>/launch.json: what launch.py hands its ranks, read back by a later resume
+LAUNCH_FILE = "launch.json"  # logs/<run id>/launch.json: what process/launch.py hands its ranks, read back by a later resume
 ROLLED_BACK = "rolled_back"  # rolled_back/<time>/checkpoints/<step>/ and rolled_back/<time>/metrics.jsonl (lineage.py)
 
 # What opentau adds to a checkpoint.

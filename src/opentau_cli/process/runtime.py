@@ -15,12 +15,15 @@ import gc
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import IO, Callable, NoReturn
 
 USER_ERROR_MARK = "opentau-user-error: "
+ATTEMPT_MARK = "opentau-attempt: "  # a rank log line where each attempt of a restartable launch begins
+MACHINE_MARK = "opentau-machine: "  # the next line: the machine (its --machine_rank) and local rank of that attempt
 # What every rank imports before it builds anything, in this order. DeepSpeed on every backend: Accelerate's
 # unwrap_model imports it whenever it is installed.
 RANK_IMPORTS = ("opentau_cli.config", "torch", "accelerate", "deepspeed", "opentau_cli.policies")
@@ -60,11 +63,9 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     # global rank 0 may be elsewhere (train/worker.py agree_run_id).
     shows = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0 and not int(launch["accelerate"].get("machine_rank", 0) or 0)
     console = redirect_output(Path(launch["log_dir"]), int(os.environ.get("RANK", "0")), shows)
-    from opentau_cli.train import restarts  # stdlib only
-
-    restartable = restarts.max_restarts() > 0
+    restartable = max_restarts() > 0
     if restartable:
-        restarts.mark_attempt(int(launch["accelerate"].get("machine_rank", 0) or 0))
+        mark_attempt(int(launch["accelerate"].get("machine_rank", 0) or 0))
     try:
         import_paused(*RANK_IMPORTS)
         from opentau_cli.config import TrainConfig, setup_from_dict
@@ -78,7 +79,7 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     if code == 2 and restartable:
         # No restart cures bad input: end the launch now rather than let torch's elastic agent burn its restarts on
         # it (the launcher reads the marked line). docs/ARCHITECTURE.md, "Restarts".
-        restarts.kill_agent()
+        kill_agent()
     exit_rank(code)
 
 
@@ -193,3 +194,27 @@ def exit_rank(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# Under torch's elastic agent (automatic restarts, docs/ARCHITECTURE.md "Restarts").
+
+def attempt() -> int:
+    """0 for the launch's first worker group, k for its k-th restart (set by torch's elastic agent)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def max_restarts() -> int:
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+
+
+def mark_attempt(machine: int) -> None:
+    """Where this attempt begins in the rank log (which every attempt appends to), and on which machine: with
+    elastic machines a global rank may run on another machine after a re-forming."""
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    print(f"{ATTEMPT_MARK}{attempt()}\n{MACHINE_MARK}{machine} local_rank {local}", flush=True)
+
+
+def kill_agent() -> None:
+    """SIGKILL this rank's elastic agent, ending the launch without its remaining restarts; this rank and the
+    others of the machine die with it (die_with_parent)."""
+    os.kill(os.getppid(), signal.SIGKILL)

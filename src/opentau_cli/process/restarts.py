@@ -24,42 +24,25 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from opentau_cli.checkpoint.layout import LAUNCHER_LOG, LOGS
+from opentau_cli.process.runtime import ATTEMPT_MARK, MACHINE_MARK, USER_ERROR_MARK, attempt, kill_agent, max_restarts, rank_log
+from opentau_cli.store.layout import LAUNCHER_LOG, LOGS
 
 RESTARTS = "restarts.jsonl"  # <run>/logs/restarts.jsonl: one line per automatic restart, every launch of the run
 STOPPED = "stopped"  # <run log dir>/stopped: why a restarted launch ended without using its remaining restarts
-ATTEMPT_MARK = "opentau-attempt: "  # a rank log line where each attempt of a restartable launch begins
-MACHINE_MARK = "opentau-machine: "  # the next line: the machine (its --machine_rank) and local rank of that attempt
 GROUPS = "groups.jsonl"  # <run log dir>/groups.jsonl: each worker group of the launch (attempt, world size)
 # Errors a rank reports when another rank died first: never the root cause.
 KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "NCCL communicator was aborted")
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
-def attempt() -> int:
-    """0 for the launch's first worker group, k for its k-th restart (set by torch's elastic agent)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def max_restarts() -> int:
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-
-
-def mark_attempt(machine: int) -> None:
-    """Where this attempt begins in the rank log (which every attempt appends to), and on which machine: with
-    elastic machines a global rank may run on another machine after a re-forming."""
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    print(f"{ATTEMPT_MARK}{attempt()}\n{MACHINE_MARK}{machine} local_rank {local}", flush=True)
-
-
 def fit_to_world(cfg, setup):
     """(cfg, setup) for the world this group has. A group of an elastic launch may re-form on fewer or more machines
     than the launch planned for (distributed.machines); it keeps the run's global batch (the planned per-process
     batch x processes) as `opentau resume --reshard=true` does, and the checkpoint it continues from is resharded
-    (checkpoint/reshard.py). Unchanged for a group of the planned size."""
+    (train/reshard.py). Unchanged for a group of the planned size."""
     from dataclasses import replace
 
-    from opentau_cli.checkpoint.reshard import fit_global_batch
+    from opentau_cli.store.topology import fit_global_batch
 
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
     if not world or world == setup.world_size:
@@ -95,12 +78,6 @@ def machines_changed(change: dict, world: int) -> "Failure":
     return Failure(rank=None, machine=0, exit_code=None, error="", log="", failed_at_step=None,
                    regroup=f"machines joined: {world} processes now, {change['world_before']} before",
                    world_before=change["world_before"])
-
-
-def kill_agent() -> None:
-    """SIGKILL this rank's elastic agent, ending the launch without its remaining restarts; this rank and the
-    others of the machine die with it (runtime.die_with_parent)."""
-    os.kill(os.getppid(), signal.SIGKILL)
 
 
 def restarts_path(run_dir: Path) -> Path:
@@ -201,7 +178,6 @@ def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_ma
     own, else one whose log ends without an error (killed: SIGKILL, the OOM killer, a lost device), never one that
     only lost its peer. The agent's failure line adds the exit code when it names that rank (it names the first
     failure it saw, to the second, which may be a peer's knock-on error)."""
-    from opentau_cli.runtime import rank_log
 
     number = attempt()
     failures = agent_failures(Path(launch["log_dir"]) / LAUNCHER_LOG)
@@ -245,7 +221,6 @@ def placement(log: Path, number: int) -> tuple[int, int] | None:
 
 def user_error_of_attempt(run_log_dir: Path, number: int) -> str | None:
     """The one-line user error a rank of attempt `number` stopped on, if any."""
-    from opentau_cli.runtime import USER_ERROR_MARK
 
     for log in sorted(Path(run_log_dir).glob("rank*.log")):
         for line in attempt_segment(log.read_text(errors="replace"), number).splitlines():

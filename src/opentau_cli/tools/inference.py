@@ -9,18 +9,18 @@ from pathlib import Path
 
 import torch
 
-from opentau_cli.checkpoint.layout import TRAIN_CONFIG
 from opentau_cli.config.load import load_config
 from opentau_cli.config.model import DatasetSource, MixtureMember, TrainConfig
 from opentau_cli.data.mixture import member_statistics, select_member
 from opentau_cli.errors import UserError
+from opentau_cli.store.layout import TRAIN_CONFIG
 
 PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # what openpi and LeRobot tokenize pi05 prompts with
 
 
 def is_training_checkpoint(path: Path) -> bool:
-    from opentau_cli.checkpoint.layout import CHECKPOINTS
-    from opentau_cli.checkpoint.manager import is_checkpoint_dir
+    from opentau_cli.store.layout import CHECKPOINTS
+    from opentau_cli.store.runs import is_checkpoint_dir
 
     if str(path).endswith(":best"):  # RUN:best, the run's best kept checkpoint (find_checkpoint resolves it)
         return True
@@ -31,8 +31,8 @@ def from_checkpoint(path: Path, overrides: dict, dataset: str | None, weights: s
                      ) -> tuple[TrainConfig, MixtureMember, torch.nn.Module, dict]:
     """The run's config, the dataset evaluated and the policy normalizing with that dataset's statistics; `weights`:
     ema | live | None (the EMA when the checkpoint holds one)."""
-    from opentau_cli.checkpoint.export import open_saved_policy
-    from opentau_cli.checkpoint.manager import read_training_state
+    from opentau_cli.store.runs import read_training_state
+    from opentau_cli.tools.export import open_saved_policy
 
     saved = open_saved_policy(path, weights)
     cfg = load_config(saved.path / TRAIN_CONFIG, overrides)
@@ -67,12 +67,12 @@ def _run_member(cfg: TrainConfig, overrides: dict, dataset: str | None) -> Mixtu
 
 
 def _policy_of_checkpoint(saved, cfg: TrainConfig) -> tuple[torch.nn.Module, dict]:
-    from opentau_cli.checkpoint.export import check_entries, policy_layout
     from opentau_cli.policies import build_policy
+    from opentau_cli.tools.export import check_entries, policy_layout
 
     if cfg.policy.lora.enabled:  # the adapted policy as it trained (base, then adapters), not a merge of it
-        from opentau_cli.checkpoint.manager import read_training_state
         from opentau_cli.policies.lora import check_base, restore_policy
+        from opentau_cli.store.runs import read_training_state
 
         check_base(saved.path, read_training_state(saved.path), cfg)
         policy = restore_policy(cfg, {name: entry.produce() for name, entry in saved.entries.items()})
@@ -93,10 +93,10 @@ def _model_config(cfg: TrainConfig, ckpt, overrides: dict) -> TrainConfig:
     the command line's --policy.* overrides."""
     from pydantic import ValidationError
 
-    from opentau_cli.checkpoint.export import MODEL_CONFIG, policy_fields
     from opentau_cli.config.load import format_validation_error
     from opentau_cli.config.model import PolicyConfig
     from opentau_cli.policies.pretrained import guess_preset
+    from opentau_cli.tools.export import MODEL_CONFIG, policy_fields
 
     fields = {}
     config = ckpt.root / MODEL_CONFIG
@@ -152,8 +152,8 @@ def model_policy_config(source: str, overrides: dict) -> TrainConfig:
 def from_model(cfg: TrainConfig, source: str, dataset_stats: dict) -> tuple[torch.nn.Module, dict]:
     """The model's weights and its own statistics; the evaluated episodes' statistics only where it has none; which
     weights (ema | live) of which step an opentau export recorded (None: the model does not say)."""
-    from opentau_cli.checkpoint.export import model_provenance
     from opentau_cli.policies import build_pretrained
+    from opentau_cli.tools.export import model_provenance
 
     # Built without random initialization (about one copy of the weights in host RAM); no random draws either:
     # sampling takes its noise from its own generator.

@@ -543,7 +543,7 @@ def card_memory(machine=None) -> int | None:
 
 
 def check_memory(cfg: TrainConfig, setup: AccelerateSetup, machine) -> None:
-    """The launch rule (plan.py): refuse a run whose plan exceeds the card, when the card is known."""
+    """The launch rule (plan/run_plan.py): refuse a run whose plan exceeds the card, when the card is known."""
     card = card_memory(machine)
     if card and cfg.distributed.memory_check:
         check_fits(cfg, setup, card)

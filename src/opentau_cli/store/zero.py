@@ -1,43 +1,27 @@
-"""Streaming consolidation of DeepSpeed ZeRO-1/2/3 checkpoints (any number of ranks) into safetensors.
+"""Read a DeepSpeed ZeRO-1/2/3 checkpoint (any number of ranks) without unpickling it: check that its shards belong
+together and plan every full tensor as zero_to_fp32.py builds it (same names, shapes, dtypes and values), each read
+lazily from its ranks' slices only when asked (docs/ARCHITECTURE.md, "Checkpoint contract").
 
-Reproduces DeepSpeed's `zero_to_fp32.py` tensor for tensor (same names, shapes, dtypes and values) without its
-memory cost: shards are read lazily and safely (`shard_reader`, nothing unpickled beyond an allow-list), each output
-tensor is assembled from its ranks' slices only when it is written, and the output is written atomically.
-
-Layout of the result (as zero_to_fp32 builds it): buffers (floats as fp32), frozen parameters (kept in the
-model-states files), trainable parameters (from the fp32 master partitions in the optimizer files), then tied /
-shared parameters duplicated under each name, floating tensors cast to the requested dtype.
+Order of the plan (as zero_to_fp32 builds it): buffers (floats as fp32), frozen parameters (kept in the model-states
+files), trainable parameters (from the fp32 master partitions in the optimizer files), then tied / shared parameters
+under each name. Consolidation (tools/consolidate.py) writes the plan out; the elastic resume (train/reshard.py) and
+the EMA (train/ema.py) read from it.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
-import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from opentau_cli.checkpoint import manifest as mf
-from opentau_cli.checkpoint.dcp import is_dcp_checkpoint, model_entries
-from opentau_cli.checkpoint.format import check_readable, migrate_training_state
-from opentau_cli.checkpoint.layout import (
-    CHECKPOINTS, DS_LATEST, EMA_STATE, TRAINING_STATE, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, ds_shard_glob,
-    ema_group_name, ema_rank_file, weights_index_path, weights_shard_path,
-)
-from opentau_cli.checkpoint.lineage import archive_of
-from opentau_cli.checkpoint.safetensors_writer import FileSpan, TensorEntry, write_safetensors
-from opentau_cli.checkpoint.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
-from opentau_cli.errors import RunError, UserError
-from opentau_cli.outputs import check_target, make_parents, publishing, remove_made, writable_parent
-from opentau_cli.units import parse_size
-
-CONSOLIDATE_COMMAND = "checkpoint consolidate"  # names its outputs (opentau_cli/outputs.py): --force replaces only those
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from opentau_cli.errors import UserError
+from opentau_cli.store.layout import CHECKPOINTS, DS_LATEST, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MODEL_WEIGHTS, ds_shard_glob, ema_group_name, ema_rank_file
+from opentau_cli.store.safetensors_writer import FileSpan, TensorEntry
+from opentau_cli.store.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
 
 
 @dataclass
@@ -50,17 +34,9 @@ class ZeroCheckpoint:
     step: int | None
     entries: list[TensorEntry] = field(default_factory=list)  # source dtype (before output casting)
     # AdamW's moments of every trainable parameter, by name ("exp_avg" / "exp_avg_sq" -> name -> entry), and the
-    # optimizer's step count: what an elastic resume carries into another topology (checkpoint/reshard.py).
+    # optimizer's step count: what an elastic resume carries into another topology (train/reshard.py).
     moments: dict[str, dict[str, TensorEntry]] = field(default_factory=dict)
     optimizer_step: float | None = None
-
-
-@dataclass
-class ConsolidateResult:
-    files: list[Path]
-    num_tensors: int
-    total_bytes: int
-    already: bool = False
 
 
 def find_tag_dir(ckpt_dir: Path) -> Path:
@@ -493,224 +469,3 @@ def _reader_zero3(frags, part: int, shape):
         return flat.view(shape)
 
     return read
-
-
-def _cast(entry: TensorEntry, dtype: torch.dtype) -> TensorEntry:
-    if not entry.dtype.is_floating_point or entry.dtype == dtype:
-        return entry
-    produce = entry.produce
-    # Floats go through fp32 first, as zero_to_fp32 promotes buffers before casting: identical bits either way. The
-    # bytes change, so they are produced, never copied.
-    return TensorEntry(entry.name, entry.shape, dtype, lambda: produce().float().to(dtype))
-
-
-def _split_shards(entries: list[TensorEntry], max_bytes: int) -> list[list[TensorEntry]]:
-    shards, cur, size = [], [], 0
-    for e in entries:
-        if cur and size + e.nbytes > max_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(e)
-        size += e.nbytes
-    if cur:
-        shards.append(cur)
-    return shards
-
-
-WEIGHTS = ("ema", "live")
-
-
-def wants_ema(ckpt_dir: Path, weights: str | None) -> bool:
-    """Whether `--weights` (ema | live; None: the EMA when the checkpoint holds one) asks for the EMA weights."""
-    if weights is not None and weights not in WEIGHTS:
-        raise UserError(f"--weights must be ema or live, not '{weights}'.")
-    try:
-        has_ema = bool(json.loads((Path(ckpt_dir) / TRAINING_STATE).read_text()).get(EMA_STATE))
-    except (OSError, ValueError, AttributeError):
-        has_ema = False
-    if weights == "ema" and not has_ema:
-        raise UserError(f"{ckpt_dir} holds no EMA weights (it was trained without ema.decay): pass --weights live.")
-    return has_ema if weights is None else weights == "ema"
-
-
-def weights_kind(single: Path) -> str:
-    """Which weights (ema | live) an existing consolidated output holds; one written before the EMA: live."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        first = single
-        if not single.is_file():
-            weight_map = json.loads(weights_index_path(single).read_text()).get("weight_map", {})
-            first = single.with_name(sorted(weight_map.values())[0]) if weight_map else single
-        with safe_open(str(first), framework="pt") as f:
-            return (f.metadata() or {}).get("weights", "live")
-    except (OSError, ValueError, AttributeError, SafetensorError):  # unreadable: its reader will say what is wrong
-        return "live"
-
-
-def output_paths(ckpt_dir: Path, output: Path | None) -> Path:
-    """The single-file output path: CKPT_DIR/model.safetensors, --output FILE.safetensors, or --output DIR/model.safetensors."""
-    if output is None:
-        return Path(ckpt_dir) / MODEL_WEIGHTS
-    output = Path(output)
-    return output if output.suffix == ".safetensors" else output / MODEL_WEIGHTS
-
-
-def is_consolidated(single: Path) -> bool:
-    return single.is_file() or weights_index_path(single).is_file()
-
-
-def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5GB", output: Path | None = None,
-                force: bool = False, progress=None, weights: str | None = None) -> ConsolidateResult:
-    """Write the consolidated weights of a DeepSpeed checkpoint as safetensors: its EMA weights when it holds them
-    (`weights` None or "ema"), else (or with "live") the live fp32 master weights. Raises UserError / RunError."""
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
-    max_bytes = parse_size(max_shard_size, "--max-shard-size")
-    ckpt_dir = Path(ckpt_dir)
-    single = output_paths(ckpt_dir, output)
-    fsdp = is_dcp_checkpoint(ckpt_dir)  # FSDP2: its DCP shards (checkpoint/dcp.py)
-    if not fsdp:
-        find_tag_dir(ckpt_dir)  # not a DeepSpeed checkpoint: one clear error before anything else is looked at
-    check_readable(ckpt_dir)
-    kind = "ema" if wants_ema(ckpt_dir, weights) else "live"
-    if output is None and archive_of(ckpt_dir) is not None:  # nothing under rolled_back/ is written (lineage.py)
-        raise UserError(f"{ckpt_dir} was moved aside by a rollback, and nothing in an archive is written: pass "
-                        f"--output DIR (outside any run) to write its consolidated weights there.")
-    if output is not None:  # the output convention (opentau_cli/outputs.py): never into a run, --force only over ours
-        check_target(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)
-        check_target(weights_index_path(single), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)
-    elif is_consolidated(single) and not force:  # its own place in the checkpoint: done already, nothing to refuse
-        existing = single if single.is_file() else weights_index_path(single)
-        if weights_kind(single) != kind:
-            raise UserError(f"{existing} holds the {weights_kind(single)} weights, not the {kind} ones: pass --force to "
-                            f"replace it, or --output to write the {kind} weights elsewhere.")
-        return ConsolidateResult([existing], 0, existing.stat().st_size, already=True)
-
-    # A checkpoint with a manifest must still match it (cheap size check: catches truncated or missing shards).
-    if (ckpt_dir / MANIFEST).exists():
-        problems = [p for p in mf.verify_manifest(ckpt_dir, rehash=False) if p.kind != "extra"]
-        if problems:
-            raise UserError(f"{ckpt_dir} does not match its manifest: " + "; ".join(map(str, problems[:5])))
-
-    if fsdp:
-        state = migrate_training_state(json.loads((ckpt_dir / TRAINING_STATE).read_text()))
-        source, world, step, raw = "fsdp", state["world_size"], state["step"], model_entries(ckpt_dir, ema=kind == "ema")
-    else:
-        ckpt = read_zero_checkpoint(ckpt_dir, ema=kind == "ema")
-        source, world, step, raw = str(ckpt.zero_stage), ckpt.world_size, ckpt.step, ckpt.entries
-    entries = [_cast(e, DTYPES[dtype]) for e in raw]
-    total = sum(e.nbytes for e in entries)
-    _check_writable(ckpt_dir if output is None else writable_parent(Path(output)), total)
-
-    metadata = {"format": "pt", "producer": f"opentau {CONSOLIDATE_COMMAND}", "zero_stage": source,
-                "world_size": str(world), "step": str(step), "weights": kind}
-    shards = _split_shards(entries, max_bytes)
-    if output is None or single == Path(output):
-        # Its own place in the checkpoint, or a FILE.safetensors target: each file written to a hidden sibling and
-        # renamed (write_safetensors), shards before the index that makes them a model.
-        made = make_parents(single.parent)
-        try:
-            written = _write_weights(single, shards, metadata, ckpt_dir, progress, total)
-        except BaseException:
-            remove_made(made)
-            raise
-    else:  # a directory target: written whole into a hidden sibling, renamed into place
-        with publishing(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND) as staging:
-            staging.mkdir()
-            staged = _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total, shown=Path(output))
-            written = [Path(output) / p.name for p in staged]
-    removed = _remove_stale_layout(single, written)
-    _vouch(ckpt_dir, written, removed)
-    return ConsolidateResult(written, len(entries), total)
-
-
-def _write_weights(single: Path, shards: list[list[TensorEntry]], metadata: dict, ckpt_dir: Path, progress,
-                   total: int, shown: Path | None = None) -> list[Path]:
-    """`single`, or above the shard size its shards and then the index; on failure nothing is left. Messages name
-    `shown` (the user's --output) rather than the hidden sibling being written."""
-    out_dir = shown or single.parent
-    written: list[Path] = []
-    try:
-        if len(shards) == 1:
-            written.append(write_safetensors(single, shards[0], metadata, progress))
-        else:
-            # Shards first, the index last: the index is what makes the sharded output exist.
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                path = weights_shard_path(single, i, len(shards))
-                written.append(write_safetensors(path, shard, metadata, progress))
-                weight_map.update({e.name: path.name for e in shard})
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            written.append(mf.write_json_atomic(weights_index_path(single), index))
-    except OSError as e:
-        for p in written:
-            p.unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC or e.errno == errno.EFBIG or e.errno == errno.EDQUOT:
-            raise RunError(f"Disk full while writing the consolidated weights to {out_dir}; nothing was left behind. "
-                           f"Free {total / 1e9:.2f} GB there or pass --output on another disk.") from None
-        raise RunError(f"Writing the consolidated weights to {out_dir} failed ({e.strerror or e}); nothing was left behind.") from None
-    except ShardFormatError as e:  # a tensor that reads as truncated or corrupt only when its turn to be written comes
-        for p in written:
-            p.unlink(missing_ok=True)
-        raise UserError(f"{ckpt_dir}: {e}; nothing was written.") from None
-    except BaseException:
-        for p in written:
-            p.unlink(missing_ok=True)
-        raise
-    return written
-
-
-def _check_writable(out_dir: Path, total: int) -> None:
-    if not out_dir.is_dir():
-        raise UserError(f"Output directory {out_dir} does not exist.")
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        raise UserError(f"Output directory {out_dir} is not writable.")
-    free = shutil.disk_usage(out_dir).free
-    if free < total:
-        raise UserError(f"Not enough disk space in {out_dir}: the consolidated weights need {total / 1e9:.2f} GB, "
-                        f"{free / 1e9:.2f} GB are free.")
-
-
-def _remove_stale_layout(single: Path, written: list[Path]) -> list[Path]:
-    """After --force, drop the previous output's files that the new layout does not use (single <-> sharded)."""
-    index, removed = weights_index_path(single), []
-    if single not in written and single.is_file():
-        single.unlink()
-        removed.append(single)
-    if index not in written and index.is_file():
-        try:
-            old = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        except (OSError, ValueError):
-            old = set()
-        for name in old:
-            p = single.with_name(name)
-            if p not in written and p.name.startswith(single.stem + "-") and p.is_file():
-                p.unlink()
-                removed.append(p)
-        index.unlink()
-        removed.append(index)
-    return removed
-
-
-def _vouch(ckpt_dir: Path, written: list[Path], removed: list[Path]) -> None:
-    """Outputs inside a checkpoint with a manifest get listed in it, so `verify` and resume still trust the directory."""
-    if mf.read_manifest(ckpt_dir) is None:
-        return
-    root = ckpt_dir.resolve()
-
-    def rel(paths):
-        out = []
-        for p in paths:
-            try:
-                out.append(p.resolve().relative_to(root).as_posix())
-            except ValueError:  # written outside the checkpoint (--output elsewhere)
-                continue
-        return out
-
-    # Only what lies inside: an --output elsewhere leaves the checkpoint, its manifest included, untouched.
-    removed, written = rel(removed), rel(written)
-    if removed:
-        mf.remove_from_manifest(ckpt_dir, removed)
-    if written:
-        mf.add_to_manifest(ckpt_dir, written)

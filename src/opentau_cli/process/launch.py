@@ -1,6 +1,6 @@
 """Build and run `accelerate launch` on a per-rank worker (train's or profile's): CPU recipes, logs, exit codes and signals.
 
-The launcher is the only process the user talks to. It runs a `RunPlan` that `opentau_cli.plan` decided (every
+The launcher is the only process the user talks to. It runs a `RunPlan` that `opentau_cli.plan.run_plan` decided (every
 rule and resume check, the same as `config validate`) before anything is spawned, writes the resolved config and an Accelerate YAML with the CPU recipes of
 docs/ARCHITECTURE.md "CPU recipes" applied into `<output_dir>/logs/<timestamp>/`, then runs the workers and maps their outcome to
 exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log path), 2 a user error a rank found late,
@@ -17,23 +17,22 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from opentau_cli.checkpoint.layout import CHECKPOINTS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
-from opentau_cli import runlock
-from opentau_cli.checkpoint.lineage import ROLLED_BACK, roll_back, span
-from opentau_cli.checkpoint.manager import checkpoint_steps, clean_leftovers, latest, run_dir_of
-from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.config import AccelerateSetup, TrainConfig, Validated
 from opentau_cli.config.model import DistributedConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
-from opentau_cli.plan import RunPlan
-from opentau_cli.accelerate_launcher import TORCHRUN_ARGS
-from opentau_cli.runtime import read_user_error
-from opentau_cli.train.restarts import ATTEMPT_MARK, STOPPED, is_knock_on, read_restarts
+from opentau_cli.process import runlock
+from opentau_cli.process.accelerate_launcher import TORCHRUN_ARGS
+from opentau_cli.process.restarts import STOPPED, is_knock_on, read_restarts
+from opentau_cli.process.runtime import ATTEMPT_MARK, read_user_error
+from opentau_cli.store.layout import CHECKPOINTS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
+from opentau_cli.store.lineage import ROLLED_BACK, roll_back, span
+from opentau_cli.store.runs import checkpoint_steps, clean_leftovers, latest, run_dir_of
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,28 @@ class Worker:
 TRAIN_WORKER = Worker("opentau_cli.train.worker", "Training")
 # Signals that mean "finish the current step, save, exit 0" (cluster preemption).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class RunPlan:
+    """Everything a launch needs, decided before any process starts (plan/run_plan.py makes it)."""
+
+    checked: Validated
+    resume_from: Path | None = None
+    notes: list[str] = field(default_factory=list)
+    finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
+    rollback: bool = False  # the launcher first moves the checkpoints newer than resume_from aside (lineage.py)
+    # The revision (branch, tag) each Hub dataset was asked at before its commit was pinned, by member label: launch.json
+    # records it, so that a later resume can say when that branch has moved (data/hub.py pin_for_resume).
+    dataset_branches: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.checked.config
+
+    @property
+    def setup(self) -> AccelerateSetup:
+        return self.checked.accelerate
 
 
 def free_port() -> int:
@@ -239,7 +260,7 @@ def build_command(accel_path: Path, cfg_path: Path, launch_path: Path, module: s
     restarts = (["--max_restarts", str(max_restarts), "--monitor_interval", "1", "--rdzv_backend", "c10d"]
                 if max_restarts else [])
     return [
-        sys.executable, "-m", "opentau_cli.accelerate_launcher", "--config_file", str(accel_path), *restarts,
+        sys.executable, "-m", "opentau_cli.process.accelerate_launcher", "--config_file", str(accel_path), *restarts,
         "-m", module, "--config", str(cfg_path), "--launch", str(launch_path),
     ]
 
@@ -362,7 +383,7 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         if log == log_dir:  # no rank got as far as its log
             log = log_dir / LAUNCHER_LOG
         stopped = log_dir / STOPPED
-        if stopped.is_file():  # a restarted group found a failure no restart cures (train/restarts.py)
+        if stopped.is_file():  # a restarted group found a failure no restart cures (process/restarts.py)
             raise RunError(f"{worker.name} stopped: {stopped.read_text().strip()}. Full log: {log.resolve()}")
         used = sum(1 for r in read_restarts(plan.config.output_dir) if r.get("run_id") == log_dir.name)
         after = f" after {used} restart{'s' * (used != 1)}" if used else ""

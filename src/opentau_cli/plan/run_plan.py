@@ -9,22 +9,15 @@ and policy checks, and adds the checkpoint's resume checks.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from opentau_cli.runtime import import_paused
+from opentau_cli.process.runtime import import_paused
 
 # Every plan asks torch for this machine's GPUs: torch is imported first, with the garbage collector paused
 # (docs/ARCHITECTURE.md "Start-up"; opentau_cli.policies does the same for transformers when a check builds the
 # policy, which `profile --dataloader-only` never imports).
 import_paused("torch")
 
-from opentau_cli.checkpoint.layout import LAUNCH_FILE, LOGS, TRAIN_CONFIG, holds_run, run_part
-from opentau_cli.checkpoint.lineage import archive_of
-from opentau_cli.checkpoint.manager import (
-    RESHARD_FLAG, check_in_run, check_resumable, find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of,
-)
-from opentau_cli.checkpoint.reshard import describe_change, fit_global_batch, is_reshard, topology, topology_entry
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
     validate, with_machine,
@@ -32,9 +25,15 @@ from opentau_cli.config import (
 from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
 from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
-from opentau_cli.train.trackers import check_trackers
 from opentau_cli.errors import UserError
-from opentau_cli import runlock
+from opentau_cli.plan.resume import RESHARD_FLAG, check_in_run, check_resumable
+from opentau_cli.process import runlock
+from opentau_cli.process.launch import RunPlan
+from opentau_cli.store.layout import LAUNCH_FILE, LOGS, TRAIN_CONFIG, holds_run, run_part
+from opentau_cli.store.lineage import archive_of
+from opentau_cli.store.runs import find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of
+from opentau_cli.store.topology import describe_change, fit_global_batch, is_reshard, topology, topology_entry
+from opentau_cli.train.trackers import check_trackers
 
 
 def check_policy(cfg: TrainConfig) -> list[str]:
@@ -125,7 +124,7 @@ LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir, check_trackers)
 
 def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:
     """Every rule a launch must pass on `machine` (resume checks aside): raises one UserError naming every problem."""
-    from opentau_cli.memory_plan import check_memory
+    from opentau_cli.plan.memory import check_memory
 
     checked = validate(cfg, setup, machine, LAUNCH_CHECKS)
     check_machines(checked.config, setup)
@@ -163,28 +162,6 @@ def check_machines(cfg: TrainConfig, setup: AccelerateSetup) -> None:
         fit_global_batch(cfg.model_dump(), setup.world_size, world, {})
 
 
-@dataclass
-class RunPlan:
-    """Everything a launch needs, decided before any process starts."""
-
-    checked: Validated
-    resume_from: Path | None = None
-    notes: list[str] = field(default_factory=list)
-    finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
-    rollback: bool = False  # the launcher first moves the checkpoints newer than resume_from aside (lineage.py)
-    # The revision (branch, tag) each Hub dataset was asked at before its commit was pinned, by member label: launch.json
-    # records it, so that a later resume can say when that branch has moved (data/hub.py pin_for_resume).
-    dataset_branches: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def config(self) -> TrainConfig:
-        return self.checked.config
-
-    @property
-    def setup(self) -> AccelerateSetup:
-        return self.checked.accelerate
-
-
 def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
                machines: dict | None = None, reshard: bool = False, rollback: bool = False,
                break_lock: bool = False) -> RunPlan:
@@ -192,9 +169,9 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
 
     `machine` is the one the rules check for; by default this one. `machines`: the command line's machine settings
     (`config.with_machine`: they and the cluster's environment override the YAML). `reshard`: a resume may change
-    the number of processes, the backend or the ZeRO stage (checkpoint/reshard.py). `rollback`: a resume from a
+    the number of processes, the backend or the ZeRO stage (train/reshard.py). `rollback`: a resume from a
     checkpoint older than the run's newest moves the newer ones aside instead of being refused (lineage.py).
-    `break_lock`: the launch will take over a lost node's run lock (runlock.py), so that lock refuses nothing here."""
+    `break_lock`: the launch will take over a lost node's run lock (process/runlock.py), so that lock refuses nothing here."""
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
     cfg = load_config(config_path, overrides)
@@ -285,7 +262,7 @@ def recorded_branches(ckpt: Path, state: dict) -> dict[str, str]:
     the run id the checkpoint's lineage records); {} when not recorded."""
     import json
 
-    from opentau_cli.checkpoint.lineage import lineage_in
+    from opentau_cli.store.lineage import lineage_in
 
     launch = (lineage_in(state) or {}).get("launch")
     if not state.get("dataset_revisions") or not isinstance(launch, str) or not launch:
@@ -301,7 +278,7 @@ ROLLBACK_FLAG = "--rollback=true"
 
 
 def check_not_live(run_dir: Path, setup: AccelerateSetup, break_lock: bool) -> None:
-    """A live run holding the run directory's lock is refused first, in the words the launch would use (runlock.py):
+    """A live run holding the run directory's lock is refused first, in the words the launch would use (process/runlock.py):
     what it is writing (a checkpoint being published, newer than `last` for a moment) must not be judged as a finished
     run's history (the history check would advise --rollback=true, which would move the live run's checkpoints), and
     nothing is printed before the refusal. Machine 0 takes the lock; the other machines of a run join it."""
@@ -312,7 +289,7 @@ def check_not_live(run_dir: Path, setup: AccelerateSetup, break_lock: bool) -> N
 def check_history(ckpt: Path, rollback: bool) -> list[str]:
     """A resume writes its checkpoints after `ckpt`'s step: newer checkpoints of the run would be overwritten or mixed
     into another branch's history. Refused unless `rollback` (then the launcher moves them aside: lineage.py)."""
-    from opentau_cli.checkpoint.lineage import ROLLED_BACK, newer_checkpoints, span
+    from opentau_cli.store.lineage import ROLLED_BACK, newer_checkpoints, span
 
     run_dir = run_dir_of(ckpt)
     newer = newer_checkpoints(run_dir, ckpt)

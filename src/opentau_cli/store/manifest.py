@@ -2,7 +2,7 @@
 
 `manifest.json` = {"version": 1, "format_version": F, "opentau_version": "X.Y.Z", "hash": "xxh3_128",
 "files": {"<relative/posix/path>": {"size": N, "hash": "<hex>"}}, "world_size": W, "rank_files": {"<rank>": [paths]}}.
-"version" is the manifest's own layout; "format_version" the checkpoint's (checkpoint/format.py; absent before
+"version" is the manifest's own layout; "format_version" the checkpoint's (store/format.py; absent before
 format 2), "opentau_version" the release that wrote it. The manifest itself is not listed. A directory is a complete
 checkpoint only if its manifest vouches for exactly the files present and those hold every rank's own state (what
 training_state.json's world size and backend call for), so neither a half-written save nor one that missed a rank
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import xxhash
 
-from opentau_cli.checkpoint.faults import fault_point
-from opentau_cli.checkpoint.format import FIELD as FORMAT_FIELD, FORMAT_VERSION
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.store.faults import fault_point
+from opentau_cli.store.format import FIELD as FORMAT_FIELD, FORMAT_VERSION
+from opentau_cli.store.layout import (
     DS_SHARD_RE, DS_TAG, EMA_STATE, EMA_WEIGHTS, MANIFEST, TRAINING_STATE, ema_rank_file, rank_state_file,
 )
-from opentau_cli.outputs import file_mode, follow_umask
+from opentau_cli.store.outputs import file_mode, follow_umask
 
 HASH_NAME = "xxh3_128"
 _CHUNK = 8 * 1024 * 1024
@@ -57,7 +57,7 @@ def _rank_layout(ckpt_dir: Path) -> tuple[int, int | None, bool] | None:
     world = state.get("world_size") if isinstance(state, dict) else None
     if not isinstance(world, int) or world < 1:
         return None
-    # An FSDP2 EMA lies in the DCP shards with the model's (checkpoint/dcp.py), not in a file of its own.
+    # An FSDP2 EMA lies in the DCP shards with the model's (store/dcp.py), not in a file of its own.
     ema = bool(state.get(EMA_STATE)) and state.get("backend") != "fsdp"
     return world, (state.get("zero_stage") if state.get("backend") == "deepspeed" else None), ema
 

@@ -1,5 +1,5 @@
 """Accelerate's own launcher (`accelerate launch`, its `main`) as opentau starts it: `python -m
-opentau_cli.accelerate_launcher ARGS` takes the same arguments as `python -m accelerate.commands.launch ARGS`.
+opentau_cli.process.accelerate_launcher ARGS` takes the same arguments as `python -m accelerate.commands.launch ARGS`.
 
 Three differences: the launcher dies with the opentau command that started it (runtime.die_with_parent); it imports
 torch with the garbage collector paused and freezes what it made, as every rank does (docs/ARCHITECTURE.md,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from opentau_cli.runtime import die_with_parent, import_paused
+from opentau_cli.process.runtime import die_with_parent, import_paused
 
 TORCHRUN_ARGS = "OPENTAU_TORCHRUN_ARGS"
 

@@ -15,16 +15,16 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from opentau_cli.checkpoint import manifest as mf
-from opentau_cli.checkpoint.dcp import is_dcp_checkpoint, summary as dcp_summary
-from opentau_cli.checkpoint.format import check_readable
-from opentau_cli.checkpoint.layout import (
+from opentau_cli.errors import UserError
+from opentau_cli.store import manifest as mf
+from opentau_cli.store.dcp import is_dcp_checkpoint, summary as dcp_summary
+from opentau_cli.store.format import check_readable
+from opentau_cli.store.layout import (
     BEST, CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
     leftover_of, read_last, step_of,
 )
-from opentau_cli.checkpoint.lineage import current_branch, lineage_in, lineage_of, newest_complete, rolled_back
-from opentau_cli.checkpoint.shard_reader import LazyTensor, load_shard
-from opentau_cli.errors import UserError
+from opentau_cli.store.lineage import current_branch, lineage_in, lineage_of, newest_complete, rolled_back
+from opentau_cli.store.shard_reader import LazyTensor, load_shard
 
 
 def _read_json(path: Path) -> dict:
@@ -83,7 +83,7 @@ class CheckpointInfo:
     total_bytes: int = 0
     time: str | None = None
     lora: dict | None = None  # a LoRA checkpoint: rank, alpha and the base it does not copy ({"source", "files"|"seed"})
-    lineage: dict | None = None  # the checkpoint it continues and the launch that wrote it (checkpoint/lineage.py)
+    lineage: dict | None = None  # the checkpoint it continues and the launch that wrote it (store/lineage.py)
     links: list[str] = field(default_factory=list)  # which of its run's checkpoints/last and checkpoints/best point at it
 
     def to_dict(self) -> dict:
@@ -167,7 +167,7 @@ def links_to(ckpt_dir: Path) -> list[str]:
 
 def _deepspeed_summary(ckpt_dir: Path) -> dict | None:
     """Stage, world size, step and parameter counts from DeepSpeed's model-states file (metadata only)."""
-    from opentau_cli.checkpoint.consolidate import find_tag_dir, rank_shard_files
+    from opentau_cli.store.zero import find_tag_dir, rank_shard_files
 
     try:
         tag_dir = find_tag_dir(ckpt_dir)
@@ -346,7 +346,7 @@ class RunInfo:
     launches: list[str] = field(default_factory=list)  # the launches that wrote the branch, oldest first
     rolled_back: dict[str, list[str]] = field(default_factory=dict)  # rolled_back/<time> -> the checkpoints it holds
     interrupted: list[str] = field(default_factory=list)  # leftovers of interrupted saves or deletions
-    restarts: list[dict] = field(default_factory=list)  # automatic restarts, oldest first (train/restarts.py)
+    restarts: list[dict] = field(default_factory=list)  # automatic restarts, oldest first (process/restarts.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -381,7 +381,7 @@ def inspect_run(run_dir: Path) -> RunInfo:
             info.launches.append(launch)
     for stamp, d in rolled_back(run):
         info.rolled_back.setdefault(stamp, []).append(d.name)
-    from opentau_cli.train.restarts import read_restarts
+    from opentau_cli.process.restarts import read_restarts
 
     info.restarts = read_restarts(run)
     return info

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from opentau_cli.checkpoint.layout import LOGS, RUN_LOCK
 from opentau_cli.errors import UserError
+from opentau_cli.store.layout import LOGS, RUN_LOCK
 
 HEARTBEAT_S = 30.0
 STALE_S = 300.0  # ten missed heartbeats: generous for clock skew between hosts and slow shared filesystems

@@ -21,25 +21,26 @@ from pathlib import Path
 
 import torch
 
-from opentau_cli.checkpoint.dcp import is_dcp_checkpoint, model_entries
-from opentau_cli.checkpoint.consolidate import weights_kind, read_zero_checkpoint, wants_ema
-from opentau_cli.checkpoint.format import check_readable
-from opentau_cli.checkpoint.layout import DS_TAG, EMA_WEIGHTS, MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
-from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
-from opentau_cli.checkpoint.shard_reader import ShardFormatError
 from opentau_cli.config.model import MixtureMember, PolicyConfig, TrainConfig
 from opentau_cli.data.mixture import member_statistics, select_member
 from opentau_cli.errors import RunError, UserError
-from opentau_cli.outputs import check_target, publishing, writable_parent
 from opentau_cli.policies.layouts import (
     LEROBOT, OPENPI, OPENTAU, Layout, lerobot_image_features, opentau_stats_tensors, published_names, write_lerobot_stats,
     write_openpi_stats,
 )
+from opentau_cli.store.dcp import is_dcp_checkpoint, model_entries
+from opentau_cli.store.format import check_readable
+from opentau_cli.store.layout import DS_TAG, EMA_WEIGHTS, MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
+from opentau_cli.store.outputs import check_target, publishing, writable_parent
+from opentau_cli.store.safetensors_writer import TensorEntry, write_safetensors
+from opentau_cli.store.shard_reader import ShardFormatError
+from opentau_cli.store.zero import read_zero_checkpoint
+from opentau_cli.tools.consolidate import wants_ema, weights_kind
 
 EXPORT_LAYOUTS = (OPENTAU, LEROBOT, OPENPI)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODEL_CONFIG = "config.json"
-COMMAND = "checkpoint export"  # its name in the output convention's marker and the safetensors producer (outputs.py)
+COMMAND = "checkpoint export"  # its name in the output convention's marker and the safetensors producer (store/outputs.py)
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                        "BOOL": torch.bool}
@@ -102,9 +103,9 @@ def open_saved_policy(target: Path, weights: str | None = None) -> SavedPolicy:
     """A run directory (its newest complete checkpoint) or a checkpoint directory: its train_config.json, and its
     weights from model.safetensors (or shards + index), else gathered from its DeepSpeed ZeRO shards. `weights`:
     ema | live | None (the EMA when the checkpoint holds one): a single / DDP checkpoint's ema.safetensors replaces
-    the trained tensors; a DeepSpeed one's EMA partitions are cut by the consolidator's plan."""
-    from opentau_cli.checkpoint.manager import find_checkpoint
+    the trained tensors; a DeepSpeed one's EMA partitions are cut by the ZeRO reader's plan (store/zero.py)."""
     from opentau_cli.config.load import load_config
+    from opentau_cli.store.runs import find_checkpoint
 
     ckpt = find_checkpoint(Path(target))
     check_readable(ckpt)
@@ -113,7 +114,7 @@ def open_saved_policy(target: Path, weights: str | None = None) -> SavedPolicy:
     config = load_config(ckpt / TRAIN_CONFIG, {})
     ema = wants_ema(ckpt, weights)
     deepspeed = (ckpt / DS_TAG).is_dir()
-    fsdp = is_dcp_checkpoint(ckpt)  # FSDP2: its DCP shards (checkpoint/dcp.py), its EMA among them
+    fsdp = is_dcp_checkpoint(ckpt)  # FSDP2: its DCP shards (store/dcp.py), its EMA among them
     consolidated = (ckpt / MODEL_WEIGHTS).is_file() or (ckpt / WEIGHTS_INDEX).is_file()
     if deepspeed and (not consolidated or weights_kind(ckpt / MODEL_WEIGHTS) != ("ema" if ema else "live")):
         entries = {e.name: e for e in read_zero_checkpoint(ckpt, ema=ema).entries}
@@ -284,7 +285,7 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'.")
     output = Path(output)
-    check_target(output, force=force, source=target, command=COMMAND)  # the output convention: opentau_cli/outputs.py
+    check_target(output, force=force, source=target, command=COMMAND)  # the output convention: opentau_cli/store/outputs.py
     where = writable_parent(output)
     saved = open_saved_policy(target, weights)
     member = select_member(saved.config, dataset)
@@ -347,7 +348,7 @@ def _expert_lm_head(policy_cfg: PolicyConfig, dtype: torch.dtype, prefix: str = 
 
 def _served_statistics(saved: SavedPolicy, member: MixtureMember) -> dict:
     """A mixture member's own statistics (the policy holds the first member's, widened), else the policy's own."""
-    from opentau_cli.checkpoint.manager import read_training_state
+    from opentau_cli.store.runs import read_training_state
 
     if saved.config.dataset.mixture is None:
         return statistics(saved)
@@ -356,8 +357,8 @@ def _served_statistics(saved: SavedPolicy, member: MixtureMember) -> dict:
 
 def _merged_lora(saved: SavedPolicy) -> dict[str, TensorEntry]:
     """A LoRA checkpoint's tensors merged into its base: the entries of the plain policy."""
-    from opentau_cli.checkpoint.manager import read_training_state
     from opentau_cli.policies.lora import check_base, merged_state_dict
+    from opentau_cli.store.runs import read_training_state
 
     check_base(saved.path, read_training_state(saved.path), saved.config)
     merged = merged_state_dict(saved.config, {name: entry.produce() for name, entry in saved.entries.items()})
@@ -365,7 +366,7 @@ def _merged_lora(saved: SavedPolicy) -> dict[str, TensorEntry]:
 
 
 def _step(ckpt: Path) -> int | None:
-    from opentau_cli.checkpoint.manager import read_training_state
+    from opentau_cli.store.runs import read_training_state
 
     try:
         step = read_training_state(ckpt).get("step")

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentau_cli.checkpoint.layout import (CHECKPOINTS, MANIFEST, METRICS, ROLLED_BACK, TRAINING_STATE, is_run_dir,
+from opentau_cli.store.layout import (CHECKPOINTS, MANIFEST, METRICS, ROLLED_BACK, TRAINING_STATE, is_run_dir,
                                            point_last, read_last, step_of)
-from opentau_cli.checkpoint.manifest import hash_file, is_complete
+from opentau_cli.store.manifest import hash_file, is_complete
 
 LINEAGE = "lineage"
 

@@ -1,9 +1,10 @@
-"""Save and find checkpoints: atomic publish, `last` link, retention, and the checks made before a resume.
+"""The live run's checkpoint saver: atomic publish, `last` link, retention (docs/ARCHITECTURE.md, "Checkpoint contract";
+file names: store/layout.py).
 
-docs/ARCHITECTURE.md, "Checkpoint contract" (names: `layout`). A save goes to a hidden temp sibling of its step
-directory, every rank finishes, rank 0 writes the manifest and renames the temp dir into place, then repoints
-`checkpoints/last`. A kill at any instant leaves either the old set of checkpoints or the new one. With async_save
-the same steps run in a background thread of every rank, from a copy of the state in host memory (async_save.py).
+A save goes to a hidden temp sibling of its step directory, every rank finishes, rank 0 writes the manifest and
+renames the temp dir into place, then repoints `checkpoints/last`. A kill at any instant leaves either the old set of
+checkpoints or the new one. With async_save the same steps run in a background thread of every rank, from a copy of
+the state in host memory (async_save.py). Finding and reading checkpoints is store/runs.py's.
 """
 
 from __future__ import annotations
@@ -18,218 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.checkpoint.faults import fault_point
-from opentau_cli.checkpoint.format import check_readable, migrate_training_state, stamp
-from opentau_cli.checkpoint.layout import (
-    BEST, CHECKPOINTS, LAST, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, leftover_of, old_dir, point_last, read_last,
-    step_dir_name, step_of, tmp_dir,
-)
-from opentau_cli.checkpoint.lineage import LINEAGE, archive_of, current_branch, lineage_record, resume_point
-from opentau_cli.checkpoint.manifest import MissingRankState, is_complete, verify_manifest, write_json_atomic, write_manifest
-from opentau_cli.checkpoint.pickle_scan import scan_checkpoint_pickles
 from opentau_cli.config.paths import record_paths
-from opentau_cli.errors import RunError, UserError
-
-# Policy fields that change the shape of the weights: a checkpoint only resumes into the same values.
-ARCHITECTURE_FIELDS = (
-    "type", "preset", "chunk_size", "max_state_dim", "max_action_dim", "image_resolution",
-    "tokenizer_max_length", "discrete_action_loss", "discrete_action_bins",
-)
-
-
-def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every published (numeric, non-hidden) checkpoint dir, oldest first; completeness not checked."""
-    if not ckpt_root.is_dir():
-        return []
-    found = [(step_of(p.name), p) for p in ckpt_root.iterdir()
-             if step_of(p.name) is not None and p.is_dir() and not p.is_symlink()]
-    return sorted(found)
-
-
-def latest(run_dir: Path) -> Path | None:
-    """The checkpoint a run continues from: `checkpoints/last` when complete, else its newest complete ancestor
-    (checkpoint/lineage.py), or None."""
-    return resume_point(Path(run_dir))
-
-
-def is_checkpoint_dir(path: Path) -> bool:
-    return (path / TRAINING_STATE).is_file() or (path / MANIFEST).is_file()
-
-
-def find_checkpoint(target: Path) -> Path:
-    """A checkpoint dir given a run dir (what `last` designates, or its newest complete ancestor), its checkpoints/
-    dir, a checkpoint dir, or `RUN:best` (`checkpoints/best`, kept by checkpoint.keep_best)."""
-    text = str(target)
-    if text.endswith(f":{BEST}"):
-        run = Path(text[: -len(BEST) - 1])
-        if not (run / CHECKPOINTS / BEST).is_dir():
-            raise UserError(f"'{text}': {run / CHECKPOINTS / BEST} does not exist: {_why_no_best(run)}")
-        return (run / CHECKPOINTS / BEST).resolve()
-    target = Path(target)
-    if not target.exists():
-        raise UserError(f"'{target}' does not exist: pass a run directory (e.g. outputs/train/pi05) or one of its checkpoints.")
-    if not target.is_dir():
-        raise UserError(f"'{target}' is not a directory: pass a run directory or a checkpoint directory.")
-    if is_checkpoint_dir(target):
-        return target.resolve()
-    run_dir = target.parent if target.name == CHECKPOINTS else target
-    found = latest(run_dir)
-    if found is None:
-        if checkpoint_steps(run_dir / CHECKPOINTS):
-            raise UserError(
-                f"No complete checkpoint on the branch `{run_dir / CHECKPOINTS / LAST}` designates (each fails its "
-                f"manifest); see `opentau checkpoint list {run_dir} --verify`, and resume one of them by its directory."
-            )
-        raise UserError(
-            f"No checkpoint found in '{target}': expected {run_dir / CHECKPOINTS}/<step>/; "
-            "start a new run with `opentau train` instead."
-        )
-    return found.resolve()
-
-
-def _why_no_best(run: Path) -> str:
-    """Why a run has no checkpoints/best, from what its newest checkpoint's train_config.json asked for."""
-    newest = latest(run)
-    try:
-        checkpoint = json.loads((newest / TRAIN_CONFIG).read_text()).get("checkpoint", {}) if newest else {}
-    except (OSError, ValueError):
-        checkpoint = {}
-    if not checkpoint.get("keep_best"):
-        return ("this run keeps no best checkpoint (set checkpoint.keep_best and validation.val_freq); pass a "
-                "checkpoint directory instead.")
-    return (f"no checkpoint of this run was saved at a validation step with {checkpoint.get('best_metric') or 'its best_metric'} "
-            "(make save_freq a multiple of validation.val_freq); pass a checkpoint directory instead.")
-
-
-def run_dir_of(ckpt_dir: Path) -> Path:
-    """<run>/checkpoints/<step> -> <run>."""
-    return ckpt_dir.parent.parent if ckpt_dir.parent.name == CHECKPOINTS else ckpt_dir.parent
-
-
-def read_training_state(ckpt_dir: Path) -> dict:
-    """The checkpoint's training state in the current format (checkpoint/format.py); refuses a newer format."""
-    check_readable(ckpt_dir)
-    try:
-        return migrate_training_state(json.loads((ckpt_dir / TRAINING_STATE).read_text()))
-    except (OSError, ValueError):
-        raise UserError(f"Checkpoint '{ckpt_dir}' has no readable {TRAINING_STATE}; it was not written by opentau train.") from None
-
-
-RESHARD_FLAG = "--reshard=true"
-
-
-def _check_same_topology(ckpt_dir: Path, state: dict, setup) -> None:
-    """A plain resume continues bit for bit only under the backend, ZeRO stage and world size it was saved by."""
-    saved_backend, saved_stage = state.get("backend"), state.get("zero_stage")
-    saved_ds = saved_backend == "deepspeed"
-    if (saved_backend == "fsdp") != (setup.backend == "fsdp"):
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' was saved by {'FSDP2' if saved_backend == 'fsdp' else saved_backend} training and "
-            f"this launch is {setup.label}: resume with the same backend, or pass {RESHARD_FLAG} to continue it under "
-            "this launch."
-        )
-    if saved_ds and setup.backend != "deepspeed":
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' holds DeepSpeed ZeRO-{saved_stage} shards and this launch is {setup.label}: resume "
-            f"with the same DeepSpeed accelerate config, pass {RESHARD_FLAG} to continue it under this launch, or run "
-            "`opentau checkpoint consolidate` on it to start a new run from its weights."
-        )
-    if not saved_ds and setup.backend == "deepspeed":
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' was saved by {saved_backend} training and this launch is {setup.label}: resume with "
-            f"the same backend, or pass {RESHARD_FLAG} to continue it under this launch."
-        )
-    if saved_ds and saved_stage != setup.zero_stage:
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' was saved under ZeRO-{saved_stage} and this launch is ZeRO-{setup.zero_stage}: "
-            f"resume with the same ZeRO stage, or pass {RESHARD_FLAG} to continue it under this launch."
-        )
-    if state.get("world_size") != setup.world_size:
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' was saved by {state.get('world_size')} processes and this launch has "
-            f"{setup.world_size}: resume with {state.get('world_size')} processes, or pass {RESHARD_FLAG} to continue it "
-            "on these (the global batch is kept; losses then match the uninterrupted run within noise, not bit for bit)."
-        )
-
-
-def check_in_run(ckpt_dir: Path) -> None:
-    """Refuse to resume a checkpoint that is not in its run's `checkpoints/` folder: a resume writes its checkpoints
-    and metrics beside its source, so one from a rollback's archive (`rolled_back/<time>/checkpoints/`) would train
-    inside the archive, and one copied elsewhere would make a run of whatever folder holds it (docs/ARCHITECTURE.md,
-    "Run history": rolled-back checkpoints are never resumed). Exporting, evaluating and serving them is fine."""
-    ckpt_dir = Path(ckpt_dir)
-    copy = f"mkdir -p NEW_RUN/{CHECKPOINTS} && cp -r {ckpt_dir} NEW_RUN/{CHECKPOINTS}/ && opentau resume NEW_RUN"
-    run = archive_of(ckpt_dir)
-    if run is not None:
-        raise UserError(f"Checkpoint {ckpt_dir} was moved aside by a rollback of {run}, and an archive is never resumed "
-                        f"or written; to continue it, copy it into a new run and resume that: `{copy}`.")
-    if ckpt_dir.parent.name != CHECKPOINTS:
-        raise UserError(f"Checkpoint {ckpt_dir} is not in a run's {CHECKPOINTS}/ folder, so a resume would turn "
-                        f"{ckpt_dir.parent} into a run; copy it into a new run and resume that: `{copy}`.")
-
-
-def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dict:
-    """Refuse (UserError, nothing loaded) a checkpoint that is damaged, lies outside its run's checkpoints/ (an
-    archive: check_in_run) or does not fit this launch; returns its state. With `reshard` another backend, ZeRO stage
-    or world size is allowed (checkpoint/reshard.py).
-
-    The manifest is checked first, so library loaders that unpickle (Accelerate's RNG .pkl, optimizer.bin,
-    DeepSpeed's .pt) only ever see files it vouches for.
-    """
-    check_in_run(ckpt_dir)
-    problems = verify_manifest(ckpt_dir)
-    if problems:
-        shown = "; ".join(str(p) for p in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' fails its manifest ({shown}); nothing was loaded. Resume from an earlier "
-            f"checkpoint (see `opentau checkpoint list {run_dir_of(ckpt_dir)} --verify`, which re-hashes as resume does)."
-        )
-    # A forged manifest would vouch for anything: also vet every pickle the loaders will open (constructs nothing).
-    unsafe = scan_checkpoint_pickles(ckpt_dir)
-    if unsafe:
-        raise UserError(f"Refusing to resume from '{ckpt_dir}': {unsafe[0]}; nothing was loaded.")
-    state = read_training_state(ckpt_dir)
-    if not reshard:
-        _check_same_topology(ckpt_dir, state, setup)
-    try:
-        saved_cfg = json.loads((ckpt_dir / TRAIN_CONFIG).read_text())
-    except (OSError, ValueError):
-        raise UserError(f"Checkpoint '{ckpt_dir}' has no readable {TRAIN_CONFIG}.") from None
-    saved_policy = saved_cfg.get("policy", {})
-    now_policy = cfg.policy.model_dump(mode="json")
-    diffs = [f"policy.{k}: checkpoint {saved_policy.get(k)!r}, now {now_policy.get(k)!r}"
-             for k in ARCHITECTURE_FIELDS if saved_policy.get(k) != now_policy.get(k)]
-    if diffs:
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' does not fit this config ({'; '.join(diffs)}); resume with the checkpoint's own "
-            f"{TRAIN_CONFIG}, or start a new run with --policy.pretrained_path."
-        )
-    return state
-
-
-def clean_leftovers(run_dir: Path) -> list[Path]:
-    """Remove the temp dirs of interrupted saves and deletions (they never passed as checkpoints)."""
-    root = Path(run_dir) / CHECKPOINTS
-    removed = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if leftover_of(p.name):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-    return removed
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+from opentau_cli.errors import RunError
+from opentau_cli.store.faults import fault_point
+from opentau_cli.store.format import skip_zip_crcs, stamp
+from opentau_cli.store.layout import BEST, CHECKPOINTS, TRAIN_CONFIG, TRAINING_STATE, old_dir, point_last, read_last, step_dir_name, tmp_dir
+from opentau_cli.store.lineage import LINEAGE, current_branch, lineage_record
+from opentau_cli.store.manifest import MissingRankState, is_complete, write_json_atomic, write_manifest
+from opentau_cli.store.runs import latest, read_training_state
+from opentau_cli.store.storage import fsync_dir
 
 
 def describe_os_error(e: OSError) -> str:
@@ -245,15 +43,6 @@ def describe_write_error(e: Exception) -> str:
     if "unexpected pos" in text or "No space" in text or "File too large" in text:  # torch's short-write check
         return "the disk is full (or a file size limit was hit): a write came up short"
     return f"writing failed ({type(e).__name__}: {text[:200]})"
-
-
-def skip_zip_crcs() -> None:
-    """torch.save of this process writes its zip records without CRC-32s: computing them took about half the CPU time
-    of writing an optimizer state, and no loader checks them (torch.load does not); a checkpoint's integrity is the
-    manifest's hash of every file, checked by verify and before resume (docs/ARCHITECTURE.md, "Checkpoint contract")."""
-    import torch.utils.serialization.config as serialization
-
-    serialization.save.compute_crc32 = False
 
 
 class CheckpointManager:
@@ -365,7 +154,7 @@ class CheckpointManager:
 
     def _save_async(self, step: int, config: dict, state: dict) -> Path:
         """Copy the state to host memory (all ranks, main thread), then write and publish it in the background."""
-        from opentau_cli.checkpoint.async_save import BackgroundSave, HostStaging, snapshot
+        from opentau_cli.train.async_save import BackgroundSave, HostStaging, snapshot
 
         self.wait()  # at most one save in flight: the next one waits for it
         acc = self.accelerator
@@ -465,14 +254,14 @@ class CheckpointManager:
         # Last: its presence says every other file is complete and on disk (`hashed`: by async_save's writer).
         write_manifest(tmp, fsync=True, hashed=hashed)
         for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
-            _fsync_dir(sub)
+            fsync_dir(sub)
         old = None
         if final.exists():  # e.g. resumed from an earlier step: the new save replaces a stale one of the same step
             old = old_dir(self.root, name, self.run_id)
             os.replace(final, old)
         fault_point("publishing", tmp)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         fault_point("published", final)
         point_last(self.root, name)
         if old is not None:

@@ -131,7 +131,7 @@ class ServedPolicy:
 
     def describe(self) -> str:
         """The served weights in words, for the banner: 'EMA weights of step 60 (RUN/checkpoints/000060)'."""
-        from opentau_cli.inference import describe_weights
+        from opentau_cli.tools.inference import describe_weights
 
         return describe_weights(self.origin)
 
@@ -178,7 +178,7 @@ class ServedPolicy:
 
     def infer(self, obs) -> dict:
         """The action chunk for one observation: {"actions": float32 (n_action_steps, action_dim)}."""
-        from opentau_cli.inference import sample
+        from opentau_cli.tools.inference import sample
 
         batch, seed = self.batch(obs), self.request_seed(obs)
         with self._lock:  # one sampling at a time: concurrent clients queue instead of sharing the cores
@@ -231,10 +231,10 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
     """The policy of a run / checkpoint directory (DDP, DeepSpeed shards, LoRA), an export or a repo id, loaded as
     `opentau eval` loads it, with the observation keys of the dataset it was trained on. `compiled`: sampling's loop
     torch.compiled and compiled here, on one blank observation, before the first client waits for it."""
-    from opentau_cli.inference import (
+    from opentau_cli.data.mixture import select_member
+    from opentau_cli.tools.inference import (
         device_named, for_inference, from_checkpoint, from_model, is_training_checkpoint, model_policy_config,
     )
-    from opentau_cli.data.mixture import select_member
 
     overrides = dict(overrides or {})
     dev = device_named(device)
@@ -268,8 +268,8 @@ def _model_features(source: str) -> dict | None:
     """The `input_features` of a model's config.json (LeRobot's layout lists every camera and the state), if any."""
     import json
 
-    from opentau_cli.checkpoint.export import MODEL_CONFIG
     from opentau_cli.policies.pretrained import Checkpoint
+    from opentau_cli.tools.export import MODEL_CONFIG
 
     with Checkpoint(source) as ckpt:
         config = ckpt.root / MODEL_CONFIG
@@ -296,7 +296,7 @@ def _observation_keys(cfg, member, features: dict | None, given_slots: bool = Fa
                                 f"give it at least {len(cams)} or leave it out.")
             num = max(num, len(cams))
             return cams + [None] * (num - len(cams)), states[0]
-    from opentau_cli.checkpoint.export import camera_features
+    from opentau_cli.tools.export import camera_features
 
     return camera_features(cfg, member), member.state_key
 

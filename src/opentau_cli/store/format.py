@@ -26,8 +26,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.checkpoint.layout import MANIFEST, TRAINING_STATE
 from opentau_cli.errors import UserError
+from opentau_cli.store.layout import MANIFEST, TRAINING_STATE
 
 FORMAT_VERSION = 2
 FIRST_VERSION = 1  # what a checkpoint without `format_version` is
@@ -94,7 +94,7 @@ def stamp(record: dict) -> dict:
 
 def _state_1_to_2(state: dict) -> dict:
     # No lineage was recorded: None says so, and the run's checkpoints then form one linear branch in step order
-    # (checkpoint/lineage.py).
+    # (store/lineage.py).
     return {**state, "lineage": None}
 
 
@@ -113,3 +113,12 @@ def migrate_training_state(state: dict) -> dict:
         state = STATE_MIGRATIONS[version](state)
         version += 1
     return stamp(state)
+
+
+def skip_zip_crcs() -> None:
+    """torch.save of this process writes its zip records without CRC-32s: computing them took about half the CPU time
+    of writing an optimizer state, and no loader checks them (torch.load does not); a checkpoint's integrity is the
+    manifest's hash of every file, checked by verify and before resume (docs/ARCHITECTURE.md, "Checkpoint contract")."""
+    import torch.utils.serialization.config as serialization
+
+    serialization.save.compute_crc32 = False

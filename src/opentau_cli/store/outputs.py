@@ -2,7 +2,7 @@
 `checkpoint consolidate --output`, `eval --output` and `dataset synth OUT` (docs/ARCHITECTURE.md, "Outputs").
 
 - An output never overlaps a run: a target that is, lies inside or contains a run directory, a `checkpoints/`
-  folder or a checkpoint (read from disk: checkpoint/layout.py `run_part`), or that is, lies inside or contains the
+  folder or a checkpoint (read from disk: store/layout.py `run_part`), or that is, lies inside or contains the
   source the command reads, is refused (one sentence, exit 2), with or without `--force`.
 - Missing parent directories are created.
 - An existing target that is not an empty directory is refused; `--force` replaces only an earlier output of the
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from opentau_cli.checkpoint.layout import run_part
 from opentau_cli.errors import UserError
+from opentau_cli.store.layout import run_part
 
 MARKER = ".opentau-output.json"  # in every directory `publishing` writes: {"command": ..., "source": ...}
 _WALK_LIMIT = 10_000  # directories looked at for a run inside an existing target (beyond: refused as not ours anyway)

@@ -7,7 +7,7 @@ beside it, and the manifest, publish, `last` and retention are the same as for e
 pickled code: DCP's metadata is unpickled against an allow-list of its own record types, and the optimizer's
 non-tensor values (hyper-parameters, steps) with `weights_only` loads. The EMA (train/ema.py) is saved in the same DCP
 state under `ema.`; LoRA checkpoints hold only what trains (policies/lora.py). An asynchronous save stages this
-rank's state into host memory and writes it with DCP from the background (checkpoint/async_save.py).
+rank's state into host memory and writes it with DCP from the background (train/async_save.py).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def load_into(directory: Path, key: str, tensors: dict) -> None:
 class ShardedState:
     """The save_state pre-hook of an FSDP2 launch: writes the sharded model, optimizer and, when the launch keeps
     one, EMA (`ema`: a callable giving {name: DTensor} or None) with DCP. `stage` / `write_staged` are the
-    asynchronous save's two halves (checkpoint/async_save.py)."""
+    asynchronous save's two halves (train/async_save.py)."""
 
     def __init__(self, model, optimizer, keys: set | None = None):
         self.model, self.optimizer, self.keys = model, optimizer, keys
@@ -173,7 +173,7 @@ class ShardedState:
         thread), synced; returns this rank's shard file as the manifest records it (path, size, hash)."""
         import torch.distributed.checkpoint as dcp
 
-        from opentau_cli.checkpoint.manifest import hash_file
+        from opentau_cli.store.manifest import hash_file
 
         root = Path(directory) / DCP_DIR
         dcp.save(staged, storage_writer=dcp.FileSystemWriter(str(root), sync_files=True), process_group=group)
@@ -209,7 +209,7 @@ MODEL_PREFIX = "model."  # the model's entries in the saved state ({"model": ...
 
 
 def model_entries(ckpt_dir: Path, *, ema: bool = False) -> list:
-    """The model's tensors of an FSDP2 checkpoint as `TensorEntry`s (checkpoint/safetensors_writer.py) named by the
+    """The model's tensors of an FSDP2 checkpoint as `TensorEntry`s (store/safetensors_writer.py) named by the
     policy's parameter names, each assembled from its per-rank chunks when its turn to be written comes: one tensor
     in memory at a time, never the model twice. Chunks are read with `weights_only` loads. With `ema` the trained
     parameters are the EMA's (train/ema.py), by the same names; buffers and frozen parameters as saved."""
@@ -228,7 +228,7 @@ def saved_entries(ckpt_dir: Path, prefix: str) -> dict:
     """{name after `prefix`: TensorEntry} of the saved tensors whose flattened name starts with `prefix`."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from opentau_cli.checkpoint.safetensors_writer import TensorEntry
+    from opentau_cli.store.safetensors_writer import TensorEntry
 
     root = Path(ckpt_dir) / DCP_DIR
     metadata = read_metadata(root)
@@ -266,7 +266,7 @@ def _assemble(root: Path, shape: tuple, dtype: torch.dtype, chunks: list):
 def consolidate_model(ckpt_dir: Path, output: Path, *, dtype: torch.dtype | None = None) -> Path:
     """The model of an FSDP2 checkpoint as one `output` safetensors file (a library entry point; `opentau checkpoint
     consolidate` plans its outputs itself and streams `model_entries`)."""
-    from opentau_cli.checkpoint.safetensors_writer import TensorEntry, write_safetensors
+    from opentau_cli.store.safetensors_writer import TensorEntry, write_safetensors
 
     entries = model_entries(ckpt_dir)
     if dtype is not None:
@@ -291,7 +291,7 @@ def summary(ckpt_dir: Path) -> tuple[int, dict[str, int]]:
     return sum(dtypes.values()), dtypes
 
 
-# Elastic resume (checkpoint/reshard.py): an FSDP2 checkpoint read by name, and full tensors put into an FSDP2 launch.
+# Elastic resume (train/reshard.py): an FSDP2 checkpoint read by name, and full tensors put into an FSDP2 launch.
 
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 

@@ -4,12 +4,13 @@
 A checkpoint is first read into a topology-free form: for every parameter name its full fp32 weight (the fp32
 master weight where DeepSpeed keeps one), AdamW's exp_avg / exp_avg_sq and step count, plus buffers, frozen
 parameters and the scheduler. DeepSpeed ZeRO-1/2/3 shards are read with the safe shard reader and cut by the
-consolidator's plan (checkpoint/consolidate.py); a single / DDP checkpoint's optimizer.bin and scheduler.bin with
+ZeRO reader's plan (store/zero.py); a single / DDP checkpoint's optimizer.bin and scheduler.bin with
 `weights_only` loads after the pickle scan. That state is then put into the freshly prepared launch: plain torch
 parameters and optimizer state for single / DDP, DeepSpeed's own `safe_set_full_fp32_param` /
 `safe_set_full_optimizer_state` for ZeRO, and read back with `safe_get_*` to check it arrived exactly.
 
-The data position is topology-free already (data/sampler.py); the global batch is kept by `fit_global_batch`.
+The data position is topology-free already (data/sampler.py); the global batch is kept by store/topology.py's
+`fit_global_batch`.
 On the same number of processes (a backend change alone) every rank continues its own random streams from the
 checkpoint, so the run goes on with the uninterrupted run's flow-matching noise and times; on another number the
 new ranks' streams are derived from (seed, step, rank): an old rank's state is never given to another rank.
@@ -22,113 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.checkpoint.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAIN_CONFIG, rank_state_file
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.store.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAIN_CONFIG, rank_state_file
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-# Topology: what the launch was, as training_state.json records it.
-
-def topology(state: dict) -> dict:
-    """The launch a checkpoint was saved by (`topologies`' last entry; older checkpoints: their own fields)."""
-    history = topologies(state)
-    return history[-1]
-
-
-def topologies(state: dict) -> list[dict]:
-    """Every launch the run went through, oldest first: {step, world_size, backend, zero_stage, per_device_batch,
-    grad_accum, machines}. A checkpoint written before the history existed gives one entry from its own fields."""
-    if state.get("topologies"):
-        return list(state["topologies"])
-    acc = state.get("accelerate") or {}
-    return [{"step": 0, "world_size": state.get("world_size"), "backend": state.get("backend"),
-             "zero_stage": state.get("zero_stage"), "per_device_batch": None, "grad_accum": None,
-             "machines": acc.get("num_machines", 1)}]
-
-
-def topology_entry(step: int, setup, cfg) -> dict:
-    return {"step": step, "world_size": setup.world_size, "backend": setup.backend,
-            "zero_stage": setup.zero_stage if setup.backend == "deepspeed" else None,
-            "per_device_batch": cfg.per_device_batch_size, "grad_accum": cfg.gradient_accumulation_steps,
-            "machines": setup.num_machines}
-
-
-def with_topology(history: list[dict], entry: dict) -> list[dict]:
-    """The history with this launch appended, unless the last entry is the same launch (a plain resume, or a later
-    save of this launch; an entry from before the history lacks the batch fields, which then do not count)."""
-    last = history[-1] if history else None
-    same = last is not None and all(last.get(k) in (entry[k], None) if k in ("per_device_batch", "grad_accum")
-                                    else last.get(k) == entry[k] for k in entry if k != "step")
-    return list(history) if same else [*history, entry]
-
-
-def is_reshard(state: dict, setup) -> bool:
-    """Whether resuming `state` into `setup` changes the topology (processes, backend or ZeRO stage)."""
-    saved_ds = state.get("backend") == "deepspeed"
-    now_ds = setup.backend == "deepspeed"
-    saved_fsdp, now_fsdp = state.get("backend") == "fsdp", setup.backend == "fsdp"
-    return (state.get("world_size") != setup.world_size or saved_ds != now_ds or saved_fsdp != now_fsdp
-            or (saved_ds and state.get("zero_stage") != setup.zero_stage))
-
-
-def fit_global_batch(saved_cfg: dict, saved_world: int, world: int, given: dict) -> dict:
-    """Per-process batch, per-device batch and accumulation for `world` processes that keep the checkpoint's global
-    batch (batch_size x processes): accumulation is kept where the new per-process batch divides by it, else the
-    per-device batch, else accumulation goes to 1. `given`: the values the command line set (ints), kept and checked.
-    Raises UserError naming the process counts that work when none does."""
-    batch, accum = int(saved_cfg["batch_size"]), int(saved_cfg.get("gradient_accumulation_steps") or 1)
-    micro = int(saved_cfg.get("per_device_batch_size") or batch // accum)
-    global_batch = batch * saved_world
-    if global_batch % world:
-        fits = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
-        raise UserError(
-            f"The checkpoint's global batch ({global_batch} = {batch} per process x {saved_world} processes) does not "
-            f"divide over {world} processes: resume with one of {', '.join(map(str, fits))} processes, or start a new "
-            "run from its weights with --policy.pretrained_path.")
-    per_process = global_batch // world
-    if given.get("batch_size") is not None and given["batch_size"] != per_process:
-        raise UserError(
-            f"--batch_size={given['batch_size']} would change the checkpoint's global batch of {global_batch}: on "
-            f"{world} processes it is {per_process} per process; drop --batch_size to keep it.")
-    given_accum, given_micro = given.get("gradient_accumulation_steps"), given.get("per_device_batch_size")
-    if given_accum is not None or given_micro is not None:
-        fits = (given_accum * given_micro == per_process if given_accum is not None and given_micro is not None
-                else per_process % (given_accum or given_micro) == 0)
-        if not fits:
-            flags = " x ".join(f"--{k}={v}" for k, v in (("per_device_batch_size", given_micro),
-                                                         ("gradient_accumulation_steps", given_accum)) if v is not None)
-            raise UserError(
-                f"Keeping the checkpoint's global batch of {global_batch} on {world} processes needs per-device batch x "
-                f"accumulation = {per_process}; {flags} does not fit it: drop it to let resume choose, or pick values "
-                f"whose product is {per_process}.")
-        accum = given_accum or per_process // given_micro
-        micro = given_micro or per_process // accum
-    elif per_process % accum == 0:
-        micro = per_process // accum
-    elif per_process % micro == 0:
-        accum = per_process // micro
-    else:
-        micro, accum = per_process, 1
-    return {"batch_size": per_process, "per_device_batch_size": micro, "gradient_accumulation_steps": accum}
-
-
-def describe_change(before: dict, after: dict) -> str:
-    """One line: what changed between two topology entries."""
-    def count(n, what):
-        return f"{n} {what}" + ("" if n == 1 else "es" if what.endswith("s") else "s")
-
-    def launch(t):
-        backend = f"ZeRO-{t['zero_stage']}" if t.get("backend") == "deepspeed" else t.get("backend")
-        return f"{count(t.get('world_size'), 'process')} on {count(t.get('machines') or 1, 'machine')} under {backend}"
-
-    def batch(t):
-        if t.get("per_device_batch") is None:
-            return "?"
-        return f"per-device batch {t['per_device_batch']} x accumulation {t['grad_accum']}"
-
-    return (f"Elastic resume: {launch(before)} -> {launch(after)}; {batch(before)} -> {batch(after)} "
-            f"(global batch kept); the data continues at its global sample position.")
 
 
 # The topology-free state.
@@ -149,21 +47,21 @@ def read_canonical(ckpt_dir: Path, trainable: list[str]) -> CanonicalState:
     order (single / DDP optimizer state is saved by index). The checkpoint's pickles were scanned by check_resumable."""
     import torch
 
-    from opentau_cli.checkpoint.manager import read_training_state
+    from opentau_cli.store.runs import read_training_state
 
     ckpt_dir = Path(ckpt_dir)
     state = read_training_state(ckpt_dir)
     canon = CanonicalState()
     if state.get("backend") == "deepspeed":
-        from opentau_cli.checkpoint.consolidate import read_zero_checkpoint
+        from opentau_cli.store.zero import read_zero_checkpoint
 
         zero = read_zero_checkpoint(ckpt_dir, moments=True)
         canon.weights = {e.name: e.produce for e in zero.entries}
         canon.moments = {m: {name: e.produce for name, e in zero.moments.get(m, {}).items()} for m in MOMENTS}
         if zero.optimizer_step is not None:
             canon.steps = {name: float(zero.optimizer_step) for name in canon.moments["exp_avg"]}
-    elif state.get("backend") == "fsdp":  # its DCP shards by name (checkpoint/dcp.py)
-        from opentau_cli.checkpoint.dcp import read_canonical as read_dcp
+    elif state.get("backend") == "fsdp":  # its DCP shards by name (store/dcp.py)
+        from opentau_cli.store.dcp import read_canonical as read_dcp
 
         canon.weights, canon.moments, canon.steps = read_dcp(ckpt_dir, MOMENTS)
     else:
@@ -246,7 +144,7 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
     frozen parameters; the launch built them from the base the resume checked, and they stay as built."""
     import torch
 
-    from opentau_cli.checkpoint.dcp import apply_full, is_sharded
+    from opentau_cli.store.dcp import apply_full, is_sharded
 
     module = accelerator.unwrap_model(model)
     zero_opt, stage = zero_optimizer(accelerator)
@@ -257,7 +155,7 @@ def apply_canonical(canon: CanonicalState, accelerator, model, optimizer, schedu
         for name, buf in module.named_buffers():
             if name in canon.weights:
                 buf.copy_(canon.weights[name]())
-        if is_sharded(module):  # FSDP2: each rank's shard of the full tensors (checkpoint/dcp.py)
+        if is_sharded(module):  # FSDP2: each rank's shard of the full tensors (store/dcp.py)
             apply_full(module, optimizer, lambda name, p: _weight(canon, params, p, name), canon.moments, canon.steps,
                        stateless, lambda name, p: not p.requires_grad and frozen_from_base
                        and saved_name(canon, params, p, name) is None)
@@ -350,7 +248,7 @@ def live_parameters(accelerator, model, optimizer):
     """Yield (name, {"weight", "exp_avg", "exp_avg_sq": full fp32 tensor or None, "step": float or None}) for every
     trainable parameter as the launch holds it now, one parameter at a time (a collective under ZeRO and FSDP2:
     every rank iterates)."""
-    from opentau_cli.checkpoint.dcp import is_sharded, live_full
+    from opentau_cli.store.dcp import is_sharded, live_full
 
     module = accelerator.unwrap_model(model)
     zero_opt, stage = zero_optimizer(accelerator)
@@ -424,8 +322,8 @@ def load_resharded(ckpt_dir: Path, accelerator, model, optimizer, scheduler, *, 
     """Restore checkpoint `ckpt_dir` into a launch of another topology (every rank); returns its training state."""
     from accelerate.utils import set_seed
 
-    from opentau_cli.checkpoint.manager import read_training_state
     from opentau_cli.policies.lora import BASE_KEY
+    from opentau_cli.store.runs import read_training_state
 
     state = read_training_state(Path(ckpt_dir))
     trainable = [name for name, _ in _trainable(accelerator.unwrap_model(model))]

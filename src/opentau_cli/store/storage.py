@@ -1,0 +1,104 @@
+"""The storage seam: the few operations a checkpoint needs from where it lives (docs/ARCHITECTURE.md, "Layers").
+
+A save is always written to local disk first and published there by an atomic rename: Accelerate, DeepSpeed and
+DCP write files, not objects. Whatever else holds a run's checkpoints (a mounted share, an object store) is reached
+through a `Storage`, whose keys are '/'-separated paths under its root. Its contract, which the checkpoint code relies
+on and nothing more: `write_bytes` and `put_file` are atomic for readers (a reader sees the whole new content or the
+old, never part), `read_bytes` / `get_file` raise FileNotFoundError for a missing key, `list` names every key under a
+prefix (recursively), `delete` removes keys that exist and ignores the others. `LocalStorage` is a directory on this
+machine; store/remote.py is an object store or any other fsspec URL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+
+class Storage(Protocol):
+    url: str
+
+    def read_bytes(self, key: str) -> bytes: ...
+    def write_bytes(self, key: str, data: bytes) -> None: ...
+    def put_file(self, local: Path, key: str) -> None: ...
+    def get_file(self, key: str, local: Path) -> None: ...
+    def size(self, key: str) -> int | None: ...
+    def list(self, prefix: str = "") -> list[str]: ...
+    def delete(self, keys: list[str]) -> None: ...
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A directory on this machine (a local disk or a mounted share): atomic by write-to-temp, fsync, rename."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.url = self.root.resolve().as_uri()
+
+    def _path(self, key: str) -> Path:
+        parts = [p for p in key.split("/") if p]
+        if not parts or any(p in (".", "..") for p in parts):
+            raise ValueError(f"not a storage key: {key!r}")
+        return self.root.joinpath(*parts)
+
+    def read_bytes(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self._replace(key, lambda f: f.write(data))
+
+    def put_file(self, local: Path, key: str) -> None:
+        with open(local, "rb") as src:
+            self._replace(key, lambda f: shutil.copyfileobj(src, f, 16 << 20))
+
+    def get_file(self, key: str, local: Path) -> None:
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self._path(key), local)
+
+    def size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def _replace(self, key: str, write) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
