@@ -253,7 +253,7 @@ def live_run(ddp_reference, tmp_path, isolated_env):
     run = tmp_path / "work" / "run"
     shutil.copytree(ddp_reference, run, symlinks=True)
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from opentau_cli import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
+        "import sys, time; from opentau_cli.process import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
         "time.sleep(600)"), str(run)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

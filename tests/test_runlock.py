@@ -32,7 +32,7 @@ def test_a_live_runs_lock_refuses_a_second_launch_naming_host_and_pid(tmp_path):
 
 def test_a_lock_left_by_a_sigkilled_run_does_not_block_the_next(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from opentau_cli import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
+        "import sys, time; from opentau_cli.process import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
         "time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(UserError, match=f"pid {holder.pid}"):
@@ -111,11 +111,11 @@ def test_a_rank_that_outlives_its_launcher_keeps_the_run_locked_until_it_is_gone
     a moment later: runtime.die_with_parent). Until that rank is gone, neither a new launch nor the plan's check takes
     the directory; then the lock and the dead rank's registration are taken over."""
     launcher = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from opentau_cli import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
+        "import sys, time; from opentau_cli.process import runlock; runlock.acquire(sys.argv[1]); print('held', flush=True); "
         "time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert launcher.stdout.readline().strip() == "held"  # the launcher takes the lock before it starts its ranks
     rank = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from opentau_cli import runlock; runlock.register_rank(sys.argv[1]); print('rank', flush=True); "
+        "import sys, time; from opentau_cli.process import runlock; runlock.register_rank(sys.argv[1]); print('rank', flush=True); "
         "time.sleep(600)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout.readline().strip() == "rank"
