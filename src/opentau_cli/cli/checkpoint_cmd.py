@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import ForceOpt, JsonOpt, WeightsOpt, handle_errors, make_app
+from opentau_cli.cli.common import ForceOpt, JsonOpt, WeightsOpt, handle_errors, local_source, make_app
 from opentau_cli.units import SIZE_HELP
 
 app = make_app("Consolidate, export, inspect, verify and list checkpoints.")
@@ -27,7 +27,8 @@ def human(n: int | None) -> str:
 @app.command("consolidate")
 @handle_errors
 def consolidate_cmd(
-    checkpoint_dir: Path = typer.Argument(..., help="A DeepSpeed checkpoint directory (or the dir holding its tag dirs)."),
+    checkpoint_dir: str = typer.Argument(..., help="A DeepSpeed or FSDP2 checkpoint directory (or the dir holding its tag "
+                                                   "dirs), or URL:STEP of a run in remote storage (with --output)."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (default, like zero_to_fp32.py) or bf16."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size", help=f"Above this, write HF shards + model.safetensors.index.json ({SIZE_HELP})."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output directory or .safetensors file, outside any run (default: "
@@ -49,8 +50,14 @@ def consolidate_cmd(
     """
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
+    from opentau_cli.errors import UserError
+    from opentau_cli.store.storage import is_url
     from opentau_cli.tools.consolidate import consolidate
 
+    if is_url(checkpoint_dir) and output is None:
+        raise UserError(f"{checkpoint_dir} is in remote storage, where nothing is written: pass --output DIR for the "
+                        "consolidated weights.")
+    checkpoint_dir = Path(local_source(checkpoint_dir))
     console = _stderr_console()
     with Progress(SpinnerColumn(), TextColumn("consolidating: {task.fields[mb]:.1f} MB written"), transient=True,
                   console=console, disable=not console.is_terminal) as bar:
@@ -67,7 +74,8 @@ def consolidate_cmd(
 @app.command("export")
 @handle_errors
 def export_cmd(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint directory, or a run directory (its newest complete checkpoint)."),
+    checkpoint: str = typer.Argument(..., help="A checkpoint directory, a run directory (its newest complete checkpoint), "
+                                              "or URL[:STEP|:best] of a run in remote storage."),
     output: Path = typer.Option(..., "--output", "-o", help="New (or empty) directory, outside any run, for the model; missing parents are made."),
     layout: str = typer.Option("opentau", "--layout", help="opentau (OpenTau, statistics in the weights), lerobot or openpi."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (norms, embeddings and action/time projections stay fp32, as openpi keeps them)."),
@@ -89,7 +97,7 @@ def export_cmd(
     """
     from opentau_cli.tools.export import export
 
-    result = export(checkpoint, output, layout=layout, dtype=dtype, dataset=dataset, force=force, weights=weights)
+    result = export(Path(local_source(checkpoint)), output, layout=layout, dtype=dtype, dataset=dataset, force=force, weights=weights)
     typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}, {result.weights} weights of step {result.step} from "
                f"{result.checkpoint}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
                f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
@@ -103,7 +111,9 @@ def _stderr_console():
 
 @app.command("inspect")
 @handle_errors
-def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint directory, or a run directory."), as_json: JsonOpt = False) -> None:
+def inspect_cmd(checkpoint_dir: str = typer.Argument(..., help="A checkpoint directory, a run directory, or a run in "
+                                                               "remote storage: URL (its checkpoints) or URL:STEP."),
+                as_json: JsonOpt = False) -> None:
     """Show step, backend, world size, preset, parameters, dtypes and files of a checkpoint; of a run directory, its
     checkpoints, what `last` designates, the branch it is on (what `opentau resume RUN` continues) and rollbacks.
 
@@ -113,8 +123,14 @@ def inspect_cmd(checkpoint_dir: Path = typer.Argument(..., help="A checkpoint di
 
       opentau checkpoint inspect outputs/train/pi05
     """
+    from opentau_cli.store.storage import is_url
     from opentau_cli.tools.info import inspect_checkpoint, inspect_run, is_run_dir
+    from opentau_cli.tools.remote import split_target
 
+    if is_url(checkpoint_dir) and split_target(checkpoint_dir)[0] == checkpoint_dir:
+        _print_remote(checkpoint_dir, as_json)
+        return
+    checkpoint_dir = Path(local_source(checkpoint_dir))
     if is_run_dir(checkpoint_dir):
         _print_run(inspect_run(checkpoint_dir), as_json)
         return
@@ -178,6 +194,12 @@ def _print_run(run, as_json: bool) -> None:
         lines.append(("off the branch", f"{_names(run.off_branch)} (`resume` does not continue them)"))
     for stamp, names in run.rolled_back.items():
         lines.append(("rolled back", f"{_names(names)} (moved to rolled_back/{stamp}/, kept)"))
+    if run.remote:
+        states = run.remote.get("checkpoints") or {}
+        by_state = {s: [n for n, v in states.items() if v == s] for s in ("remote", "uploading", "local")}
+        lines.append(("remote", f"{run.remote.get('url')}: stored {_names(by_state['remote'])}; uploading "
+                                f"{_names(by_state['uploading'])}; local only {_names(by_state['local'])}"
+                                + (f" (last upload error: {run.remote['error']})" if run.remote.get("error") else "")))
     if run.interrupted:
         lines.append(("interrupted", f"{_names(run.interrupted)} (not checkpoints; the next run removes them)"))
     for r in run.restarts:
@@ -195,14 +217,18 @@ def _print_run(run, as_json: bool) -> None:
 
 @app.command("verify")
 @handle_errors
-def verify_cmd(path: Path = typer.Argument(..., help="A checkpoint directory or a run directory."), as_json: JsonOpt = False) -> None:
+def verify_cmd(path: str = typer.Argument(..., help="A checkpoint directory, a run directory, or a run in remote storage "
+                                                    "(URL: every committed checkpoint, downloaded into the cache)."),
+               as_json: JsonOpt = False) -> None:
     """Re-hash every file of a checkpoint (or of every checkpoint of a run) against its manifest; exit 1 on any problem.
 
     Example: opentau checkpoint verify outputs/train/pi05
     """
+    from opentau_cli.store.storage import is_url
     from opentau_cli.tools.info import verify_path
+    from opentau_cli.tools.remote import verify_remote
 
-    report = verify_path(path)
+    report = verify_remote(path, echo=lambda line: typer.echo(line, err=True)) if is_url(path) else verify_path(Path(path))
     if as_json:
         typer.echo(json.dumps({"ok": report.ok, "checkpoints": report.checkpoints, "notes": report.notes,
                                "problems": report.problems}, indent=2))
@@ -224,7 +250,7 @@ def verify_cmd(path: Path = typer.Argument(..., help="A checkpoint directory or 
 @app.command("list")
 @handle_errors
 def list_cmd(
-    run_dir: Path = typer.Argument(..., help="A run directory (holding checkpoints/)."),
+    run_dir: str = typer.Argument(..., help="A run directory (holding checkpoints/), or a run in remote storage (URL)."),
     verify: bool = typer.Option(False, "--verify", help="Also re-hash every file against its manifest (reads every byte)."),
     as_json: JsonOpt = False,
 ) -> None:
@@ -242,8 +268,13 @@ def list_cmd(
     """
     from dataclasses import asdict
 
+    from opentau_cli.store.storage import is_url
     from opentau_cli.tools.info import list_run
 
+    if is_url(run_dir):
+        _list_remote(run_dir, verify, as_json)
+        return
+    run_dir = Path(run_dir)
     rows = list_run(run_dir, verify=verify)
     failed = [r.name for r in rows if verify and r.verified is False]
     if as_json:
@@ -277,3 +308,44 @@ def _print_list(run_dir: Path, rows, verify: bool) -> None:
         typer.echo("Every file re-hashed against its checkpoint's manifest.")
     else:
         typer.echo("Hashes not checked (sizes only): `opentau checkpoint list RUN --verify` re-hashes every file.")
+
+
+def _list_remote(url: str, verify: bool, as_json: bool) -> None:
+    from opentau_cli.tools.remote import list_remote
+
+    if verify:
+        verify_cmd(url, as_json)
+        return
+    rows = list_remote(url)
+    if as_json:
+        typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
+        return
+    if not rows:
+        typer.echo(f"No checkpoints in {url}.")
+        return
+    typer.echo(f"{'':2}{'checkpoint':<12}{'step':>8}{'size':>12}  {'state':<12}{'is':<10}")
+    for r in rows:
+        state = "committed" if r.committed else "partial"
+        typer.echo(f"{'->' if 'last' in r.marks else '':2}{r.name:<12}{r.step:>8}{human(r.size):>12}  {state:<12}"
+                   f"{'+'.join(r.marks) or '-':<10}")
+    typer.echo("(committed = its manifest is stored after every file was checked; partial = an upload that never "
+               "committed, which readers ignore and the next commit removes)")
+
+
+def _print_remote(url: str, as_json: bool) -> None:
+    from opentau_cli.tools.remote import list_remote, open_run
+
+    remote = open_run(url)
+    rows = list_remote(url)
+    record = remote.run_record() or {}
+    info = {"url": remote.url, "run_dir": record.get("run_dir"), "last": remote.last(), "best": remote.best(),
+            "committed": [r.name for r in rows if r.committed], "partial": [r.name for r in rows if not r.committed]}
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    for k, v in (("remote", info["url"]), ("run from", info["run_dir"] or "-"), ("last", info["last"] or "-"),
+                 ("best", info["best"] or "-"), ("committed", _names(info["committed"])),
+                 ("partial", _names(info["partial"]) + (" (uploads that never committed)" if info["partial"] else ""))):
+        typer.echo(f"{k + ':':18}{v}")
+    typer.echo(f"`opentau resume {remote.url}` continues from {info['last'] or 'nothing'}; "
+               f"`opentau checkpoint inspect {remote.url}:STEP` shows one checkpoint.")

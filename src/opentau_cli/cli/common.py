@@ -114,3 +114,15 @@ def machine_settings(machine_rank, num_machines, main_process_ip, main_process_p
     """The machine flags of train / resume / config validate, for plan.with_machine (None: not given)."""
     return {"machine_rank": machine_rank, "num_machines": num_machines, "main_process_ip": main_process_ip,
             "main_process_port": main_process_port}
+
+
+def local_source(text: str) -> str:
+    """A local checkpoint, run or model as given; for a run in remote storage (`URL[:STEP|:best]`) a verified copy of
+    the checkpoint in the local cache (tools/remote.py), downloaded once."""
+    from opentau_cli.store.storage import is_url
+
+    if not is_url(text):
+        return text
+    from opentau_cli.tools.remote import local_checkpoint
+
+    return str(local_checkpoint(text, echo=lambda line: typer.echo(line, err=True)))

@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, DeviceOpt, ForceOpt, PolicySourceArg, WeightsOpt, handle_errors
+from opentau_cli.cli.common import (
+    OVERRIDES_CONTEXT, DeviceOpt, ForceOpt, PolicySourceArg, WeightsOpt, handle_errors, local_source,
+)
 
 
 @handle_errors
@@ -43,7 +45,7 @@ def eval_cmd(
     from opentau_cli.config.load import parse_overrides
     from opentau_cli.tools.evaluate import evaluate, parse_episodes
 
-    result = evaluate(source, overrides=parse_overrides(list(ctx.args)), episodes=parse_episodes(episodes), output=output,
+    result = evaluate(local_source(source), overrides=parse_overrides(list(ctx.args)), episodes=parse_episodes(episodes), output=output,
                       batch_size=batch_size, stride=stride, plot_episodes=plot_episodes, device=device, seed=seed,
                       dataset=dataset, echo=lambda m: typer.echo(m, err=True), force=force, weights=weights)
     r = result.report

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, DeviceOpt, PolicySourceArg, WeightsOpt, handle_errors
+from opentau_cli.cli.common import OVERRIDES_CONTEXT, DeviceOpt, PolicySourceArg, WeightsOpt, handle_errors, local_source
 
 
 @handle_errors
@@ -45,7 +45,7 @@ def serve_cmd(
     if not 0 <= port <= 65535:
         raise UserError(f"--port={port}: a TCP port is 0-65535.")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    served = load_served(source, overrides=parse_overrides(list(ctx.args)), dataset=dataset, device=device, seed=seed,
+    served = load_served(local_source(source), overrides=parse_overrides(list(ctx.args)), dataset=dataset, device=device, seed=seed,
                          weights=weights, compiled=compiled)
     server = PolicyServer(served, host, port, key)
     meta = served.metadata()

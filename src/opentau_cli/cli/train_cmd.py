@@ -79,7 +79,9 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
 @handle_errors
 def resume(
     ctx: typer.Context,
-    run_dir: Path = typer.Argument(..., help="A run directory (newest complete checkpoint) or one checkpoint directory."),
+    run_dir: str = typer.Argument(..., help=(
+        "A run directory (newest complete checkpoint), one checkpoint directory, or the URL of the run's "
+        "checkpoint.remote (s3://bucket/prefix/run): its last checkpoint is downloaded first.")),
     accelerate_config: AccelerateConfigOpt = None,
     machine_rank: MachineRankOpt = None,
     num_machines: NumMachinesOpt = None,
@@ -100,15 +102,35 @@ def resume(
         opentau resume outputs/train/pi05/checkpoints/000040 --rollback=true
 
         opentau resume outputs/train/pi05 --reshard=true --accelerate-config=configs/examples/accelerate_deepspeed_zero3_config.yaml
+
+        opentau resume s3://my-bucket/runs/pi05 --output_dir=/scratch/pi05
     """
     from opentau_cli.plan.run_plan import plan_resume
 
     _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
-    _launch(plan_resume(run_dir, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
+    target = _local_target(run_dir, list(ctx.args), parse_bool_flag("--rollback", rollback))
+    _launch(plan_resume(target, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
                         reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
                         break_lock=break_lock),
             break_lock)
+
+
+def _local_target(run_dir: str, args: list[str], rollback: bool) -> Path:
+    """A local run or checkpoint as given, or the local copy of a remote run (plan/remote.py)."""
+    from opentau_cli.plan.remote import local_copy
+    from opentau_cli.store.storage import is_url
+
+    if not is_url(run_dir):
+        return Path(run_dir)
+    from opentau_cli.config import parse_overrides
+
+    import json
+
+    overrides = parse_overrides(args)
+    options = overrides.get("checkpoint.remote_options")
+    return local_copy(run_dir, overrides.get("output_dir"), json.loads(options) if isinstance(options, str) else options or {},
+                      echo=lambda m: typer.echo(m, err=True), rollback=rollback)
 
 
 def register(app: typer.Typer) -> None:

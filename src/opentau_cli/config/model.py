@@ -201,6 +201,24 @@ class CheckpointConfig(Section):
         description="Write checkpoints in the background: a save blocks training only while the state is copied to "
                     "host memory, which holds one such copy per process for the rest of the run.",
     )
+    remote: str | None = Field(
+        None,
+        description="Also store every published checkpoint here, with what a resume needs (the run's history as of "
+                    "that checkpoint): s3://bucket/prefix/run (endpoint and credentials from the standard AWS "
+                    "variables and files), file:///mounted/share/run, or another fsspec URL. Uploads run in the "
+                    "background; `opentau resume URL` continues the run on a machine with an empty disk.",
+    )
+    remote_options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Non-secret options of the remote's client, e.g. {\"endpoint_url\": \"http://minio:9000\", "
+                    "\"region_name\": \"eu-west-1\"}. Credentials are never accepted here (they would be written "
+                    "into train_config.json): use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile or a role.",
+    )
+    remote_drain_seconds: float = Field(
+        60.0, ge=0,
+        description="When a launch ends (finished, preempted or failed), how long it waits for its pending uploads "
+                    "before it exits and names the checkpoints that are local only.",
+    )
 
 
 class LoggingConfig(Section):

@@ -8,6 +8,8 @@ checks it is handed (`opentau_cli.plan.run_plan` composes them: this package imp
 from __future__ import annotations
 
 import difflib
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -152,6 +154,8 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
                         "eval and serve use the EMA weights by default: pass them --weights live for RUN:best, or rank "
                         f"by ema_{metric}.")
 
+    errors.extend(remote_rules(cfg))
+
     # Schedule.
     if cfg.scheduler.type == "cosine_with_warmup" and cfg.scheduler.warmup_steps >= cfg.steps:
         warnings.append(f"scheduler.warmup_steps ({cfg.scheduler.warmup_steps}) >= steps ({cfg.steps}): the run never leaves warm-up.")
@@ -260,3 +264,35 @@ def fsdp_rules(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine) -> tu
         warnings.append("policy.use_torch_compile=true is not supported under FSDP2 yet: running eager instead.")
         cfg.policy.use_torch_compile = False
     return errors, warnings
+
+
+# Option names of storage clients that carry a secret (s3fs's key / secret / token, boto3's aws_*): never in a config,
+# which train_config.json records.
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "session", "private")
+_SECRET_NAMES = ("key", "access_key", "access_key_id", "aws_access_key_id", "account_key", "sas_token")
+
+
+def remote_rules(cfg) -> list[str]:
+    """checkpoint.remote, read without the network: a URL with a scheme, no secret in its options, and not the run's
+    own directory (what the store says is checked before launch, plan/run_plan.py check_remote)."""
+    ckpt = cfg.checkpoint
+    if ckpt.remote is None:
+        return ["checkpoint.remote_options is set but checkpoint.remote is not."] if ckpt.remote_options else []
+    errors = []
+    url = ckpt.remote.strip()
+    scheme, sep, rest = url.partition("://")
+    if not sep or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme) or not rest.strip("/"):
+        hint = f" (file://{Path(url).absolute()} for a directory)" if not sep else ""
+        errors.append(f"checkpoint.remote '{url}' is not a URL such as s3://bucket/prefix/run{hint}.")
+    secret = [k for k in ckpt.remote_options if any(w in k.lower() for w in _SECRET_WORDS) or k.lower() in _SECRET_NAMES]
+    if secret:
+        errors.append(f"checkpoint.remote_options must not hold credentials ({', '.join(sorted(secret))}): they would be "
+                      "written into train_config.json; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile "
+                      "(AWS_PROFILE) or a role instead.")
+    if scheme == "file" and sep:
+        where = Path(os.path.abspath(rest if rest.startswith("/") else "/" + rest))
+        out = Path(os.path.abspath(cfg.output_dir))
+        if where == out or out in where.parents or where in out.parents:
+            errors.append(f"checkpoint.remote '{url}' is the run's own output_dir {out} (or overlaps it): a second "
+                          "copy must live elsewhere, e.g. on a mounted share.")
+    return errors

@@ -26,6 +26,7 @@ from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
 from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
 from opentau_cli.errors import UserError
+from opentau_cli.plan.remote import check_remote, check_remote_history
 from opentau_cli.plan.resume import RESHARD_FLAG, check_in_run, check_resumable
 from opentau_cli.process import runlock
 from opentau_cli.process.launch import RunPlan
@@ -119,7 +120,7 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
 
 
 # The checks of other packages that the config rules run with their own.
-LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir, check_trackers)
+LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir, check_trackers, check_remote)
 
 
 def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:
@@ -245,7 +246,8 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     # A line only when there are newer checkpoints to move aside. Machine 0 judges the run's history: another machine
     # joins the live run, whose newest checkpoint may be published while this plan is made (elastic machines).
     history = check_history(ckpt, rollback) if setup.machine_rank == 0 else []
-    notes.extend(history)
+    remote_history = check_remote_history(checked.config, ckpt, rollback) if setup.machine_rank == 0 else []
+    notes.extend(history + remote_history)
     schedule = describe_schedule_change(saved_config, checked.config, int(state.get("step", 0)))
     if schedule:
         notes.append(schedule)
@@ -254,7 +256,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         notes.append(f"Nothing to do: {ckpt} is at step {state.get('step')} of steps={checked.config.steps} "
                      "(pass a larger --steps to train further).")
     return RunPlan(checked=checked, resume_from=ckpt, notes=notes, finished=done, rollback=bool(history),
-                   dataset_branches=branches)
+                   remote_rollback=bool(remote_history), dataset_branches=branches)
 
 
 def recorded_branches(ckpt: Path, state: dict) -> dict[str, str]:

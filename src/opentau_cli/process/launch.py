@@ -58,6 +58,7 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)
     finished: bool = False  # resuming a run that already reached its steps: nothing to launch (exit 0)
     rollback: bool = False  # the launcher first moves the checkpoints newer than resume_from aside (lineage.py)
+    remote_rollback: bool = False  # ... and those in checkpoint.remote (process/uploader.py)
     # The revision (branch, tag) each Hub dataset was asked at before its commit was pinned, by member label: launch.json
     # records it, so that a later resume can say when that branch has moved (data/hub.py pin_for_resume).
     dataset_branches: dict[str, str] = field(default_factory=dict)
@@ -333,6 +334,9 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         echo(f"Machine {setup.machine_rank} of {setup.num_machines} joins the run led by machine 0 at "
              f"{setup.main_process_ip}; its ranks' logs: {log_dir}/rank<N>.log (linked into machine 0's log dir).")
 
+    # While the ranks run, rank 0's progress line shows the uploads (process/uploader.py StatusView); the uploader's
+    # own lines go to uploads.log.
+    uploader = start_uploads(plan, log_dir) if first and plan.config.checkpoint.remote else None
     # The launcher's own chatter, and its traceback when a rank fails, go to launcher.log: the user gets one line.
     # Only global rank 0 (on machine 0) shows progress on the console.
     with (log_dir / LAUNCHER_LOG).open("w") as launcher_log:
@@ -365,6 +369,8 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
         rc = proc.wait()
+        if uploader is not None:
+            finish_uploads(uploader, plan.config, echo)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -390,3 +396,37 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         reason = f": {last}" if last else f" (exit code {rc})"
         raise RunError(f"{worker.name} failed{after}{reason}. Full log: {log.resolve()}")
     return 0
+
+
+def start_uploads(plan: RunPlan, log_dir: Path):
+    """The launcher's uploads of the run's checkpoints to checkpoint.remote (process/uploader.py); a rollback first
+    sets the remote's checkpoints newer than the resume point aside, as the local ones were."""
+    from opentau_cli.process.uploader import Uploader
+    from opentau_cli.store.remote_run import RemoteRun
+    from opentau_cli.store.storage import open_storage
+
+    cfg = plan.config
+    remote = RemoteRun(open_storage(cfg.checkpoint.remote, cfg.checkpoint.remote_options))
+    protect = plan.resume_from.name if plan.resume_from is not None else None
+    record = {"run_dir": str(Path(cfg.output_dir).absolute()), "first_launch": log_dir.name}
+
+    def note(line: str) -> None:
+        with open(log_dir / "uploads.log", "a") as f:
+            f.write(time.strftime("%H:%M:%S ") + line + "\n")
+
+    uploader = Uploader(Path(cfg.output_dir), remote, keep_last=cfg.checkpoint.keep_last, protect=protect,
+                        record=record, echo=note)
+    uploader.rollback_to = plan.resume_from.name if plan.remote_rollback else None
+    return uploader.start()
+
+
+def finish_uploads(uploader, cfg: TrainConfig, echo) -> None:
+    """Wait up to checkpoint.remote_drain_seconds for the pending uploads; name what stays local only."""
+    local_only = uploader.drain(cfg.checkpoint.remote_drain_seconds)
+    if not local_only and uploader.remote_last():
+        echo(f"Checkpoint {uploader.remote_last()} is stored in {uploader.remote.url}.")
+    if local_only:
+        echo(f"Checkpoint{'s' * (len(local_only) > 1)} {', '.join(local_only)} {'are' if len(local_only) > 1 else 'is'} "
+             f"local only (not yet in {uploader.remote.url} after waiting {cfg.checkpoint.remote_drain_seconds:g} s): "
+             f"`opentau resume {cfg.output_dir}` on this machine uploads {'them' if len(local_only) > 1 else 'it'}; "
+             f"`opentau resume {uploader.remote.url}` elsewhere continues from {uploader.remote_last() or 'nothing'}.")

@@ -4,8 +4,10 @@ A save is always written to local disk first and published there by an atomic re
 DCP write files, not objects. Whatever else holds a run's checkpoints (a mounted share, an object store) is reached
 through a `Storage`, whose keys are '/'-separated paths under its root. Its contract, which the checkpoint code relies
 on and nothing more: `write_bytes` and `put_file` are atomic for readers (a reader sees the whole new content or the
-old, never part), `read_bytes` / `get_file` raise FileNotFoundError for a missing key, `list` names every key under a
-prefix (recursively), `delete` removes keys that exist and ignores the others. `LocalStorage` is a directory on this
+old, never part), `put_file` returns the content's checksum as the store records it and `checksum` gives the stored
+object's, computed on the store's side where it can (else read back), so that an upload is checked by comparing the
+two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list` names every key under a prefix
+(recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store. `LocalStorage` is a directory on this
 machine; store/remote.py is an object store or any other fsspec URL.
 """
 
@@ -23,11 +25,13 @@ class Storage(Protocol):
 
     def read_bytes(self, key: str) -> bytes: ...
     def write_bytes(self, key: str, data: bytes) -> None: ...
-    def put_file(self, local: Path, key: str) -> None: ...
+    def put_file(self, local: Path, key: str) -> str: ...
     def get_file(self, key: str, local: Path) -> None: ...
+    def checksum(self, key: str) -> str | None: ...
     def size(self, key: str) -> int | None: ...
     def list(self, prefix: str = "") -> list[str]: ...
     def delete(self, keys: list[str]) -> None: ...
+    def copy(self, src: str, dst: str) -> None: ...
 
 
 def fsync_dir(path: Path) -> None:
@@ -63,14 +67,23 @@ class LocalStorage:
     def write_bytes(self, key: str, data: bytes) -> None:
         self._replace(key, lambda f: f.write(data))
 
-    def put_file(self, local: Path, key: str) -> None:
+    def put_file(self, local: Path, key: str) -> str:
         with open(local, "rb") as src:
             self._replace(key, lambda f: shutil.copyfileobj(src, f, 16 << 20))
+        return _xxh3(Path(local))
 
     def get_file(self, key: str, local: Path) -> None:
         local = Path(local)
         local.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self._path(key), local)
+
+    def checksum(self, key: str) -> str | None:
+        """Read back: a directory has no checksum of its own."""
+        path = self._path(key)
+        return _xxh3(path) if path.is_file() else None
+
+    def copy(self, src: str, dst: str) -> None:
+        self.put_file(self._path(src), dst)
 
     def size(self, key: str) -> int | None:
         try:
@@ -86,7 +99,15 @@ class LocalStorage:
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
-            self._path(key).unlink(missing_ok=True)
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            for parent in path.parents:  # as in an object store, no folder outlives its last key
+                if parent == self.root or not parent.is_relative_to(self.root):
+                    break
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
 
     def _replace(self, key: str, write) -> None:
         path = self._path(key)
@@ -102,3 +123,43 @@ class LocalStorage:
             Path(tmp).unlink(missing_ok=True)
             raise
         fsync_dir(path.parent)
+
+
+def _xxh3(path: Path) -> str:
+    from opentau_cli.store.manifest import HASH_NAME, hash_file
+
+    return f"{HASH_NAME}:{hash_file(path)}"
+
+
+def is_url(text: str) -> bool:
+    """`scheme://...`: a storage URL rather than a local path."""
+    scheme, sep, _ = str(text).partition("://")
+    return bool(sep) and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum() and scheme[:1].isalpha()
+
+
+def open_storage(url: str, options: dict | None = None) -> Storage:
+    """The storage at `url`: a `file://` URL is a directory here (a mounted share); anything else goes to the object
+    store client (store/remote.py)."""
+    scheme, _, rest = url.partition("://")
+    if scheme == "file":
+        return LocalStorage(Path("/" + rest.lstrip("/")))
+    from opentau_cli.store.remote import open_remote
+
+    return open_remote(url, options or {})
+
+
+def check_storage(url: str, options: dict | None = None) -> str | None:
+    """One sentence on why `url` cannot hold a run's checkpoints (an unknown scheme, a missing bucket, wrong
+    credentials, an unreachable endpoint, a directory that cannot be written), or None; quick, without long retries."""
+    scheme, _, rest = url.partition("://")
+    if scheme == "file":
+        path = Path("/" + rest.lstrip("/"))
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is None or not existing.is_dir():
+            return f"checkpoint.remote {url}: {existing} is not a directory."
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return f"checkpoint.remote {url}: {existing} is not writable."
+        return None
+    from opentau_cli.store.remote import preflight
+
+    return preflight(url, options or {})

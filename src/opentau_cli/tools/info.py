@@ -347,6 +347,9 @@ class RunInfo:
     rolled_back: dict[str, list[str]] = field(default_factory=dict)  # rolled_back/<time> -> the checkpoints it holds
     interrupted: list[str] = field(default_factory=list)  # leftovers of interrupted saves or deletions
     restarts: list[dict] = field(default_factory=list)  # automatic restarts, oldest first (process/restarts.py)
+    # checkpoint.remote: {"url", "checkpoints": {name: "remote" | "uploading" | "local"}, ...} as the launcher's
+    # uploads left it (process/uploader.py)
+    remote: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -384,4 +387,7 @@ def inspect_run(run_dir: Path) -> RunInfo:
     from opentau_cli.process.restarts import read_restarts
 
     info.restarts = read_restarts(run)
+    from opentau_cli.process.uploader import read_status
+
+    info.remote = read_status(run)
     return info

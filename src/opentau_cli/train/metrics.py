@@ -31,9 +31,10 @@ class Progress:
     """A rich bar on a terminal; plain `step N/T ...` lines otherwise (logs, CI). `restarts` > 0 (a run restarted
     automatically that many times) shows as "restart N" on every line, so the user sees the run was restarted."""
 
-    def __init__(self, total: int, start: int, console: IO | None, mode: str, *, restarts: int = 0):
+    def __init__(self, total: int, start: int, console: IO | None, mode: str, *, restarts: int = 0, uploads=None):
         self.total, self.start = total, start
         self.restarts = restarts
+        self.uploads = uploads  # process/uploader.py StatusView with checkpoint.remote: shown on each line
         self.console = console
         self._bar = None
         self._t0 = time.perf_counter()
@@ -55,8 +56,14 @@ class Progress:
     def update(self, step: int, record: dict | None) -> None:
         if self.console is None:
             return
+        remote = ""
+        if self.uploads is not None:
+            remote, news = self.uploads.poll()
+            for line in news:
+                self.message(line)
+            remote = f"  {remote}" if remote else ""
         if self._bar is not None:
-            info = f"loss {record['loss']:.4f}  {record['samples_per_s']:.1f} samples/s" if record else None
+            info = f"loss {record['loss']:.4f}  {record['samples_per_s']:.1f} samples/s{remote}" if record else None
             self._bar.update(self._task, completed=step, **({"info": info} if info else {}))
         elif record is not None:
             done = step - self.start
@@ -64,7 +71,7 @@ class Progress:
             restarted = f"  restart {self.restarts}" if self.restarts > 0 else ""
             self.console.write(
                 f"step {step}/{self.total}{restarted}  loss {record['loss']:.4f}  lr {record['lr']:.3g}  "
-                f"grad_norm {record['grad_norm']:.3g}  {record['samples_per_s']:.1f} samples/s  ETA {format_eta(eta)}\n"
+                f"grad_norm {record['grad_norm']:.3g}  {record['samples_per_s']:.1f} samples/s  ETA {format_eta(eta)}{remote}\n"
             )
             self.console.flush()
 

@@ -55,6 +55,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     from opentau_cli.process import runlock
     from opentau_cli.process import restarts
     from opentau_cli.process.runtime import attempt, keep_until_exit, max_restarts
+    from opentau_cli.process.uploader import StatusView
     from opentau_cli.store.layout import METRICS, TB_RUN, TENSORBOARD
     from opentau_cli.train.manager import BestCheckpoints, CheckpointManager
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
@@ -96,7 +97,8 @@ def fit(cfg, setup, launch: dict, console) -> int:
     # W&B, MLflow, ...: continue (or fork) the tracked runs the checkpoint records (train/trackers.py).
     trackers = Trackers.open(acc, cfg, run_dir, resume_state=resume_state, step=trainer.step)
     metrics = MetricsLogger(acc, run_dir / METRICS, tensorboard=tb_dir is not None, trackers=trackers)
-    progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar, restarts=attempt())
+    progress = Progress(cfg.steps, trainer.step, console, cfg.logging.progress_bar, restarts=attempt(),
+                        uploads=StatusView(run_dir) if cfg.checkpoint.remote and leads else None)
     if failure is not None:
         if leads:
             progress.message(restarts.restart_line(restarts.record_restart(run_dir, run_id, failure, resume_from, trainer.step,

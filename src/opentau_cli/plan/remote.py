@@ -1,0 +1,106 @@
+"""checkpoint.remote before a launch: whether the store is there and holds this run (or nothing), and, for
+`opentau resume URL`, the local copy of the run a launch continues from (docs/ARCHITECTURE.md, "Remote checkpoints")."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from opentau_cli.errors import UserError
+from opentau_cli.process.uploader import read_status, status_path
+from opentau_cli.store.layout import CHECKPOINTS, step_of
+from opentau_cli.store.manifest import is_complete, write_json_atomic
+from opentau_cli.store.remote_run import RemoteRun, choose, split_target
+from opentau_cli.store.runs import latest
+from opentau_cli.store.storage import check_storage, is_url, open_storage  # noqa: F401 (is_url: the CLI's)
+
+
+def check_remote(cfg) -> list[str]:
+    """The store answers (bucket, credentials, endpoint), and holds nothing or this run: a fresh run never writes
+    into another run's remote, as it never writes into another run's directory."""
+    url, options = cfg.checkpoint.remote, cfg.checkpoint.remote_options
+    if not url:
+        return []
+    problem = check_storage(url, options)
+    if problem:
+        return [problem]
+    remote = RemoteRun(open_storage(url, options))
+    if remote.is_empty():
+        return []
+    bound = (read_status(Path(cfg.output_dir)) or {}).get("url") == remote.url
+    if cfg.resume and bound:
+        return []
+    holder = (remote.run_record() or {}).get("run_dir", "another run")
+    return [f"checkpoint.remote {url} already holds a run (from {holder}): pick another prefix, or continue that run "
+            f"with `opentau resume {url}`."]
+
+
+def local_copy(target: str, output_dir: str | None, options: dict, echo: Callable[[str], None], *,
+               rollback: bool = False) -> Path:
+    """The local checkpoint `opentau resume URL[:STEP]` continues: the remote's `last` (or STEP), fetched (every file
+    verified against its manifest) into the run's directory (`output_dir`, else where the run lived) unless a
+    complete copy of it or of a newer checkpoint of the same run is there already."""
+    url, what = split_target(target)
+    problem = check_storage(url, options)
+    if problem:
+        raise UserError(problem)
+    remote = RemoteRun(open_storage(url, options))
+    if remote.last() is None:
+        why = "is empty" if remote.is_empty() else "holds no committed checkpoint (an upload that never finished)"
+        raise UserError(f"{url} {why}: nothing to resume; start the run with `opentau train ... "
+                        f"--checkpoint.remote={url}`.")
+    name = choose(remote, what)
+    newer = [n for n in remote.committed() if step_of(n) > step_of(name)]
+    if newer and not rollback:  # said before anything is downloaded (the plan says it again for a local target)
+        raise UserError(f"{url} holds newer checkpoints than {name} ({', '.join(newer)}): continue from the newest "
+                        f"with `opentau resume {url}`, or pass --rollback=true to move them into "
+                        f"{url}/rolled_back/<time>/ and continue from step {step_of(name)}.")
+    record = remote.run_record() or {}
+    run_dir = Path(output_dir or record.get("run_dir") or "")
+    if not str(run_dir) or str(run_dir) == ".":
+        raise UserError(f"{url} does not say where its run lived: pass --output_dir=DIR for the local copy.")
+    bound = (read_status(run_dir) or {}).get("url")
+    if run_dir.exists() and any(run_dir.iterdir()) and bound != remote.url:
+        raise UserError(f"{run_dir} already holds {'a run of ' + bound if bound else 'files of another run'}: pass "
+                        f"--output_dir=DIR (a new or empty directory) for the local copy of {url}.")
+    have = latest(run_dir) if (run_dir / CHECKPOINTS).is_dir() else None
+    if what is None and have is not None and step_of(have.name) >= step_of(name) and is_complete(have):
+        echo(f"{run_dir} holds checkpoint {have.name} of this run already: nothing to download.")
+        return have
+    manifest = remote.manifest(name)
+    size = sum(e["size"] for e in manifest["files"].values())
+    echo(f"Downloading checkpoint {name} of {url} ({size / 1e9:.2f} GB) into {run_dir} ...")
+    started = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    bind(run_dir, remote.url)
+    ckpt = remote.fetch(name, run_dir)
+    echo(f"Downloaded and verified in {time.perf_counter() - started:.1f} s.")
+    return ckpt
+
+
+def bind(run_dir: Path, url: str) -> None:
+    """Record that `run_dir` is a copy of the run at `url` (the uploader's status file, which it then keeps)."""
+    if (read_status(run_dir) or {}).get("url") == url:
+        return
+    status_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(status_path(run_dir), {"url": url, "checkpoints": {}, "remote_last": None, "uploading": None,
+                                             "error": None, "time": time.time()})
+
+
+def check_remote_history(cfg, ckpt: Path, rollback: bool) -> list[str]:
+    """A resume's checkpoints go after `ckpt`'s step in the remote too: committed ones newer than it (another
+    machine continued the run from the remote, or this is a rollback) are refused unless `rollback`, which sets them
+    aside (rolled_back/<time>/ in the remote) before the first upload. Returns the note to print."""
+    if not cfg.checkpoint.remote:
+        return []
+    remote = RemoteRun(open_storage(cfg.checkpoint.remote, cfg.checkpoint.remote_options))
+    newer = [n for n in remote.committed() if step_of(n) > step_of(ckpt.name)]
+    if not newer:
+        return []
+    if not rollback:
+        raise UserError(f"{remote.url} holds newer checkpoints than {ckpt} ({', '.join(newer)}): continue from the "
+                        f"newest with `opentau resume {remote.url}`, or pass --rollback=true to move them into "
+                        f"{remote.url}/rolled_back/<time>/ and continue from step {step_of(ckpt.name)}.")
+    return [f"Rollback: {', '.join(newer)} in {remote.url} will move into rolled_back/<time>/ there (nothing is "
+            "deleted)."]

@@ -1,0 +1,282 @@
+"""This machine's copies of the run's published checkpoints to `checkpoint.remote`, made by a thread of the launcher
+(docs/ARCHITECTURE.md, "Remote checkpoints").
+
+The launcher outlives its ranks (automatic restarts included), so training never waits on the network and an upload
+in flight survives a rank's death. The thread follows `checkpoints/last`: it uploads the newest published checkpoint
+that the remote lacks, commits it (store/remote_run.py), then applies retention remotely. One upload at a time: a
+checkpoint published while another is uploading waits, and only the newest waiting one is uploaded next (those saved
+in between stay local only). A checkpoint is hard-linked aside while it uploads, so local retention may delete it
+meanwhile. A failure (the store unreachable, throttling beyond the client's own retries) is retried with backoff,
+and what is already stored and checked is not sent again. `<run>/logs/remote.json` says what is local only,
+uploading and remote, for the progress line and `checkpoint inspect`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from opentau_cli.store.layout import BEST, CHECKPOINTS, LOGS, MANIFEST, read_last, step_of
+from opentau_cli.store.manifest import read_manifest, write_json_atomic
+from opentau_cli.store.remote_run import RemoteRun, history_files
+
+STATUS = "remote.json"  # <run>/logs/remote.json
+STAGING = ".uploading"  # <run>/.uploading/<name>/: hard links to the files of the checkpoint being uploaded
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # seconds between retries of a failed upload step
+
+
+def status_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LOGS / STATUS
+
+
+def read_status(run_dir: Path) -> dict | None:
+    try:
+        return json.loads(status_path(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Uploader:
+    """Copies published checkpoints of `run_dir` to `remote` from a background thread (see the module doc)."""
+
+    def __init__(self, run_dir: Path, remote: RemoteRun, *, keep_last: int | None, protect: str | None = None,
+                 record: dict | None = None, echo: Callable[[str], None] = print, poll_seconds: float = 0.5):
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / CHECKPOINTS
+        self.remote = remote
+        self.keep_last = keep_last
+        self.protect = protect  # the checkpoint this launch resumed from: never deleted remotely by this launch
+        self.record = record or {}
+        self.echo = echo
+        self.poll_seconds = poll_seconds
+        self.uploading: str | None = None
+        self.committed: list[str] = []
+        self.error: str | None = None
+        self.done_bytes = self.total_bytes = 0
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="opentau-uploader", daemon=True)
+        self._failures = 0
+        self.rollback_to: str | None = None  # a rolled-back launch's resume point: newer remote checkpoints go aside
+        self._compared: dict[str, dict] = {}  # name -> its files, when the remote's manifest of that name matches
+
+    # The launcher's side.
+
+    def start(self) -> "Uploader":
+        shutil.rmtree(self.run_dir / STAGING, ignore_errors=True)  # a killed launcher's staging
+        self._thread.start()
+        return self
+
+    def drain(self, seconds: float) -> list[str]:
+        """Wait up to `seconds` for the newest published checkpoint to be committed; stop the thread. Returns the
+        published checkpoints newer than the newest remote one (local only), oldest first."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self._pending() is not None:
+            self._idle.clear()
+            self._idle.wait(min(0.5, max(deadline - time.monotonic(), 0.01)))
+        self._stop.set()
+        self._thread.join(timeout=5)
+        newest = max((step_of(n) for n in self.committed), default=-1)
+        local_only = [p.name for p in self._published() if step_of(p.name) > newest]
+        self._write_status()
+        return local_only
+
+    # The thread.
+
+    def remote_last(self) -> str | None:
+        return max(self.committed, key=step_of, default=None)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.committed = self.remote.committed()
+                if self.rollback_to is not None:
+                    self._roll_back(self.rollback_to)
+                break
+            except Exception as e:  # noqa: BLE001 - any client error: the store is not there yet; retried
+                self._failed(e)
+        while not self._stop.is_set():
+            name = self._pending()
+            if name is None:
+                self._idle.set()
+                self._stop.wait(self.poll_seconds)
+                continue
+            try:
+                self._upload(name)
+                self._failures = 0
+                self.error = None
+            except Exception as e:  # noqa: BLE001 - retried with backoff: the store may come back
+                self._failed(e)
+            finally:
+                self.uploading = None
+                self._write_status()
+
+    def _roll_back(self, to: str) -> None:
+        """Set the remote's checkpoints newer than `to` aside (rolled_back/<time>/), as the launch did locally."""
+        from opentau_cli.store.remote_run import stamp
+
+        newer = [n for n in self.committed if step_of(n) > step_of(to)]
+        if newer:
+            self.remote.set_aside(newer, stamp())
+            if to in self.committed:
+                self.remote.storage.write_bytes(f"{CHECKPOINTS}/last", f"{to}\n".encode())
+            self.committed = self.remote.committed()
+        self.rollback_to = None
+
+    def _pending(self) -> str | None:
+        """The checkpoint to upload next: `last`, when the remote lacks it. A remote checkpoint of the same name but
+        other content (a rollback's older branch, a save that replaced a stale one) does not count."""
+        name = read_last(self.root)
+        if name is None or not (self.root / name / MANIFEST).is_file():
+            return None
+        if name in self.committed and self._same_as_remote(name):
+            return None
+        return name
+
+    def _same_as_remote(self, name: str) -> bool:
+        local = (read_manifest(self.root / name) or {}).get("files")
+        if self._compared.get(name) != local:
+            try:
+                self._compared = {name: local} if self.remote.manifest(name).get("files") == local else {}
+            except Exception:  # noqa: BLE001 - unreadable now: decided when the store answers
+                return True
+        return name in self._compared
+
+    def _published(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted((p for p in self.root.iterdir() if step_of(p.name) is not None and (p / MANIFEST).is_file()),
+                      key=lambda p: step_of(p.name))
+
+    def _upload(self, name: str) -> None:
+        staged = self._stage(name)
+        if staged is None:
+            return  # deleted locally before its upload began (a newer one is published): nothing to send
+        try:
+            manifest = read_manifest(staged)
+            files = {rel: staged / rel for rel in manifest["files"]}
+            self.uploading, self.done_bytes = name, 0
+            self.total_bytes = sum(e["size"] for e in manifest["files"].values())
+            self._write_status()
+            if not self.committed:
+                self.remote.claim(self.record)
+            if name in self.committed:  # another checkpoint of the same name: readers stop trusting it first
+                self.remote.retain(set(self.committed) - {name}, force=True)
+                self.committed = self.remote.committed()
+
+            def sent(n: int) -> None:
+                self.done_bytes += n
+
+            if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent):
+                return
+            best = read_last(self.root, BEST)
+            self.remote.commit(name, staged / MANIFEST, history_files(self.run_dir),
+                               best=best if best is not None and best in set(self.committed) | {name} else None)
+            self.committed = self.remote.committed()
+            self.echo(f"Checkpoint {name} is stored in {self.remote.url}.")
+            self._retain(name)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def _stage(self, name: str) -> Path | None:
+        """Hard links to the checkpoint's files (copies where links are not possible), so that local retention may
+        delete it while it uploads; None when it is gone already."""
+        src = self.root / name
+        staged = self.run_dir / STAGING / name
+        shutil.rmtree(staged, ignore_errors=True)
+        try:
+            for path in sorted(src.rglob("*")):
+                if path.is_file():
+                    target = staged / path.relative_to(src)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        os.link(path, target)
+                    except OSError:
+                        shutil.copyfile(path, target)
+        except FileNotFoundError:
+            shutil.rmtree(staged, ignore_errors=True)
+            return None
+        return staged if (staged / MANIFEST).is_file() else None
+
+    def _retain(self, newest: str) -> None:
+        """Remote retention as local (checkpoint.keep_last newest, checkpoints/best), never `last`, this launch's
+        source, or a checkpoint still uploading; then what interrupted uploads left."""
+        if self.keep_last:
+            keep = set(self.committed[-self.keep_last:]) | {newest}
+            if self.protect:
+                keep.add(self.protect)
+            self.remote.retain(keep)
+        self.remote.remove_partial(busy={newest})
+        self.committed = self.remote.committed()
+
+    def _failed(self, e: Exception) -> None:
+        wait = BACKOFF[min(self._failures, len(BACKOFF) - 1)]
+        self._failures += 1
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        self.error = f"{type(e).__name__}: {text[:200]}"
+        self._write_status()
+        if self._failures in (1, 4) or self._failures % 10 == 0:
+            self.echo(f"Upload to {self.remote.url} failed ({self.error}); retrying in {wait:g} s "
+                      f"(attempt {self._failures}). Training goes on.")
+        self._stop.wait(wait)
+
+    def _write_status(self) -> None:
+        newest_remote = self.remote_last()
+        states = {}
+        for path in self._published():
+            name = path.name
+            states[name] = ("remote" if name in self.committed else "uploading" if name == self.uploading else "local")
+        status = {"url": self.remote.url, "checkpoints": states, "remote_last": newest_remote,
+                  "uploading": ({"name": self.uploading, "bytes": self.done_bytes, "total": self.total_bytes}
+                                if self.uploading else None),
+                  "error": self.error, "time": time.time()}
+        try:
+            (self.run_dir / LOGS).mkdir(parents=True, exist_ok=True)
+            write_json_atomic(status_path(self.run_dir), status)
+        except OSError:
+            pass  # the status is advisory; the upload itself goes on
+
+
+class StatusView:
+    """What rank 0's progress line shows of the launcher's uploads: a short state ("remote 000004", "uploading
+    000006 45%") and one line for each checkpoint newly stored and each new failure, read from the status file."""
+
+    def __init__(self, run_dir: Path):
+        self.path = status_path(run_dir)
+        self._mtime = None
+        self._status: dict = {}
+        self._said_last = (read_status(run_dir) or {}).get("remote_last")
+        self._said_error = None
+
+    def poll(self) -> tuple[str, list[str]]:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except OSError:
+            return "", []
+        news = []
+        if mtime != self._mtime:
+            self._mtime = mtime
+            self._status = read_status(self.path.parent.parent) or {}
+            last, error = self._status.get("remote_last"), self._status.get("error")
+            if last and last != self._said_last:
+                news.append(f"Checkpoint {last} is stored in {self._status.get('url')}.")
+                self._said_last = last
+            if error and error != self._said_error:
+                news.append(f"Upload to {self._status.get('url')} failed ({error}); retrying. Training goes on.")
+            self._said_error = error
+        return self.short(), news
+
+    def short(self) -> str:
+        s = self._status
+        if s.get("uploading"):
+            up = s["uploading"]
+            pct = f" {100 * up['bytes'] / up['total']:.0f}%" if up.get("total") else ""
+            return f"uploading {up['name']}{pct}"
+        if s.get("error"):
+            return "upload retrying"
+        return f"remote {s['remote_last']}" if s.get("remote_last") else ""

@@ -1,0 +1,266 @@
+"""A run's checkpoints in a second place (`checkpoint.remote`): what is written there, in which order, and what a
+reader trusts (docs/ARCHITECTURE.md, "Remote checkpoints").
+
+The remote holds the run directory's own relative paths: `checkpoints/<name>/...` (every file of a published
+checkpoint), `checkpoints/last` and `checkpoints/best` (small objects holding a checkpoint's name), the run's history
+as of the newest commit (`metrics.jsonl`, `logs/restarts.jsonl`, TensorBoard's events) and `run.json` (which run
+this is). An object store has no rename: a checkpoint is committed by objects written last. Every file of its
+manifest is uploaded and checked from the store's side, then the history, then `checkpoints/<name>/manifest.json`,
+then `checkpoints/last`. A checkpoint counts only once its manifest is there; readers follow `last` and never take a
+folder without a manifest (an interrupted upload), which a later commit removes.
+
+Everything here goes through a `store.storage.Storage`, so a directory and an object store obey the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from opentau_cli.errors import RunError, UserError
+from opentau_cli.store.layout import (
+    BEST, CHECKPOINTS, LAST, LAUNCH_FILE, LOGS, MANIFEST, METRICS, ROLLED_BACK, TENSORBOARD, step_of,
+)
+from opentau_cli.store.manifest import hash_file
+from opentau_cli.store.storage import Storage
+
+RUN_RECORD = "run.json"  # at the remote's root: the run it holds
+RESTARTS_FILE = f"{LOGS}/restarts.jsonl"  # process/restarts.py's history
+
+
+def pointer(data: bytes) -> str | None:
+    """The checkpoint name a `last` / `best` object holds (None when it holds none)."""
+    name = data.decode("utf-8", "replace").strip()
+    return name if step_of(name) is not None else None
+
+
+@dataclass
+class RemoteRun:
+    """One run's remote copy."""
+
+    storage: Storage
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    # Reading.
+
+    def committed(self) -> list[str]:
+        """Names of the committed checkpoints (their manifest is there), oldest first."""
+        names = {key.split("/")[1] for key in self.storage.list(CHECKPOINTS)
+                 if key.count("/") == 2 and key.endswith("/" + MANIFEST)}
+        return sorted((n for n in names if step_of(n) is not None), key=step_of)
+
+    def partial(self) -> list[str]:
+        """Checkpoint folders with objects but no manifest: uploads that never committed."""
+        keys = self.storage.list(CHECKPOINTS)
+        folders = {key.split("/")[1] for key in keys if key.count("/") >= 2}
+        return sorted(n for n in folders - set(self.committed()) if step_of(n) is not None)
+
+    def last(self) -> str | None:
+        """The checkpoint `checkpoints/last` names, if it is committed (a reader's only way in)."""
+        name = self._pointer(LAST)
+        return name if name is not None and self.storage.size(f"{CHECKPOINTS}/{name}/{MANIFEST}") is not None else None
+
+    def best(self) -> str | None:
+        name = self._pointer(BEST)
+        return name if name is not None and self.storage.size(f"{CHECKPOINTS}/{name}/{MANIFEST}") is not None else None
+
+    def manifest(self, name: str) -> dict:
+        return json.loads(self.storage.read_bytes(f"{CHECKPOINTS}/{name}/{MANIFEST}"))
+
+    def read_json(self, name: str, rel: str) -> dict:
+        return json.loads(self.storage.read_bytes(f"{CHECKPOINTS}/{name}/{rel}"))
+
+    def run_record(self) -> dict | None:
+        try:
+            return json.loads(self.storage.read_bytes(RUN_RECORD))
+        except FileNotFoundError:
+            return None
+
+    def is_empty(self) -> bool:
+        return not self.storage.list("")
+
+    def _pointer(self, link: str) -> str | None:
+        try:
+            return pointer(self.storage.read_bytes(f"{CHECKPOINTS}/{link}"))
+        except FileNotFoundError:
+            return None
+
+    # Writing: upload, commit, retain.
+
+    def claim(self, record: dict) -> None:
+        """Say which run this remote holds (written once, before its first checkpoint)."""
+        if self.run_record() is None:
+            self.storage.write_bytes(RUN_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
+
+    def upload(self, name: str, files: dict[str, Path], manifest: dict, *, cancelled: Callable[[], bool] = lambda: False,
+               progress: Callable[[int], None] = lambda n: None) -> bool:
+        """Put every file of checkpoint `name` (relative path -> local file), each checked against the manifest's hash
+        as it is read and from the store's side once stored; a file already stored and checked is not sent again.
+        Returns False when `cancelled` said stop (what is there stays, uncommitted). Raises RunError when a local file
+        no longer matches the manifest (the checkpoint changed on disk: it is not uploaded)."""
+        for rel, local in sorted(files.items()):
+            if cancelled():
+                return False
+            entry = manifest["files"][rel]
+            key = f"{CHECKPOINTS}/{name}/{rel}"
+            if hash_file(local) != entry["hash"] or local.stat().st_size != entry["size"]:
+                raise RunError(f"{local} no longer matches its checkpoint's manifest; checkpoint {name} is not uploaded.")
+            sent = self.storage.put_file(local, key)
+            if self.storage.checksum(key) != sent or self.storage.size(key) != entry["size"]:
+                raise RunError(f"{self.url}/{key} does not hold what was sent (the store's checksum differs).")
+            progress(entry["size"])
+        return True
+
+    def commit(self, name: str, manifest_file: Path, history: dict[str, Path], *, best: str | None = None) -> None:
+        """Make checkpoint `name` count: the run's history as of now, its manifest, then `last` (and `best`)."""
+        for rel, local in sorted(history.items()):
+            if local.is_file():
+                self.storage.write_bytes(rel, local.read_bytes())
+        self.storage.put_file(manifest_file, f"{CHECKPOINTS}/{name}/{MANIFEST}")
+        self.storage.write_bytes(f"{CHECKPOINTS}/{LAST}", f"{name}\n".encode())
+        if best is not None:
+            self.storage.write_bytes(f"{CHECKPOINTS}/{BEST}", f"{best}\n".encode())
+
+    def retain(self, keep: set[str], *, force: bool = False) -> list[str]:
+        """Delete every committed checkpoint not in `keep`, never `last` or `best` (unless `force`: a checkpoint of
+        the same name is about to replace it): its manifest first (readers stop trusting it), then its files.
+        Returns the names deleted."""
+        keep = set(keep) | (set() if force else {n for n in (self.last(), self.best()) if n})
+        doomed = [n for n in self.committed() if n not in keep]
+        for name in doomed:
+            self.storage.delete([f"{CHECKPOINTS}/{name}/{MANIFEST}"])
+            self.storage.delete(self.storage.list(f"{CHECKPOINTS}/{name}"))
+        return doomed
+
+    def remove_partial(self, busy: set[str] = frozenset()) -> list[str]:
+        """Remove what interrupted uploads left (folders without a manifest), except those `busy` uploading."""
+        gone = [n for n in self.partial() if n not in busy]
+        for name in gone:
+            self.storage.delete(self.storage.list(f"{CHECKPOINTS}/{name}"))
+        return gone
+
+    def set_aside(self, names: list[str], stamp: str) -> None:
+        """A rollback's remote half: move committed checkpoints to `rolled_back/<stamp>/` (copy, then delete), as the
+        local rollback moves them aside (store/lineage.py)."""
+        for name in names:
+            prefix = f"{CHECKPOINTS}/{name}"
+            keys = self.storage.list(prefix)
+            manifest_key = f"{prefix}/{MANIFEST}"
+            ordered = [k for k in keys if k != manifest_key] + ([manifest_key] if manifest_key in keys else [])
+            for key in ordered:
+                self.storage.copy(key, f"{ROLLED_BACK}/{stamp}/{key}")
+            self.storage.delete([manifest_key])
+            self.storage.delete([k for k in keys if k != manifest_key])
+
+    # Fetching: what a resume or an offline tool needs, verified.
+
+    def fetch(self, name: str, run_dir: Path, *, only: Callable[[str], bool] = lambda rel: True,
+              history: bool = True, reuse: bool = True) -> Path:
+        """Download committed checkpoint `name` into `run_dir/checkpoints/<name>` (its files that `only` accepts, each
+        checked against the manifest's hash before it lands), the run's history with it, and point the local `last`
+        at it. Returns the checkpoint directory. With `reuse`, files already there with the manifest's hash are kept
+        rather than downloaded again."""
+        from opentau_cli.store.layout import point_last
+
+        run_dir = Path(run_dir)
+        manifest = self.manifest(name)
+        root = run_dir / CHECKPOINTS
+        final = root / name
+        staging = root / f".fetch-{name}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for rel, entry in sorted(manifest["files"].items()):
+            if not only(rel):
+                continue
+            target = staging / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            have = final / rel
+            if reuse and have.is_file() and have.stat().st_size == entry["size"] and hash_file(have) == entry["hash"]:
+                _link_or_copy(have, target)
+                continue
+            self.storage.get_file(f"{CHECKPOINTS}/{name}/{rel}", target)
+            if target.stat().st_size != entry["size"] or hash_file(target) != entry["hash"]:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise RunError(f"{self.url}/{CHECKPOINTS}/{name}/{rel} does not match its manifest after download; "
+                               "nothing was loaded.")
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if history:
+            self.fetch_history(run_dir)
+        if final.exists():
+            old = root / f".old-{name}-fetch-{os.getpid()}"
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(staging, final)
+        point_last(root, name)
+        return final
+
+    def fetch_history(self, run_dir: Path) -> None:
+        """metrics.jsonl, logs/restarts.jsonl and TensorBoard's events as the newest commit left them."""
+        launches = [k for k in self.storage.list(LOGS) if k.endswith("/" + LAUNCH_FILE)]
+        wanted = [METRICS, RESTARTS_FILE, *launches, *self.storage.list(TENSORBOARD)]
+        for key in wanted:
+            try:
+                data = self.storage.read_bytes(key)
+            except FileNotFoundError:
+                continue
+            target = Path(run_dir) / key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+
+
+def split_target(text: str) -> tuple[str, str | None]:
+    """`URL[:STEP|:best|:last]` -> (URL, what): the step's digits, "best", or None for `last`."""
+    head, sep, tail = text.rpartition(":")
+    if sep and "://" in head and (tail.isdigit() or tail in (BEST, LAST)):
+        return head, None if tail == LAST else tail
+    return text, None
+
+
+def choose(remote: RemoteRun, what: str | None) -> str:
+    """The committed checkpoint `what` names (None: `last`)."""
+    committed = remote.committed()
+    if what is None:
+        name = remote.last()
+    elif what == BEST:
+        name = remote.best()
+        if name is None:
+            raise UserError(f"{remote.url} keeps no best checkpoint (checkpoint.keep_best): pass URL:STEP.")
+    else:
+        name = next((n for n in committed if step_of(n) == int(what)), None)
+        if name is None:
+            raise UserError(f"{remote.url} holds no committed checkpoint of step {int(what)} (committed: "
+                            f"{', '.join(committed) or 'none'}).")
+    if name is None:
+        raise UserError(f"{remote.url} holds no committed checkpoint.")
+    return name
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def history_files(run_dir: Path) -> dict[str, Path]:
+    """The run's history a commit carries: relative path -> local file (those that exist)."""
+    run_dir = Path(run_dir)
+    found = {METRICS: run_dir / METRICS, RESTARTS_FILE: run_dir / RESTARTS_FILE}
+    # Each launch's launch.json: a resume reads the dataset branches its checkpoint's launch recorded.
+    found.update({p.relative_to(run_dir).as_posix(): p for p in sorted((run_dir / LOGS).glob(f"*/{LAUNCH_FILE}"))})
+    tb = run_dir / TENSORBOARD
+    if tb.is_dir():
+        found.update({p.relative_to(run_dir).as_posix(): p for p in sorted(tb.rglob("*")) if p.is_file()})
+    return {rel: p for rel, p in found.items() if p.is_file()}
+
+
+def stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")

@@ -1,0 +1,71 @@
+"""Test-only: hold the launcher's upload of one checkpoint at a known moment, and record every remote commit.
+
+Put this directory on PYTHONPATH and set TEST_UPLOAD_DIR=DIR. Every commit appends {"name", "t"} to DIR/commits.jsonl.
+With TEST_UPLOAD_HOLD=NAME, the upload of checkpoint NAME stops after its first file is stored: it writes DIR/held
+and waits until DIR/release exists (the test meanwhile stops the store, kills the run, ...). The hook wraps
+store/remote_run.py's RemoteRun when that module is imported; other processes are untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _wrap(module) -> None:
+    import json
+    import time
+    from pathlib import Path
+
+    where = Path(os.environ["TEST_UPLOAD_DIR"])
+    hold = os.environ.get("TEST_UPLOAD_HOLD")
+    upload, commit = module.RemoteRun.upload, module.RemoteRun.commit
+
+    def held_upload(self, name, files, manifest, *, cancelled=lambda: False, progress=lambda n: None):
+        if name != hold or (where / "held").exists():
+            return upload(self, name, files, manifest, cancelled=cancelled, progress=progress)
+        first = [True]
+
+        def after_each(n):
+            progress(n)
+            if first[0]:
+                first[0] = False
+                (where / "held").write_text(name)
+                while not (where / "release").exists():
+                    time.sleep(0.05)
+
+        return upload(self, name, files, manifest, cancelled=cancelled, progress=after_each)
+
+    def recorded_commit(self, name, *args, **kwargs):
+        commit(self, name, *args, **kwargs)
+        with open(where / "commits.jsonl", "a") as f:
+            f.write(json.dumps({"name": name, "t": time.time()}) + "\n")
+
+    module.RemoteRun.upload, module.RemoteRun.commit = held_upload, recorded_commit
+
+
+def _install() -> None:
+    import importlib.abc
+    import sys
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "opentau_cli.store.remote_run":
+                return None
+            sys.meta_path.remove(self)
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                _wrap(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+if os.environ.get("TEST_UPLOAD_DIR"):
+    _install()
