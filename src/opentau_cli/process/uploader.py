@@ -21,12 +21,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.store.layout import BEST, CHECKPOINTS, LOGS, MANIFEST, read_last, step_of
+from opentau_cli.store.layout import BEST, CHECKPOINTS, LOGS, MANIFEST, UPLOADING, read_last, step_of
 from opentau_cli.store.manifest import read_manifest, write_json_atomic
 from opentau_cli.store.remote_run import RemoteRun, history_files
 
 STATUS = "remote.json"  # <run>/logs/remote.json
-STAGING = ".uploading"  # <run>/.uploading/<name>/: hard links to the files of the checkpoint being uploaded
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # seconds between retries of a failed upload step
 
 
@@ -54,6 +53,7 @@ class Uploader:
         self.record = record or {}
         self.echo = echo
         self.poll_seconds = poll_seconds
+        self.backoff = BACKOFF
         self.uploading: str | None = None
         self.committed: list[str] = []
         self.error: str | None = None
@@ -68,7 +68,7 @@ class Uploader:
     # The launcher's side.
 
     def start(self) -> "Uploader":
-        shutil.rmtree(self.run_dir / STAGING, ignore_errors=True)  # a killed launcher's staging
+        shutil.rmtree(self.run_dir / UPLOADING, ignore_errors=True)  # a killed launcher's staging
         self._thread.start()
         return self
 
@@ -187,7 +187,7 @@ class Uploader:
         """Hard links to the checkpoint's files (copies where links are not possible), so that local retention may
         delete it while it uploads; None when it is gone already."""
         src = self.root / name
-        staged = self.run_dir / STAGING / name
+        staged = self.run_dir / UPLOADING / name
         shutil.rmtree(staged, ignore_errors=True)
         try:
             for path in sorted(src.rglob("*")):
@@ -215,7 +215,7 @@ class Uploader:
         self.committed = self.remote.committed()
 
     def _failed(self, e: Exception) -> None:
-        wait = BACKOFF[min(self._failures, len(BACKOFF) - 1)]
+        wait = self.backoff[min(self._failures, len(self.backoff) - 1)]
         self._failures += 1
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         self.error = f"{type(e).__name__}: {text[:200]}"

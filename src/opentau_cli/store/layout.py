@@ -31,6 +31,7 @@ LOGS = "logs"
 RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.process.runlock)
 LAUNCHER_LOG = "launcher.log"  # logs/<time>/launcher.log: Accelerate's launcher and torch's elastic agent write here
 LAUNCH_FILE = "launch.json"  # logs/<run id>/launch.json: what process/launch.py hands its ranks, read back by a later resume
+UPLOADING = ".uploading"  # .uploading/<name>/: links to a checkpoint's files while it uploads (process/uploader.py)
 ROLLED_BACK = "rolled_back"  # rolled_back/<time>/checkpoints/<step>/ and rolled_back/<time>/metrics.jsonl (lineage.py)
 
 # What opentau adds to a checkpoint.

@@ -168,13 +168,13 @@ class RemoteRun:
         checked against the manifest's hash before it lands), the run's history with it, and point the local `last`
         at it. Returns the checkpoint directory. With `reuse`, files already there with the manifest's hash are kept
         rather than downloaded again."""
-        from opentau_cli.store.layout import point_last
+        from opentau_cli.store.layout import old_dir, point_last, tmp_dir
 
         run_dir = Path(run_dir)
         manifest = self.manifest(name)
         root = run_dir / CHECKPOINTS
         final = root / name
-        staging = root / f".fetch-{name}-{os.getpid()}"
+        staging = tmp_dir(root, name, f"fetch{os.getpid()}")  # a leftover the next launch removes, as a save's
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         for rel, entry in sorted(manifest["files"].items()):
@@ -195,7 +195,7 @@ class RemoteRun:
         if history:
             self.fetch_history(run_dir)
         if final.exists():
-            old = root / f".old-{name}-fetch-{os.getpid()}"
+            old = old_dir(root, name, f"fetch{os.getpid()}")
             os.replace(final, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(staging, final)

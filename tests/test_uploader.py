@@ -1,0 +1,124 @@
+"""The launcher's uploads (process/uploader.py) on a real directory store: one upload at a time, the newest waiting
+checkpoint next, local retention free to delete a checkpoint while it uploads, failures retried, and a drain that
+names what stays local only. The store is wrapped only to hold or fail a write at a chosen moment."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from opentau_cli.process.uploader import Uploader, read_status
+from opentau_cli.store.layout import CHECKPOINTS, MANIFEST, point_last
+from opentau_cli.store.manifest import write_manifest
+from opentau_cli.store.remote_run import RemoteRun
+from opentau_cli.store.storage import LocalStorage
+
+
+def publish(run: Path, step: int) -> Path:
+    ckpt = run / CHECKPOINTS / f"{step:06d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(bytes([step]) * 200_000)
+    (ckpt / "training_state.json").write_text(json.dumps({"step": step}))
+    write_manifest(ckpt)
+    point_last(run / CHECKPOINTS, ckpt.name)
+    return ckpt
+
+
+class Gate(LocalStorage):
+    """A directory store whose puts of one checkpoint's files wait for `release`, or fail `failures` times."""
+
+    def __init__(self, root: Path, hold: str | None = None, failures: int = 0):
+        super().__init__(root)
+        self.hold, self.failures = hold, failures
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def put_file(self, local, key):
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("the store went away")
+        if self.hold and f"/{self.hold}/" in key:
+            self.holding.set()
+            assert self.release.wait(30)
+        return super().put_file(local, key)
+
+
+def wait_for(condition, seconds: float = 20) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_one_upload_at_a_time_and_the_newest_waiting_checkpoint_goes_next(tmp_path):
+    run, store = tmp_path / "run", Gate(tmp_path / "remote", hold="000004")
+    remote = RemoteRun(store)
+    up = Uploader(run, remote, keep_last=None, poll_seconds=0.05).start()
+    publish(run, 2)
+    wait_for(lambda: remote.committed() == ["000002"])
+    publish(run, 4)
+    assert store.holding.wait(20)
+    publish(run, 6)
+    publish(run, 8)  # 6 and 8 wait; only the newest is uploaded next
+    assert read_status(run)["uploading"]["name"] == "000004"
+    store.release.set()
+    wait_for(lambda: remote.committed() == ["000002", "000004", "000008"])
+    assert up.drain(5) == []
+    assert remote.last() == "000008"
+    assert read_status(run)["checkpoints"] == {"000002": "remote", "000004": "remote", "000006": "local", "000008": "remote"}
+
+
+def test_a_checkpoint_deleted_locally_while_it_uploads_is_still_committed_whole(tmp_path):
+    run, store = tmp_path / "run", Gate(tmp_path / "remote", hold="000002")
+    remote = RemoteRun(store)
+    up = Uploader(run, remote, keep_last=None, poll_seconds=0.05).start()
+    ckpt = publish(run, 2)
+    expected = (ckpt / "model.safetensors").read_bytes()
+    assert store.holding.wait(20)
+    shutil.rmtree(ckpt)  # local retention after a newer save
+    store.release.set()
+    wait_for(lambda: remote.committed() == ["000002"])
+    up.drain(5)
+    assert remote.storage.read_bytes(f"{CHECKPOINTS}/000002/model.safetensors") == expected
+    assert not (run / ".uploading").exists() or not any((run / ".uploading").iterdir())
+
+
+def test_a_failing_store_is_retried_and_the_checkpoint_commits_once_it_answers(tmp_path):
+    run, store = tmp_path / "run", Gate(tmp_path / "remote", failures=2)
+    remote = RemoteRun(store)
+    up = Uploader(run, remote, keep_last=None, poll_seconds=0.05)
+    up.backoff = (0.05,)
+    up.start()
+    publish(run, 2)
+    wait_for(lambda: remote.committed() == ["000002"])
+    assert up.drain(5) == []
+    assert read_status(run)["error"] is None
+
+
+def test_a_drain_against_a_store_that_stays_away_names_what_is_local_only(tmp_path):
+    run, store = tmp_path / "run", Gate(tmp_path / "remote", failures=10**6)
+    up = Uploader(run, RemoteRun(store), keep_last=None, poll_seconds=0.05)
+    up.backoff = (0.05,)
+    up.start()
+    publish(run, 2)
+    publish(run, 4)
+    started = time.monotonic()
+    assert up.drain(1.0) == ["000002", "000004"]
+    assert time.monotonic() - started < 5
+    status = read_status(run)
+    assert "ConnectionError" in status["error"] and status["checkpoints"] == {"000002": "local", "000004": "local"}
+
+
+def test_remote_retention_keeps_keep_last_and_the_checkpoint_the_launch_resumed_from(tmp_path):
+    run = tmp_path / "run"
+    remote = RemoteRun(LocalStorage(tmp_path / "remote"))
+    up = Uploader(run, remote, keep_last=1, protect="000002", poll_seconds=0.05).start()
+    for step in (2, 4, 6):
+        publish(run, step)
+        wait_for(lambda: f"{step:06d}" in remote.committed())
+    up.drain(5)
+    assert remote.committed() == ["000002", "000006"] and remote.last() == "000006"
+    assert (remote.storage.root / CHECKPOINTS / "000004").exists() is False
+    assert all((run / CHECKPOINTS / n / MANIFEST).is_file() for n in ("000002", "000004", "000006"))  # local untouched
