@@ -26,7 +26,7 @@ def check_remote(cfg) -> list[str]:
     if problem:
         return [problem]
     remote = RemoteRun(open_storage(url, options))
-    if remote.is_empty():
+    if not remote.committed():  # empty, or what interrupted uploads left: nobody trusts it, the first commit removes it
         return []
     bound = (read_status(Path(cfg.output_dir)) or {}).get("url") == remote.url
     if cfg.resume and bound:

@@ -13,6 +13,7 @@ uploading and remote, for the progress line and `checkpoint inspect`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from opentau_cli.store.remote_run import RemoteRun, history_files
 
 STATUS = "remote.json"  # <run>/logs/remote.json
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # seconds between retries of a failed upload step
+UPLOAD_NICE = 10  # the upload thread's priority below the launcher's (and so the ranks')
 
 
 def status_path(run_dir: Path) -> Path:
@@ -92,6 +94,11 @@ class Uploader:
         return max(self.committed, key=step_of, default=None)
 
     def _loop(self) -> None:
+        # Below the ranks' priority, as the asynchronous save's writer (train/async_save.py): on a machine whose
+        # cores are all busy training, the upload takes what they leave. Linux sets it per thread, and the client's
+        # own transfer threads, started from this one, inherit it.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
         while not self._stop.is_set():
             try:
                 self.committed = self.remote.committed()
@@ -107,9 +114,9 @@ class Uploader:
                 self._stop.wait(self.poll_seconds)
                 continue
             try:
-                self._upload(name)
-                self._failures = 0
-                self.error = None
+                if self._upload(name):
+                    self._failures = 0
+                    self.error = None
             except Exception as e:  # noqa: BLE001 - retried with backoff: the store may come back
                 self._failed(e)
             finally:
@@ -153,10 +160,11 @@ class Uploader:
         return sorted((p for p in self.root.iterdir() if step_of(p.name) is not None and (p / MANIFEST).is_file()),
                       key=lambda p: step_of(p.name))
 
-    def _upload(self, name: str) -> None:
+    def _upload(self, name: str) -> bool:
+        """Upload and commit `name`; False when stopped before its commit."""
         staged = self._stage(name)
         if staged is None:
-            return  # deleted locally before its upload began (a newer one is published): nothing to send
+            return True  # deleted locally before its upload began (a newer one is published): nothing to send
         try:
             manifest = read_manifest(staged)
             files = {rel: staged / rel for rel in manifest["files"]}
@@ -173,13 +181,14 @@ class Uploader:
                 self.done_bytes += n
 
             if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent):
-                return
+                return False
             best = read_last(self.root, BEST)
             self.remote.commit(name, staged / MANIFEST, history_files(self.run_dir),
                                best=best if best is not None and best in set(self.committed) | {name} else None)
             self.committed = self.remote.committed()
             self.echo(f"Checkpoint {name} is stored in {self.remote.url}.")
             self._retain(name)
+            return True
         finally:
             shutil.rmtree(staged, ignore_errors=True)
 

@@ -96,8 +96,9 @@ class RemoteRun:
     # Writing: upload, commit, retain.
 
     def claim(self, record: dict) -> None:
-        """Say which run this remote holds (written once, before its first checkpoint)."""
-        if self.run_record() is None:
+        """Say which run this remote holds: written before its first checkpoint, and again by a run that starts
+        over a remote where nothing was ever committed."""
+        if self.run_record() is None or not self.committed():
             self.storage.write_bytes(RUN_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
 
     def upload(self, name: str, files: dict[str, Path], manifest: dict, *, cancelled: Callable[[], bool] = lambda: False,
