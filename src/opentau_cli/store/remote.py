@@ -1,0 +1,535 @@
+"""The remote half of the storage seam (store/storage.py; docs/ARCHITECTURE.md, "Remote checkpoints"): an object
+store at an `s3://bucket/prefix` URL (first-class: boto3's transfer manager, the fastest client measured, see
+benchmarks/bench_remote_clients.py) or any other fsspec URL (`file://` for a mounted share, `gs://`, `az://`, ...,
+where the user installs that fsspec backend). It offers the `Storage` operations with keys relative to the URL, each
+retried with backoff through throttling, 5xx answers and dropped connections, plus `preflight`: one sentence on why
+a URL cannot be used, in seconds.
+
+Credentials come only from the client library's standard sources (for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY,
+AWS_PROFILE and ~/.aws/config / credentials, a role of the instance or pod); the options dict holds only non-secret
+settings and refuses anything that looks like a credential. No message of this module holds one: errors are built
+from the store's error code and our own words, never from a request or the client's configuration.
+
+Checksums: every object `put_file` / `write_bytes` stores on S3 carries the content's full-object CRC64NVME, which
+the store checks against the bytes it received (a mismatch is refused) and keeps; `checksum(key)` reads it back
+from the store (HeadObject), or reads the object back and computes it where the store kept none. `put_file` returns
+the value computed locally, so comparing the two proves what the store holds, not what the uploader meant to send.
+Other fsspec stores: xxh3_128 (the manifest's hash) of the local file and of the object read back.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+import re
+import time
+from pathlib import Path
+
+from opentau_cli.errors import UserError
+
+_PART_MB = 16  # measured: 16 MiB parts x 8 in flight match the best plain-client runs (bench_remote_clients.py)
+_CONCURRENCY = 8
+# About how long one operation keeps retrying through an outage before it fails (at most about twice that: the
+# requests' own retries, then whole tries of the operation).
+_RETRY_SECONDS = 120.0
+_CHUNK = 8 << 20
+_S3_OPTIONS = {"endpoint_url", "region", "profile", "addressing_style", "verify", "part_mb", "concurrency",
+               "retry_seconds"}
+# An option whose name has one of these is a credential, or may be: refused whatever its value.
+_SECRET_NAME = re.compile(r"key|secret|token|passw|credential|session|sas|auth|cert_pass", re.I)
+_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded",
+              "TooManyRequests", "ServiceUnavailable", "InternalError"}
+
+
+class RemoteError(Exception):
+    """A store operation that failed after its retries: one sentence, with no credentials in it."""
+
+
+def open_remote(url: str, options: dict | None = None):
+    """The store at `url` (S3Remote for s3://, FsspecRemote for any other fsspec URL). Raises UserError with one
+    sentence for a URL or options that cannot work (unknown scheme, no bucket, credentials among the options)."""
+    options = dict(options or {})
+    for name in options:
+        if _SECRET_NAME.search(str(name)):
+            raise UserError(f"The remote's options may not hold credentials ({name!r}): give them through the storage "
+                            f"library's standard sources (for S3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                            f"AWS_PROFILE or ~/.aws/credentials, an instance or pod role), which opentau never stores.")
+    scheme, sep, rest = str(url).partition("://")
+    if not sep or not scheme:
+        raise UserError(f"{url} is not a storage URL: write s3://BUCKET/PREFIX, file:///PATH or another fsspec URL.")
+    if scheme in ("s3", "s3a"):
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise UserError(f"{url} names no bucket: write s3://BUCKET/PREFIX.")
+        unknown = sorted(set(options) - _S3_OPTIONS)
+        if unknown:
+            raise UserError(f"Unknown option(s) for {url}: {', '.join(unknown)} (known: {', '.join(sorted(_S3_OPTIONS))}).")
+        return S3Remote(url, bucket, prefix.strip("/"), options)
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(scheme)
+    except ValueError:
+        raise UserError(f"{url}: unknown scheme {scheme}://; use s3://BUCKET/PREFIX, file:///PATH or another URL "
+                        f"that fsspec knows (gs://, az://, ...).") from None
+    except ImportError as e:
+        raise UserError(f"{url}: {scheme}:// needs a package that is not installed ({_first_line(e)}).") from None
+    retry = float(options.pop("retry_seconds", _RETRY_SECONDS))
+    try:
+        fs = cls(**options)
+    except Exception as e:  # the backend's own check of its options
+        raise UserError(f"{url}: the options were refused ({type(e).__name__}: {_first_line(e)}).") from None
+    return FsspecRemote(url, fs, cls._strip_protocol(url).rstrip("/"), retry)
+
+
+def preflight(url: str, options: dict | None = None) -> str | None:
+    """One sentence on why `url` cannot be used (bad URL or options, unreachable endpoint, no or wrong credentials,
+    a missing bucket), or None. Quick: one try per request with short timeouts, no retry loop."""
+    try:
+        return open_remote(url, options).check()
+    except UserError as e:
+        return str(e)
+
+
+def _key(key: str, *, prefix: bool = False) -> str:
+    """A key as '/'-separated parts (no '.', '..' or empty part; '' only as a listing prefix)."""
+    parts = [p for p in str(key).split("/") if p]
+    if any(p in (".", "..") for p in parts) or (not parts and not prefix):
+        raise ValueError(f"not a storage key: {key!r}")
+    return "/".join(parts)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _attempts(seconds: float) -> int:
+    """Tries per request whose pauses (botocore's standard mode: on average 1, 2, 4, 8, then 10 s) add up to about
+    `seconds`, at most 10."""
+    attempts, total = 1, 0.0
+    while attempts < 10 and total < seconds:
+        total += min(10.0, 2.0 ** (attempts - 1))
+        attempts += 1
+    return attempts
+
+
+def _backoff(attempt: int) -> float:
+    return min(30.0, 0.5 * 2 ** attempt) * random.uniform(0.5, 1.0)
+
+
+def crc64nvme(path: Path | None = None, data: bytes | None = None) -> str:
+    """The CRC64NVME of a file's content (or of `data`), base64 as S3 writes it."""
+    from awscrt import checksums
+
+    crc = 0
+    if data is not None:
+        crc = checksums.crc64nvme(data)
+    else:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                crc = checksums.crc64nvme(chunk, crc)
+    return base64.b64encode(crc.to_bytes(8, "big")).decode()
+
+
+class S3Remote:
+    """s3://bucket/prefix through boto3 (botocore's standard retries per request, ours around each operation)."""
+
+    def __init__(self, url: str, bucket: str, prefix: str, options: dict):
+        import boto3
+        import botocore.exceptions
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
+        from botocore.config import Config
+
+        self.url = f"s3://{bucket}/{prefix}".rstrip("/")
+        self.bucket, self.prefix = bucket, prefix
+        self.retry_seconds = float(options.get("retry_seconds", _RETRY_SECONDS))
+        part = int(float(options.get("part_mb", _PART_MB)) * (1 << 20))
+        concurrency = int(options.get("concurrency", _CONCURRENCY))
+        try:
+            session = boto3.session.Session(profile_name=options.get("profile"))
+        except botocore.exceptions.ProfileNotFound:
+            raise UserError(f"{url}: the AWS profile {options.get('profile')!r} is not in ~/.aws/config.") from None
+        region = options.get("region") or session.region_name or "us-east-1"
+        s3 = {"addressing_style": options["addressing_style"]} if "addressing_style" in options else {}
+
+        def client(retries: dict, connect: float, read: float):
+            return session.client("s3", endpoint_url=options.get("endpoint_url"), region_name=region,
+                                  verify=options.get("verify"),
+                                  config=Config(retries=retries, connect_timeout=connect, read_timeout=read, s3=s3,
+                                                max_pool_connections=2 * concurrency + 2))
+
+        # botocore retries each request (a multipart upload then resends only the part in flight) about as long
+        # as retry_seconds; _retrying repeats a whole operation that still failed, until retry_seconds are spent.
+        self._client = client({"mode": "standard", "max_attempts": _attempts(self.retry_seconds)}, 10, 120)
+        self._quick = client({"total_max_attempts": 1}, 3, 10)  # pre-flight: one try, seconds
+        self.endpoint = self._client.meta.endpoint_url
+        self._transfer = create_transfer_manager(self._client, TransferConfig(
+            multipart_threshold=part, multipart_chunksize=part, max_concurrency=concurrency,
+            num_download_attempts=10, preferred_transfer_client="classic"))
+
+    def __repr__(self) -> str:
+        return f"S3Remote({self.url!r}, endpoint={self.endpoint!r})"
+
+    def _full(self, key: str) -> str:
+        key = _key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    # --- the Storage operations --------------------------------------------------------------------------------
+    def put_file(self, local: Path, key: str) -> str:
+        """Upload (multipart, parts in parallel) with the file's CRC64NVME, which the store checks; returns
+        "crc64nvme:<base64>" as computed here."""
+        crc = crc64nvme(Path(local))
+        full = self._full(key)
+        self._retrying("upload", key, lambda: self._transfer.upload(
+            str(local), self.bucket, full, extra_args={"ChecksumCRC64NVME": crc}).result())
+        return f"crc64nvme:{crc}"
+
+    def get_file(self, key: str, local: Path) -> None:
+        """Download (ranged GETs in parallel) to a temporary name beside `local`, renamed when complete."""
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        full = self._full(key)
+        self._retrying("download", key, lambda: self._transfer.download(self.bucket, full, str(local)).result())
+
+    def read_bytes(self, key: str) -> bytes:
+        full = self._full(key)
+        return self._retrying("read", key, lambda: self._client.get_object(Bucket=self.bucket, Key=full)["Body"].read())
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """One PUT: a reader sees the old object or the whole new one."""
+        full, crc = self._full(key), crc64nvme(data=bytes(data))
+        self._retrying("write", key, lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=data,
+                                                                      ChecksumCRC64NVME=crc))
+
+    def size(self, key: str) -> int | None:
+        head = self._head(key)
+        return None if head is None else head["ContentLength"]
+
+    def exists(self, key: str) -> bool:
+        return self._head(key) is not None
+
+    def checksum(self, key: str) -> str | None:
+        """"crc64nvme:<base64>" of the stored object as the store records it; where it recorded none (an object
+        written by another tool), computed over the object read back. None when there is no such key."""
+        head = self._head(key, ChecksumMode="ENABLED")
+        if head is None:
+            return None
+        if head.get("ChecksumCRC64NVME") and head.get("ChecksumType") != "COMPOSITE":
+            return f"crc64nvme:{head['ChecksumCRC64NVME']}"
+        full = self._full(key)
+
+        def read_back():
+            from awscrt import checksums
+
+            body, crc = self._client.get_object(Bucket=self.bucket, Key=full)["Body"], 0
+            while chunk := body.read(_CHUNK):
+                crc = checksums.crc64nvme(chunk, crc)
+            return base64.b64encode(crc.to_bytes(8, "big")).decode()
+        return f"crc64nvme:{self._retrying('read', key, read_back)}"
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under the folder `prefix` (recursively), relative to the URL, sorted."""
+        return sorted(self.sizes(prefix))
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """{key: size} of every key under the folder `prefix`: one listing instead of a HEAD per key."""
+        rel = _key(prefix, prefix=True)
+        base = "/".join(p for p in (self.prefix, rel) if p)
+        base = f"{base}/" if base else ""
+        cut = len(f"{self.prefix}/") if self.prefix else 0
+
+        def listing():
+            out = {}
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                for item in page.get("Contents", []):
+                    if not item["Key"].endswith("/"):  # a folder marker some tools write, not an object of ours
+                        out[item["Key"][cut:]] = item["Size"]
+            return out
+        return self._retrying("list", prefix or "/", listing)
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete the keys that exist (1000 per request); a key that does not exist is no error."""
+        fulls = [self._full(k) for k in keys]
+        for start in range(0, len(fulls), 1000):
+            batch = [{"Key": k} for k in fulls[start:start + 1000]]
+            answer = self._retrying("delete", keys[start], lambda: self._client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
+            if answer.get("Errors"):
+                first = answer["Errors"][0]
+                raise RemoteError(f"Deleting {self.url}/{first.get('Key', '')[len(self.prefix) + 1:]} failed "
+                                  f"({first.get('Code')}: {first.get('Message')}).")
+
+    def copy(self, src: str, dst: str) -> None:
+        """A copy made by the store itself (no bytes through this machine), checksum kept."""
+        source = {"Bucket": self.bucket, "Key": self._full(src)}
+        full = self._full(dst)
+        self._retrying("copy", src, lambda: self._transfer.copy(
+            source, self.bucket, full, extra_args={"ChecksumAlgorithm": "CRC64NVME"}).result())
+
+    def abort_uploads(self, prefix: str = "") -> int:
+        """Abort the unfinished multipart uploads under `prefix` (what an interrupted upload leaves on the store,
+        invisible to readers but holding space); returns how many."""
+        rel = _key(prefix, prefix=True)
+        base = "/".join(p for p in (self.prefix, rel) if p)
+        base = f"{base}/" if base else ""
+
+        def abort():
+            count = 0
+            for page in self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base):
+                for upload in page.get("Uploads", []):
+                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                        UploadId=upload["UploadId"])
+                    count += 1
+            return count
+        return self._retrying("abort uploads under", prefix or "/", abort)
+
+    def check(self) -> str | None:
+        """Pre-flight: the endpoint answers, the credentials are accepted and the bucket exists (one sentence or
+        None; one try per request)."""
+        import botocore.exceptions as bx
+
+        try:  # one listing: its error codes say more than HeadBucket's bodiless 403 / 404
+            self._quick.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+        except bx.NoCredentialsError:
+            return (f"No credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
+                    f"or run where an instance or pod role provides them.")
+        except (bx.EndpointConnectionError, bx.ConnectTimeoutError, bx.ReadTimeoutError, bx.ConnectionClosedError,
+                bx.HTTPClientError) as e:
+            return (f"The object store at {self.endpoint} cannot be reached ({type(e).__name__}): check "
+                    f"AWS_ENDPOINT_URL (or the endpoint_url option) and the network.")
+        except bx.ClientError as e:
+            code, status = _code(e)
+            if code in ("404", "NoSuchBucket"):
+                return f"The bucket {self.bucket!r} does not exist at {self.endpoint}: create it first."
+            if status in (401, 403):
+                return (f"The object store at {self.endpoint} refused the credentials for {self.url} ({code}): check "
+                        f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, and their rights on the bucket.")
+            return f"The object store at {self.endpoint} answered {code} (HTTP {status}) for {self.url}."
+        except bx.BotoCoreError as e:
+            return f"{self.url} cannot be used: {type(e).__name__}: {_first_line(e)}"
+        return None
+
+    # --- internals --------------------------------------------------------------------------------------------
+    def _head(self, key: str, **kw) -> dict | None:
+        import botocore.exceptions as bx
+
+        full = self._full(key)
+
+        def head():
+            try:
+                return self._client.head_object(Bucket=self.bucket, Key=full, **kw)
+            except bx.ClientError as e:
+                if _code(e)[1] == 404:
+                    return None
+                raise
+        return self._retrying("look up", key, head)
+
+    def _retrying(self, what: str, key: str, fn):
+        """fn(), again after a growing pause while it fails for a passing reason (a dropped connection, throttling,
+        a 5xx answer, the store restarting), for up to retry_seconds; then one RemoteError. A missing key is
+        FileNotFoundError; other refusals (403, ...) fail at once."""
+        deadline, attempt = time.monotonic() + self.retry_seconds, 0
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                missing = _missing(e)
+                if missing:
+                    raise FileNotFoundError(f"{self.url}/{key} does not exist.") from None
+                pause = _backoff(attempt)
+                if not _transient(e) or time.monotonic() + pause > deadline:
+                    raise RemoteError(f"{what.capitalize()} of {self.url}/{key} failed: {_describe(e)}.") from None
+                time.sleep(pause)
+                attempt += 1
+
+
+def _code(e) -> tuple[str, int]:
+    response = getattr(e, "response", None) or {}
+    return (str(response.get("Error", {}).get("Code", "")),
+            int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0))
+
+
+def _missing(e: BaseException) -> bool:
+    code, status = _code(e)
+    return code in ("NoSuchKey", "404", "NotFound") or status == 404 and code != "NoSuchBucket"
+
+
+def _transient(e: BaseException) -> bool:
+    import botocore.exceptions as bx
+    from s3transfer.exceptions import RetriesExceededError
+
+    if isinstance(e, (bx.ConnectionError, bx.HTTPClientError, bx.ResponseStreamingError, bx.IncompleteReadError,
+                      RetriesExceededError, ConnectionError, TimeoutError)):
+        return True
+    code, status = _code(e)
+    return status >= 500 or status == 429 or code in _THROTTLED
+
+
+def _describe(e: BaseException) -> str:
+    """What went wrong, from the error's code or type: never the request, whose headers carry the signature."""
+    code, status = _code(e)
+    if code:
+        message = (getattr(e, "response", {}).get("Error", {}).get("Message") or "").strip()
+        return f"{code} (HTTP {status})" + (f": {message[:200]}" if message else "")
+    return type(e).__name__
+
+
+class FsspecRemote:
+    """Any other fsspec URL. put_file / write_bytes are atomic for readers on a filesystem (a temporary name, then
+    a rename) and on object stores (one upload); checksums are xxh3_128 read back (manifest.hash_file's)."""
+
+    def __init__(self, url: str, fs, root: str, retry_seconds: float = _RETRY_SECONDS):
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.url, self.fs, self.root = str(url).rstrip("/"), fs, root
+        self.retry_seconds = retry_seconds
+        self._local = isinstance(fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"FsspecRemote({self.url!r})"
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{_key(key)}"
+
+    def _temp(self, path: str) -> str:
+        head, _, name = path.rpartition("/")
+        return f"{head}/.{name}.{os.getpid()}.{random.getrandbits(32):08x}.part"
+
+    def put_file(self, local: Path, key: str) -> str:
+        from opentau_cli.store.manifest import HASH_NAME, hash_file
+
+        path = self._path(key)
+
+        def put():
+            if not self._local:
+                return self.fs.put_file(str(local), path)
+            self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+            tmp = self._temp(path)
+            try:
+                self.fs.put_file(str(local), tmp)
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        self._retrying("upload", key, put)
+        return f"{HASH_NAME}:{hash_file(Path(local))}"
+
+    def get_file(self, key: str, local: Path) -> None:
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
+
+        def get():
+            self.fs.get_file(self._path(key), str(tmp))
+            os.replace(tmp, local)
+        try:
+            self._retrying("download", key, get)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read_bytes(self, key: str) -> bytes:
+        return self._retrying("read", key, lambda: self.fs.cat_file(self._path(key)))
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+
+        def write():
+            if not self._local:
+                return self.fs.pipe_file(path, bytes(data))
+            self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+            tmp = self._temp(path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+        self._retrying("write", key, write)
+
+    def size(self, key: str) -> int | None:
+        try:
+            info = self._retrying("look up", key, lambda: self.fs.info(self._path(key)))
+        except FileNotFoundError:
+            return None
+        return None if info.get("type") == "directory" else int(info["size"])
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def checksum(self, key: str) -> str | None:
+        import xxhash
+
+        from opentau_cli.store.manifest import HASH_NAME
+
+        def read_back():
+            h = xxhash.xxh3_128()
+            with self.fs.open(self._path(key), "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    h.update(chunk)
+            return f"{HASH_NAME}:{h.hexdigest()}"
+        try:
+            return self._retrying("read", key, read_back)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(self.sizes(prefix))
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        rel = _key(prefix, prefix=True)
+        base = f"{self.root}/{rel}" if rel else self.root
+        cut = len(self.fs._strip_protocol(self.root).rstrip("/")) + 1
+
+        def listing():
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {self.fs._strip_protocol(p)[cut:]: int(i["size"]) for p, i in found.items()
+                    if i.get("type") != "directory" and not p.rpartition("/")[2].endswith(".part")}
+        return self._retrying("list", prefix or "/", listing)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self._retrying("delete", key, lambda k=key: self.fs.rm_file(self._path(k)))
+            except FileNotFoundError:
+                pass
+
+    def copy(self, src: str, dst: str) -> None:
+        if not self._local:
+            self._retrying("copy", src, lambda: self.fs.copy(self._path(src), self._path(dst)))
+            return
+        path = self._path(dst)
+        self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+        tmp = self._temp(path)
+        try:
+            self._retrying("copy", src, lambda: self.fs.cp_file(self._path(src), tmp))
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def check(self) -> str | None:
+        try:
+            self.fs.ls(self.root)
+        except FileNotFoundError:
+            return None  # nothing there yet: the first upload makes it
+        except Exception as e:
+            return f"{self.url} cannot be used: {type(e).__name__}: {_first_line(e)}"
+        return None
+
+    def _retrying(self, what: str, key: str, fn):
+        deadline, attempt = time.monotonic() + self.retry_seconds, 0
+        while True:
+            try:
+                return fn()
+            except (FileNotFoundError, IsADirectoryError):
+                raise
+            except (ConnectionError, TimeoutError) as e:
+                pause = _backoff(attempt)
+                if time.monotonic() + pause > deadline:
+                    raise RemoteError(f"{what.capitalize()} of {self.url}/{key} failed: {type(e).__name__}.") from None
+                time.sleep(pause)
+                attempt += 1
