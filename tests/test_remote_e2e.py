@@ -96,8 +96,14 @@ class Backend:
         self.resumed = losses(self.run_b)
 
     def remote(self, server) -> RemoteRun:
+        """The store as this process sees it (a boto3 client reads the AWS variables once, when it is made)."""
+        saved = {name: os.environ.get(name) for name in server.env}
         os.environ.update(server.env)
-        return RemoteRun(open_storage(self.url))
+        try:
+            return RemoteRun(open_storage(self.url))
+        finally:
+            for name, value in saved.items():
+                os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
     def _killed_mid_upload(self, args: list[str]):
         """Run A with the upload of checkpoint 4 held after its first file; once training is over (step 4 logged),
@@ -140,7 +146,7 @@ def test_a_run_killed_mid_upload_leaves_only_committed_checkpoints_trusted(backe
 
 def test_resume_from_the_store_on_an_empty_disk_takes_the_last_committed_checkpoint_and_goes_on_uploading(backends, s3_server):
     single = backends("single")
-    err = single.b_result.stderr
+    err = single.b_result.stderr + single.b_result.stdout  # the progress lines are rank 0's, on stdout
     assert f"Downloading checkpoint 000002 of {single.url}" in err
     assert f"Resumed from {single.run_b / CHECKPOINTS / '000002'} at step 2." in err
     remote = single.remote(s3_server)
@@ -215,18 +221,30 @@ def test_a_bad_remote_is_refused_before_launch_writing_nothing(backends, s3_serv
     url = {"scheme": "nosuchscheme://bucket/run", "bucket": s3_server.url("x").replace(s3_server.bucket, "no-such-bucket"),
            "credentials": s3_server.url("runs/fresh"), "endpoint": s3_server.url("runs/fresh"),
            "taken": backends("single").url, "itself": out.as_uri()}[case]
+    store = backends("single").remote(s3_server).storage
+    before = store.list("")
     if case == "credentials":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-at-all")
     if case == "endpoint":
         monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
-    before = backends("single").remote(s3_server).storage.list("") if case != "scheme" else None
     result = run_cli_in_process(["train", f"--config_path={TINY}", f"--output_dir={out}", "--steps", "2",
                                  f"--checkpoint.remote={url}"])
     needle = {"scheme": "nosuchscheme", "bucket": "no-such-bucket", "credentials": "credentials",
               "endpoint": "127.0.0.1:9", "taken": "already holds a run", "itself": "own output_dir"}[case]
     refused(result, needle)
     assert not out.exists()
-    if before is not None:
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.env["AWS_SECRET_ACCESS_KEY"])
-        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.env["AWS_ENDPOINT_URL"])
-        assert backends("single").remote(s3_server).storage.list("") == before
+    assert store.list("") == before  # the client made before the bad settings still reaches the store
+    assert store.list("runs/fresh") == []
+
+
+def test_the_requeue_examples_start_on_an_empty_store_and_resume_one_that_holds_a_checkpoint(backends, s3_server):
+    """configs/examples/slurm_spot_remote.sbatch and k8s_job_remote.yaml choose between train and resume with the
+    same test: run as written against the store."""
+    single = backends("single")
+    env = {**os.environ, **s3_server.env, "PATH": f"{Path(opentau_bin()).parent}:{os.environ['PATH']}"}
+    for example in ("slurm_spot_remote.sbatch", "k8s_job_remote.yaml"):
+        line = next(line for line in (EXAMPLES / example).read_text().splitlines() if "grep -q" in line)
+        test = line.strip().removeprefix("if ").split("; then")[0]
+        for remote, holds in ((s3_server.url("runs/nothing-here"), False), (single.url, True)):
+            done = subprocess.run(["bash", "-c", test], env={**env, "REMOTE": remote}, capture_output=True, text=True)
+            assert (done.returncode == 0) == holds, (example, remote, done.stderr)
