@@ -1,8 +1,9 @@
 """Test-only: hold the launcher's upload of one checkpoint at a known moment, and record every remote commit.
 
 Put this directory on PYTHONPATH and set TEST_UPLOAD_DIR=DIR. Every commit appends {"name", "t"} to DIR/commits.jsonl.
-With TEST_UPLOAD_HOLD=NAME, the upload of checkpoint NAME stops after its first file is stored: it writes DIR/held
-and waits until DIR/release exists (the test meanwhile stops the store, kills the run, ...). The hook wraps
+With TEST_UPLOAD_HOLD=NAME (a checkpoint's name) or #N (the launch's N-th upload), that upload stops after its first
+file is stored: it writes the checkpoint's name to DIR/held and waits until DIR/release exists (the test meanwhile
+stops the store, kills the run, ...). The hook wraps
 store/remote_run.py's RemoteRun when that module is imported; other processes are untouched.
 """
 
@@ -17,11 +18,15 @@ def _wrap(module) -> None:
     from pathlib import Path
 
     where = Path(os.environ["TEST_UPLOAD_DIR"])
-    hold = os.environ.get("TEST_UPLOAD_HOLD")
+    hold = os.environ.get("TEST_UPLOAD_HOLD") or ""
     upload, commit = module.RemoteRun.upload, module.RemoteRun.commit
+    uploads = []
 
     def held_upload(self, name, files, manifest, *, cancelled=lambda: False, progress=lambda n: None):
-        if name != hold or (where / "held").exists():
+        if name not in uploads:
+            uploads.append(name)
+        chosen = hold == f"#{uploads.index(name) + 1}" if hold.startswith("#") else hold == name
+        if not chosen or (where / "held").exists():
             return upload(self, name, files, manifest, cancelled=cancelled, progress=progress)
         first = [True]
 

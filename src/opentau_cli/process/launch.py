@@ -401,12 +401,15 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
 def start_uploads(plan: RunPlan, log_dir: Path):
     """The launcher's uploads of the run's checkpoints to checkpoint.remote (process/uploader.py); a rollback first
     sets the remote's checkpoints newer than the resume point aside, as the local ones were."""
-    from opentau_cli.process.uploader import Uploader
+    from opentau_cli.process.uploader import UPLOAD_RETRY_SECONDS, Uploader
     from opentau_cli.store.remote_run import RemoteRun
     from opentau_cli.store.storage import open_storage
 
     cfg = plan.config
-    remote = RemoteRun(open_storage(cfg.checkpoint.remote, cfg.checkpoint.remote_options))
+    # Each request retries for a few seconds only: the thread's own retries (with backoff, for as long as the run
+    # lives) take over from there, and say on the progress line that the store is away.
+    options = {**cfg.checkpoint.remote_options, "retry_seconds": UPLOAD_RETRY_SECONDS}
+    remote = RemoteRun(open_storage(cfg.checkpoint.remote, options))
     protect = plan.resume_from.name if plan.resume_from is not None else None
     record = {"run_dir": str(Path(cfg.output_dir).absolute()), "first_launch": log_dir.name}
 

@@ -28,6 +28,7 @@ from opentau_cli.store.remote_run import RemoteRun, history_files
 
 STATUS = "remote.json"  # <run>/logs/remote.json
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # seconds between retries of a failed upload step
+UPLOAD_RETRY_SECONDS = 10  # how long one request of an upload retries before the thread's backoff takes over
 UPLOAD_NICE = 10  # the upload thread's priority below the launcher's (and so the ranks')
 
 
@@ -185,9 +186,14 @@ class Uploader:
             best = read_last(self.root, BEST)
             self.remote.commit(name, staged / MANIFEST, history_files(self.run_dir),
                                best=best if best is not None and best in set(self.committed) | {name} else None)
-            self.committed = self.remote.committed()
+            self.committed = sorted(set(self.committed) | {name}, key=step_of)
+            self.uploading = None
+            self._write_status()
             self.echo(f"Checkpoint {name} is stored in {self.remote.url}.")
-            self._retain(name)
+            try:
+                self._retain(name)
+            except Exception as e:  # noqa: BLE001 - the commit stands; what retention leaves goes at the next one
+                self.echo(f"Remote retention after {name} did not finish ({type(e).__name__}); the next commit retries it.")
             return True
         finally:
             shutil.rmtree(staged, ignore_errors=True)
