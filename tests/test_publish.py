@@ -246,6 +246,7 @@ MISTAKES = {
     "the eval of another checkpoint": (lambda ctx: ["RUN:6", "--push-to-hub", "alice/x", "--eval", str(ctx["eval_dir"])],
                                        "it evaluated"),
     "--private for a public repo": (lambda ctx: ["RUN:3", "--push-to-hub", REPO, "--private"], "exists and is public"),
+    "neither --output nor --push-to-hub": (lambda ctx: ["RUN:3"], "Give --output DIR"),
     "a step the run does not have": (lambda ctx: ["RUN:4", "--push-to-hub", "alice/x"],
                                      "has no checkpoint of step 4 (its checkpoints' steps: 3, 6)"),
 }
@@ -280,6 +281,24 @@ def test_force_pushes_beside_unrelated_files_keeps_them_and_names_them(pushed, h
     assert f"Kept 2 file(s) of {repo_id} the export does not replace (--force never deletes): notes.txt, weights.bin." in result.stderr
     files = hub_here.repo(repo_id).commits[hub_here.repo(repo_id).refs["main"]]
     assert all(files[name] == data for name, data in theirs.items()) and set(pushed["local"]) <= set(files)
+
+
+def test_private_creates_a_private_repo_and_eval_names_the_evaluation_for_the_card(pushed, hub_here, tmp_path):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    result = run_cli_in_process(["checkpoint", "export", f"{pushed['run']}:3", "--layout", "openpi", "--push-to-hub",
+                                 "alice/private-demo@robot", "--private", "--eval", str(pushed["eval_dir"])], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    repo = hub_here.repo("alice/private-demo")
+    assert repo.private and set(repo.refs) == {"main", "robot"} and repo.log("main")[0].files.keys() == {".gitattributes"}
+    files = repo.commits[repo.refs["robot"]]
+    assert "eval/eval.png" in files and "assets/demo/norm_stats.json" in files
+    card = files["README.md"].decode()
+    assert "## Evaluation" in card and "](eval/eval.png)" in card and 'asset id to "demo"' in card
+    assert "hf download alice/private-demo --revision robot" in card
+    with pytest.raises(RepositoryNotFoundError):  # hidden from whoever has no token
+        HfApi(token=False).model_info("alice/private-demo")
 
 
 def test_the_card_names_the_base_models_commit_and_license_and_the_hub_datasets_commits(hub_here, tmp_path):

@@ -217,28 +217,34 @@ def _evaluation(f: CardFacts) -> str:
 
 def _usage(f: CardFacts) -> str:
     pinned = f.repo_id if f.branch == "main" else f"{f.repo_id}@{f.branch}"
-    revision = "" if f.branch == "main" else f', revision="{f.branch}"'
     out = ["## Use it\n",
-           "Pin a commit for a robot (`USER/REPO@COMMIT`, `revision=COMMIT`): a branch moves with the next push.\n",
+           f"A branch moves with the next push: give a robot a commit (`{f.repo_id}@COMMIT`, below for LeRobot and openpi).\n",
            "### opentau\n",
            f"```bash\nopentau serve {pinned} --port 8000            # openpi's websocket protocol (openpi-client)\n"
            f"opentau eval {pinned} --dataset.root=DATASET    # action error on your episodes\n```\n"]
     if f.layout == LEROBOT:
-        policy = f"{f.config.policy.type.upper()}Policy"
+        kind = f.config.policy.type
+        policy = f"{kind.upper()}Policy"
+        # LeRobot 0.4.4's pi0 / pi05 from_pretrained read the weights from the default branch whatever `revision`
+        # says: another branch (or a commit) is loaded from the folder snapshot_download gives.
+        fetch = "" if f.branch == "main" else (
+            f'from huggingface_hub import snapshot_download\n\nfolder = snapshot_download("{f.repo_id}", revision="{f.branch}")\n')
+        repo = f'"{f.repo_id}"' if f.branch == "main" else "folder"
+        processors = "\n".join(f'{step} = PolicyProcessorPipeline.from_pretrained({repo}, config_filename="policy_{step}or.json")'
+                                for step in ("preprocess", "postprocess"))
         out += ["### LeRobot\n",
-                f"```python\nfrom lerobot.policies.{f.config.policy.type}.modeling_{f.config.policy.type} import {policy}\n"
-                f"from lerobot.processor import PolicyProcessorPipeline\n\n"
-                f'policy = {policy}.from_pretrained("{f.repo_id}"{revision})\n'
-                f'preprocess = PolicyProcessorPipeline.from_pretrained("{f.repo_id}", config_filename="policy_preprocessor.json"{revision})\n'
-                f'postprocess = PolicyProcessorPipeline.from_pretrained("{f.repo_id}", config_filename="policy_postprocessor.json"{revision})\n```\n',
-                f"To pin a commit, load a folder: `path = huggingface_hub.snapshot_download(\"{f.repo_id}\", revision=COMMIT)`, "
-                f"then `from_pretrained(path)`: LeRobot 0.4.4's `{policy}.from_pretrained` reads the weights from the "
-                "default branch whatever its `revision` says.\n",
+                f"```python\nfrom lerobot.policies.{kind}.modeling_{kind} import {policy}\n"
+                f"from lerobot.processor import PolicyProcessorPipeline\n{fetch}\n"
+                f"policy = {policy}.from_pretrained({repo})\n{processors}\n```\n",
+                f"To pin a commit, load a folder: `huggingface_hub.snapshot_download(\"{f.repo_id}\", revision=COMMIT)`: "
+                f"LeRobot 0.4.4's `{policy}.from_pretrained` reads the weights from the default branch whatever its "
+                "`revision` says.\n",
                 "For openpi, export the checkpoint again with `--layout openpi`.\n"]
     elif f.layout == OPENPI:
         rev = "" if f.branch == "main" else f" --revision {f.branch}"
         out += ["### openpi\n",
-                f"```bash\nhf download {f.repo_id}{rev} --local-dir checkpoints/{f.repo_id.partition('/')[2]}\n```\n",
+                f"```bash\nhf download {f.repo_id}{rev} --local-dir checkpoints/{f.repo_id.partition('/')[2]}"
+                "    # --revision COMMIT pins it\n```\n",
                 "Then `openpi.policies.policy_config.create_trained_policy(train_config, that_dir)`: openpi's PyTorch "
                 f"path loads `model.safetensors`, and the normalization statistics from `assets/{f.asset}/norm_stats.json`: "
                 f'set your training config\'s asset id to "{f.asset}".\n',

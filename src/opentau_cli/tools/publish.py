@@ -15,6 +15,7 @@ huggingface_hub's own upload API (docs/ARCHITECTURE.md, "Publishing to the Hub")
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -160,31 +161,33 @@ def remote_state(api, target: Target) -> Remote:
     return Remote(True, bool(info.private), branch, info.sha, sorted(s.rfilename for s in info.siblings or []))
 
 
-def _hub_errors(target: Target, doing: str):
-    """The Hub's answers as one sentence: a refused token or repo is the user's to fix (exit 2), anything else a
-    failure (exit 1)."""
-    import contextlib
-
+def _refused_token(exc: Exception, target: Target, doing: str) -> UserError | None:
+    """The Hub refusing the token (401) or its right to write the repo (403): the user's to fix."""
     from huggingface_hub.errors import HfHubHTTPError
 
-    @contextlib.contextmanager
-    def translate():
-        try:
-            yield
-        except HfHubHTTPError as exc:
-            status = exc.response.status_code if exc.response is not None else None
-            first = _first_line(exc)
-            if status == 401:
-                raise UserError(f"The Hub refused the Hugging Face token while {doing} {target} ({first}): check "
-                                "HF_TOKEN or run `hf auth login`.") from None
-            if status == 403:
-                raise UserError(f"The token may not write to {target.repo_id} ({first}): use a token with write "
-                                "access to it, or push to a repo of your own.") from None
-            raise RunError(f"The Hub answered an error while {doing} {target} ({first}).") from None
-        except (OSError, ValueError) as exc:  # the HTTP client's connection errors, a malformed answer
-            raise RunError(f"Talking to the Hub failed while {doing} {target} ({type(exc).__name__}: {exc}).") from None
+    status = exc.response.status_code if isinstance(exc, HfHubHTTPError) and exc.response is not None else None
+    if status == 401:
+        return UserError(f"The Hub refused the Hugging Face token while {doing} {target} ({_first_line(exc)}): check "
+                         "HF_TOKEN or run `hf auth login`.")
+    if status == 403:
+        return UserError(f"The token may not write to {target.repo_id} ({_first_line(exc)}): use a token with write "
+                         "access to it, or push to a repo of your own.")
+    return None
 
-    return translate()
+
+@contextlib.contextmanager
+def _hub_errors(target: Target, doing: str):
+    """The Hub's answers as one sentence: a refused token is the user's to fix (exit 2), anything else a failure
+    (exit 1)."""
+    try:
+        yield
+    except (UserError, RunError):
+        raise
+    except Exception as exc:  # the Hub's HTTP errors, the client's connection and timeout errors
+        refused = _refused_token(exc, target, doing)
+        if refused is not None:
+            raise refused from None
+        raise RunError(f"Talking to the Hub failed while {doing} {target} ({type(exc).__name__}: {_first_line(exc)}).") from None
 
 
 # ------------------------------------------------------------------------------------------- the push
@@ -253,6 +256,9 @@ def _commit(api, target: Target, remote: Remote, upload: dict[str, Path], messag
                                  parent_commit=head, commit_description=_description(pushed))
     except Exception as exc:  # whatever the uploads or the commit raised: the Hub made no commit
         echo("")  # the upload's progress bars stop mid-line
+        refused = _refused_token(exc, target, "pushing to")
+        if refused is not None:
+            raise refused from None
         what = _first_line(exc) + (f": {_first_line(exc.__cause__)}" if exc.__cause__ is not None else "")
         raise RunError(f"Pushing to {target} failed ({what}); no commit was made and {target.branch} still points at "
                        f"{head}: run the command again.") from None
