@@ -162,7 +162,8 @@ def remote_state(api, target: Target) -> Remote:
 
 
 def _refused_token(exc: Exception, target: Target, doing: str) -> UserError | None:
-    """The Hub refusing the token (401) or its right to write the repo (403): the user's to fix."""
+    """The Hub refusing the token (401), its right to write the repo (403), or a repo it cannot see (409 on creating
+    one of that name): the user's to fix."""
     from huggingface_hub.errors import HfHubHTTPError
 
     status = exc.response.status_code if isinstance(exc, HfHubHTTPError) and exc.response is not None else None
@@ -172,6 +173,9 @@ def _refused_token(exc: Exception, target: Target, doing: str) -> UserError | No
     if status == 403:
         return UserError(f"The token may not write to {target.repo_id} ({_first_line(exc)}): use a token with write "
                          "access to it, or push to a repo of your own.")
+    if status == 409 and doing == "creating":  # the Hub hid it from this token: another account's private repo
+        return UserError(f"{target.repo_id} exists, and this token cannot see it (a private repo of another account?): "
+                         "push to a repo of your own, or use a token that can read and write it.")
     return None
 
 
