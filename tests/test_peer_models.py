@@ -6,7 +6,12 @@ policy's, and the export's as `opentau eval` / `opentau serve` load it.
 
 Both peers' pi05 models need openpi's transformers_replace files, which only openpi's GitHub source holds (no package
 registry has it): the venv (scripts/peer_envs.sh lerobot-openpi) and these tests take it from OPENPI_SRC, else from the
-pinned copy beside the checkout (../shared/peers/openpi-15a9616); under CI a missing source or venv fails."""
+pinned copy beside the checkout (../shared/peers/openpi-15a9616); under CI a missing source or venv fails.
+
+The same checkpoint is also pushed in both layouts with `opentau checkpoint export --push-to-hub` to a local server
+speaking the Hub's protocol (tests/hub_server.py), and the peers' code fetches it by repo id from there: LeRobot's
+`from_pretrained` with the repo id and the pushed commit, openpi's loader on the folder the peer venv's huggingface_hub
+downloads (`snapshot_download`, as `hf download` does). Each peer runs once on the local export and the pushed one."""
 
 from __future__ import annotations
 
@@ -19,11 +24,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, run_cli
 from peer_envs import openpi_source, peer_python
 
 HERE = Path(__file__).parent
 TOLERANCE = 1e-4  # fp32, two implementations of the same maths
+TOKEN = "hf_peer_models_write_token"
 
 
 def _tokenizer(directory: Path) -> Path:
@@ -73,6 +79,7 @@ def case(tmp_path_factory):
     from opentau_cli.policies.layouts import LEROBOT, OPENPI
     from opentau_cli.policies.pi05.tokenization import clean_task, state_bins
     from opentau_cli.store.layout import MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
+    from opentau_cli.store.manifest import write_manifest
     from opentau_cli.tools.export import export
     from opentau_cli.tools.serve import load_served
 
@@ -95,6 +102,7 @@ def case(tmp_path_factory):
     save_file({k: v.contiguous().clone() for k, v in policy.state_dict().items()}, str(ckpt / MODEL_WEIGHTS))
     (ckpt / TRAIN_CONFIG).write_text(json.dumps(cfg.to_json_dict()))
     (ckpt / TRAINING_STATE).write_text(json.dumps({"step": 1}))
+    write_manifest(ckpt)  # a push verifies the checkpoint first
     exports = {layout: export(ckpt, root / f"export_{layout}", layout=layout).output for layout in (LEROBOT, OPENPI)}
 
     generator = torch.Generator().manual_seed(3)
@@ -121,12 +129,55 @@ def case(tmp_path_factory):
     sizes = root / "sizes.json"
     sizes.write_text(json.dumps(_sizes(cfg.policy.preset)))
     return {"python": python, "openpi": openpi_root, "exports": exports, "tokenizer": tokenizer, "sizes": sizes, "given": given,
-            "ours": ours, "served": served, "prompt": prompt, "root": root}
+            "ours": ours, "served": served, "prompt": prompt, "root": root, "ckpt": ckpt}
 
 
-def _run(case, driver: str, *args) -> dict:
+@pytest.fixture(scope="module")
+def hub(case):
+    """The checkpoint pushed in each layout by the CLI to a local Hub server (its own HF_HOME), and what the peers
+    need to fetch it from there: the repo ids at the pushed commits and their environment (another HF_HOME)."""
+    from hub_server import HubServer
+    from opentau_cli.policies.layouts import LEROBOT, OPENPI
+
+    server = HubServer(tokens={TOKEN}).start()
+    root = case["root"]
+    env = {"HF_ENDPOINT": server.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(root / "push_hf_home")}
+    repos = {}
+    for layout in (LEROBOT, OPENPI):
+        repo = f"alice/pi05-small-{layout}"
+        pushed = run_cli(["checkpoint", "export", str(case["ckpt"]), "--layout", layout, "--push-to-hub", repo],
+                         env=env, cwd=root)
+        assert pushed.returncode == 0, pushed.stderr[-3000:]
+        repos[layout] = f"{repo}@{server.repo(repo).refs['main']}"
+    yield {"server": server, "repos": repos,
+           "env": {"HF_ENDPOINT": server.url, "HF_HOME": str(root / "peer_hf_home"), "HF_HUB_OFFLINE": "0"}}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def lerobot_acts(case, hub) -> dict:
+    """LeRobot's chunks for the local LeRobot export and for the pushed one, by repo id (one run of its code)."""
+    from opentau_cli.policies.layouts import LEROBOT
+
+    return _run(case, "lerobot_policy_driver.py", f"{case['exports'][LEROBOT]},{hub['repos'][LEROBOT]}", case["tokenizer"],
+                case["sizes"], case["given"], env=hub["env"])
+
+
+@pytest.fixture(scope="module")
+def openpi_acts(case, hub) -> dict:
+    """openpi's chunks for the local openpi export and for the pushed one, downloaded by repo id (one run)."""
+    from opentau_cli.policies.layouts import OPENPI
+
+    return _run(case, "openpi_model_driver.py", case["openpi"], f"{case['exports'][OPENPI]},{hub['repos'][OPENPI]}",
+                case["tokenizer"], case["sizes"], case["given"], env=hub["env"])
+
+
+def _run(case, driver: str, *args, env: dict | None = None) -> dict:
+    import os
+
     out = case["root"] / f"{driver}.json"
-    proc = subprocess.run([case["python"], str(HERE / driver), *map(str, args), str(out)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([case["python"], str(HERE / driver), *map(str, args), str(out)], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     return json.loads(out.read_text())
 
@@ -149,10 +200,10 @@ def _same_chunk(theirs: list, ours: torch.Tensor, record, what: str) -> float:
     return difference
 
 
-def test_lerobots_pi05_policy_with_its_processors_acts_as_opentau_on_the_lerobot_export(case, record_property):
+def test_lerobots_pi05_policy_with_its_processors_acts_as_opentau_on_the_lerobot_export(case, lerobot_acts, record_property):
     from opentau_cli.policies.layouts import LEROBOT
 
-    got = _run(case, "lerobot_policy_driver.py", case["exports"][LEROBOT], case["tokenizer"], case["sizes"], case["given"])
+    got = lerobot_acts[str(case["exports"][LEROBOT])]
     assert got["cameras"] == ["observation.images.top"]
     (ids,) = got["input_ids"]
     assert _text(case, ids) == case["prompt"]
@@ -160,10 +211,34 @@ def test_lerobots_pi05_policy_with_its_processors_acts_as_opentau_on_the_lerobot
     _same_chunk(got["actions"], case["served"][LEROBOT], record_property, "LeRobot vs opentau serving the LeRobot export")
 
 
-def test_openpis_pytorch_model_loads_the_openpi_export_strictly_and_acts_as_opentau_with_its_normalization(case, record_property):
+def test_lerobots_from_pretrained_loads_the_pushed_lerobot_export_by_repo_id_and_acts_as_on_the_local_one(case, hub, lerobot_acts):
+    from opentau_cli.policies.layouts import LEROBOT, LEROBOT_NORMALIZER
+
+    repo, commit = hub["repos"][LEROBOT].split("@")
+    assert lerobot_acts[hub["repos"][LEROBOT]] == lerobot_acts[str(case["exports"][LEROBOT])]  # the same files: ==
+    fetched = {tuple(p.split("/resolve/", 1)[1].split("/", 1)) for p in hub["server"].requested("GET")
+               if p.startswith(f"/{repo}/resolve/")}
+    # LeRobot 0.4.4's PI05Policy.from_pretrained fetches the weights at the default branch whatever its `revision`
+    # says (it looks for the revision in **kwargs, where the named argument never is); main is the pushed commit here.
+    assert fetched == {(commit, "config.json"), ("main", "model.safetensors"), (commit, "policy_preprocessor.json"),
+                       (commit, "policy_postprocessor.json"), (commit, LEROBOT_NORMALIZER),
+                       (commit, "policy_postprocessor_step_0_unnormalizer_processor.safetensors")}
+    assert hub["server"].repo(repo).refs["main"] == commit
+
+
+def test_openpis_pytorch_model_loads_the_openpi_export_strictly_and_acts_as_opentau_with_its_normalization(case, openpi_acts, record_property):
     from opentau_cli.policies.layouts import OPENPI
 
-    got = _run(case, "openpi_model_driver.py", case["openpi"], case["exports"][OPENPI], case["tokenizer"], case["sizes"], case["given"])
+    got = openpi_acts[str(case["exports"][OPENPI])]
     assert _text(case, got["input_ids"]) == case["prompt"]
     _same_chunk(got["actions"], case["ours"], record_property, "openpi vs opentau's checkpoint")
     _same_chunk(got["actions"], case["served"][OPENPI], record_property, "openpi vs opentau serving the openpi export")
+
+
+def test_openpi_loads_the_pushed_openpi_export_downloaded_by_repo_id_and_acts_as_on_the_local_one(case, hub, openpi_acts):
+    from opentau_cli.policies.layouts import OPENPI
+
+    local, pushed = openpi_acts[str(case["exports"][OPENPI])], openpi_acts[hub["repos"][OPENPI]]
+    assert pushed["actions"] == local["actions"] and pushed["input_ids"] == local["input_ids"]
+    # The download holds the export's files and the card; the local export's marker of the output convention stays home.
+    assert sorted(set(local["files"]) - {".opentau-output.json"} | {"README.md"}) == sorted(set(pushed["files"]) - {".gitattributes"})

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import ForceOpt, JsonOpt, WeightsOpt, handle_errors, local_source, make_app
+from opentau_cli.cli.common import JsonOpt, WeightsOpt, handle_errors, local_source, make_app
 from opentau_cli.units import SIZE_HELP
 
 app = make_app("Consolidate, export, inspect, verify and list checkpoints.")
@@ -75,17 +75,28 @@ def consolidate_cmd(
 @handle_errors
 def export_cmd(
     checkpoint: str = typer.Argument(..., help="A checkpoint directory, a run directory (its newest complete checkpoint), "
-                                              "or URL[:STEP|:best] of a run in remote storage."),
-    output: Path = typer.Option(..., "--output", "-o", help="New (or empty) directory, outside any run, for the model; missing parents are made."),
+                                              "RUN:STEP, RUN:best, or URL[:STEP|:best] of a run in remote storage."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="New (or empty) directory, outside any run, for the model; "
+                                                                      "missing parents are made (optional with --push-to-hub)."),
     layout: str = typer.Option("opentau", "--layout", help="opentau (OpenTau, statistics in the weights), lerobot or openpi."),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (norms, embeddings and action/time projections stay fp32, as openpi keeps them)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="The dataset of a mixture run whose robot the model serves, "
                                                                  "by its name (default: the first): its statistics and widths."),
-    force: ForceOpt = False,
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="USER/REPO[@BRANCH]", help=(
+        "Also push the export, with a model card (and the checkpoint's eval plot), to this Hugging Face model repo as "
+        "one commit; the token comes from HF_TOKEN or `hf auth login`. The checkpoint is verified first.")),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private."),
+    eval_dir: Optional[Path] = typer.Option(None, "--eval", help=(
+        "With --push-to-hub: the `opentau eval` output of this checkpoint for the card (default: the newest one under "
+        "outputs/eval/ that evaluated it).")),
+    force: bool = typer.Option(False, "--force", help=(
+        "Replace an earlier output of this command at --output; with --push-to-hub, also push to a repo holding files "
+        "the export does not replace (they are kept, and named).")),
     weights: WeightsOpt = None,
 ) -> None:
     """Write a checkpoint's policy as a plain model in a published layout, with its normalization statistics in
-    that layout's place and a config.json in its convention (DeepSpeed shards are gathered, streaming).
+    that layout's place and a config.json in its convention (DeepSpeed shards are gathered, streaming); with
+    --push-to-hub, publish it to the Hugging Face Hub with a model card.
 
     Examples:
 
@@ -94,13 +105,47 @@ def export_cmd(
       opentau checkpoint export outputs/train/pi05 --output exported/pi05_openpi --layout openpi --dtype bf16
 
       opentau checkpoint export outputs/train/mixture --output exported/reach_video --dataset reach_video
+
+      opentau checkpoint export outputs/train/pi05:best --layout lerobot --push-to-hub my-org/pi05-pick-bottle --private
     """
+    from opentau_cli.errors import UserError
+
+    if push_to_hub is not None:
+        _push(checkpoint, push_to_hub, layout=layout, dtype=dtype, dataset=dataset, weights=weights, private=private,
+              force=force, output=output, eval_dir=eval_dir)
+        return
+    if output is None:
+        raise UserError("Give --output DIR (where the model is written), --push-to-hub USER/REPO, or both.")
+    if private or eval_dir is not None:
+        raise UserError(f"{'--private' if private else '--eval'} goes with --push-to-hub.")
     from opentau_cli.tools.export import export
 
     result = export(Path(local_source(checkpoint)), output, layout=layout, dtype=dtype, dataset=dataset, force=force, weights=weights)
     typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}, {result.weights} weights of step {result.step} from "
                f"{result.checkpoint}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
                f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
+
+
+def _push(checkpoint: str, target: str, **options) -> None:
+    from opentau_cli.tools.publish import push
+
+    pushed = push(checkpoint, target, locate=local_source, echo=lambda m: typer.echo(m, err=True), **options)
+    if pushed.eval_dir is not None:
+        typer.echo(f"Model card: with the evaluation in {pushed.eval_dir}.", err=True)
+    if pushed.removed:
+        typer.echo(f"Removed {', '.join(pushed.removed)} of the earlier push: no evaluation of this checkpoint was found "
+                   "(--eval DIR names one).", err=True)
+    if pushed.kept:
+        typer.echo(f"Kept {len(pushed.kept)} file(s) of {pushed.target.repo_id} the export does not replace (--force "
+                   f"never deletes): {', '.join(pushed.kept)}.", err=True)
+    what = (f"{pushed.layout} layout, {pushed.weights} weights of step {pushed.step}: {len(pushed.files)} files, "
+            f"{human(pushed.total_bytes)}")
+    if pushed.unchanged:
+        typer.echo(f"{pushed.target} already holds exactly this export ({what}) at commit {pushed.commit}: no new commit.")
+    else:
+        typer.echo(f"Pushed to {pushed.target}{' (a new repo)' if pushed.created else ''}: commit {pushed.commit} ({what}); "
+                   f"{pushed.url}")
+    typer.echo(f"Pin it: opentau serve {pushed.target.repo_id}@{pushed.commit}")
 
 
 def _stderr_console():

@@ -41,6 +41,8 @@ def eval_cmd(
       opentau eval exported/pi05_lerobot --dataset.root=data/my_robot --episodes 40,41,42 --output outputs/eval/mine
 
       opentau eval outputs/train/mixture --dataset reach_video
+
+      opentau eval my-org/pi05-pick-bottle --dataset.root=data/my_robot   # a pushed export (its commit is printed)
     """
     from opentau_cli.config.load import parse_overrides
     from opentau_cli.tools.evaluate import evaluate, parse_episodes

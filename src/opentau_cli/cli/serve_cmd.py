@@ -37,9 +37,12 @@ def serve_cmd(
       opentau serve outputs/train/pi05/checkpoints/000040 --port 8000
 
       OPENTAU_SERVE_API_KEY=secret opentau serve exported/pi05_lerobot --host 0.0.0.0
+
+      opentau serve my-org/pi05-pick-bottle@main     # a pushed export, pinned to main's commit (printed)
     """
     from opentau_cli.config.load import parse_overrides
     from opentau_cli.errors import UserError
+    from opentau_cli.tools.inference import describe_hub
     from opentau_cli.tools.serve import API_KEY_ENV, PolicyServer, load_served, run_server
 
     if not 0 <= port <= 65535:
@@ -49,9 +52,11 @@ def serve_cmd(
                          weights=weights, compiled=compiled)
     server = PolicyServer(served, host, port, key)
     meta = served.metadata()
+    if describe_hub(served.origin):
+        typer.echo(describe_hub(served.origin), err=True)
 
     def ready(bound: int) -> None:
-        typer.echo(f"Serving {source} ({meta['policy_type']} {meta['preset']}, {served.describe()}) on ws://{host}:{bound}"
+        typer.echo(f"Serving {served.source} ({meta['policy_type']} {meta['preset']}, {served.describe()}) on ws://{host}:{bound}"
                    f"{' (API key required)' if key else ''}; observation keys: {', '.join(meta['observation_keys'])}.",
                    err=True)
 

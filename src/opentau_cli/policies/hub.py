@@ -129,3 +129,24 @@ def check_sources(sources: dict[str, str | Path]) -> list[str]:
     problems = [check_source(text, field) for field, text in sources.items()]
     missing = [p for p in problems if isinstance(p, NotCached)]
     return [p for p in problems if isinstance(p, str)] + ([_not_cached(missing)] if missing else [])
+
+
+class Pinned(NamedTuple):
+    """A model repo id resolved to one commit, its files in the Hugging Face cache."""
+
+    repo_id: str
+    revision: str  # as asked: a branch, tag or commit (main by default)
+    commit: str
+    path: Path  # the cache's snapshot directory of that commit
+
+
+def pin(text: str | Path, field: str = "policy.pretrained_path") -> Pinned | None:
+    """`text` when it is a repo id and not a local path: resolved to one commit and downloaded at that commit (the
+    snapshot directory is named by it), so that every file a command reads is of one commit, whatever the branch
+    does meanwhile. None for a local path."""
+    text = str(text)
+    if Path(text).expanduser().exists() or parse_repo_id(text) is None:
+        return None
+    repo_id, revision = parse_repo_id(text)
+    folder = resolve(text, field)
+    return Pinned(repo_id, revision or "main", folder.name, folder)

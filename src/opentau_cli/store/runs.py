@@ -5,6 +5,7 @@ state (docs/ARCHITECTURE.md, "Checkpoint contract"). Imports nothing heavy: the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -33,10 +34,22 @@ def is_checkpoint_dir(path: Path) -> bool:
     return (path / TRAINING_STATE).is_file() or (path / MANIFEST).is_file()
 
 
+STEP_SUFFIX = re.compile(r"(.+):(\d+)")  # RUN:STEP
+
+
 def find_checkpoint(target: Path) -> Path:
     """A checkpoint dir given a run dir (what `last` designates, or its newest complete ancestor), its checkpoints/
-    dir, a checkpoint dir, or `RUN:best` (`checkpoints/best`, kept by checkpoint.keep_best)."""
+    dir, a checkpoint dir, `RUN:STEP` (the run's checkpoint of that step) or `RUN:best` (`checkpoints/best`, kept by
+    checkpoint.keep_best)."""
     text = str(target)
+    by_step = STEP_SUFFIX.fullmatch(text)
+    if by_step and not Path(text).exists():
+        run, step = Path(by_step.group(1)), int(by_step.group(2))
+        steps = dict(checkpoint_steps(run / CHECKPOINTS))
+        if step not in steps:
+            held = ", ".join(map(str, steps)) or "none"
+            raise UserError(f"'{text}': {run} has no checkpoint of step {step} (its checkpoints' steps: {held}).")
+        return steps[step].resolve()
     if text.endswith(f":{BEST}"):
         run = Path(text[: -len(BEST) - 1])
         if not (run / CHECKPOINTS / BEST).is_dir():

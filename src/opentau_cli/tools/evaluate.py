@@ -21,8 +21,8 @@ from opentau_cli.data.mixture import select_member
 from opentau_cli.errors import UserError
 from opentau_cli.store.outputs import check_target, publishing, writable_parent
 from opentau_cli.tools.inference import (
-    describe_weights, device_named, for_inference, from_checkpoint, from_model, is_training_checkpoint,
-    model_policy_config, sample,
+    describe_hub, describe_weights, device_named, for_inference, from_checkpoint, from_model, is_training_checkpoint,
+    model_policy_config, pinned_model, sample,
 )
 
 EVAL_JSON = "eval.json"
@@ -172,10 +172,14 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
         cfg, member, policy, origin = from_checkpoint(path, overrides, dataset, weights)
         data, held_out = _dataset(cfg, member, episodes, from_run=True)
     else:
-        cfg = model_policy_config(str(source), overrides)
+        local, hub = pinned_model(str(source))  # a repo id: one commit, from the Hugging Face cache
+        if hub:
+            echo(describe_hub(hub))
+        cfg = model_policy_config(local, overrides)
         member = select_member(cfg, dataset)
         data, held_out = _dataset(cfg, member, episodes, from_run=False)
-        policy, origin = from_model(cfg, str(source), data.stats)
+        policy, origin = from_model(cfg, local, data.stats)
+        origin.update(hub)
     _check_widths(policy, data)
 
     for_inference(policy, dev)

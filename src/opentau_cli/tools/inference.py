@@ -20,9 +20,9 @@ PALIGEMMA_TOKENIZER = "google/paligemma-3b-pt-224"  # what openpi and LeRobot to
 
 def is_training_checkpoint(path: Path) -> bool:
     from opentau_cli.store.layout import CHECKPOINTS
-    from opentau_cli.store.runs import is_checkpoint_dir
+    from opentau_cli.store.runs import STEP_SUFFIX, is_checkpoint_dir
 
-    if str(path).endswith(":best"):  # RUN:best, the run's best kept checkpoint (find_checkpoint resolves it)
+    if str(path).endswith(":best") or STEP_SUFFIX.fullmatch(str(path)):  # RUN:best, RUN:STEP (find_checkpoint)
         return True
     return path.is_dir() and (is_checkpoint_dir(path) or (path / CHECKPOINTS).is_dir() or path.name == CHECKPOINTS)
 
@@ -40,11 +40,21 @@ def from_checkpoint(path: Path, overrides: dict, dataset: str | None, weights: s
     policy, origin = _policy_of_checkpoint(saved, cfg)
     # Which weights of which checkpoint (RUN:best or a run directory resolve to one): docs/ARCHITECTURE.md, "EMA weights".
     origin.update({"weights": saved.weights, "step": saved.step,
-                   "checkpoint": {"path": str(saved.path), "step": saved.step, "resolved_from": str(path)}})
+                   "checkpoint": {"path": str(saved.path), "step": saved.step, "resolved_from": str(path)},
+                   "manifest_xxh3": _manifest_hash(saved.path)})
     if cfg.dataset.mixture is not None:  # the policy holds the first member's statistics, widened: serve this one's
         policy.set_stats(member_statistics(read_training_state(saved.path), member))
         origin["statistics"] = f"dataset {member.label}'s own, from the checkpoint's training_state.json"
     return cfg, member, policy, origin
+
+
+def _manifest_hash(ckpt: Path) -> str | None:
+    """The xxh3-128 of the checkpoint's manifest.json: which checkpoint was evaluated, whatever its path (a push finds
+    its checkpoint's eval by it: tools/publish.py)."""
+    from opentau_cli.store.layout import MANIFEST
+    from opentau_cli.store.manifest import hash_file
+
+    return hash_file(ckpt / MANIFEST) if (ckpt / MANIFEST).is_file() else None
 
 
 def describe_weights(origin: dict) -> str:
@@ -138,6 +148,24 @@ def _sizes_from_shapes(ckpt, preset: str) -> dict:
         side = math.isqrt(positions[0]) * PRESETS[preset]["vision"]["patch_size"]
         sizes["image_resolution"] = [side, side]
     return sizes
+
+
+def pinned_model(source: str) -> tuple[str, dict]:
+    """A model named by a Hub repo id, pinned to one commit and read from the Hugging Face cache: (its snapshot
+    directory, {"hub": {repo_id, revision, commit}} for the origin); a local path as it is, {}."""
+    from opentau_cli.policies.hub import pin
+
+    pinned = pin(source)
+    if pinned is None:
+        return source, {}
+    return str(pinned.path), {"hub": {"repo_id": pinned.repo_id, "revision": pinned.revision, "commit": pinned.commit,
+                                      "cache": str(pinned.path)}}
+
+
+def describe_hub(origin: dict) -> str | None:
+    """'USER/REPO: revision main is commit SHA (Hugging Face cache: DIR)' for a model read by repo id, else None."""
+    hub = origin.get("hub")
+    return f"{hub['repo_id']}: revision {hub['revision']} is commit {hub['commit']} (Hugging Face cache: {hub['cache']})" if hub else None
 
 
 def model_policy_config(source: str, overrides: dict) -> TrainConfig:

@@ -234,6 +234,7 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
     from opentau_cli.data.mixture import select_member
     from opentau_cli.tools.inference import (
         device_named, for_inference, from_checkpoint, from_model, is_training_checkpoint, model_policy_config,
+        pinned_model,
     )
 
     overrides = dict(overrides or {})
@@ -243,16 +244,19 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
         cfg, member, policy, origin = from_checkpoint(path, overrides, dataset, weights)
         features = None
     else:
-        cfg = model_policy_config(str(source), overrides)
+        local, hub = pinned_model(str(source))  # a repo id: one commit, from the Hugging Face cache
+        cfg = model_policy_config(local, overrides)
         member = select_member(cfg, dataset)
-        policy, origin = from_model(cfg, str(source), None)
+        policy, origin = from_model(cfg, local, None)
         if str(origin.get("statistics", "")).startswith("none"):
             raise UserError(f"{source}: the model carries no normalization statistics ({origin['statistics']}); "
                             "serve a training checkpoint or an export of one.")
-        features = _model_features(str(source))
+        features = _model_features(local)
+        origin.update(hub)
     cameras, state_key = _observation_keys(cfg, member, features, given_slots="dataset.num_cameras" in overrides)
     for_inference(policy, dev)  # as eval samples: bf16 on CUDA, so the served chunk is eval's
-    served = ServedPolicy(policy, cameras, state_key, str(source), origin, seed, dev)
+    shown = f"{origin['hub']['repo_id']}@{origin['hub']['commit']}" if "hub" in origin else str(source)
+    served = ServedPolicy(policy, cameras, state_key, shown, origin, seed, dev)
     if compiled:
         policy.compile_sampling()
         try:
