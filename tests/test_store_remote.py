@@ -6,6 +6,8 @@ checked (it refuses an upload whose checksum does not match the bytes)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -14,7 +16,7 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.config import Config
-from conftest import s3_environment
+from conftest import REPO, s3_environment
 from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
 
 from opentau_cli.errors import UserError
@@ -86,6 +88,16 @@ def test_every_operation_on_s3_leaves_in_the_store_exactly_what_a_plain_client_r
     assert sorted(o["Key"][len(run) + 1:] for o in listed) == [
         "checkpoints/000010/training_state.json", "checkpoints/last", "rolled_back/x/model.safetensors"]
 
+    # A checkpoint's files at once: the same objects, checksums and downloads as one by one.
+    many = {f"checkpoints/000020/{name}": random_file(tmp_path / "many" / name, size)
+            for name, size in (("model.safetensors", 11 * MB), ("optimizer.bin", 6 * MB + 1), ("rng.pkl", 99))}
+    sent = remote.put_files([(local, key) for key, local in many.items()])
+    for key, local in many.items():
+        head = plain.head_object(Bucket=s3.bucket, Key=f"{run}/{key}", ChecksumMode="ENABLED")
+        assert stored(key) == local.read_bytes() and sent[key] == f"crc64nvme:{head['ChecksumCRC64NVME']}"
+    remote.get_files([(key, tmp_path / "many_back" / key) for key in many])
+    assert all((tmp_path / "many_back" / key).read_bytes() == local.read_bytes() for key, local in many.items())
+
 
 def test_a_checksum_of_an_object_written_without_one_is_computed_from_the_store_s_bytes(s3, tmp_path):
     """Another tool's upload carries no checksum: the store's bytes are read back and hashed the same way, and the
@@ -125,6 +137,25 @@ def test_a_file_url_is_a_directory_written_atomically(tmp_path):
     assert remote.size("checkpoints/last") is None and remote.checksum("checkpoints/last") is None
     assert preflight(root.as_uri()) is None
 
+
+
+def test_another_fsspec_url_is_served_by_its_own_backend(tmp_path):
+    """memory:// (fsspec's in-memory filesystem) stands for the backends users install (gs://, az://, ...)."""
+    import fsspec
+
+    remote = open_remote(f"memory://opentau-{os.getpid()}/run")
+    large = random_file(tmp_path / "large.bin", 2 * MB)
+    sent = remote.put_file(large, "checkpoints/000010/model.safetensors")
+    remote.write_bytes("checkpoints/last", b"000010\n")
+    memory = fsspec.filesystem("memory")
+    assert memory.cat_file(f"/opentau-{os.getpid()}/run/checkpoints/000010/model.safetensors") == large.read_bytes()
+    assert remote.checksum("checkpoints/000010/model.safetensors") == sent
+    assert remote.list() == ["checkpoints/000010/model.safetensors", "checkpoints/last"]
+    remote.get_file("checkpoints/000010/model.safetensors", tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == large.read_bytes()
+    remote.delete(["checkpoints/last", "checkpoints/none"])
+    assert remote.list("checkpoints") == ["checkpoints/000010/model.safetensors"]
+    assert remote.size("checkpoints/last") is None
 
 def test_an_upload_and_a_download_go_on_through_the_store_killed_and_started_again(tmp_path, monkeypatch):
     """The store dies (SIGKILL) while a multipart upload is under way and comes back 2 s later: the same put_file
@@ -220,10 +251,11 @@ def test_preflight_says_in_one_sentence_what_is_wrong(s3, monkeypatch):
                                   "aws_session_token", "password", "account_key", "client_kwargs_credentials"])
 def test_credentials_in_the_options_are_refused_without_repeating_them(name, tmp_path):
     for url in ("s3://bucket/run", (tmp_path / "run").as_uri()):
-        with pytest.raises(UserError) as caught:
-            open_remote(url, {name: "hunter2-value"})
-        message = str(caught.value)
-        assert f"({name!r})" in message and "hunter2" not in message and "\n" not in message
+        for options in ({name: "hunter2-value"}, {"client_kwargs": {"config": {name: "hunter2-value"}}}):
+            with pytest.raises(UserError) as caught:
+                open_remote(url, options)
+            message = str(caught.value)
+            assert f"({name!r})" in message and "hunter2" not in message and "\n" not in message
     assert "hunter2" not in preflight("s3://bucket/run", {name: "hunter2-value"})
     assert not (tmp_path / "run").exists()
 
@@ -248,3 +280,15 @@ def test_no_message_or_repr_ever_holds_the_credentials(s3, monkeypatch, tmp_path
     for credential in (secret, key_id, SECRET_KEY, ACCESS_KEY):
         assert credential not in whole
 
+
+def test_the_client_benchmark_smoke_run_compares_the_clients_and_opentau_s_own(s3_server, tmp_path):
+    results = tmp_path / "results.md"
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_remote_clients.py"), "--smoke",
+                          "--clients", "boto3,opentau", "--results", str(results), "--workdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = results.read_text()
+    for row in ("checkpoint upload: boto3", "checkpoint upload: opentau", "big file download: opentau",
+                "checkpoint upload: opentau / boto3", "big file download: opentau / boto3"):
+        assert f"| {row} |" in text and "x the fastest" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.md"]  # files and servers removed
