@@ -67,6 +67,7 @@ class Uploader:
         self._failures = 0
         self.rollback_to: str | None = None  # a rolled-back launch's resume point: newer remote checkpoints go aside
         self._compared: dict[str, dict] = {}  # name -> its files, when the remote's manifest of that name matches
+        self._stored: dict[str, dict[str, str]] = {}  # name -> {file: checksum} its failed attempts stored
 
     # The launcher's side.
 
@@ -181,12 +182,14 @@ class Uploader:
             def sent(n: int) -> None:
                 self.done_bytes += n
 
-            if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent):
+            done = self._stored.setdefault(name, {})  # what earlier attempts stored and checked
+            if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent, done=done):
                 return False
             best = read_last(self.root, BEST)
             self.remote.commit(name, staged / MANIFEST, history_files(self.run_dir),
                                best=best if best is not None and best in set(self.committed) | {name} else None)
             self.committed = sorted(set(self.committed) | {name}, key=step_of)
+            self._stored.pop(name, None)
             self.uploading = None
             self._write_status()
             self.echo(f"Checkpoint {name} is stored in {self.remote.url}.")

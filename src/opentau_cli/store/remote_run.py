@@ -102,23 +102,34 @@ class RemoteRun:
             self.storage.write_bytes(RUN_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
 
     def upload(self, name: str, files: dict[str, Path], manifest: dict, *, cancelled: Callable[[], bool] = lambda: False,
-               progress: Callable[[int], None] = lambda n: None) -> bool:
-        """Put every file of checkpoint `name` (relative path -> local file), each checked against the manifest's hash
-        as it is read and from the store's side once stored; a file already stored and checked is not sent again.
-        Returns False when `cancelled` said stop (what is there stays, uncommitted). Raises RunError when a local file
-        no longer matches the manifest (the checkpoint changed on disk: it is not uploaded)."""
+               progress: Callable[[int], None] = lambda n: None, done: dict[str, str] | None = None) -> bool:
+        """Put every file of checkpoint `name` (relative path -> local file), each checked against the manifest's
+        hash before it is sent and from the store's side once stored. `done` (relative path -> checksum) carries
+        what an earlier attempt stored and checked: a file the store still holds with that checksum is not sent
+        again. Files go in batches of about UPLOAD_BATCH bytes through the client's transfer pool. Returns False
+        when `cancelled` said stop (what is there stays, uncommitted). Raises RunError when a local file no longer
+        matches the manifest (the checkpoint changed on disk: it is not uploaded)."""
+        done = {} if done is None else done
+        todo = []
         for rel, local in sorted(files.items()):
-            if cancelled():
-                return False
             entry = manifest["files"][rel]
             key = f"{CHECKPOINTS}/{name}/{rel}"
-            if hash_file(local) != entry["hash"] or local.stat().st_size != entry["size"]:
+            if rel in done and self.storage.checksum(key) == done[rel]:
+                progress(entry["size"])
+                continue
+            if local.stat().st_size != entry["size"] or hash_file(local) != entry["hash"]:
                 raise RunError(f"{local} no longer matches its checkpoint's manifest; checkpoint {name} is not uploaded.")
-            sent = self.storage.put_file(local, key)
-            if self.storage.checksum(key) != sent or self.storage.size(key) != entry["size"]:
-                raise RunError(f"{self.url}/{key} does not hold what was sent (the store's checksum differs).")
-            progress(entry["size"])
-        return True
+            todo.append((rel, local, key, entry["size"]))
+        for batch in _batches(todo):
+            if cancelled():
+                return False
+            sent = self.storage.put_files([(local, key) for _, local, key, _ in batch])
+            for rel, _, key, size in batch:
+                if self.storage.checksum(key) != sent[key] or self.storage.size(key) != size:
+                    raise RunError(f"{self.url}/{key} does not hold what was sent (the store's checksum differs).")
+                done[rel] = sent[key]
+                progress(size)
+        return not cancelled()
 
     def commit(self, name: str, manifest_file: Path, history: dict[str, Path], *, best: str | None = None) -> None:
         """Make checkpoint `name` count: the run's history as of now, its manifest, then `last` (and `best`)."""
@@ -178,6 +189,7 @@ class RemoteRun:
         staging = tmp_dir(root, name, f"fetch{os.getpid()}")  # a leftover the next launch removes, as a save's
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
+        wanted = []
         for rel, entry in sorted(manifest["files"].items()):
             if not only(rel):
                 continue
@@ -186,12 +198,18 @@ class RemoteRun:
             have = final / rel
             if reuse and have.is_file() and have.stat().st_size == entry["size"] and hash_file(have) == entry["hash"]:
                 _link_or_copy(have, target)
-                continue
-            self.storage.get_file(f"{CHECKPOINTS}/{name}/{rel}", target)
-            if target.stat().st_size != entry["size"] or hash_file(target) != entry["hash"]:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise RunError(f"{self.url}/{CHECKPOINTS}/{name}/{rel} does not match its manifest after download; "
-                               "nothing was loaded.")
+            else:
+                wanted.append((rel, target))
+        try:
+            self.storage.get_files([(f"{CHECKPOINTS}/{name}/{rel}", target) for rel, target in wanted])
+            for rel, target in wanted:
+                entry = manifest["files"][rel]
+                if target.stat().st_size != entry["size"] or hash_file(target) != entry["hash"]:
+                    raise RunError(f"{self.url}/{CHECKPOINTS}/{name}/{rel} does not match its manifest after download; "
+                                   "nothing was loaded.")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if history:
             self.fetch_history(run_dir)
@@ -242,6 +260,21 @@ def choose(remote: RemoteRun, what: str | None) -> str:
     if name is None:
         raise UserError(f"{remote.url} holds no committed checkpoint.")
     return name
+
+
+UPLOAD_BATCH = 512 << 20  # bytes of files sent together: large enough to fill the pool, small enough to show progress
+
+
+def _batches(items: list) -> list[list]:
+    """(rel, local, key, size) items in batches of about UPLOAD_BATCH bytes, in order."""
+    out, current, size = [], [], 0
+    for item in items:
+        current.append(item)
+        size += item[3]
+        if size >= UPLOAD_BATCH:
+            out.append(current)
+            current, size = [], 0
+    return out + ([current] if current else [])
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
