@@ -190,3 +190,14 @@ def test_imports_rows_are_the_medians_of_each_side_and_their_ratios():
     assert rows["collector running: wall time"] == "4.00 s" and rows["collector paused: CPU time"] == "3.30 s"
     assert rows["collector running: full collections"] == "4" and rows["collector paused: full collections"] == "0"
     assert rows["paused / running: wall time"] == "0.75x" and rows["paused / running: CPU time"] == "0.75x"
+
+
+def test_remote_benchmark_smoke_compares_uploads_and_the_resume_from_the_store_with_boto3(tmp_path):
+    results = tmp_path / "results.md"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_remote.py"), "--smoke", "--results", str(results),
+                           "--workdir", str(tmp_path / "work")], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = results.read_text()
+    for row in ("upload, checkpoint", "upload, large checkpoint", "resume on an empty disk",
+                "bytes uploaded per checkpoint, full fine-tuning"):
+        assert f"| {row}" in table, table

@@ -84,7 +84,9 @@ class Uploader:
             self._idle.clear()
             self._idle.wait(min(0.5, max(deadline - time.monotonic(), 0.01)))
         self._stop.set()
-        self._thread.join(timeout=5)
+        # An upload in flight stops at its next batch; one that does not in a second is left to die with the process
+        # (a daemon thread): what it stored is uncommitted, ignored by readers, removed by the next commit.
+        self._thread.join(timeout=1)
         newest = max((step_of(n) for n in self.committed), default=-1)
         local_only = [p.name for p in self._published() if step_of(p.name) > newest]
         self._write_status()

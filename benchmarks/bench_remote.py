@@ -1,0 +1,212 @@
+"""Remote checkpoints against a local S3 server: upload throughput vs the plain client, training time lost per save,
+resume from the store vs a plain download, bytes per checkpoint.
+
+Side by side in one run, against a local SeaweedFS (tests/s3_server.py, one server for the whole run):
+1. Upload: a pi05_small checkpoint (the real save of a 1-step run) and a checkpoint of 1 GB or more (the same with a
+   1.1 GB file added and the manifest written again) through opentau's commit protocol (store/remote_run.py: every
+   file checked against the manifest before it is sent and from the store's side once stored, then the history, the
+   manifest and `last`) vs boto3's transfer manager sending the same files with the same part size and concurrency
+   (the fastest plain client, benchmarks/bench_remote_clients.py). Rounds alternate which goes first; the ratio is
+   the median of the rounds' ratios (target >= 0.9x).
+2. Training time lost per save: the same pi05_small run (N steps, a save every K) with `checkpoint.remote` on and
+   off, `remote_drain_seconds=0` so that the launch does not wait for its last upload: (wall on - wall off) / saves,
+   and the walls' ratio (target <= 1.05x).
+3. Resume on an empty disk: `opentau resume URL` (download, check, launch, one more step) vs downloading the same
+   files with boto3 and `opentau resume` of that directory (target <= 1.1x).
+4. Bytes per checkpoint (the sum of its committed manifest): full fine-tuning, a frozen vision tower, LoRA rank 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, report, run, verdict  # noqa: E402
+from _common import opentau_bin  # noqa: E402
+from s3_server import S3Server  # noqa: E402
+
+PART, CONCURRENCY = 16 << 20, 8  # store/remote.py's defaults
+
+
+def write_random(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 64 << 20)
+            f.write(os.urandom(n))
+            left -= n
+
+
+def checkpoint_files(ckpt: Path) -> list[tuple[Path, str]]:
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    return [(ckpt / rel, rel) for rel in sorted(manifest["files"])]
+
+
+class Plain:
+    """boto3's transfer manager, as a user would drive it (the same part size and concurrency as opentau's)."""
+
+    def __init__(self, server: S3Server):
+        import boto3
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
+        from botocore.config import Config
+
+        self.bucket = server.bucket
+        self.client = boto3.session.Session().client(
+            "s3", config=Config(retries={"mode": "standard", "max_attempts": 10}, max_pool_connections=2 * CONCURRENCY + 2))
+        self.manager = create_transfer_manager(self.client, TransferConfig(
+            multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=CONCURRENCY))
+
+    def upload(self, files: list[tuple[Path, str]], prefix: str) -> None:
+        futures = [self.manager.upload(str(local), self.bucket, f"{prefix}/{rel}") for local, rel in files]
+        for f in futures:
+            f.result()
+
+    def download(self, keys: list[str], prefix: str, into: Path) -> None:
+        futures = []
+        for rel in keys:
+            (into / rel).parent.mkdir(parents=True, exist_ok=True)
+            futures.append(self.manager.download(self.bucket, f"{prefix}/{rel}", str(into / rel)))
+        for f in futures:
+            f.result()
+
+
+def ours_upload(server: S3Server, ckpt: Path, prefix: str) -> None:
+    from opentau_cli.store.remote_run import RemoteRun, history_files
+    from opentau_cli.store.storage import open_storage
+
+    remote = RemoteRun(open_storage(server.url(prefix)))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert remote.upload(ckpt.name, {rel: ckpt / rel for rel in manifest["files"]}, manifest)
+    remote.commit(ckpt.name, ckpt / "manifest.json", history_files(ckpt.parent.parent))
+
+
+def upload_rounds(server: S3Server, ckpt: Path, rounds: int, tag: str) -> dict:
+    plain = Plain(server)
+    files = checkpoint_files(ckpt)
+    size = sum(p.stat().st_size for p, _ in files)
+    times = {"plain": [], "ours": []}
+    for r in range(rounds):
+        order = ("plain", "ours") if r % 2 == 0 else ("ours", "plain")
+        for who in order:
+            started = time.perf_counter()
+            if who == "plain":
+                plain.upload(files, f"bench/{tag}/plain{r}/checkpoints/{ckpt.name}")
+            else:
+                ours_upload(server, ckpt, f"bench/{tag}/ours{r}")
+            times[who].append(time.perf_counter() - started)
+    ratios = [p / o for p, o in zip(times["plain"], times["ours"])]  # throughput ours / plain
+    return {"bytes": size, "plain_mbs": size / 1e6 / statistics.median(times["plain"]),
+            "ours_mbs": size / 1e6 / statistics.median(times["ours"]), "ratio": statistics.median(ratios),
+            "ratios": ratios}
+
+
+def main() -> None:
+    parser = base_parser(__doc__)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/opentau-bench-remote"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--big-mb", type=int, default=1100, help="The file added to make a checkpoint of >= 1 GB.")
+    parser.add_argument("--steps", type=int, default=30, help="Steps of the on / off training runs.")
+    parser.add_argument("--save-every", type=int, default=10)
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.big_mb, args.steps, args.save_every = 1, 40, 4, 2
+    config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
+    work = args.workdir
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    server = S3Server(work / "s3").start()
+    os.environ.update(server.env)
+    train = [opentau_bin(), "train", f"--config_path={config}", "--log_freq", "1", "--logging.progress_bar=plain"]
+    rows, notes = [], []
+    try:
+        # 1. Upload throughput. The run that makes the checkpoint uploads it too (the resume below starts from it).
+        made = work / "made"
+        run([*train, f"--output_dir={made}", "--steps", "1", "--save_freq", "1",
+             f"--checkpoint.remote={server.url('bench/made')}"])
+        ckpt = made / "checkpoints" / "000001"
+        small = upload_rounds(server, ckpt, args.rounds, "small")
+        big_run = work / "big"
+        shutil.copytree(made, big_run)
+        big = big_run / "checkpoints" / "000001"
+        write_random(big / "extra.bin", args.big_mb << 20)
+        from opentau_cli.store.manifest import write_manifest
+
+        (big / "manifest.json").unlink()
+        write_manifest(big)
+        large = upload_rounds(server, big, args.rounds, "big")
+        for name, r in (("checkpoint", small), ("large checkpoint", large)):
+            rows.append((f"upload, {name} ({r['bytes'] / 1e9:.2f} GB): opentau / boto3",
+                         f"{r['ratio']:.2f}x ({r['ours_mbs']:.1f} vs {r['plain_mbs']:.1f} MB/s; rounds "
+                         f"{', '.join(f'{x:.2f}' for x in r['ratios'])}; target >= 0.9x, {verdict(r['ratio'], 0.9)})"))
+
+        # 2. Resume on an empty disk (the launch does not wait for the upload of its own new checkpoint).
+        url = server.url("bench/made")
+        from opentau_cli.store.remote_run import RemoteRun
+        from opentau_cli.store.storage import open_storage
+
+        remote = RemoteRun(open_storage(url))
+        last = remote.last()
+        step = int(last)
+        more = ["--steps", str(step + 1)]
+        _, ours_wall = run([opentau_bin(), "resume", url, f"--output_dir={work / 'resumed-ours'}", *more,
+                            "--checkpoint.remote_drain_seconds=0"])
+        started = time.perf_counter()
+        plain_dir = work / "resumed-plain"
+        keys = sorted(remote.manifest(last)["files"]) + ["manifest.json"]
+        Plain(server).download(keys, f"bench/made/checkpoints/{last}", plain_dir / "checkpoints" / last)
+        _, plain_resume = run([opentau_bin(), "resume", str(plain_dir / "checkpoints" / last), *more,
+                               "--checkpoint.remote=null"])
+        plain_wall = time.perf_counter() - started
+        rows.append(("resume on an empty disk: opentau resume URL / boto3 download + resume",
+                     f"{ours_wall / plain_wall:.2f}x ({ours_wall:.1f} vs {plain_wall:.1f} s; target <= 1.1x, "
+                     f"{verdict(ours_wall / plain_wall, 1.1, higher_is_better=False)})"))
+        # 3. Training time lost per save.
+        common = ["--steps", str(args.steps), "--save_freq", str(args.save_every)]
+        walls = {}
+        for who in ("off", "on", "off2", "on2") if not args.smoke else ():
+            extra = [f"--checkpoint.remote={server.url('bench/train-' + who)}", "--checkpoint.remote_drain_seconds=0"] \
+                if who.startswith("on") else []
+            _, wall = run([*train, f"--output_dir={work / ('train-' + who)}", *common, *extra])
+            walls.setdefault(who.rstrip("2"), []).append(wall)
+        if walls:  # not in a smoke run: two launches of each
+            saves = args.steps // args.save_every
+            on, off = statistics.median(walls["on"]), statistics.median(walls["off"])
+            rows.append(("training wall, checkpoint.remote on / off",
+                         f"{on / off:.3f}x ({on:.1f} vs {off:.1f} s, {args.steps} steps, {saves} saves; target <= "
+                         f"1.05x, {verdict(on / off, 1.05, higher_is_better=False)})"))
+            rows.append(("training time lost per save, remote on", f"{(on - off) / saves:.2f} s"))
+
+        # 4. Bytes per checkpoint (full fine-tuning: the checkpoint of step 1 above).
+        rows.append(("bytes uploaded per checkpoint, full fine-tuning", f"{small['bytes'] / 1e6:.1f} MB"))
+        for label, extra in (("frozen vision tower", ["--policy.freeze_vision_encoder=true"]),
+                             ("LoRA rank 16", ["--policy.lora.rank=16"])):
+            if args.smoke:
+                break
+            tag = label.split()[0].lower()
+            url = server.url(f"bench/bytes-{tag}")
+            run([*train, f"--output_dir={work / ('bytes-' + tag)}", "--steps", "1", "--save_freq", "1",
+                 f"--checkpoint.remote={url}", *extra])
+            r = RemoteRun(open_storage(url))
+            size = sum(e["size"] for e in r.manifest(r.last())["files"].values())
+            rows.append((f"bytes uploaded per checkpoint, {label}", f"{size / 1e6:.1f} MB"))
+    finally:
+        server.kill()
+        if not args.smoke:
+            shutil.rmtree(work, ignore_errors=True)
+    title = "Remote checkpoints: upload, training time lost per save, resume from the store"
+    notes.append(f"config {Path(config).name}; a local SeaweedFS {server.ports.get('s3.port', '')} on loopback; "
+                 f"parts of {PART >> 20} MiB, {CONCURRENCY} in flight; {args.rounds} upload rounds alternated")
+    print_rows(title, rows)
+    report(args, title, rows, notes)
+
+
+if __name__ == "__main__":
+    main()
