@@ -80,7 +80,8 @@ def test_the_real_openpi_client_drives_a_served_checkpoint(tiny_run, tmp_path):
     image, state, task, sample = _first_frame(tiny_run)
     obs_path, out_path = tmp_path / "obs.npz", tmp_path / "out.json"
     np.savez(obs_path, **{CAMERA: image, STATE: state, "prompt": np.array(task)})
-    server, port = _start([str(tiny_run), "--port", "0"], {"OPENTAU_SERVE_API_KEY": "s3cret"})
+    # One thread, as this test process computes its reference (another thread count may sum in another order).
+    server, port = _start([str(tiny_run), "--port", "0"], {"OPENTAU_SERVE_API_KEY": "s3cret", "OMP_NUM_THREADS": "1"})
     try:
         client = subprocess.run([python, DRIVER, str(port), "s3cret", str(obs_path), str(out_path)],
                                 capture_output=True, text=True, timeout=300)
