@@ -22,12 +22,12 @@ def _wrap(module) -> None:
     upload, commit = module.RemoteRun.upload, module.RemoteRun.commit
     uploads = []
 
-    def held_upload(self, name, files, manifest, *, cancelled=lambda: False, progress=lambda n: None):
+    def held_upload(self, name, files, manifest, *, progress=lambda n: None, **kwargs):
         if name not in uploads:
             uploads.append(name)
         chosen = hold == f"#{uploads.index(name) + 1}" if hold.startswith("#") else hold == name
         if not chosen or (where / "held").exists():
-            return upload(self, name, files, manifest, cancelled=cancelled, progress=progress)
+            return upload(self, name, files, manifest, progress=progress, **kwargs)
         first = [True]
 
         def after_each(n):
@@ -38,7 +38,7 @@ def _wrap(module) -> None:
                 while not (where / "release").exists():
                     time.sleep(0.05)
 
-        return upload(self, name, files, manifest, cancelled=cancelled, progress=after_each)
+        return upload(self, name, files, manifest, progress=after_each, **kwargs)
 
     def recorded_commit(self, name, *args, **kwargs):
         commit(self, name, *args, **kwargs)
