@@ -133,7 +133,7 @@ class Failure:
             how = "stopped responding"
         else:
             # The agent names only the first failure it saw: a kill it did not name is still said as a kill.
-            how = "failed" if self.error else "was killed (by a signal: its log ends without an error)"
+            how = "failed" if self.error else "was killed (its log ends without an error)"
         at = f" at step {self.failed_at_step}" if self.failed_at_step is not None else ""
         error = f" ({self.error})" if self.error else ""
         return f"{who} {how}{at}{error}"
