@@ -51,3 +51,12 @@ def parse_card_size(text: str, option: str) -> int:
     if size <= 0:
         raise UserError(f"{option} must be a positive size, got '{text}'.")
     return size
+
+
+def format_size(n: int) -> str:
+    """Bytes as people read a disk's sizes: '18.3 MB', '1.20 GB' (powers of 1000, as parse_size reads MB and GB)."""
+    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= factor:
+            value = n / factor
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.1f} {unit}"
+    return f"{n} bytes"

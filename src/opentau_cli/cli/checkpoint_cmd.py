@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import JsonOpt, WeightsOpt, handle_errors, local_source, make_app
+from opentau_cli.cli.common import JsonOpt, WeightsOpt, handle_errors, local_source, make_app, progress_bar
 from opentau_cli.units import SIZE_HELP
 
 app = make_app("Consolidate, export, inspect, verify and list checkpoints.")
@@ -58,12 +58,11 @@ def consolidate_cmd(
         raise UserError(f"{checkpoint_dir} is in remote storage, where nothing is written: pass --output DIR for the "
                         "consolidated weights.")
     checkpoint_dir = Path(local_source(checkpoint_dir))
-    console = _stderr_console()
-    with Progress(SpinnerColumn(), TextColumn("consolidating: {task.fields[mb]:.1f} MB written"), transient=True,
-                  console=console, disable=not console.is_terminal) as bar:
-        task = bar.add_task("write", total=None, mb=0.0)
+    with progress_bar("consolidating", "MB") as progress:
         result = consolidate(checkpoint_dir, dtype=dtype, max_shard_size=max_shard_size, output=output, force=force,
-                             weights=weights, progress=lambda e: bar.update(task, mb=bar.tasks[0].fields["mb"] + e.nbytes / 1e6))
+                             weights=weights, progress=progress)
+    for note in result.notes:
+        typer.echo(note, err=True)
     if result.already:
         typer.echo(f"{checkpoint_dir} is already consolidated ({result.files[0]}); nothing to do (use --force to redo it).")
         return
@@ -120,7 +119,9 @@ def export_cmd(
         raise UserError(f"{'--private' if private else '--eval'} goes with --push-to-hub.")
     from opentau_cli.tools.export import export
 
-    result = export(Path(local_source(checkpoint)), output, layout=layout, dtype=dtype, dataset=dataset, force=force, weights=weights)
+    with progress_bar("exporting", "MB") as progress:
+        result = export(Path(local_source(checkpoint)), output, layout=layout, dtype=dtype, dataset=dataset, force=force,
+                        weights=weights, progress=progress)
     typer.echo(f"Wrote {result.output} ({layout} layout, {dtype}, {result.weights} weights of step {result.step} from "
                f"{result.checkpoint}): {result.num_tensors} tensors, {human(result.total_bytes)}; "
                f"files: {', '.join(str(f.relative_to(result.output)) for f in result.files)}.")
@@ -158,7 +159,10 @@ def _stderr_console():
 @handle_errors
 def inspect_cmd(checkpoint_dir: str = typer.Argument(..., help="A checkpoint directory, a run directory, or a run in "
                                                                "remote storage: URL (its checkpoints) or URL:STEP."),
-                as_json: JsonOpt = False) -> None:
+                as_json: JsonOpt = False,
+                plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help=(
+                    "Also draw the run's loss (training and validation) and learning-rate curves by step into this "
+                    "new PNG, from its metrics.jsonl (no TensorBoard needed)."))) -> None:
     """Show step, backend, world size, preset, parameters, dtypes and files of a checkpoint; of a run directory, its
     checkpoints, what `last` designates, the branch it is on (what `opentau resume RUN` continues) and rollbacks.
 
@@ -166,8 +170,9 @@ def inspect_cmd(checkpoint_dir: str = typer.Argument(..., help="A checkpoint dir
 
       opentau checkpoint inspect outputs/train/pi05/checkpoints/last --json
 
-      opentau checkpoint inspect outputs/train/pi05
+      opentau checkpoint inspect outputs/train/pi05 --plot pi05_curves.png
     """
+    from opentau_cli.store.runs import run_dir_of
     from opentau_cli.store.storage import is_url
     from opentau_cli.tools.info import inspect_checkpoint, inspect_run, is_run_dir
     from opentau_cli.tools.remote import split_target
@@ -176,6 +181,11 @@ def inspect_cmd(checkpoint_dir: str = typer.Argument(..., help="A checkpoint dir
         _print_remote(checkpoint_dir, as_json)
         return
     checkpoint_dir = Path(local_source(checkpoint_dir))
+    if plot is not None:
+        from opentau_cli.tools.curves import plot_curves
+
+        run = checkpoint_dir if is_run_dir(checkpoint_dir) else run_dir_of(checkpoint_dir.resolve())
+        typer.echo(f"Drew the loss and learning-rate curves of {run} into {plot_curves(run, plot)}.", err=True)
     if is_run_dir(checkpoint_dir):
         _print_run(inspect_run(checkpoint_dir), as_json)
         return
@@ -248,6 +258,9 @@ def _print_run(run, as_json: bool) -> None:
     if run.interrupted:
         lines.append(("interrupted", f"{_names(run.interrupted)} (not checkpoints; the next run removes them)"))
     for r in run.restarts:
+        if r.get("final"):
+            lines.append(("ended", f"{r.get('time')}: {r.get('cause')}; no restart left (launch {r.get('run_id')})"))
+            continue
         source = f"from checkpoint {r['resumed_from']}" if r.get("resumed_from") else "from the start (no checkpoint yet)"
         world, before = r.get("world"), r.get("world_before")
         on = f" on {world} process{'es' * (world != 1)} (was {before})" if world and before and world != before else ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 import sys
 import traceback
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
-from opentau_cli.errors import RunError, UserError
+from opentau_cli.errors import RunError, Stopped, UserError
 
 # Commands that take dotted config overrides after their own options.
 OVERRIDES_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
@@ -43,14 +44,63 @@ PolicySourceArg = Annotated[str, typer.Argument(help=(
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:1 (default: cuda when there is a GPU).")]
 
 
+def same_with_dashes(token: str) -> str:
+    """`--plot_episodes` is `--plot-episodes`: every command's own options take either spelling (click normalizes
+    declared and given option names with it; dotted config overrides pass through as given)."""
+    return token.replace("_", "-")
+
+
 def make_app(help_text: str) -> typer.Typer:
     return typer.Typer(
         help=help_text,
         no_args_is_help=True,
         pretty_exceptions_enable=False,
         rich_markup_mode="markdown",
-        context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+        context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110,
+                          "token_normalize_func": same_with_dashes},
     )
+
+
+def config_overrides(ctx: typer.Context) -> dict:
+    """The dotted config overrides that follow a command's own options (`ctx.args`). An option that is no config key
+    but close to one of the command's own is that option mistyped (`eval --stide`): refused naming it, where the
+    config's closest key would mislead."""
+    import difflib
+
+    from opentau_cli.config.load import all_keys, parse_overrides
+
+    own = sorted({o for p in ctx.command.params for o in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])
+                  if o.startswith("--")})
+    keys = set(all_keys())
+    for arg in ctx.args:
+        key = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if not key or "." in key or key in keys:
+            continue
+        close = difflib.get_close_matches(f"--{same_with_dashes(key)}", [same_with_dashes(o) for o in own], n=1, cutoff=0.6)
+        if close:
+            mine = next(o for o in own if same_with_dashes(o) == close[0])
+            raise UserError(f"No such option --{key} for `opentau {ctx.command.name}` (did you mean {mine}?).")
+    return parse_overrides(list(ctx.args))
+
+
+@contextmanager
+def progress_bar(what: str, unit: str):
+    """A bar on stderr when it is a terminal (`exporting ━━━━  12.3 of 45.6 MB  0:00:04`); yields `progress(done,
+    total)`, in bytes for unit "MB", else counted in `unit` (e.g. "chunks")."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    scale = 1e6 if unit == "MB" else 1
+    with Progress(TextColumn(what), BarColumn(), TextColumn("{task.fields[shown]}"), TimeRemainingColumn(),
+                  transient=True, console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task(what, total=None, shown="")
+
+        def progress(done: int, total: int) -> None:
+            shown = f"{done / scale:.1f} of {total / scale:.1f} MB" if unit == "MB" else f"{done} of {total} {unit}"
+            bar.update(task, completed=done, total=total, shown=shown)
+
+        yield progress
 
 
 def error(message: str) -> None:
@@ -76,6 +126,9 @@ def handle_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             typer.echo("Interrupted.", err=True)
             raise typer.Exit(130) from None
+        except Stopped as e:  # what it was writing is removed on the way out, or recognised by its next run
+            typer.echo(f"Stopped by {e} before it finished; run the same command again to complete it.", err=True)
+            raise typer.Exit(e.exit_code) from None
         except BrokenPipeError:  # `opentau ... | head`
             sys.stderr.close()
             raise typer.Exit(0) from None
@@ -96,6 +149,11 @@ ReshardOpt = Annotated[str, typer.Option("--reshard", metavar="BOOL", help=(
 RollbackOpt = Annotated[str, typer.Option("--rollback", metavar="BOOL", help=(
     "true: resume from a checkpoint older than the run's newest; the newer checkpoints and their metrics move into "
     "RUN/rolled_back/<time>/ (nothing is deleted) and the run continues from the one given (README, \"Resume\")."))]
+
+
+DatasetChangedOpt = Annotated[str, typer.Option("--dataset-changed", "--dataset_changed", metavar="BOOL", help=(
+    "true: resume although the files of a local dataset changed since the checkpoint was saved (its meta/ files, or "
+    "the number or sizes of its data files); the data order then continues over the dataset as it is now."))]
 
 
 def parse_bool_flag(name: str, value: str) -> bool:

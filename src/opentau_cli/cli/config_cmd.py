@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 
 from opentau_cli.cli.common import (
-    OVERRIDES_CONTEXT, AccelerateConfigOpt, MachineRankOpt, MainIpOpt, MainPortOpt, NumMachinesOpt, ReshardOpt, RollbackOpt, handle_errors,
+    OVERRIDES_CONTEXT, AccelerateConfigOpt, DatasetChangedOpt, MachineRankOpt, MainIpOpt, MainPortOpt, NumMachinesOpt, ReshardOpt,
+    RollbackOpt, handle_errors,
     make_app, machine_settings, parse_bool_flag, warn,
 )
 from opentau_cli.config import Machine, TrainConfig, load_config
@@ -33,6 +34,7 @@ def validate_cmd(
     main_process_port: MainPortOpt = None,
     reshard: ReshardOpt = "false",
     rollback: RollbackOpt = "false",
+    dataset_changed: DatasetChangedOpt = "false",
     gpu_memory: Optional[str] = typer.Option(
         None, "--gpu-memory", help=f"Check the memory plan against cards of this size instead of this machine's: {CARD_SIZE_HELP}."
     ),
@@ -62,7 +64,8 @@ def validate_cmd(
     machine = Machine.with_gpus(gpus) if gpus is not None else None
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     plan = plan_train(config, accelerate_config, list(ctx.args), machine, machines=machines,
-                      reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback))
+                      reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
+                      dataset_changed=parse_bool_flag("--dataset-changed", dataset_changed))
     for w in plan.checked.warnings:
         warn(w)
     for note in plan.notes:

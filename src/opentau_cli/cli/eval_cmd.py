@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from opentau_cli.cli.common import (
-    OVERRIDES_CONTEXT, DeviceOpt, ForceOpt, PolicySourceArg, WeightsOpt, handle_errors, local_source,
+    OVERRIDES_CONTEXT, DeviceOpt, ForceOpt, PolicySourceArg, WeightsOpt, config_overrides, handle_errors, local_source,
+    progress_bar,
 )
 
 
@@ -44,12 +45,13 @@ def eval_cmd(
 
       opentau eval my-org/pi05-pick-bottle --dataset.root=data/my_robot   # a pushed export (its commit is printed)
     """
-    from opentau_cli.config.load import parse_overrides
     from opentau_cli.tools.evaluate import evaluate, parse_episodes
 
-    result = evaluate(local_source(source), overrides=parse_overrides(list(ctx.args)), episodes=parse_episodes(episodes), output=output,
-                      batch_size=batch_size, stride=stride, plot_episodes=plot_episodes, device=device, seed=seed,
-                      dataset=dataset, echo=lambda m: typer.echo(m, err=True), force=force, weights=weights)
+    with progress_bar("evaluating", "chunks") as progress:
+        result = evaluate(local_source(source), overrides=config_overrides(ctx), episodes=parse_episodes(episodes),
+                          output=output, batch_size=batch_size, stride=stride, plot_episodes=plot_episodes, device=device,
+                          seed=seed, dataset=dataset, echo=lambda m: typer.echo(m, err=True), force=force,
+                          weights=weights, progress=progress)
     r = result.report
     ours, mean = r["policy"], r["mean_action"]
     typer.echo(f"{'':14}{'policy':>12}{'mean action':>14}")

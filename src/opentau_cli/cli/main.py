@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import atexit
 import gc
+import signal
 import sys
 
 from opentau_cli import __version__
+from opentau_cli.errors import Stopped
 from opentau_cli.cli import checkpoint_cmd, config_cmd, dataset_cmd, eval_cmd, profile_cmd, serve_cmd, train_cmd
 from opentau_cli.cli.common import error, make_app
 
@@ -43,9 +45,23 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(dataset_cmd.app, name="dataset")
 
 
-def main(prog_name: str = "opentau") -> None:
+def _stop(signum, _frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def main(prog_name: str = "opentau", received: list[str] | None = None) -> None:
     """The `opentau` console script: the app, with the usage errors Typer finds itself (a value of the wrong type, a
-    missing argument) said in one line with exit 2, as every other mistake is; help for a bare group stays help."""
+    missing argument) said in one line with exit 2, as every other mistake is; help for a bare group stays help. A
+    preemption signal (SIGTERM, SIGUSR1) stops a command through `Stopped`: it cleans up and says so in one line
+    (a launch takes the signals over while its ranks run: process/launch.py). `received`: the notices that came
+    while the commands were being imported (cli/entry.py)."""
+    for s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, _stop)
+    if received:
+        train = prog_name == "opentau-train" or sys.argv[1:2] in (["train"], ["resume"])
+        typer.echo(f"Stopped by {received[0]} before {'training began' if train else 'it started'}: nothing was "
+                   f"started; run the same command again{' to start it' if train else ''}.", err=True)
+        sys.exit(0 if train else Stopped.exit_code)
     try:
         code = app(prog_name=prog_name, standalone_mode=False)
     except TyperException as e:
@@ -60,7 +76,7 @@ def main(prog_name: str = "opentau") -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def train_alias() -> None:
+def train_alias(received: list[str] | None = None) -> None:
     """`opentau-train ...` is `opentau train ...` (the upstream entry point)."""
     sys.argv[1:1] = ["train"]
-    main(prog_name="opentau-train")
+    main(prog_name="opentau-train", received=received)

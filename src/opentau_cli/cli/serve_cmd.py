@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import OVERRIDES_CONTEXT, DeviceOpt, PolicySourceArg, WeightsOpt, handle_errors, local_source
+from opentau_cli.cli.common import (
+    OVERRIDES_CONTEXT, DeviceOpt, PolicySourceArg, WeightsOpt, config_overrides, handle_errors, local_source,
+)
 
 
 @handle_errors
@@ -40,7 +42,6 @@ def serve_cmd(
 
       opentau serve my-org/pi05-pick-bottle@main     # a pushed export, pinned to main's commit (printed)
     """
-    from opentau_cli.config.load import parse_overrides
     from opentau_cli.errors import UserError
     from opentau_cli.tools.inference import describe_hub
     from opentau_cli.tools.serve import API_KEY_ENV, PolicyServer, load_served, run_server
@@ -48,7 +49,7 @@ def serve_cmd(
     if not 0 <= port <= 65535:
         raise UserError(f"--port={port}: a TCP port is 0-65535.")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    served = load_served(local_source(source), overrides=parse_overrides(list(ctx.args)), dataset=dataset, device=device, seed=seed,
+    served = load_served(local_source(source), overrides=config_overrides(ctx), dataset=dataset, device=device, seed=seed,
                          weights=weights, compiled=compiled)
     server = PolicyServer(served, host, port, key)
     meta = served.metadata()

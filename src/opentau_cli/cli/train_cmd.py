@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from opentau_cli.cli.common import (
-    OVERRIDES_CONTEXT, AccelerateConfigOpt, BreakLockOpt, ConfigPathOpt, MachineRankOpt, MainIpOpt, MainPortOpt,
-    NumMachinesOpt, ReshardOpt, RollbackOpt, handle_errors, machine_settings, parse_bool_flag, warn,
+    OVERRIDES_CONTEXT, AccelerateConfigOpt, BreakLockOpt, ConfigPathOpt, DatasetChangedOpt, MachineRankOpt, MainIpOpt,
+    MainPortOpt, NumMachinesOpt, ReshardOpt, RollbackOpt, handle_errors, machine_settings, parse_bool_flag, warn,
 )
 from opentau_cli.units import CARD_SIZE_HELP
 
@@ -34,6 +34,25 @@ def _set_card(gpu_memory: str | None) -> None:
     set_card_memory(parse_size(gpu_memory) if gpu_memory is not None else None)
 
 
+def _stopped_before_training(plan_and_launch):
+    """A preemption notice while the launch is planned (before any rank exists) stops it cleanly: exit 0, as a
+    notice during training does (docs/ARCHITECTURE.md, "Restarts")."""
+    import functools
+
+    from opentau_cli.errors import Stopped
+
+    @functools.wraps(plan_and_launch)
+    def wrapper(*args, **kwargs):
+        try:
+            return plan_and_launch(*args, **kwargs)
+        except Stopped as e:
+            typer.echo(f"Stopped by {e} before training began: nothing was started; run the same command again to "
+                       "start it.", err=True)
+            raise typer.Exit(0) from None
+
+    return wrapper
+
+
 def _launch(plan, break_lock: bool = False) -> None:
     from opentau_cli.cli.summary import summarize
     from opentau_cli.process import launch
@@ -53,11 +72,12 @@ def _launch(plan, break_lock: bool = False) -> None:
 
 
 @handle_errors
+@_stopped_before_training
 def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_config: AccelerateConfigOpt = None,
           machine_rank: MachineRankOpt = None, num_machines: NumMachinesOpt = None, main_process_ip: MainIpOpt = None,
           main_process_port: MainPortOpt = None, break_lock: BreakLockOpt = False, reshard: ReshardOpt = "false",
           rollback: RollbackOpt = "false", gpu_memory: Optional[str] = GpuMemoryOpt,
-          max_restarts: Optional[int] = MaxRestartsOpt) -> None:
+          max_restarts: Optional[int] = MaxRestartsOpt, dataset_changed: DatasetChangedOpt = "false") -> None:
     """Train a policy under Accelerate (single process, DDP, DeepSpeed ZeRO-2/3).
 
     Examples:
@@ -72,11 +92,12 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_train(config_path, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
                        reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
-                       break_lock=break_lock),
+                       break_lock=break_lock, dataset_changed=parse_bool_flag("--dataset-changed", dataset_changed)),
             break_lock)
 
 
 @handle_errors
+@_stopped_before_training
 def resume(
     ctx: typer.Context,
     run_dir: str = typer.Argument(..., help=(
@@ -92,6 +113,7 @@ def resume(
     rollback: RollbackOpt = "false",
     gpu_memory: Optional[str] = GpuMemoryOpt,
     max_restarts: Optional[int] = MaxRestartsOpt,
+    dataset_changed: DatasetChangedOpt = "false",
 ) -> None:
     """Resume a run from the checkpoint `last` designates (or the checkpoint given; an older one needs --rollback=true).
 
@@ -112,7 +134,7 @@ def resume(
     target = _local_target(run_dir, list(ctx.args), parse_bool_flag("--rollback", rollback))
     _launch(plan_resume(target, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
                         reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
-                        break_lock=break_lock),
+                        break_lock=break_lock, dataset_changed=parse_bool_flag("--dataset-changed", dataset_changed)),
             break_lock)
 
 

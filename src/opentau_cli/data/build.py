@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from opentau_cli.config.model import MixtureMember, TrainConfig
 from opentau_cli.data.dataset import LeRobotDataset
+from opentau_cli.data.fingerprint import fingerprints
 from opentau_cli.data.hub import dataset_root, revisions
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.mixture import MixtureDataset, MixtureSampler, into_policy_space, mixture_stats
@@ -53,6 +54,7 @@ class TrainData:
     weights: list[float] = field(default_factory=list)
     member_stats: list[dict] = field(default_factory=list)  # each dataset's own statistics
     revisions: dict = field(default_factory=dict)  # the Hub datasets' commits, {name: {repo_id, commit}}
+    fingerprints: dict = field(default_factory=dict)  # the local datasets' files, {name: fingerprint} (data/fingerprint.py)
 
     @property
     def is_mixture(self) -> bool:
@@ -124,4 +126,4 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
     return TrainData(stream=stream, val_loader=val_loader, stats=stats, state_dim=len(stats["state"]["mean"]),
                      action_dim=len(stats["action"]["mean"]), train_dataset=train_ds, val_dataset=val_ds,
                      names=[m.label for m in members], weights=[m.weight for m in members], member_stats=member_stats,
-                     revisions=revisions(members, roots))
+                     revisions=revisions(members, roots), fingerprints=fingerprints(members, roots))

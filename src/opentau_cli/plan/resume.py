@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from opentau_cli.errors import UserError
-from opentau_cli.store.layout import CHECKPOINTS, TRAIN_CONFIG
+from opentau_cli.store.layout import CHECKPOINTS, TRAIN_CONFIG, step_of
 from opentau_cli.store.lineage import archive_of
 from opentau_cli.store.manifest import verify_manifest
 from opentau_cli.store.pickle_scan import scan_checkpoint_pickles
@@ -22,6 +22,7 @@ ARCHITECTURE_FIELDS = (
 
 
 RESHARD_FLAG = "--reshard=true"
+ROLLBACK_FLAG = "--rollback=true"
 
 
 def _check_same_topology(ckpt_dir: Path, state: dict, setup) -> None:
@@ -74,6 +75,23 @@ def check_in_run(ckpt_dir: Path) -> None:
                         f"{ckpt_dir.parent} into a run; copy it into a new run and resume that: `{copy}`.")
 
 
+def _earlier(ckpt_dir: Path) -> str:
+    """The way out of a damaged checkpoint: the command that resumes the newest sound one before it (a rollback, as
+    it is older than the damaged one), or restoring the files."""
+    from opentau_cli.store.lineage import ROLLED_BACK
+    from opentau_cli.store.runs import checkpoint_steps
+
+    run = run_dir_of(ckpt_dir)
+    step = step_of(Path(ckpt_dir).name)
+    older = [p for s, p in checkpoint_steps(run / CHECKPOINTS) if step is not None and s < step]
+    earlier = next((p for p in reversed(older) if not verify_manifest(p)), None)  # the newest sound one
+    if earlier is None:
+        return (f"No earlier checkpoint of {run} is sound: restore the files of {Path(ckpt_dir).name}, or start the run "
+                "again with `opentau train`.")
+    return (f"Restore its files, or resume the earlier checkpoint {earlier.name} with `opentau resume {earlier} "
+            f"{ROLLBACK_FLAG}` (the newer checkpoints move into {run / ROLLED_BACK}/<time>/; nothing is deleted).")
+
+
 def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dict:
     """Refuse (UserError, nothing loaded) a checkpoint that is damaged, lies outside its run's checkpoints/ (an
     archive: check_in_run) or does not fit this launch; returns its state. With `reshard` another backend, ZeRO stage
@@ -86,10 +104,7 @@ def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dic
     problems = verify_manifest(ckpt_dir)
     if problems:
         shown = "; ".join(str(p) for p in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise UserError(
-            f"Checkpoint '{ckpt_dir}' fails its manifest ({shown}); nothing was loaded. Resume from an earlier "
-            f"checkpoint (see `opentau checkpoint list {run_dir_of(ckpt_dir)} --verify`, which re-hashes as resume does)."
-        )
+        raise UserError(f"Checkpoint '{ckpt_dir}' fails its manifest ({shown}); nothing was loaded. {_earlier(ckpt_dir)}")
     # A forged manifest would vouch for anything: also vet every pickle the loaders will open (constructs nothing).
     unsafe = scan_checkpoint_pickles(ckpt_dir)
     if unsafe:

@@ -24,10 +24,11 @@ from opentau_cli.config import (
 )
 from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
+from opentau_cli.data.fingerprint import CHANGED_FLAG, FINGERPRINTS, check_unchanged
 from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
 from opentau_cli.errors import UserError
 from opentau_cli.plan.remote import check_remote, check_remote_history
-from opentau_cli.plan.resume import RESHARD_FLAG, check_in_run, check_resumable
+from opentau_cli.plan.resume import RESHARD_FLAG, ROLLBACK_FLAG, check_in_run, check_resumable
 from opentau_cli.process import runlock
 from opentau_cli.process.launch import RunPlan
 from opentau_cli.store.layout import LAUNCH_FILE, LOGS, TRAIN_CONFIG, holds_run, run_part
@@ -95,7 +96,7 @@ def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict, overrides: d
 
 
 def check_output_dir(cfg: TrainConfig) -> list[str]:
-    """output_dir can be a directory (it, or the first of its parents that exists, is one), and a fresh run never
+    """output_dir can be a directory (it, or the first of its parents that exists, is one) that this user may write, and a fresh run never
     writes into another run's directory by accident (a failed start's leftovers do not count)."""
     out = Path(cfg.output_dir)
     for path in (out, *out.parents):
@@ -106,6 +107,10 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
             if path == out:
                 return [f"output_dir '{out}' {what}: pick another --output_dir."]
             return [f"output_dir '{out}' cannot be created: '{path}' {what}; pick another --output_dir."]
+    if not os.access(path, os.W_OK | os.X_OK):  # checked here, not found by the launch's first write
+        why = "lies on a read-only filesystem" if os.statvfs(path).f_flag & os.ST_RDONLY else "is not writable by this user"
+        where = f"'{out}'" if path == out else f"its parent '{path}'"
+        return [f"output_dir '{out}' cannot be written: {where} {why}; pick another --output_dir (or make it writable)."]
     archive = archive_of(out)
     if archive is not None:  # --overwrite would empty the archive, a resume would train in it
         return [f"output_dir '{out}' lies in the rollback archive of {archive} (rolled_back/), which nothing writes: "
@@ -165,18 +170,19 @@ def check_machines(cfg: TrainConfig, setup: AccelerateSetup) -> None:
 
 def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
                machines: dict | None = None, reshard: bool = False, rollback: bool = False,
-               break_lock: bool = False) -> RunPlan:
+               break_lock: bool = False, dataset_changed: bool = False) -> RunPlan:
     """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest).
 
     `machine` is the one the rules check for; by default this one. `machines`: the command line's machine settings
     (`config.with_machine`: they and the cluster's environment override the YAML). `reshard`: a resume may change
     the number of processes, the backend or the ZeRO stage (train/reshard.py). `rollback`: a resume from a
     checkpoint older than the run's newest moves the newer ones aside instead of being refused (lineage.py).
-    `break_lock`: the launch will take over a lost node's run lock (process/runlock.py), so that lock refuses nothing here."""
+    `break_lock`: the launch will take over a lost node's run lock (process/runlock.py), so that lock refuses nothing here.
+    `dataset_changed`: a resume may read a local dataset whose files changed since the checkpoint (data/fingerprint.py)."""
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
     cfg = load_config(config_path, overrides)
-    for flag, given in ((RESHARD_FLAG, reshard), (ROLLBACK_FLAG, rollback)):
+    for flag, given in ((RESHARD_FLAG, reshard), (ROLLBACK_FLAG, rollback), (CHANGED_FLAG, dataset_changed)):
         if given and not cfg.resume:
             raise UserError(f"{flag} applies to a resume: pass it with --resume=true, or use `opentau resume RUN {flag}`.")
     if not cfg.resume:
@@ -189,23 +195,24 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
         ckpt = find_checkpoint(source)
     else:
         ckpt = find_checkpoint(cfg.output_dir)
-    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard, rollback, break_lock)
+    return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard, rollback, break_lock,
+                        dataset_changed)
 
 
 def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
                 machines: dict | None = None, reshard: bool = False, rollback: bool = False,
-                break_lock: bool = False) -> RunPlan:
+                break_lock: bool = False, dataset_changed: bool = False) -> RunPlan:
     """`opentau resume RUN_DIR|CKPT_DIR`: the checkpoint's own train_config.json plus the command line's overrides."""
     ckpt = find_checkpoint(target)
     overrides = parse_overrides(args)
     cfg = load_config(ckpt / TRAIN_CONFIG, {**overrides, "resume": "true"})
     return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine or Machine.this(), machines, reshard, rollback,
-                        break_lock)
+                        break_lock, dataset_changed)
 
 
 def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, overrides: dict, machine: Machine,
                  machines: dict | None, reshard: bool = False, rollback: bool = False,
-                 break_lock: bool = False) -> RunPlan:
+                 break_lock: bool = False, dataset_changed: bool = False) -> RunPlan:
     import json
 
     notes = []
@@ -238,6 +245,10 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     branches = asked_revisions(cfg) if told_revision(overrides) else started_on
     notes.extend(pin_for_resume(ckpt, cfg, saved, overrides, started_on))
     checked = check_launch(cfg, setup, machine)
+    # A local dataset rewritten under the same root since the checkpoint: refused as another Hub commit would be,
+    # unless the command line says so (the flag, or naming the dataset).
+    notes.extend(check_unchanged(ckpt, checked.config.dataset.members(), saved.get(FINGERPRINTS) or {},
+                                 accept=dataset_changed or told_revision(overrides)))
     state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
     if saved_config is None:
         saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
@@ -276,9 +287,6 @@ def recorded_branches(ckpt: Path, state: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
 
 
-ROLLBACK_FLAG = "--rollback=true"
-
-
 def check_not_live(run_dir: Path, setup: AccelerateSetup, break_lock: bool) -> None:
     """A live run holding the run directory's lock is refused first, in the words the launch would use (process/runlock.py):
     what it is writing (a checkpoint being published, newer than `last` for a moment) must not be judged as a finished
@@ -298,10 +306,20 @@ def check_history(ckpt: Path, rollback: bool) -> list[str]:
     if not newer:
         return []
     if not rollback:
+        # Advice is never the command just run: `opentau resume RUN` takes this checkpoint when the newer ones fail
+        # their manifests.
+        from opentau_cli.store.runs import latest
+
+        newest = latest(run_dir)
+        if newest is not None and newest.resolve() != Path(ckpt).resolve():
+            why = "resuming from it would overwrite them and mix two histories"
+            first = f"Resume the newest with `opentau resume {run_dir}`, or pass {ROLLBACK_FLAG}"
+        else:
+            why = "they fail their manifests (`opentau checkpoint list {run} --verify` says why), and resuming from it would overwrite them".format(run=run_dir)
+            first = f"Restore them, or pass {ROLLBACK_FLAG}"
         raise UserError(
-            f"Checkpoint {ckpt.name} is older than the run's newest checkpoints ({span(newer)}): resuming from it would "
-            f"overwrite them and mix two histories. Resume the newest with `opentau resume {run_dir}`, or pass "
-            f"{ROLLBACK_FLAG} to move the newer checkpoints and their metrics into {run_dir / ROLLED_BACK}/<time>/ "
+            f"Checkpoint {ckpt.name} is older than the run's newest checkpoints ({span(newer)}): {why}. {first} "
+            f"to move the newer checkpoints and their metrics into {run_dir / ROLLED_BACK}/<time>/ "
             f"and continue from step {ckpt.name.lstrip('0') or 0}."
         )
     return [f"Rollback: {span(newer)} and their metrics records will move into {run_dir / ROLLED_BACK}/<time>/ "

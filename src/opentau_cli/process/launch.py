@@ -9,6 +9,7 @@ exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log pat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,8 +29,8 @@ from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.process import runlock
 from opentau_cli.process.accelerate_launcher import TORCHRUN_ARGS
-from opentau_cli.process.restarts import STOPPED, is_knock_on, read_restarts
-from opentau_cli.process.runtime import ATTEMPT_MARK, read_user_error
+from opentau_cli.process.restarts import STOPPED, failure_of_attempt, is_knock_on, last_attempt, read_restarts, record_final
+from opentau_cli.process.runtime import ATTEMPT_MARK, PREEMPT_SIGNALS, PREEMPTED_FILE, read_user_error
 from opentau_cli.store.layout import CHECKPOINTS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
 from opentau_cli.store.lineage import ROLLED_BACK, roll_back, span
 from opentau_cli.store.runs import checkpoint_steps, clean_leftovers, latest, run_dir_of
@@ -45,8 +46,6 @@ class Worker:
 
 
 TRAIN_WORKER = Worker("opentau_cli.train.worker", "Training")
-# Signals that mean "finish the current step, save, exit 0" (cluster preemption).
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @dataclass
@@ -337,21 +336,19 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     # While the ranks run, rank 0's progress line shows the uploads (process/uploader.py StatusView); the uploader's
     # own lines go to uploads.log.
     uploader = start_uploads(plan, log_dir) if first and plan.config.checkpoint.remote else None
-    # The launcher's own chatter, and its traceback when a rank fails, go to launcher.log: the user gets one line.
-    # Only global rank 0 (on machine 0) shows progress on the console.
-    with (log_dir / LAUNCHER_LOG).open("w") as launcher_log:
-        proc = subprocess.Popen(cmd, env=worker_env(setup, cuda, max_restarts, plan.config.distributed), stdout=None if worker.console and first else launcher_log,
-                                stderr=launcher_log)
-    interrupted = stopped_early = False
+    interrupted = False
+    preempted: list[str] = []
+    proc = None
 
     def preempt(signum, _frame):
-        # Workers (not torchrun, which would kill them) get the signal: they finish the step, save, and exit 0.
-        workers = _worker_processes(proc.pid, worker.module)
-        if not workers:  # still starting up: nothing to save yet, stop the launch
-            nonlocal stopped_early
-            stopped_early = True
-            proc.send_signal(signal.SIGTERM)
-        for rank in workers:
+        # A preemption notice is honoured at every moment (docs/ARCHITECTURE.md, "Restarts"): written down first, for
+        # the ranks still to start (a group being restarted, or the first one still starting up), then sent to the
+        # ranks that run (not torchrun, which would kill them): they finish the step, save, and exit 0.
+        name = signal.Signals(signum).name
+        preempted.append(name)
+        with contextlib.suppress(OSError):
+            (log_dir / PREEMPTED_FILE).write_text(name + "\n")
+        for rank in _worker_processes(proc.pid, worker.module) if proc is not None else ():
             try:
                 rank.send_signal(signum)
             except Exception:
@@ -360,6 +357,8 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     def interrupt(_signum, _frame):
         nonlocal interrupted
         interrupted = True
+        if proc is None:
+            raise KeyboardInterrupt
         try:
             proc.send_signal(signal.SIGINT)
         except ProcessLookupError:
@@ -368,6 +367,11 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     previous = {s: signal.signal(s, preempt) for s in PREEMPT_SIGNALS}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
+        # The launcher's own chatter, and its traceback when a rank fails, go to launcher.log: the user gets one
+        # line. Only global rank 0 (on machine 0) shows progress on the console.
+        with (log_dir / LAUNCHER_LOG).open("w") as launcher_log:
+            proc = subprocess.Popen(cmd, env=worker_env(setup, cuda, max_restarts, plan.config.distributed),
+                                    stdout=None if worker.console and first else launcher_log, stderr=launcher_log)
         rc = proc.wait()
         if uploader is not None:
             finish_uploads(uploader, plan.config, echo)
@@ -378,21 +382,33 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         if first:
             echo(interrupted_line(plan))
         return 130
-    if stopped_early:
-        echo("Stopped by a signal before training started; nothing to save.")
-        return 0
     if rc != 0:
         user_error = read_user_error(log_dir)
         if user_error:
             raise UserError(user_error)
         log, last = failed_log(log_dir)
+        if preempted and not last:  # ranks the notice ended before they could take it (they were starting up)
+            kept = latest(plan.config.output_dir)
+            echo(f"Stopped by {preempted[0]} before training began: nothing to save; "
+                 + (f"continue from {kept} with `opentau resume {plan.config.output_dir}`." if kept else
+                    "run the same command again to start."))
+            return 0
         if log == log_dir:  # no rank got as far as its log
             log = log_dir / LAUNCHER_LOG
         stopped = log_dir / STOPPED
         if stopped.is_file():  # a restarted group found a failure no restart cures (process/restarts.py)
             raise RunError(f"{worker.name} stopped: {stopped.read_text().strip()}. Full log: {log.resolve()}")
-        used = sum(1 for r in read_restarts(plan.config.output_dir) if r.get("run_id") == log_dir.name)
+        used = sum(1 for r in read_restarts(plan.config.output_dir) if r.get("run_id") == log_dir.name and not r.get("final"))
         after = f" after {used} restart{'s' * (used != 1)}" if used else ""
+        # The rank that failed first and how (process/restarts.py), never a peer that only lost it.
+        root = failure_of_attempt(log_dir, log_dir, last_attempt(log_dir), setup.machine_rank,
+                                  max(1, setup.num_processes // max(1, setup.num_machines)))
+        if root.rank is not None and (not root.error or root.error.startswith("hung:")):
+            log, last = Path(root.log), root.describe()
+        if max_restarts and first:  # every attempt's end is on record, the last one included
+            record_final(plan.config.output_dir, log_dir.name, root, None)
+        # A rank's own `Error: ...` sentence is said once, in the CLI's own `Error:` line.
+        last = last.removeprefix("Error: ").rstrip(".")
         reason = f": {last}" if last else f" (exit code {rc})"
         raise RunError(f"{worker.name} failed{after}{reason}. Full log: {log.resolve()}")
     return 0

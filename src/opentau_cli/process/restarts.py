@@ -101,12 +101,12 @@ def read_restarts(run_dir: Path) -> list[dict]:
 
 
 def exit_description(code: int) -> str:
-    """'killed by SIGKILL' / 'exited with code 1', for a worker's exit status as the agent reports it."""
+    """'was killed by SIGKILL' / 'exited with code 1', for a worker's exit status as the agent reports it."""
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
-            return f"killed by signal {-code}"
+            return f"was killed by signal {-code}"
     return f"exited with code {code}"
 
 
@@ -132,6 +132,7 @@ class Failure:
         elif self.error.startswith("hung:"):
             how = "stopped responding"
         else:
+            # The agent names only the first failure it saw: a kill it did not name is still said as a kill.
             how = "failed" if self.error else "was killed (its log ends without an error)"
         at = f" at step {self.failed_at_step}" if self.failed_at_step is not None else ""
         error = f" ({self.error})" if self.error else ""
@@ -164,6 +165,19 @@ def agent_failures(launcher_log: Path) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in _FAILED.finditer(text)]
 
 
+_SUMMARY = re.compile(r"rank\s*:\s*\d+ \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def agent_summary(launcher_log: Path) -> dict[int, int]:
+    """Exit code by local rank from the summary the agent prints when it gives up (every failed rank of the last
+    attempt, not only the first it saw)."""
+    try:
+        text = launcher_log.read_text(errors="replace")
+    except OSError:
+        return {}
+    return {int(m.group(1)): int(m.group(2)) for m in _SUMMARY.finditer(text)}
+
+
 def is_knock_on(error: str) -> bool:
     return any(k in error for k in KNOCK_ON)
 
@@ -174,19 +188,35 @@ def is_timeout(error: str) -> bool:
 
 
 def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_machine: int) -> Failure:
-    """Why attempt `attempt() - 1` ended. The ranks' own logs name the root: a rank that failed with an error of its
-    own, else one whose log ends without an error (killed: SIGKILL, the OOM killer, a lost device), never one that
-    only lost its peer. The agent's failure line adds the exit code when it names that rank (it names the first
+    """Why attempt `attempt() - 1` ended (failure_of_attempt)."""
+    return failure_of_attempt(Path(launch["log_dir"]), run_log_dir, attempt() - 1, machine, procs_per_machine)
+
+
+def last_attempt(run_log_dir: Path) -> int:
+    """The number of the newest attempt the launch's rank logs hold (0 without restarts)."""
+    numbers = [0]
+    for log in Path(run_log_dir).glob("rank*.log"):
+        try:
+            numbers += [int(m.group(1)) for m in re.finditer(rf"^{re.escape(ATTEMPT_MARK)}(\d+)$", log.read_text(errors="replace"), re.M)]
+        except OSError:
+            continue
+    return max(numbers)
+
+
+def failure_of_attempt(launch_log_dir: Path, run_log_dir: Path, number: int, machine: int,
+                       procs_per_machine: int) -> Failure:
+    """Why attempt `number` of a launch ended. The ranks' own logs name the root: a rank that failed with an error of
+    its own, else one whose log ends without an error (killed: SIGKILL, the OOM killer, a lost device), never one
+    that only lost its peer. The agent's failure line adds the exit code when it names that rank (it names the first
     failure it saw, to the second, which may be a peer's knock-on error)."""
 
-    number = attempt()
-    failures = agent_failures(Path(launch["log_dir"]) / LAUNCHER_LOG)
-    code, local = failures[number - 1] if len(failures) >= number else (None, None)
+    failures = agent_failures(Path(launch_log_dir) / LAUNCHER_LOG)
+    code, local = failures[number] if len(failures) > number else (None, None)
     errors, placed = {}, {}
     for log in Path(run_log_dir).glob("rank*.log"):
         if log.stem[4:].isdigit():
-            errors[int(log.stem[4:])] = last_error_line(attempt_segment(log.read_text(errors="replace"), number - 1))
-            placed[int(log.stem[4:])] = placement(log, number - 1)
+            errors[int(log.stem[4:])] = last_error_line(attempt_segment(log.read_text(errors="replace"), number))
+            placed[int(log.stem[4:])] = placement(log, number)
     # The rank the agent names: its machine and local rank, wherever the rendezvous put it in the global order.
     agent_rank = next((r for r, where in placed.items() if where == (machine, local)),
                       machine * procs_per_machine + local if local is not None else None) if local is not None else None
@@ -204,6 +234,10 @@ def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_ma
         machine = (placed.get(rank) or (rank // procs_per_machine, 0))[0]
     if not error and waited:  # a rank that went silent while its peers timed out waiting for it: a hang
         error = f"hung: rank {waited[0]} reports {errors[waited[0]]}"
+    if rank is not None and rank != agent_rank and len(failures) == number + 1:
+        # The attempt that made the agent give up: its summary names every failed rank's exit.
+        where = placed.get(rank) or (rank // procs_per_machine, rank % procs_per_machine)
+        code, agent_rank = agent_summary(Path(launch_log_dir) / LAUNCHER_LOG).get(where[1]), rank
     return Failure(rank=rank, machine=machine, exit_code=code if rank == agent_rank else None, error=error,
                    log=str(rank_log(run_log_dir, rank if rank is not None else 0).resolve()),
                    failed_at_step=started_step(run_log_dir))
@@ -256,7 +290,7 @@ def incurable(failure: Failure, run_dir: Path, run_log_dir: Path, resume_from: P
     user_error = user_error_of_attempt(run_log_dir, attempt() - 1)
     if user_error:
         return user_error
-    earlier = [r for r in read_restarts(run_dir) if r.get("run_id") == run_log_dir.name]
+    earlier = [r for r in read_restarts(run_dir) if r.get("run_id") == run_log_dir.name and not r.get("final")]
     if earlier and failure.failed_at_step is not None and earlier[-1].get("failed_at_step") == failure.failed_at_step \
             and earlier[-1].get("resumed_from") == (resume_from.name if resume_from else None):
         return (f"step {failure.failed_at_step} failed again after restart {earlier[-1].get('restart')} "
@@ -290,6 +324,19 @@ def record_restart(run_dir: Path, run_id: str, failure: Failure, resumed_from: P
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
+    return record
+
+
+def record_final(run_dir: Path, run_id: str, failure: Failure, step: int | None) -> dict:
+    """Append the failure that ended a restartable launch, with no restart left, to restarts.jsonl (the launcher, once
+    its ranks are gone): every attempt's end is on record, the last included."""
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "run_id": run_id, "restart": None, "final": True,
+              "max_restarts": None, "cause": failure.describe(), **asdict(failure), "resumed_from": None, "step": step,
+              "world": None}
+    path = restarts_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
     return record
 
 

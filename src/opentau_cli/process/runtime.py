@@ -83,6 +83,30 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     exit_rank(code)
 
 
+# Signals that mean "finish the current step, save, exit 0" (cluster preemption).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTED_FILE = "preempted"  # <launch log dir>/preempted: the launcher received a preemption notice
+_RECEIVED: list[str] = []  # the preemption signals this rank received before the worker took them over
+
+
+def catch_preemption() -> None:
+    """From the train rank's first instant (before run_rank), a preemption notice is kept, not fatal: a rank still
+    importing when the launcher forwards it would otherwise die of it, and an automatic restart would take that for a
+    failure (docs/ARCHITECTURE.md, "Restarts"). The worker reads it with `preemption_received`."""
+    for s in PREEMPT_SIGNALS:
+        signal.signal(s, lambda signum, _frame: _RECEIVED.append(signal.Signals(signum).name))
+
+
+def preemption_received(launch_log_dir: Path) -> str | None:
+    """The preemption signal this rank (or, before it started, its launcher) received, if any."""
+    if _RECEIVED:
+        return _RECEIVED[0]
+    try:
+        return (Path(launch_log_dir) / PREEMPTED_FILE).read_text().strip() or "SIGTERM"
+    except OSError:
+        return None
+
+
 def redirect_output(log_dir: Path, rank: int, shows_console: bool) -> IO | None:
     """Send this rank's stdout/stderr (Python and C level) to its log file; return a handle on the console for the
     rank that shows it."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +25,17 @@ from opentau_cli.store.format import FIELD as FORMAT_FIELD, FORMAT_VERSION
 from opentau_cli.store.layout import (
     DS_SHARD_RE, DS_TAG, EMA_STATE, EMA_WEIGHTS, MANIFEST, TRAINING_STATE, ema_rank_file, rank_state_file,
 )
-from opentau_cli.store.outputs import file_mode, follow_umask
+from opentau_cli.store.outputs import file_mode, follow_umask, pid_alive
 
 HASH_NAME = "xxh3_128"
 _CHUNK = 8 * 1024 * 1024
 _TEMP_SUFFIX = ".tmp"  # of write_json_atomic's temp files
+# A file's hidden siblings at the top of a checkpoint: `.<name>.tmp-<pid>` (a file being written, e.g. by
+# safetensors_writer), `.<name>.old-<pid>` (a file being replaced) and write_json_atomic's `.<name>.<random>.tmp`.
+# They are never checkpoint content: a writer killed before its rename leaves one (docs/ARCHITECTURE.md,
+# "Checkpoint contract").
+_SIBLING = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+_JSON_TEMP = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]+\.tmp$")
 
 
 @dataclass(frozen=True)
@@ -105,9 +112,32 @@ def _temp_prefix(name: str) -> str:
     return f".{name}."
 
 
+def sibling_of(name: str) -> str | None:
+    """The file name a hidden sibling (a temp or old copy, see above) stands for; None for any other name."""
+    found = _SIBLING.match(name) or _JSON_TEMP.match(name)
+    return found.group("name") if found else None
+
+
+def sibling_pid(name: str) -> int | None:
+    """The process that made a `.<name>.tmp-<pid>` / `.<name>.old-<pid>` sibling."""
+    found = _SIBLING.match(name)
+    return int(found.group("pid")) if found else None
+
+
+def temp_sibling(path: Path) -> Path:
+    """Where this process writes `path` before it is renamed into place."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def old_sibling(path: Path) -> Path:
+    """Where this process puts `path` aside while it is being replaced."""
+    return path.with_name(f".{path.name}.old-{os.getpid()}")
+
+
 def _is_manifest_name(name: str) -> bool:
-    # Temp files of an interrupted manifest write are ours too, not checkpoint content.
-    return name == MANIFEST or (name.startswith(_temp_prefix(MANIFEST)) and name.endswith(_TEMP_SUFFIX))
+    # Temp files of an interrupted manifest write are ours too, not checkpoint content; so are the hidden siblings
+    # of a writer killed before its rename (put_back, clean_siblings).
+    return name == MANIFEST or sibling_of(name) is not None
 
 
 def list_files(ckpt_dir: Path) -> list[str]:
@@ -201,6 +231,7 @@ def verify_manifest(ckpt_dir: Path, *, rehash: bool = True) -> list[Problem]:
         why = "unreadable or not an opentau manifest" if manifest_path.exists() else "no manifest: the save never finished"
         return [Problem("missing" if not manifest_path.exists() else "altered", MANIFEST, why)]
     expected: dict = manifest["files"]
+    put_back(ckpt_dir, expected)
     present = set(list_files(ckpt_dir))
     problems = []
     for rel in sorted(expected):
@@ -223,6 +254,61 @@ def verify_manifest(ckpt_dir: Path, *, rehash: bool = True) -> list[Problem]:
         for rank, what in rank_files(expected, *layout)[1]:
             problems.append(Problem("missing", what, f"rank {rank}'s own state; the run had {layout[0]} ranks"))
     return problems
+
+
+def put_back(ckpt_dir: Path, expected: dict | None = None) -> list[str]:
+    """Finish the rename of a writer killed after the manifest vouched for its file: a file the manifest lists that
+    is missing or differs, while a hidden sibling of it holds exactly the listed bytes, gets that sibling renamed into
+    place (a consolidation writes, vouches, then renames; replacing a file puts the old one aside first). Any
+    command that checks the checkpoint restores it so. Returns the names put back."""
+    ckpt_dir = Path(ckpt_dir)
+    if expected is None:
+        manifest = read_manifest(ckpt_dir)
+        expected = manifest["files"] if manifest else {}
+    restored = []
+    try:
+        entries = [e for e in os.scandir(ckpt_dir) if sibling_of(e.name) in expected and e.is_file(follow_symlinks=False)]
+    except OSError:
+        return restored
+    for entry in entries:
+        name = sibling_of(entry.name)
+        want = expected[name]
+        final = ckpt_dir / name
+        try:
+            if entry.stat().st_size != want["size"] or hash_file(Path(entry.path)) != want["hash"]:
+                continue
+            if final.is_file() and final.stat().st_size == want["size"] and hash_file(final) == want["hash"]:
+                continue  # already in place: the sibling is a leftover its command removes
+            os.replace(entry.path, final)
+        except OSError:  # read-only, or another process put it back first
+            continue
+        restored.append(name)
+    return restored
+
+
+def clean_siblings(ckpt_dir: Path, names: set[str] | None = None) -> list[Path]:
+    """Remove the hidden siblings at the top of `ckpt_dir` (of the files `names`, default any) that no live process
+    is writing: leftovers of a killed writer, after put_back took what the manifest vouches for."""
+    ckpt_dir = Path(ckpt_dir)
+    put_back(ckpt_dir)
+    removed = []
+    try:
+        entries = list(os.scandir(ckpt_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        name = sibling_of(entry.name)
+        if name is None or (names is not None and name not in names) or not entry.is_file(follow_symlinks=False):
+            continue
+        pid = sibling_pid(entry.name)
+        if pid is not None and pid != os.getpid() and pid_alive(pid):
+            continue
+        try:
+            Path(entry.path).unlink(missing_ok=True)
+        except OSError:  # a read-only checkpoint: left as it is (it never passes as content)
+            continue
+        removed.append(Path(entry.path))
+    return removed
 
 
 def is_complete(ckpt_dir: Path) -> bool:

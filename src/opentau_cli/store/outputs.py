@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 from opentau_cli.errors import UserError
+from opentau_cli.store.faults import fault_point
 from opentau_cli.store.layout import run_part
 
 MARKER = ".opentau-output.json"  # in every directory `publishing` writes: {"command": ..., "source": ...}
@@ -40,6 +41,7 @@ def check_target(target: Path, *, force: bool, source: Path | str | None = None,
     output of `command` (e.g. "checkpoint export"; None: of any opentau command)."""
     target = Path(target)
     check_overlap(target, source)
+    remove_leftovers(target)
     if not (target.exists() or target.is_symlink()):
         return
     if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
@@ -177,6 +179,7 @@ def publishing(target: Path, *, force: bool, source: Path | str | None = None,
         if staging.is_dir() and not staging.is_symlink():
             (staging / MARKER).write_text(json.dumps({"command": command, "source": None if source is None else str(source)}) + "\n")
         follow_umask(staging)
+        fault_point("output_staged", target)
         old = None
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
             target.rmdir()
@@ -197,6 +200,45 @@ def publishing(target: Path, *, force: bool, source: Path | str | None = None,
         _remove(staging)
         remove_made(made)
         raise
+
+
+def remove_leftovers(target: Path) -> list[Path]:
+    """What a killed run of a command left beside `target`: its hidden sibling (`.<name>.tmp-<pid>`, being written) and,
+    with --force, the earlier output it set aside (`.<name>.old-<pid>`), of processes that are gone. An earlier
+    output set aside whose replacement never arrived is put back first: nothing the user had is lost."""
+    target = Path(target)
+    parent = target.parent
+    if not parent.is_dir():
+        return []
+    found = []
+    for kind in ("tmp", "old"):
+        for path in parent.glob(f".{_glob_escape(target.name)}.{kind}-*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                found.append((kind, path))
+    removed = []
+    for kind, path in found:
+        if kind == "old" and not (target.exists() or target.is_symlink()):
+            os.replace(path, target)
+            continue
+        _remove(path)
+        removed.append(path)
+    return removed
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def make_parents(parent: Path) -> list[Path]:

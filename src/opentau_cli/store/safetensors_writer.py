@@ -142,8 +142,10 @@ class _Output:
 
 
 def write_safetensors(path: Path, entries: list[TensorEntry], metadata: dict[str, str] | None = None,
-                      on_tensor: Callable[[TensorEntry], None] | None = None) -> Path:
-    """Write entries to `path` via `.<name>.tmp` in the same directory, fsync, rename. Nothing is left on failure."""
+                      on_tensor: Callable[[TensorEntry], None] | None = None, *, rename: bool = True) -> Path:
+    """Write entries to `path` via `.<name>.tmp-<pid>` in the same directory, fsync, rename. Nothing is left on
+    failure. With rename=False the synced temp file is returned instead, for the caller to vouch for before it
+    renames it (a file added to a checkpoint: tools/consolidate.py)."""
     path = Path(path)
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
@@ -167,6 +169,8 @@ def write_safetensors(path: Path, entries: list[TensorEntry], metadata: dict[str
             finally:
                 out.close_sources()
             os.fsync(f.fileno())
+        if not rename:
+            return tmp
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

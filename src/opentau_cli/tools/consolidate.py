@@ -13,7 +13,7 @@ import errno
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,9 +26,11 @@ from opentau_cli.store.layout import (
     EMA_STATE, TRAINING_STATE, MANIFEST, MODEL_WEIGHTS, weights_index_path, weights_shard_path,
 )
 from opentau_cli.store.lineage import archive_of
-from opentau_cli.store.outputs import check_target, make_parents, publishing, remove_made, writable_parent
+from opentau_cli.store.faults import fault_point
+from opentau_cli.store.outputs import check_target, make_parents, publishing, remove_made, writable_parent, written_by
 from opentau_cli.store.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.store.shard_reader import ShardFormatError
+from opentau_cli.store.storage import fsync_dir
 from opentau_cli.store.zero import find_tag_dir, read_zero_checkpoint
 from opentau_cli.units import parse_size
 
@@ -42,6 +44,7 @@ class ConsolidateResult:
     num_tensors: int
     total_bytes: int
     already: bool = False
+    notes: list[str] = field(default_factory=list)  # what this run repaired or removed of an interrupted one
 
 
 def _cast(entry: TensorEntry, dtype: torch.dtype) -> TensorEntry:
@@ -126,15 +129,25 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     if output is None and archive_of(ckpt_dir) is not None:  # nothing under rolled_back/ is written (lineage.py)
         raise UserError(f"{ckpt_dir} was moved aside by a rollback, and nothing in an archive is written: pass "
                         f"--output DIR (outside any run) to write its consolidated weights there.")
+    notes = []
     if output is not None:  # the output convention (opentau_cli/store/outputs.py): never into a run, --force only over ours
         check_target(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)
         check_target(weights_index_path(single), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND)
-    elif is_consolidated(single) and not force:  # its own place in the checkpoint: done already, nothing to refuse
+    else:  # its own place in the checkpoint
+        left = mf.clean_siblings(ckpt_dir)  # what a killed run of this command left (put back first where vouched for)
+        if left:
+            notes.append(f"Removed {', '.join(p.name for p in left)}, left by an interrupted consolidation.")
         existing = single if single.is_file() else weights_index_path(single)
-        if weights_kind(single) != kind:
-            raise UserError(f"{existing} holds the {weights_kind(single)} weights, not the {kind} ones: pass --force to "
-                            f"replace it, or --output to write the {kind} weights elsewhere.")
-        return ConsolidateResult([existing], 0, existing.stat().st_size, already=True)
+        if is_consolidated(single) and not _vouched(ckpt_dir, single):
+            if not written_by(existing, CONSOLIDATE_COMMAND):
+                raise UserError(f"{existing} is not listed in {ckpt_dir / MANIFEST} and was not written by `opentau "
+                                f"{CONSOLIDATE_COMMAND}`: move it out of the checkpoint, then run the same command again.")
+            notes.append(f"{existing.name} was left unlisted in the manifest by an interrupted consolidation: writing it again.")
+        elif is_consolidated(single) and not force:  # done already, nothing to refuse
+            if weights_kind(single) != kind:
+                raise UserError(f"{existing} holds the {weights_kind(single)} weights, not the {kind} ones: pass --force to "
+                                f"replace it, or --output to write the {kind} weights elsewhere.")
+            return ConsolidateResult([existing], 0, existing.stat().st_size, already=True, notes=notes)
 
     # A checkpoint with a manifest must still match it (cheap size check: catches truncated or missing shards).
     if (ckpt_dir / MANIFEST).exists():
@@ -155,43 +168,121 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
     metadata = {"format": "pt", "producer": f"opentau {CONSOLIDATE_COMMAND}", "zero_stage": source,
                 "world_size": str(world), "step": str(step), "weights": kind}
     shards = _split_shards(entries, max_bytes)
-    if output is None or single == Path(output):
-        # Its own place in the checkpoint, or a FILE.safetensors target: each file written to a hidden sibling and
-        # renamed (write_safetensors), shards before the index that makes them a model.
+    if output is None:
+        # Into the checkpoint: every file written and synced under a hidden name, vouched for by the manifest, then
+        # renamed into place, so the checkpoint is sound at every instant (vouch_and_rename).
+        staged = _write_weights(single, shards, metadata, ckpt_dir, progress, total, rename=False)
+        written = [final for _, final in staged]
+        stale = _stale_layout(single, written)
+        if mf.read_manifest(ckpt_dir) is not None:
+            vouch_and_rename(ckpt_dir, staged, stale)
+        else:  # a checkpoint without a manifest (DeepSpeed's own): nothing vouches, the renames are the commit
+            for temp, final in staged:
+                os.replace(temp, final)
+            for path in stale:
+                path.unlink()
+    elif single == Path(output):
+        # A FILE.safetensors target: each file written to a hidden sibling and renamed (write_safetensors), shards
+        # before the index that makes them a model.
         made = make_parents(single.parent)
         try:
             written = _write_weights(single, shards, metadata, ckpt_dir, progress, total)
         except BaseException:
             remove_made(made)
             raise
+        for path in _stale_layout(single, written):
+            path.unlink()
     else:  # a directory target: written whole into a hidden sibling, renamed into place
         with publishing(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND) as staging:
             staging.mkdir()
             staged = _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total, shown=Path(output))
             written = [Path(output) / p.name for p in staged]
-    removed = _remove_stale_layout(single, written)
-    _vouch(ckpt_dir, written, removed)
-    return ConsolidateResult(written, len(entries), total)
+    return ConsolidateResult(written, len(entries), total, notes=notes)
+
+
+def _vouched(ckpt_dir: Path, single: Path) -> bool:
+    """Whether the checkpoint's manifest lists the consolidated output (a checkpoint without one has nothing to
+    vouch: DeepSpeed's own)."""
+    manifest = mf.read_manifest(ckpt_dir)
+    if manifest is None:
+        return True
+    names = [single.name] if single.is_file() else [weights_index_path(single).name]
+    if not single.is_file():
+        try:
+            names += sorted(set(json.loads(weights_index_path(single).read_text()).get("weight_map", {}).values()))
+        except (OSError, ValueError, AttributeError):
+            return False
+    return all(name in manifest["files"] for name in names)
+
+
+def vouch_and_rename(ckpt_dir: Path, staged: list[tuple[Path, Path]], stale: list[Path]) -> None:
+    """Replace files at the top of a checkpoint so that it is sound at every instant (docs/ARCHITECTURE.md,
+    "Checkpoint contract"): `staged` (temp sibling, final path) pairs are complete and synced; `stale` are files the
+    new ones supersede. The stale files go aside to hidden siblings, the manifest then vouches for the new files (by
+    their temps' bytes) and forgets the stale ones, and only then are the temps renamed into place and the stale
+    copies deleted. A kill anywhere leaves what every reader puts back (store/manifest.py put_back: a listed file
+    under its sibling name) or a leftover the next run of this command removes; never a file under a listed name
+    that the manifest does not vouch for."""
+    manifest = mf.read_manifest(ckpt_dir)
+    if manifest is None:
+        raise FileNotFoundError(f"{ckpt_dir / MANIFEST} is missing or unreadable")
+    aside = []
+    for path in stale:
+        os.replace(path, mf.old_sibling(path))
+        aside.append(mf.old_sibling(path))
+    for path in stale:
+        manifest["files"].pop(path.name, None)
+    for temp, final in staged:
+        manifest["files"][final.name] = {"size": temp.stat().st_size, "hash": mf.hash_file(temp)}
+    mf.write_json_atomic(ckpt_dir / MANIFEST, manifest)
+    fault_point("vouched", ckpt_dir)
+    for temp, final in staged:
+        try:
+            os.replace(temp, final)
+        except FileNotFoundError:  # a reader's put_back renamed it first
+            if not final.is_file():
+                raise
+    fsync_dir(ckpt_dir)
+    for path in aside:
+        path.unlink(missing_ok=True)
 
 
 def _write_weights(single: Path, shards: list[list[TensorEntry]], metadata: dict, ckpt_dir: Path, progress,
-                   total: int, shown: Path | None = None) -> list[Path]:
+                   total: int, shown: Path | None = None, rename: bool = True) -> list:
     """`single`, or above the shard size its shards and then the index; on failure nothing is left. Messages name
-    `shown` (the user's --output) rather than the hidden sibling being written."""
+    `shown` (the user's --output) rather than the hidden sibling being written. With rename=False each file stays
+    under its synced temp name: returns (temp, final) pairs, for vouch_and_rename."""
     out_dir = shown or single.parent
     written: list[Path] = []
+    done = [0]
+
+    def wrote(entry: TensorEntry) -> None:
+        fault_point("tensor_written", single)
+        if progress is not None:
+            done[0] += entry.nbytes
+            progress(done[0], total)
+
+    def place(path: Path, write) -> None:
+        out = write(path)
+        written.append(out)
+        if rename:
+            return
+        staged.append((out, path))
+
+    staged: list[tuple[Path, Path]] = []
     try:
         if len(shards) == 1:
-            written.append(write_safetensors(single, shards[0], metadata, progress))
+            place(single, lambda p: write_safetensors(p, shards[0], metadata, wrote, rename=rename))
         else:
             # Shards first, the index last: the index is what makes the sharded output exist.
             weight_map = {}
             for i, shard in enumerate(shards, 1):
                 path = weights_shard_path(single, i, len(shards))
-                written.append(write_safetensors(path, shard, metadata, progress))
+                place(path, lambda p, shard=shard: write_safetensors(p, shard, metadata, wrote, rename=rename))
                 weight_map.update({e.name: path.name for e in shard})
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            written.append(mf.write_json_atomic(weights_index_path(single), index))
+            index_path = weights_index_path(single)
+            place(index_path, lambda p: mf.write_json_atomic(mf.temp_sibling(p) if not rename else p, index))
     except OSError as e:
         for p in written:
             p.unlink(missing_ok=True)
@@ -207,7 +298,7 @@ def _write_weights(single: Path, shards: list[list[TensorEntry]], metadata: dict
         for p in written:
             p.unlink(missing_ok=True)
         raise
-    return written
+    return written if rename else staged
 
 
 def _check_writable(out_dir: Path, total: int) -> None:
@@ -221,45 +312,19 @@ def _check_writable(out_dir: Path, total: int) -> None:
                         f"{free / 1e9:.2f} GB are free.")
 
 
-def _remove_stale_layout(single: Path, written: list[Path]) -> list[Path]:
-    """After --force, drop the previous output's files that the new layout does not use (single <-> sharded)."""
-    index, removed = weights_index_path(single), []
+def _stale_layout(single: Path, written: list[Path]) -> list[Path]:
+    """The previous output's files that the new layout does not write over (single <-> sharded, fewer shards)."""
+    index, stale = weights_index_path(single), []
     if single not in written and single.is_file():
-        single.unlink()
-        removed.append(single)
+        stale.append(single)
     if index not in written and index.is_file():
         try:
             old = set(json.loads(index.read_text()).get("weight_map", {}).values())
         except (OSError, ValueError):
             old = set()
-        for name in old:
+        for name in sorted(old):
             p = single.with_name(name)
             if p not in written and p.name.startswith(single.stem + "-") and p.is_file():
-                p.unlink()
-                removed.append(p)
-        index.unlink()
-        removed.append(index)
-    return removed
-
-
-def _vouch(ckpt_dir: Path, written: list[Path], removed: list[Path]) -> None:
-    """Outputs inside a checkpoint with a manifest get listed in it, so `verify` and resume still trust the directory."""
-    if mf.read_manifest(ckpt_dir) is None:
-        return
-    root = ckpt_dir.resolve()
-
-    def rel(paths):
-        out = []
-        for p in paths:
-            try:
-                out.append(p.resolve().relative_to(root).as_posix())
-            except ValueError:  # written outside the checkpoint (--output elsewhere)
-                continue
-        return out
-
-    # Only what lies inside: an --output elsewhere leaves the checkpoint, its manifest included, untouched.
-    removed, written = rel(removed), rel(written)
-    if removed:
-        mf.remove_from_manifest(ckpt_dir, removed)
-    if written:
-        mf.add_to_manifest(ckpt_dir, written)
+                stale.append(p)
+        stale.append(index)
+    return stale

@@ -156,9 +156,10 @@ def _plot(path: Path, trajectories: list[dict], title: str) -> None:
 def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: list[int] | None = None,
              output: Path | None = None, batch_size: int = 8, stride: int = 1, plot_episodes: int = 3,
              device: str | None = None, seed: int = 0, dataset: str | None = None, echo=print,
-             force: bool = False, weights: str | None = None) -> Evaluated:
+             force: bool = False, weights: str | None = None, progress=None) -> Evaluated:
     """Evaluate `source` (a training checkpoint / run, or a model) on `dataset` (a name of its config's datasets;
-    default: the first) and write eval.json and eval.png into `output`."""
+    default: the first) and write eval.json and eval.png into `output`. `progress(done, total)` follows the action
+    chunks sampled."""
     overrides = dict(overrides or {})
     if batch_size < 1 or stride < 1 or plot_episodes < 0:
         raise UserError("--batch-size and --stride must be at least 1, --plot-episodes at least 0.")
@@ -190,12 +191,16 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     indices = list(range(0, len(data), stride))
     echo(f"Evaluating {len(indices)} action chunks of {len(data.episodes)} episodes on {dev} with the "
          f"{describe_weights(origin)}...")
+    done = 0
     for batch in _batches(data, indices, batch_size):
         predicted = sample(policy, batch, dev, generator)
         target = batch["actions"][:, :steps, :joints]
         valid = (~batch["action_is_pad"][:, :steps]).double()
         ours.add(predicted, target, valid)
         baseline.add(mean.expand_as(target), target, valid)
+        done += len(predicted)
+        if progress is not None:
+            progress(done, len(indices))
     report = {
         **origin,
         "policy_type": policy.cfg.type, "preset": policy.cfg.preset,

@@ -29,6 +29,7 @@ from opentau_cli.policies.layouts import (
     write_openpi_stats,
 )
 from opentau_cli.store.dcp import is_dcp_checkpoint, model_entries
+from opentau_cli.store.faults import fault_point
 from opentau_cli.store.format import check_readable
 from opentau_cli.store.layout import DS_TAG, EMA_WEIGHTS, MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
 from opentau_cli.store.outputs import check_target, publishing, writable_parent
@@ -279,7 +280,8 @@ OPENPI_EXPERT_LM_HEAD = "paligemma_with_expert.gemma_expert.lm_head.weight"
 def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "fp32", dataset: str | None = None,
            progress=None, force: bool = False, weights: str | None = None) -> ExportResult:
     """Write the policy of a run / checkpoint directory as a plain model in `layout`, serving `dataset` (a name of the
-    run's datasets; default: the first) with that dataset's statistics. Raises UserError / RunError."""
+    run's datasets; default: the first) with that dataset's statistics. `progress(done_bytes, total_bytes)` follows
+    the weights being written. Raises UserError / RunError."""
     if layout not in EXPORT_LAYOUTS:
         raise UserError(f"--layout must be one of {', '.join(EXPORT_LAYOUTS)}, not '{layout}'.")
     if dtype not in DTYPES:
@@ -318,7 +320,15 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     try:
         with publishing(output, force=force, source=target, command=COMMAND) as staging:
             staging.mkdir()
-            files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, progress)]
+            done = [0]
+
+            def wrote(entry: TensorEntry) -> None:
+                fault_point("tensor_written", output / MODEL_WEIGHTS)
+                done[0] += entry.nbytes
+                if progress is not None:
+                    progress(done[0], total)
+
+            files = [write_safetensors(staging / MODEL_WEIGHTS, entries, metadata, wrote)]
             if layout == LEROBOT:
                 files += write_lerobot_stats(staging, stats, published.policy_type,
                                              lerobot_image_features(cameras, saved.config.policy.image_resolution),

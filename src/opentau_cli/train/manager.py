@@ -25,23 +25,51 @@ from opentau_cli.store.faults import fault_point
 from opentau_cli.store.format import skip_zip_crcs, stamp
 from opentau_cli.store.layout import BEST, CHECKPOINTS, TRAIN_CONFIG, TRAINING_STATE, old_dir, point_last, read_last, step_dir_name, tmp_dir
 from opentau_cli.store.lineage import LINEAGE, current_branch, lineage_record
-from opentau_cli.store.manifest import MissingRankState, is_complete, write_json_atomic, write_manifest
+from opentau_cli.store.manifest import MissingRankState, is_complete, read_manifest, write_json_atomic, write_manifest
 from opentau_cli.store.runs import latest, read_training_state
 from opentau_cli.store.storage import fsync_dir
+from opentau_cli.units import format_size
 
 
-def describe_os_error(e: OSError) -> str:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return "the disk is full (or a file size limit was hit)"
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "the output directory is not writable"
-    return e.strerror or str(e)
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL = "the disk is full"
 
 
-def describe_write_error(e: Exception) -> str:
+def is_disk_full(e: BaseException) -> bool:
+    """A write that failed for want of space: the OSError itself, or torch's / safetensors' wrapping of a short write."""
+    if isinstance(e, OSError):
+        return e.errno in FULL_DISK
+    text = str(e)
+    return "unexpected pos" in text or "No space" in text or "File too large" in text
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding `path` (which exists): the disk a full-disk message names."""
+    p = Path(os.path.abspath(path))
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it is gone)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def describe_write_error(e: BaseException) -> str:
+    """Why a write failed, for a failure other than a full disk."""
+    if isinstance(e, OSError):
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"the output directory is not writable ({e.strerror or e})"
+        return e.strerror or str(e)
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if "unexpected pos" in text or "No space" in text or "File too large" in text:  # torch's short-write check
-        return "the disk is full (or a file size limit was hit): a write came up short"
     return f"writing failed ({type(e).__name__}: {text[:200]})"
 
 
@@ -93,9 +121,14 @@ class CheckpointManager:
         name = step_dir_name(step, self.total_steps)
         tmp = tmp_dir(self.root, name, self.run_id)
         final = self.root / name
-        error = self._all_ranks(lambda: self._write(tmp, config, state, final))
+        # Every rank makes the same collective calls whatever fails where: each stage ends with the ranks agreeing on
+        # whether any of them failed, and no stage holds a barrier a failed rank would skip (docs/ARCHITECTURE.md,
+        # "Checkpoint contract").
+        error = self._all_ranks(lambda: self._prepare(tmp), tmp)
         if not error:
-            error = self._all_ranks(lambda: self._publish(tmp, final, name) if acc.is_main_process else None)
+            error = self._all_ranks(lambda: self._write(tmp, config, state, final), tmp)
+        if not error:
+            error = self._all_ranks(lambda: self._publish(tmp, final, name) if acc.is_main_process else None, tmp)
         if error:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -116,7 +149,7 @@ class CheckpointManager:
         while job is not None:
             if wait:
                 job.wait_for_milestone()
-            error = self._all_ranks(job.raise_error)
+            error = self._all_ranks(job.raise_error, job.tmp)
             if error:
                 self._in_flight = None
                 job.abandon()
@@ -167,13 +200,11 @@ class CheckpointManager:
         writes = []
 
         def copy_state() -> None:
-            if acc.is_main_process:
-                self.root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-            acc.wait_for_everyone()
             writes.extend(snapshot(acc, tmp, self._staging, self.save_kwargs, extra=self.extra_files()))
 
-        error = self._all_ranks(copy_state)
+        error = self._all_ranks(lambda: self._prepare(tmp), tmp)
+        if not error:
+            error = self._all_ranks(copy_state, tmp)
         if error:
             acc.wait_for_everyone()
             if acc.is_main_process:
@@ -204,11 +235,17 @@ class CheckpointManager:
 
     def _failed(self, step: int, error: str) -> RunError:
         previous = latest(self.run_dir)
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        return RunError(f"Could not save the checkpoint of step {step} under {self.root}: {error}; {kept}.")
+        kept = (f"the previous checkpoint {previous} is intact and stays `last`" if previous
+                else "no earlier checkpoint exists")
+        then = ""
+        if error.startswith(DISK_FULL):
+            again = f"continue with `opentau resume {self.run_dir}`" if previous else "run the same command again"
+            then = f"; free space on that disk (or move the run to a larger one), then {again}"
+        return RunError(f"Could not save the checkpoint of step {step} under {self.root}: {error}; {kept}{then}.")
 
-    def _all_ranks(self, fn) -> str | None:
-        """Run fn on this rank; every rank learns whether any rank failed (no rank is left waiting in a barrier)."""
+    def _all_ranks(self, fn, tmp: Path) -> str | None:
+        """Run fn on this rank; every rank learns whether any rank failed, and the same sentence for why (the first
+        failed rank's): no rank is left waiting in a collective the others skipped. `tmp` is the save's temp dir."""
         import torch
         from safetensors import SafetensorError
 
@@ -217,31 +254,65 @@ class CheckpointManager:
             fn()
         except MissingRankState as e:  # publish refused: a rank's files are not in the save
             message = str(e)
-        except OSError as e:
-            message = describe_os_error(e)
-        except (RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap a failed write in their own types
-            message = describe_write_error(e)
+        except (OSError, RuntimeError, SafetensorError) as e:  # torch.save / safetensors wrap a failed write in their own types
+            message = self._full_disk(tmp) if is_disk_full(e) else describe_write_error(e)
         failed = torch.tensor([1.0 if message else 0.0], device=self.accelerator.device)
         failed = self.accelerator.reduce(failed, reduction="sum")
-        if failed.item() and message is None:
-            message = "another rank could not write its part"
-        return message
+        if not failed.item():
+            return None
+        return self._first_message(message)
+
+    def _first_message(self, message: str | None) -> str:
+        """The lowest failed rank's sentence, on every rank (a collective: every rank calls it once a rank failed)."""
+        import torch.distributed as dist
+
+        if self.accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized():
+            everyone = [None] * self.accelerator.num_processes
+            dist.all_gather_object(everyone, message)
+            message = next((m for m in everyone if m), message)
+        return message or "another rank could not write its part"
+
+    def _full_disk(self, tmp: Path) -> str:
+        """The disk, the space it has (counting this save's partial files, which go) and what a save needs."""
+        where = self.root if self.root.exists() else self.run_dir
+        try:
+            free = shutil.disk_usage(where).free + dir_bytes(tmp)
+        except OSError:
+            return DISK_FULL
+        previous = latest(self.run_dir)
+        manifest = read_manifest(previous) if previous is not None else None
+        if manifest is not None:
+            needed = sum(int(f.get("size", 0)) for f in manifest["files"].values())
+            basis = f"as much as checkpoint {previous.name}"
+        else:
+            needed, basis = self._state_bytes(), "its weights and optimizer state"
+        return (f"{DISK_FULL}: {mount_point(where)} has {format_size(free)} free for it and a checkpoint needs "
+                f"about {format_size(needed)} ({basis})")
+
+    def _state_bytes(self) -> int:
+        """About what this run's save writes: the weights, and AdamW's two fp32 moments per trained parameter."""
+        total = 0
+        for model in getattr(self.accelerator, "_models", []):
+            for p in model.parameters():
+                n = getattr(p, "ds_numel", None) or p.numel()
+                total += n * p.element_size() + (8 * n if p.requires_grad else 0)
+        return total
+
+    def _prepare(self, tmp: Path) -> None:
+        if self.accelerator.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _write(self, tmp: Path, config: dict, state: dict, final: Path) -> None:
         from safetensors.torch import save_file
 
         acc = self.accelerator
-        if acc.is_main_process:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True, **self.save_kwargs)
         for name, tensors in self.extra_files().items():
             save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         fault_point("state_saved", tmp)
         if acc.is_main_process:
             self._write_records(tmp, config, state, final)
-        acc.wait_for_everyone()
 
     def _write_records(self, tmp: Path, config: dict, state: dict, final: Path) -> None:
         # Paths inside the run directory relative to it, so a moved or copied run resumes (config/paths.py).

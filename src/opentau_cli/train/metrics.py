@@ -49,6 +49,8 @@ class Progress:
             self._bar = RichProgress(
                 TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                 TimeRemainingColumn(), console=Console(file=console, force_terminal=True),
+                # The rank's own prints (e.g. each step's JSON record) stay in its log, never above the bar.
+                redirect_stdout=False, redirect_stderr=False,
             )
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
             self._bar.start()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.data.fingerprint import FINGERPRINTS
 from opentau_cli.store.layout import EMA_STATE
 from opentau_cli.store.topology import topologies, topology_entry, with_topology
 from opentau_cli.train import fsdp
@@ -340,6 +341,7 @@ class Trainer:
             "datasets": [{"name": name, "weight": weight, "stats": stats}
                          for name, weight, stats in zip(self.data.names, self.data.weights, self.data.member_stats)],
             "dataset_revisions": self.data.revisions,  # the Hub datasets' commits, which a resume stays on
+            FINGERPRINTS: self.data.fingerprints,  # the local datasets' files, which a resume checks (data/fingerprint.py)
             "world_size": self.accelerator.num_processes,
             "backend": self.setup.backend,
             "zero_stage": self.setup.zero_stage if self.setup.backend == "deepspeed" else None,

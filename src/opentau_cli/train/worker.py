@@ -8,22 +8,56 @@ user's input found late (e.g. in the data); 1 a failure.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
 
 class Preemption:
-    """SIGTERM / SIGUSR1 set a flag; the loop finishes its step, all ranks agree, save, and exit 0."""
+    """SIGTERM / SIGUSR1 set a flag; the loop finishes its step, all ranks agree, save, and exit 0. A notice that came
+    earlier counts too: one this rank received while it started up, or one its launcher received before this rank
+    existed (process/runtime.py preemption_received: a group being restarted, or still starting)."""
 
-    def __init__(self, enabled: bool):
-        self.requested = False
-        if enabled:
-            for s in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(s, self._handle)
+    def __init__(self, enabled: bool, launch_log_dir: Path):
+        from opentau_cli.process.runtime import PREEMPT_SIGNALS, preemption_received
+
+        self.launch_log_dir = Path(launch_log_dir)
+        self.signal = preemption_received(self.launch_log_dir)
+        for s in PREEMPT_SIGNALS:
+            signal.signal(s, self._handle if enabled else signal.SIG_DFL)
+        if not enabled and self.signal:  # checkpoint.save_on_preemption=false: the signal ends the rank, as it would have
+            os.kill(os.getpid(), signal.Signals[self.signal])
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def by_launcher(self) -> bool:
+        """The notice came through opentau's launcher (a preemption), not from torch's agent re-forming the group."""
+        from opentau_cli.process.runtime import PREEMPTED_FILE
+
+        return (self.launch_log_dir / PREEMPTED_FILE).exists()
 
     def _handle(self, signum, _frame):
-        self.requested = True
-        print(f"Received {signal.Signals(signum).name}: finishing the current step, then saving.", flush=True)
+        self.signal = signal.Signals(signum).name
+        print(f"Received {self.signal}: finishing the current step, then saving.", flush=True)
+
+    def before_training(self, accelerator, run_dir: Path, resume_from: Path | None, restarted: bool) -> str | None:
+        """Every rank agrees (a collective) whether a notice came before the first step; if so, the line that says the
+        run stopped before training began, with nothing since its checkpoint to save."""
+        from opentau_cli.process.runtime import attempt, max_restarts
+        from opentau_cli.train.trainer import any_rank
+
+        if not any_rank(accelerator, self.requested or self.by_launcher()):
+            return None
+        name = self.signal or "a preemption notice"
+        if max_restarts() and not self.by_launcher():  # torch's agent stops the group to re-form it (machines joined)
+            return f"Stopped by {name} before training began; the group continues if it re-forms."
+        if resume_from is None:
+            return f"Stopped by {name} before training began: nothing to save; run the same command again to start."
+        began = f" during restart {attempt()}, before training resumed" if restarted else " before training began"
+        return (f"Stopped by {name}{began}: nothing was trained since checkpoint {resume_from.name}; continue with "
+                f"`opentau resume {run_dir}`.")
 
 
 def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int]:
@@ -65,7 +99,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     run_dir = Path(cfg.output_dir)
     resume_from = Path(launch["resume_from"]) if launch.get("resume_from") else None
     cfg, setup = restarts.fit_to_world(cfg, setup)  # elastic machines: the group may have re-formed smaller or larger
-    preemption = Preemption(cfg.checkpoint.save_on_preemption)
+    preemption = Preemption(cfg.checkpoint.save_on_preemption, Path(launch["log_dir"]))
     tb_dir = run_dir / TENSORBOARD if cfg.logging.uses_tensorboard else None
     trainer = build_trainer(cfg, setup, tensorboard_dir=tb_dir, console=console)
     keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
@@ -112,6 +146,10 @@ def fit(cfg, setup, launch: dict, console) -> int:
     marks = restarts.StepMarks(run_log_dir, acc.process_index) if max_restarts() else None
     watchdog = restarts.Watchdog(cfg.distributed.timeout_minutes * 60, acc.process_index)
     try:
+        stopped = preemption.before_training(acc, run_dir, resume_from, failure is not None)
+        if stopped:
+            progress.message(stopped)
+            return 0
         while trainer.step < cfg.steps:
             if marks is not None:
                 marks.running(trainer.step + 1)
@@ -139,7 +177,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
             watchdog.beat()
             if result.stop:
                 ckpt.wait()
-                if max_restarts():  # the signal may be the agent's, re-forming the group (machines joined)
+                if max_restarts() and not preemption.by_launcher():  # the agent's, re-forming the group (machines joined)
                     progress.message(f"Stopped by a signal: saved step {step}; the group continues from it if it "
                                      f"re-forms, else continue with `opentau resume {run_dir}`.")
                 else:
@@ -195,8 +233,9 @@ def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from opentau_cli.process.runtime import run_rank
+    from opentau_cli.process.runtime import catch_preemption, run_rank
 
+    catch_preemption()
     run_rank(fit, argv, description=__doc__)
 
 
