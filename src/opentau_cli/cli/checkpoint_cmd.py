@@ -48,8 +48,6 @@ def consolidate_cmd(
 
       opentau checkpoint consolidate outputs/train/pi05/checkpoints/last --dtype bf16 --max-shard-size 2GB
     """
-    from rich.progress import Progress, SpinnerColumn, TextColumn
-
     from opentau_cli.errors import UserError
     from opentau_cli.store.storage import is_url
     from opentau_cli.tools.consolidate import consolidate
