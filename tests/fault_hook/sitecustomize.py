@@ -41,9 +41,15 @@ def _note(event: str) -> None:
 
 
 def _act(action: str) -> bool:
-    """Act; True when the step must run as a requested stop (`hold` got its signal)."""
+    """Act; True when the step must run as a requested stop (`hold` got its signal). With TEST_FAULT_AFTER=FILE it
+    first waits (up to 300 s) until FILE exists: the test says when (e.g. once a checkpoint is in the store)."""
     import signal
+    import time
 
+    after = os.environ.get("TEST_FAULT_AFTER")
+    deadline = time.time() + 300
+    while after and not os.path.exists(after) and time.time() < deadline:
+        time.sleep(0.1)
     _note(action)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -335,7 +335,7 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
 
     # While the ranks run, rank 0's progress line shows the uploads (process/uploader.py StatusView); the uploader's
     # own lines go to uploads.log.
-    uploader = start_uploads(plan, log_dir) if first and plan.config.checkpoint.remote else None
+    uploader = start_uploads(plan, log_dir) if plan.config.checkpoint.remote else None
     interrupted = False
     preempted: list[str] = []
     proc = None
@@ -433,15 +433,22 @@ def start_uploads(plan: RunPlan, log_dir: Path):
         with open(log_dir / "uploads.log", "a") as f:
             f.write(time.strftime("%H:%M:%S ") + line + "\n")
 
+    # Every machine sends its ranks' part of each checkpoint when it keeps its own run directory; machine 0 commits.
+    first = plan.setup.machine_rank == 0
     uploader = Uploader(Path(cfg.output_dir), remote, keep_last=cfg.checkpoint.keep_last, protect=protect,
-                        record=record, echo=note)
-    uploader.rollback_to = plan.resume_from.name if plan.remote_rollback else None
+                        record=record, echo=note, commits=first)
+    uploader.rollback_to = plan.resume_from.name if plan.remote_rollback and first else None
     return uploader.start()
 
 
 def finish_uploads(uploader, cfg: TrainConfig, echo) -> None:
     """Wait up to checkpoint.remote_drain_seconds for the pending uploads; name what stays local only."""
     local_only = uploader.drain(cfg.checkpoint.remote_drain_seconds)
+    if not uploader.commits:
+        if local_only:
+            echo(f"This machine's part of checkpoint {local_only[0]} is not in {uploader.remote.url} after waiting "
+                 f"{cfg.checkpoint.remote_drain_seconds:g} s.")
+        return
     if not local_only and uploader.remote_last():
         echo(f"Checkpoint {uploader.remote_last()} is stored in {uploader.remote.url}.")
     if local_only:

@@ -65,12 +65,15 @@ def group_change(run_log_dir: Path, world: int) -> dict | None:
     if not groups:
         return None
     before = groups[-1]
-    return {"machines_changed": before["attempt"] == attempt(), "world_before": before["world"], "world": world}
+    return {"machines_changed": before["attempt"] == attempt(), "world_before": before["world"], "world": world,
+            "placement": before.get("placement")}
 
 
-def note_group(run_log_dir: Path, world: int) -> None:
+def note_group(run_log_dir: Path, world: int, placement: list[int] | None = None) -> None:
+    """Note this group: its attempt, world and the machine of each global rank (a rank whose log lies on a lost
+    machine's disk is still named with its machine)."""
     with (Path(run_log_dir) / GROUPS).open("a") as f:
-        f.write(json.dumps({"attempt": attempt(), "world": world, "time": time.time()}) + "\n")
+        f.write(json.dumps({"attempt": attempt(), "world": world, "time": time.time(), "placement": placement}) + "\n")
 
 
 def machines_changed(change: dict, world: int) -> "Failure":
@@ -187,9 +190,10 @@ def is_timeout(error: str) -> bool:
     return any(k in error.lower() for k in ("timed out", "timeout", "made no progress"))
 
 
-def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_machine: int) -> Failure:
+def previous_failure(launch: dict, run_log_dir: Path, machine: int, procs_per_machine: int,
+                     placement: list[int] | None = None) -> Failure:
     """Why attempt `attempt() - 1` ended (failure_of_attempt)."""
-    return failure_of_attempt(Path(launch["log_dir"]), run_log_dir, attempt() - 1, machine, procs_per_machine)
+    return failure_of_attempt(Path(launch["log_dir"]), run_log_dir, attempt() - 1, machine, procs_per_machine, placement)
 
 
 def last_attempt(run_log_dir: Path) -> int:
@@ -204,7 +208,7 @@ def last_attempt(run_log_dir: Path) -> int:
 
 
 def failure_of_attempt(launch_log_dir: Path, run_log_dir: Path, number: int, machine: int,
-                       procs_per_machine: int) -> Failure:
+                       procs_per_machine: int, placement: list[int] | None = None) -> Failure:
     """Why attempt `number` of a launch ended. The ranks' own logs name the root: a rank that failed with an error of
     its own, else one whose log ends without an error (killed: SIGKILL, the OOM killer, a lost device), never one
     that only lost its peer. The agent's failure line adds the exit code when it names that rank (it names the first
@@ -216,7 +220,13 @@ def failure_of_attempt(launch_log_dir: Path, run_log_dir: Path, number: int, mac
     for log in Path(run_log_dir).glob("rank*.log"):
         if log.stem[4:].isdigit():
             errors[int(log.stem[4:])] = last_error_line(attempt_segment(log.read_text(errors="replace"), number))
-            placed[int(log.stem[4:])] = placement(log, number)
+            placed[int(log.stem[4:])] = placement_of(log, number)
+    # A rank the group placed on another machine whose log is not on this disk (machines that keep their own run
+    # directories) said nothing here: silent, on its recorded machine.
+    for rank, where in enumerate(placement or []):
+        if where != machine and (rank not in placed or placed[rank] is None):
+            errors.setdefault(rank, "")
+            placed[rank] = (where, None)
     # The rank the agent names: its machine and local rank, wherever the rendezvous put it in the global order.
     agent_rank = next((r for r, where in placed.items() if where == (machine, local)),
                       machine * procs_per_machine + local if local is not None else None) if local is not None else None
@@ -243,7 +253,7 @@ def failure_of_attempt(launch_log_dir: Path, run_log_dir: Path, number: int, mac
                    failed_at_step=started_step(run_log_dir))
 
 
-def placement(log: Path, number: int) -> tuple[int, int] | None:
+def placement_of(log: Path, number: int) -> tuple[int, int] | None:
     """(machine, local rank) of a rank in attempt `number`, as its log's marks say."""
     try:
         segment = attempt_segment(log.read_text(errors="replace"), number)

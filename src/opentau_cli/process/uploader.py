@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.store.layout import BEST, CHECKPOINTS, LOGS, MANIFEST, UPLOADING, read_last, step_of
+from opentau_cli.store.layout import BEST, CHECKPOINTS, LOGS, MANIFEST, TRAINING_STATE, UPLOADING, read_last, step_of
 from opentau_cli.store.manifest import read_manifest, write_json_atomic
 from opentau_cli.store.remote_run import RemoteRun, history_files
 
@@ -47,7 +47,8 @@ class Uploader:
     """Copies published checkpoints of `run_dir` to `remote` from a background thread (see the module doc)."""
 
     def __init__(self, run_dir: Path, remote: RemoteRun, *, keep_last: int | None, protect: str | None = None,
-                 record: dict | None = None, echo: Callable[[str], None] = print, poll_seconds: float = 0.5):
+                 record: dict | None = None, echo: Callable[[str], None] = print, poll_seconds: float = 0.5,
+                 commits: bool = True):
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS
         self.remote = remote
@@ -56,6 +57,8 @@ class Uploader:
         self.record = record or {}
         self.echo = echo
         self.poll_seconds = poll_seconds
+        self.commits = commits  # machine 0 commits whole checkpoints; a split one, the machine of its records
+        self._handled: set[str] = set()  # another machine's: checkpoints whose part it sent (or had none to send)
         self.backoff = BACKOFF
         self.uploading: str | None = None
         self.committed: list[str] = []
@@ -87,6 +90,9 @@ class Uploader:
         # An upload in flight stops at its next batch; one that does not in a second is left to die with the process
         # (a daemon thread): what it stored is uncommitted, ignored by readers, removed by the next commit.
         self._thread.join(timeout=1)
+        if not self.commits:  # another machine: whether its part of the newest checkpoint went
+            pending = self._pending()
+            return [pending] if pending else []
         newest = max((step_of(n) for n in self.committed), default=-1)
         local_only = [p.name for p in self._published() if step_of(p.name) > newest]
         self._write_status()
@@ -147,7 +153,7 @@ class Uploader:
             return None
         if name in self.committed and self._same_as_remote(name):
             return None
-        return name
+        return None if name in self._handled else name
 
     def _same_as_remote(self, name: str) -> bool:
         local = (read_manifest(self.root / name) or {}).get("files")
@@ -171,13 +177,22 @@ class Uploader:
             return True  # deleted locally before its upload began (a newer one is published): nothing to send
         try:
             manifest = read_manifest(staged)
-            files = {rel: staged / rel for rel in manifest["files"]}
+            # A machine that keeps its own run directory holds its ranks' part of the checkpoint; where every file is
+            # here (one machine, or an output_dir the machines share) machine 0 sends them all.
+            files = {rel: staged / rel for rel in manifest["files"] if (staged / rel).is_file()}
+            whole = len(files) == len(manifest["files"])
+            # Whole here (one machine, or an output_dir the machines share): machine 0 commits. Split over machines:
+            # the machine whose part holds the records (rank 0's: training_state.json, the metrics beside them).
+            commits = self.commits if whole else TRAINING_STATE in files
+            if not commits and whole:
+                self._handled.add(name)
+                return True
             self.uploading, self.done_bytes = name, 0
-            self.total_bytes = sum(e["size"] for e in manifest["files"].values())
+            self.total_bytes = sum(manifest["files"][rel]["size"] for rel in files)
             self._write_status()
-            if not self.committed:
+            if commits and not self.committed:
                 self.remote.claim(self.record)
-            if name in self.committed:  # another checkpoint of the same name: readers stop trusting it first
+            if commits and name in self.committed:  # another checkpoint of the same name: un-commit it first
                 self.remote.retain(set(self.committed) - {name}, force=True)
                 self.committed = self.remote.committed()
 
@@ -186,6 +201,13 @@ class Uploader:
 
             done = self._stored.setdefault(name, {})  # what earlier attempts stored and checked
             if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent, done=done):
+                return False
+            if not commits:  # the records' machine commits once every machine's part is in the store
+                self._handled.add(name)
+                self._stored.pop(name, None)
+                self.echo(f"This machine's part of checkpoint {name} is stored in {self.remote.url}.")
+                return True
+            if not whole and not self._others_stored(name, manifest, set(files)):
                 return False
             best = read_last(self.root, BEST)
             self.remote.commit(name, staged / MANIFEST, history_files(self.run_dir),
@@ -202,6 +224,20 @@ class Uploader:
             return True
         finally:
             shutil.rmtree(staged, ignore_errors=True)
+
+    def _others_stored(self, name: str, manifest: dict, here: set[str]) -> bool:
+        """Wait until the other machines' parts of `name` are in the store (every file at its manifest size; the
+        store checked each one's checksum as it was sent). False when a newer checkpoint is published meanwhile (the
+        other parts may never come: a machine was lost) or the launch ends."""
+        others = {rel: e["size"] for rel, e in manifest["files"].items() if rel not in here}
+        while not self._stop.is_set():
+            stored = self.remote.storage.sizes(f"{CHECKPOINTS}/{name}")
+            if all(stored.get(f"{CHECKPOINTS}/{name}/{rel}") == size for rel, size in others.items()):
+                return True
+            if read_last(self.root) != name:
+                return False
+            self._stop.wait(1.0)
+        return False
 
     def _stage(self, name: str) -> Path | None:
         """Hard links to the checkpoint's files (copies where links are not possible), so that local retention may

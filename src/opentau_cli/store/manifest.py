@@ -54,7 +54,7 @@ class MissingRankState(Exception):
     """A save lacks some rank's own files: it must not be published."""
 
 
-def _rank_layout(ckpt_dir: Path) -> tuple[int, int | None, bool] | None:
+def rank_layout(ckpt_dir: Path) -> tuple[int, int | None, bool] | None:
     """(world size, ZeRO stage or None, whether it holds an EMA) from the checkpoint's training_state.json; None when
     it does not say."""
     try:
@@ -183,27 +183,39 @@ def write_manifest(ckpt_dir: Path, *, fsync: bool = False, hashed: dict[str, tup
     hash); those are not read again while they have that size.
     """
     ckpt_dir = Path(ckpt_dir)
-    follow_umask(ckpt_dir)  # Accelerate's model.safetensors comes from safetensors' save_file: 0600 otherwise
-    present = list_files(ckpt_dir)
-    from opentau_cli import __version__
+    record = manifest_record(hash_files(ckpt_dir, fsync=fsync, hashed=hashed), rank_layout(ckpt_dir), ckpt_dir)
+    return write_json_atomic(ckpt_dir / MANIFEST, record)
 
-    manifest: dict = {"version": 1, FORMAT_FIELD: FORMAT_VERSION, "opentau_version": __version__, "hash": HASH_NAME}
-    layout = _rank_layout(ckpt_dir)
-    if layout is not None:
-        found, missing = rank_files(present, *layout)
-        if missing:
-            shown = ", ".join(f"rank {r}'s {what}" for r, what in missing[:4]) + (" and more" if len(missing) > 4 else "")
-            raise MissingRankState(
-                f"{shown} missing from {ckpt_dir} (every "
-                "machine of a run must write to the same output_dir, on a filesystem they share)"
-            )
-        manifest.update(world_size=layout[0], rank_files=found)
+
+def hash_files(ckpt_dir: Path, *, fsync: bool = False, hashed: dict[str, tuple[int, str]] | None = None) -> dict:
+    """{relative path: {"size", "hash"}} of every file of ckpt_dir (the manifest's entries; see write_manifest)."""
+    ckpt_dir = Path(ckpt_dir)
+    follow_umask(ckpt_dir)  # Accelerate's model.safetensors comes from safetensors' save_file: 0600 otherwise
     files = {}
-    for rel in present:
+    for rel in list_files(ckpt_dir):
         p = ckpt_dir / rel
         size, known = p.stat().st_size, (hashed or {}).get(rel)
         files[rel] = {"size": size, "hash": known[1] if known and known[0] == size else hash_file(p, fsync=fsync)}
-    return write_json_atomic(ckpt_dir / MANIFEST, {**manifest, "files": files})
+    return files
+
+
+def manifest_record(files: dict, layout: tuple[int, int | None, bool] | None, where: Path) -> dict:
+    """The manifest of a checkpoint holding `files` ({relative path: {"size", "hash"}}, from every machine that wrote
+    a part of it), whose training state says `layout` (rank_layout). Raises MissingRankState when a rank's own
+    files are not among them."""
+    from opentau_cli import __version__
+
+    manifest: dict = {"version": 1, FORMAT_FIELD: FORMAT_VERSION, "opentau_version": __version__, "hash": HASH_NAME}
+    if layout is not None:
+        found, missing = rank_files(files, *layout)
+        if missing:
+            shown = ", ".join(f"rank {r}'s {what}" for r, what in missing[:4]) + (" and more" if len(missing) > 4 else "")
+            raise MissingRankState(
+                f"{shown} missing from {where} (every machine of a run must write to the same output_dir, on a "
+                "filesystem they share, or keep its part and upload it with checkpoint.remote)"
+            )
+        manifest.update(world_size=layout[0], rank_files=found)
+    return {**manifest, "files": dict(sorted(files.items()))}
 
 
 def read_manifest(ckpt_dir: Path) -> dict | None:
@@ -249,7 +261,7 @@ def verify_manifest(ckpt_dir: Path, *, rehash: bool = True) -> list[Problem]:
             problems.append(Problem("altered", rel, "content hash differs"))
     for rel in sorted(present - set(expected)):
         problems.append(Problem("extra", rel, "not in the manifest"))
-    layout = _rank_layout(ckpt_dir)
+    layout = rank_layout(ckpt_dir)
     if layout is not None:  # also catches a manifest written over a save that missed a rank (before this check)
         for rank, what in rank_files(expected, *layout)[1]:
             problems.append(Problem("missing", what, f"rank {rank}'s own state; the run had {layout[0]} ranks"))

@@ -284,6 +284,15 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
+def files_for(manifest: dict, ranks: set[int] | None) -> Callable[[str], bool]:
+    """Which files of a checkpoint the ranks `ranks` load when it continues on the same world: every file that is no
+    rank's own, and those ranks' own (the manifest's rank_files); None: every file (another world reads them all)."""
+    if ranks is None:
+        return lambda rel: True
+    owned = {rel: int(rank) for rank, rels in (manifest.get("rank_files") or {}).items() for rel in rels}
+    return lambda rel: rel not in owned or owned[rel] in ranks
+
+
 def history_files(run_dir: Path) -> dict[str, Path]:
     """The run's history a commit carries: relative path -> local file (those that exist)."""
     run_dir = Path(run_dir)

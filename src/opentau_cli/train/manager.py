@@ -23,9 +23,13 @@ from opentau_cli.config.paths import record_paths
 from opentau_cli.errors import RunError
 from opentau_cli.store.faults import fault_point
 from opentau_cli.store.format import skip_zip_crcs, stamp
-from opentau_cli.store.layout import BEST, CHECKPOINTS, TRAIN_CONFIG, TRAINING_STATE, old_dir, point_last, read_last, step_dir_name, tmp_dir
+from opentau_cli.store.layout import (
+    BEST, CHECKPOINTS, LOGS, MANIFEST, TRAIN_CONFIG, TRAINING_STATE, old_dir, point_last, read_last, step_dir_name, step_of, tmp_dir,
+)
 from opentau_cli.store.lineage import LINEAGE, current_branch, lineage_record
-from opentau_cli.store.manifest import MissingRankState, is_complete, read_manifest, write_json_atomic, write_manifest
+from opentau_cli.store.manifest import (
+    MissingRankState, hash_files, is_complete, manifest_record, rank_layout, read_manifest, write_json_atomic, write_manifest,
+)
 from opentau_cli.store.runs import latest, read_training_state
 from opentau_cli.store.storage import fsync_dir
 from opentau_cli.units import format_size
@@ -87,8 +91,12 @@ class CheckpointManager:
     def __init__(self, accelerator, run_dir: Path, *, total_steps: int, run_id: str, keep_last: int | None = None,
                  protect: Path | None = None, parent: Path | None = None, save_kwargs: dict | None = None, load_kwargs: dict | None = None,
                  async_save: bool = False, report: Callable[[str], None] | None = None,
-                 extra_files: Callable[[], dict] | None = None, best: "BestCheckpoints | None" = None):
+                 extra_files: Callable[[], dict] | None = None, best: "BestCheckpoints | None" = None,
+                 machine_local: bool = False):
         self.accelerator = accelerator
+        # Each machine keeps its own ranks' part of every checkpoint in its own run directory; the whole checkpoint
+        # is only in checkpoint.remote (machine_local_disks; docs/ARCHITECTURE.md, "Remote checkpoints").
+        self.machine_local = machine_local
         self.extra_files = extra_files or dict
         self.save_kwargs, self.load_kwargs = dict(save_kwargs or {}), dict(load_kwargs or {})
         self.run_dir = Path(run_dir)
@@ -127,7 +135,9 @@ class CheckpointManager:
         error = self._all_ranks(lambda: self._prepare(tmp), tmp)
         if not error:
             error = self._all_ranks(lambda: self._write(tmp, config, state, final), tmp)
-        if not error:
+        if not error and self.machine_local:
+            error = self._publish_parts(tmp, final, name)
+        elif not error:
             error = self._all_ranks(lambda: self._publish(tmp, final, name) if acc.is_main_process else None, tmp)
         if error:
             if acc.is_main_process:
@@ -135,6 +145,8 @@ class CheckpointManager:
             raise self._failed(step, error)
         if acc.is_main_process:
             self._retain()
+        elif self.machine_local and acc.local_process_index == 0:
+            self._retain_part()
         self.parent = final
         self.report(f"Saved checkpoint {final}")
         return final
@@ -299,7 +311,7 @@ class CheckpointManager:
         return total
 
     def _prepare(self, tmp: Path) -> None:
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process or (self.machine_local and self.accelerator.local_process_index == 0):
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -337,6 +349,68 @@ class CheckpointManager:
         point_last(self.root, name)
         if old is not None:
             _delete_hidden(old)
+
+    def _publish_parts(self, tmp: Path, final: Path, name: str) -> str | None:
+        """Publish a checkpoint whose files lie on several machines' disks: each machine's first rank hashes its part,
+        rank 0 makes the manifest of them all (refusing a save that misses a rank), and every machine's first rank
+        writes that same manifest beside its part and publishes it under its run's `checkpoints/`. Returns the
+        error every rank agrees on, or None."""
+        import torch.distributed as dist
+
+        acc = self.accelerator
+        first_here = acc.local_process_index == 0
+        part: dict = {}
+
+        def hash_part() -> None:
+            part.update(hash_files(tmp, fsync=True) if first_here and tmp.is_dir() else {})
+
+        error = self._all_ranks(hash_part, tmp)
+        if error:
+            return error
+        parts = [None] * acc.num_processes
+        dist.all_gather_object(parts, part)
+        decided = [None, None]  # the manifest, or why there is none
+        if acc.is_main_process:
+            merged = {rel: entry for p in parts for rel, entry in (p or {}).items()}
+            try:
+                decided[0] = manifest_record(merged, rank_layout(tmp), final)
+            except MissingRankState as e:
+                decided[1] = str(e)
+        dist.broadcast_object_list(decided, src=0)
+        manifest, error = decided
+        if error:
+            return error
+        return self._all_ranks(lambda: self._publish_part(tmp, final, name, manifest) if first_here else None, tmp)
+
+    def _publish_part(self, tmp: Path, final: Path, name: str, manifest: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(tmp / MANIFEST, manifest)
+        for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+            fsync_dir(sub)
+        old = None
+        if final.exists():
+            old = old_dir(self.root, name, self.run_id)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(self.root)
+        point_last(self.root, name)
+        if old is not None:
+            _delete_hidden(old)
+
+    def _retain_part(self) -> None:
+        """Another machine's retention of its parts: the newest keep_last by step, never `last` (its parts are never
+        whole here: completeness is rank 0's and the store's business)."""
+        if not self.keep_last:
+            return
+        parts = sorted((p for p in self.root.iterdir() if step_of(p.name) is not None and p.is_dir()),
+                       key=lambda p: step_of(p.name))
+        last = read_last(self.root)
+        for path in parts[:-self.keep_last]:
+            if path.name == last or (self.protect is not None and path.resolve() == self.protect):
+                continue
+            doomed = old_dir(self.root, path.name, self.run_id)
+            os.replace(path, doomed)
+            _delete_hidden(doomed)
 
     def _retain(self) -> None:
         """Keep the newest `keep_last` complete checkpoints of the current branch and the `keep_best` best by the
@@ -390,3 +464,41 @@ def _delete_hidden(doomed: Path) -> None:
     """Delete a checkpoint already renamed to its deletion temp name."""
     fault_point("retiring", doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+DISKS = "disks.json"  # <run>/logs/disks.json: {"machine_local": bool}, as the run's first group of several machines found
+
+
+def machine_local_disks(accelerator, run_dir: Path, run_id: str, machine: int, remote: str | None, machines: int) -> bool:
+    """Whether each machine of the run keeps its own run directory (no output_dir they all share): possible only with
+    checkpoint.remote, which then holds the whole checkpoints. A group of several machines finds out (each machine's
+    first rank leaves a mark in its run directory; rank 0 sees them all or not) and records it on every machine; a
+    group of one machine (elastic machines, after a loss) goes by that record. A collective."""
+    import torch.distributed as dist
+
+    if not remote or machines <= 1:
+        return False
+    record = Path(run_dir) / LOGS / DISKS
+    first_here = accelerator.local_process_index == 0
+    everyone = [machine]
+    if accelerator.num_processes > 1:
+        everyone = [None] * accelerator.num_processes
+        dist.all_gather_object(everyone, machine if first_here else None)
+    group = sorted(m for m in everyone if m is not None)
+    if len(group) == 1:
+        try:
+            return bool(json.loads(record.read_text()).get("machine_local"))
+        except (OSError, ValueError):
+            return False
+    mark = Path(run_dir) / LOGS / f".disk-{run_id}-machine{machine}"
+    if first_here:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    dist.barrier()
+    seen = [all((Path(run_dir) / LOGS / f".disk-{run_id}-machine{m}").exists() for m in group)]
+    dist.broadcast_object_list(seen, src=0)
+    dist.barrier()
+    if first_here:
+        mark.unlink(missing_ok=True)
+        write_json_atomic(record, {"machine_local": not seen[0]})
+    return not seen[0]

@@ -60,12 +60,12 @@ class Preemption:
                 f"`opentau resume {run_dir}`.")
 
 
-def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int]:
+def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int, list[int]]:
     """The run's identity on every machine, and its leader: the run id of machine 0's launcher (which holds the run
     lock, hosts the rendezvous and shows progress; each machine's launcher started on its own clock), and the global
     rank of machine 0's first rank. With restarts the c10d rendezvous numbers machines in the order it sorts them, so
     global rank 0 may be on another machine (docs/ARCHITECTURE.md, "Restarts"). The run id names the save's temp dirs
-    and the run's log dir, into which this rank's log moves."""
+    and the run's log dir, into which this rank's log moves; the machine of each global rank is noted with the group."""
     import os
 
     import torch.distributed as dist
@@ -81,7 +81,7 @@ def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int
     run_id = everyone[leader][2]
     log_dir = Path(launch["log_dir"])
     join_run_logs(log_dir, log_dir.parent / run_id, accelerator.process_index)
-    return run_id, leader
+    return run_id, leader, [machine for machine, _, _ in everyone]
 
 
 def fit(cfg, setup, launch: dict, console) -> int:
@@ -91,7 +91,7 @@ def fit(cfg, setup, launch: dict, console) -> int:
     from opentau_cli.process.runtime import attempt, keep_until_exit, max_restarts
     from opentau_cli.process.uploader import StatusView
     from opentau_cli.store.layout import METRICS, TB_RUN, TENSORBOARD
-    from opentau_cli.train.manager import BestCheckpoints, CheckpointManager
+    from opentau_cli.train.manager import BestCheckpoints, CheckpointManager, machine_local_disks
     from opentau_cli.train.metrics import MetricsLogger, Progress, truncate_metrics
     from opentau_cli.train.trackers import Trackers
     from opentau_cli.train.trainer import build_trainer
@@ -104,17 +104,22 @@ def fit(cfg, setup, launch: dict, console) -> int:
     trainer = build_trainer(cfg, setup, tensorboard_dir=tb_dir, console=console)
     keep_until_exit(trainer)  # freed only by os._exit (runtime.keep_until_exit says why)
     acc = trainer.accelerator
-    run_id, leader = agree_run_id(acc, launch, setup.machine_rank)
+    run_id, leader, placement = agree_run_id(acc, launch, setup.machine_rank)
     run_log_dir = Path(launch["log_dir"]).parent / run_id
     runlock.register_rank(run_dir)  # the run stays locked while this rank lives, whatever happens to its launcher
+    # Machines without an output_dir they share each keep their part; checkpoint.remote holds the whole checkpoints.
+    planned = int(launch["accelerate"].get("num_machines") or 1)  # the launch's machines, not this group's
+    local_parts = machine_local_disks(acc, run_dir, run_id, setup.machine_rank, cfg.checkpoint.remote, planned)
     failure = None
     if max_restarts():
-        failure, resume_from = restart_point(acc, leader, cfg, setup, launch, run_log_dir, resume_from)
+        failure, resume_from = restart_point(acc, leader, cfg, setup, launch, run_log_dir, resume_from, local_parts,
+                                             placement)
     leads = acc.process_index == leader
     ckpt = CheckpointManager(acc, run_dir, total_steps=cfg.steps, run_id=run_id,
                              keep_last=cfg.checkpoint.keep_last, protect=resume_from, parent=resume_from,
                              save_kwargs=trainer.save_state_kwargs, load_kwargs=trainer.load_state_kwargs,
-                             async_save=cfg.checkpoint.async_save, extra_files=trainer.checkpoint_files,
+                             async_save=cfg.checkpoint.async_save and not local_parts, machine_local=local_parts,
+                             extra_files=trainer.checkpoint_files,
                              # best_metric: resolved by the config rules (config/rules.py) whenever keep_best is on
                              best=BestCheckpoints(cfg.checkpoint.keep_best, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
                              if cfg.checkpoint.keep_best else None,
@@ -194,7 +199,8 @@ def fit(cfg, setup, launch: dict, console) -> int:
     return 0
 
 
-def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path, resume_from: Path | None):
+def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path, resume_from: Path | None,
+                  machine_local: bool = False, placement: list[int] | None = None):
     """Where a group of a restartable launch starts (docs/ARCHITECTURE.md, "Restarts"): the launch's own source for
     its first group; for a later one (a failure restarted it, or machines left or joined) why the previous group
     ended and the checkpoint to continue from (the run's `last`, else the launch's own source). A failure no restart
@@ -215,21 +221,71 @@ def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path,
                 failure = restarts.machines_changed(change, setup.world_size)
             else:
                 failure = restarts.previous_failure(launch, run_log_dir, setup.machine_rank,
-                                                    setup.num_processes // setup.num_machines)
+                                                    setup.num_processes // setup.num_machines, change.get("placement"))
                 failure.world_before = change["world_before"]
             clean_leftovers(run_dir)  # the previous group's unfinished saves
             source = latest(run_dir) or resume_from
             reason = None if change["machines_changed"] else restarts.incurable(failure, run_dir, run_log_dir, source)
-            if reason is None and source is not None:
+            if reason is None and source is not None and not machine_local:  # parts: checked as they are fetched
                 problems = verify_manifest(source)
                 if problems:
                     reason = f"checkpoint {source} fails verification ({problems[0]}); restore it or roll back with `opentau resume --rollback`"
             decision = [failure, str(source) if source else None, reason]
-        restarts.note_group(run_log_dir, setup.world_size)
+        restarts.note_group(run_log_dir, setup.world_size, placement)
     failure, source, reason = broadcast_object_list(decision, from_process=leader)
     if reason:
         restarts.stop_launch(run_log_dir, reason)
+    if machine_local and failure is not None:
+        source = parts_from_store(acc, cfg, setup, run_dir, source, leader)
     return failure, Path(source) if source else None
+
+
+def parts_from_store(acc, cfg, setup, run_dir: Path, leader_source: str | None, leader: int) -> str | None:
+    """Where a re-formed group of machines that keep their own run directories continues (docs/ARCHITECTURE.md,
+    "Remote checkpoints"): the newest checkpoint committed in checkpoint.remote (after waiting up to
+    remote_drain_seconds for the one the previous group published last), each machine downloading into its own run
+    directory the files its ranks load (every file on another world). Returns this machine's copy."""
+    import torch.distributed as dist
+    from accelerate.utils import broadcast_object_list
+
+    from opentau_cli.store.layout import CHECKPOINTS, read_last, step_of
+    from opentau_cli.store.remote_run import RemoteRun, files_for
+    from opentau_cli.store.storage import open_storage
+    from opentau_cli.store.topology import is_reshard
+
+    remote = RemoteRun(open_storage(cfg.checkpoint.remote, cfg.checkpoint.remote_options))
+    chosen = [None]
+    if acc.process_index == leader:
+        newest = read_last(run_dir / CHECKPOINTS)
+        deadline = time.monotonic() + cfg.checkpoint.remote_drain_seconds
+        while newest and step_of(remote.last() or "-1") < step_of(newest) and time.monotonic() < deadline:
+            time.sleep(1)  # the launcher's uploader commits the previous group's last save once every part is in
+        chosen = [remote.last() or (Path(leader_source).name if leader_source else None)]
+    name = broadcast_object_list(chosen, from_process=leader)[0]
+    if name is None:
+        return None
+    machines = [setup.machine_rank] * acc.num_processes
+    if acc.num_processes > 1:
+        dist.all_gather_object(machines, setup.machine_rank)
+    mine = {rank for rank, machine in enumerate(machines) if machine == setup.machine_rank}
+    problem = [None]
+    if acc.local_process_index == 0:
+        try:
+            manifest = remote.manifest(name)
+            state = json.loads(remote.storage.read_bytes(f"{CHECKPOINTS}/{name}/training_state.json"))
+            remote.fetch(name, run_dir, only=files_for(manifest, None if is_reshard(state, setup) else mine),
+                         history=acc.is_main_process)  # the metrics' writer
+        except Exception as e:  # noqa: BLE001 - every rank stops with the same sentence
+            problem = [f"downloading checkpoint {name} from {remote.url} failed ({type(e).__name__}: {e})"]
+    problems = [problem[0]] * acc.num_processes
+    if acc.num_processes > 1:
+        dist.all_gather_object(problems, problem[0])
+    failed = next((p for p in problems if p), None)
+    if failed:
+        from opentau_cli.errors import RunError
+
+        raise RunError(failed)
+    return str(run_dir / CHECKPOINTS / name)
 
 
 def main(argv: list[str] | None = None) -> None:
