@@ -194,7 +194,7 @@ CLIENTS = {"boto3": Boto3, "opentau": Opentau, "s3fs": S3fs, "obstore": Obstore,
 def measure(make, sets: dict[str, list[tuple[Path, str]]], workdir: Path, chunk: int, concurrency: int
             ) -> dict[str, tuple[float, float]]:
     """{set: (upload seconds, download seconds)} with a client made by `make`, on a fresh server."""
-    server = S3Server(workdir / "server")
+    server = S3Server(Path(tempfile.mkdtemp(prefix="server-", dir=workdir)))
     server.start()
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)
@@ -225,7 +225,7 @@ def measure(make, sets: dict[str, list[tuple[Path, str]]], workdir: Path, chunk:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         server.kill()  # its data is thrown away: no need to wait for a clean stop
-        shutil.rmtree(workdir / "server", ignore_errors=True)
+        shutil.rmtree(server.root, ignore_errors=True)
         shutil.rmtree(down, ignore_errors=True)
 
 

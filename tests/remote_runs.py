@@ -1,5 +1,6 @@
 """Real launches against the test S3 server for the remote-checkpoint tests (tests/test_remote_*.py): each backend
-trains 4 steps saving at 2 and 4 (the uninterrupted reference), then a machine with an empty disk resumes it from the
+trains 4 steps saving at 2 and 4 (the uninterrupted reference; its save of 4 waits until 2 is in the store, so a
+fast run cannot publish 4 before the uploader first looks and leave 2 local only, as the uploader's policy says), then a machine with an empty disk resumes it from the
 store. Not a test module: the modules share it so that pytest-xdist spreads their launches over its workers."""
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Backend:
         if single:
             self.a_result = self._killed_mid_upload(args)
         else:
-            self.a_result = self.a.run(args)
+            self.a_result = self.a.run(args, TEST_UPLOAD_PACE="000002")
             ok(self.a_result)
         self.full = losses(self.run_a)
         self.remote_after_a = self.remote(server)
@@ -97,7 +98,7 @@ class Backend:
     def _killed_mid_upload(self, args: list[str]):
         """Run A with the upload of checkpoint 4 held after its first file; once training is over (step 4 logged),
         SIGKILL the whole run, launcher included: the store keeps checkpoint 2 committed and 4 half uploaded."""
-        env = {**os.environ, **self.a.env, "TEST_UPLOAD_HOLD": "000004"}
+        env = {**os.environ, **self.a.env, "TEST_UPLOAD_HOLD": "000004", "TEST_UPLOAD_PACE": "000002"}
         env.pop("OPENTAU_DEBUG", None)
         proc = subprocess.Popen([opentau_bin(), *args], cwd=self.a.root / "work", env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -115,6 +115,7 @@ class S3Server:
         data, logs = self.root / "data", self.root / "logs"
         data.mkdir(parents=True, exist_ok=True)
         logs.mkdir(parents=True, exist_ok=True)
+        self._remove_sockets()  # a killed server's sockets would stop the next one binding them
         args = [weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", f"-filer.localSocket={data}/filer.sock",
@@ -139,7 +140,8 @@ class S3Server:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise OSError(f"weed mini exited with {self.proc.returncode}; see {self.root / 'logs' / 'weed.out'}")
+                said = (self.root / "logs" / "weed.out").read_bytes()[-1500:].decode(errors="replace")
+                raise OSError(f"weed mini exited with {self.proc.returncode}; the end of its output:\n{said}")
             try:
                 client.head_bucket(Bucket=self.bucket)
                 return
@@ -162,12 +164,15 @@ class S3Server:
     def kill(self) -> None:
         """SIGKILL: the store vanishes mid-request, as a crashed or preempted one."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # with anything it started in its session
             self.proc.wait()
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:
-        # weed puts its gRPC sockets in /tmp whatever TMPDIR says, and leaves them after a kill.
+        # weed puts its gRPC sockets in /tmp whatever TMPDIR says, and leaves them (and its local sockets in the data
+        # directory) after a kill.
+        for name in ("filer.sock", "s3.sock"):
+            (self.root / "data" / name).unlink(missing_ok=True)
         for port in self.ports.values():
             for name in ("master", "volume", "filer", "s3", "admin"):
                 Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
