@@ -149,6 +149,53 @@ def test_the_device_costs_are_named_allowances_cuda_context_nccl_and_fragmentati
     assert cpu.phases["optimizer step"]["AdamW temporaries"] < 4 * trainable
 
 
+def test_the_zero_sizes_a_run_gets_are_deepspeed_s_defaults_the_config_file_s_numbers_or_accelerate_s_auto(monkeypatch):
+    """An Accelerate YAML cannot set ZeRO's bucket sizes: the run gets DeepSpeed's own defaults (read here from
+    DeepSpeed's config class); a deepspeed_config_file's numbers win, "auto" is Accelerate's h*h, 0.9*h*h and 10*h
+    from the model's width (2048 for pi05: PaliGemma's hidden_size)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from opentau_cli.config.accelerate import zero_settings
+    from opentau_cli.policies.pi05.configuration import hidden_size
+
+    ds = DeepSpeedZeroConfig()
+    assert zero_settings({}, 2048) == {
+        "reduce_bucket_size": ds.reduce_bucket_size, "stage3_prefetch_bucket_size": ds.prefetch_bucket_size,
+        "stage3_param_persistence_threshold": ds.param_persistence_threshold,
+        "stage3_max_live_parameters": ds.max_live_parameters, "stage3_max_reuse_distance": ds.max_reuse_distance,
+        "sub_group_size": ds.sub_group_size}
+    assert hidden_size(TrainConfig().policy) == 2048
+    auto = zero_settings({"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "param_persistence_threshold": "auto", "stage3_max_live_parameters": 3e8}, 2048)
+    assert (auto["reduce_bucket_size"], auto["stage3_prefetch_bucket_size"], auto["stage3_param_persistence_threshold"],
+            auto["stage3_max_live_parameters"]) == (4_194_304, 3_774_873, 20_480, 300_000_000)
+    with pytest.raises(UserError, match=r"zero_optimization.reduce_bucket_size must be a number or \"auto\", got 'big'"):
+        zero_settings({"reduce_bucket_size": "big"}, 2048)
+
+
+def test_zero3_keeps_gathered_what_it_uses_again_within_the_reuse_distance_and_prefetches_up_to_max_live():
+    """Four modules of 10 elements in a row, worked by hand: with every later use within the reuse distance, the
+    whole model is gathered when the backward starts; with none, one module at a time (plus what is prefetched,
+    while fewer than stage3_max_live_parameters are gathered)."""
+    from opentau_cli.memory_plan import ModuleTrace, zero3_gathered
+
+    chain = ModuleTrace(numels=[10, 10, 10, 10], module_params=[[0], [1], [2], [3]],
+                        forward=[1, -1, 2, -2, 3, -3, 4, -4], grad_out=[True] * 4)
+    sizes = dict(stage3_param_persistence_threshold=0, stage3_max_live_parameters=10**9, stage3_max_reuse_distance=10**9,
+                 stage3_prefetch_bucket_size=0)
+    assert zero3_gathered(chain, sizes) == (40, 40)
+    assert zero3_gathered(chain, {**sizes, "stage3_max_reuse_distance": 0}) == (10, 10)
+    # Prefetching 10 elements ahead: the next module in the trace is gathered while the current one runs. As the
+    # backward starts, D (gathered again) and C (fetched ahead while D ran forward) and B (fetched ahead now).
+    assert zero3_gathered(chain, {**sizes, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 10}) == (20, 30)
+    # ... but not past stage3_max_live_parameters gathered.
+    assert zero3_gathered(chain, {**sizes, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 10,
+                                  "stage3_max_live_parameters": 10}) == (10, 10)
+    # Parameters under the persistence threshold stay whole on every rank: counted apart, never gathered.
+    assert zero3_gathered(chain, {**sizes, "stage3_param_persistence_threshold": 10}) == (0, 0)
+
+
 def test_a_card_is_read_as_sold_80gb_and_80gib_are_both_what_nvidia_smi_shows_for_it():
     assert parse_size("80GB") == parse_size("80GiB") == parse_size("80 gb") == 81920 * 2**20
     assert parse_size("81559MiB") == 81559 * 2**20  # the exact figure nvidia-smi shows for an H100 80GB

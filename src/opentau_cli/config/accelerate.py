@@ -324,6 +324,48 @@ def _read_deepspeed_json(yaml_path: Path, json_path: Path, yaml_mixed: str | Non
     return settings, yaml_mixed or json_mixed or "no"
 
 
+# The zero_optimization sizes ZeRO's buffers follow (docs/ARCHITECTURE.md, "Memory plan"), at DeepSpeed 0.19.8's
+# defaults (runtime/zero/config.py), in elements. An Accelerate YAML cannot set them (Accelerate writes none of these
+# keys), so a run gets these unless a deepspeed_config_file sets them.
+DEEPSPEED_ZERO_DEFAULTS = {
+    "reduce_bucket_size": 5 * 10**8,  # gradients are reduced in buckets of this size (ZeRO-2 and ZeRO-3)
+    "stage3_prefetch_bucket_size": 5 * 10**7,  # ZeRO-3 gathers at most this much ahead of use
+    "stage3_param_persistence_threshold": 10**5,  # ZeRO-3 keeps parameters this small whole on every rank
+    "stage3_max_live_parameters": 10**9,  # ZeRO-3 stops prefetching with this much gathered
+    "stage3_max_reuse_distance": 10**9,  # ZeRO-3 keeps a gathered parameter used again within this many elements
+    "sub_group_size": 10**9,  # ZeRO-3 steps the optimizer over its partition in pieces of at most this size
+}
+# The sizes Accelerate fills in for "auto" from the model's width h (accelerator.prepare): h*h, 0.9*h*h and 10*h.
+_AUTO_FROM_WIDTH = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                    "stage3_param_persistence_threshold": lambda h: 10 * h}
+
+
+def zero_settings(zero: Mapping, hidden_size: int) -> dict[str, int]:
+    """The DEEPSPEED_ZERO_DEFAULTS sizes a run gets from a zero_optimization section (a deepspeed_config_file's, or {}
+    for a YAML): the number written (DeepSpeed also reads each stage3_ key without its prefix), Accelerate's value for
+    "auto" from the model's `hidden_size`, else DeepSpeed's default."""
+    settings = {}
+    for key, default in DEEPSPEED_ZERO_DEFAULTS.items():
+        value = zero.get(key, zero.get(key.removeprefix("stage3_"), default))
+        if value == "auto":
+            value = _AUTO_FROM_WIDTH[key](hidden_size) if key in _AUTO_FROM_WIDTH else default
+        try:
+            settings[key] = int(float(value))
+        except (TypeError, ValueError):
+            raise UserError(f"DeepSpeed config: zero_optimization.{key} must be a number or \"auto\", got {value!r}.") from None
+    return settings
+
+
+def deepspeed_zero_section(setup: AccelerateSetup) -> dict:
+    """The zero_optimization section of the setup's deepspeed_config_file, as written ({} without one)."""
+    if not setup.ds_config_file:
+        return {}
+    try:
+        return dict(json.loads(Path(setup.ds_config_file).read_text()).get("zero_optimization") or {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
 # Launch-time machine settings, in the order they win: the command line, then the cluster's environment (torchrun
 # style, then SLURM's, as `srun` sets it for the command of every node), then the YAML.
 MACHINE_SETTINGS = ("machine_rank", "num_machines", "main_process_ip", "main_process_port")

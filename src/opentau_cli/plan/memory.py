@@ -29,17 +29,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
+from opentau_cli.config.accelerate import deepspeed_zero_section, zero_settings
 from opentau_cli.config.load import deep_merge
 from opentau_cli.config.model import PolicyConfig
 from opentau_cli.errors import UserError
 
 GIB = 2**30
 MIB = 2**20
-# DeepSpeed's zero_optimization defaults (elements), which the example YAMLs keep: the bucket gradients are reduced
-# in, the size under which ZeRO-3 keeps a parameter whole, and how many parameters ZeRO-3 keeps gathered at most.
-DS_REDUCE_BUCKET = 5 * 10**8
-DS_PERSISTENCE_THRESHOLD = 10**5
-DS_MAX_LIVE_PARAMETERS = 10**9  # stage3_max_live_parameters (stage3_max_reuse_distance is 10**9 too)
 # train/ema.py updates at most this many values at a time (its CHUNK): one fp32 temporary of that size.
 EMA_CHUNK = 1 << 24
 
@@ -54,6 +50,11 @@ NCCL_BUFFERS = 512 * MIB
 # the request at hand (torch.cuda.memory_reserved above memory_allocated), commonly several percent in training;
 # 10% until the GPU self-check's reserved / allocated row measures it.
 CUDA_FRAGMENTATION = 0.10
+# The same under ZeRO-3, whose every module gathers its parameters into new buffers of their own sizes on a stream of
+# their own and frees them again: 23%, the reserved / allocated peak published for ZeRO-3 (69.21 / 56.12 GB) beside
+# 9% for ZeRO-2 (57.14 / 52.37 GB) on the same model and GPUs (DeepSpeed issue 3734; docs/ARCHITECTURE.md, "Memory
+# plan").
+CUDA_FRAGMENTATION_ZERO3 = 0.20
 # glibc's retention on CPU, as a share of the peak allocated: freed blocks below its dynamic mmap threshold (raised
 # up to 32 MiB as large blocks are freed) stay in its heaps instead of going back to the kernel. Measured on
 # pi05_small at 224x224, 16 per device (benchmarks/bench_memory_plan.py --glibc default, BENCHMARKS.md): 12% (DDP with
@@ -63,7 +64,7 @@ CUDA_FRAGMENTATION = 0.10
 # the heaps, about 0.6 GiB per rank on pi05_small whatever the batch (docs/ARCHITECTURE.md, "Memory plan").
 CPU_RETENTION = 0.25
 # Part of the cache key of step measurements, with a hash of this file and of the policy's code.
-MEASURE_VERSION = 3
+MEASURE_VERSION = 4
 
 
 def gib(n: int) -> str:
@@ -244,13 +245,14 @@ class Sizes:
     total: int
     trainable: int
     largest_trainable: int  # elements of the largest trainable tensor (CPU AdamW's temporaries)
-    small: int  # elements of parameters ZeRO-3 keeps whole on every rank (at most DS_PERSISTENCE_THRESHOLD each)
     largest_layer: int = 0  # elements of the largest transformer layer (an FSDP2 unit, train/fsdp.py)
     root: int = 0  # elements outside every transformer layer (FSDP2's root unit and the fp32 modules)
+    hidden_size: int = 0  # the width DeepSpeed's "auto" bucket sizes follow (policies/pi05/configuration.py)
 
 
 def sizes(policy_cfg: PolicyConfig) -> Sizes:
     policy = policy_module(policy_cfg.model_copy(update={"gradient_checkpointing": False}), torch.float32, meta=True)
+    from opentau_cli.policies.pi05.configuration import hidden_size
     from opentau_cli.train.fsdp import layer_groups
 
     params = list(policy.parameters())
@@ -258,8 +260,145 @@ def sizes(policy_cfg: PolicyConfig) -> Sizes:
     total = sum(p.numel() for p in params)
     return Sizes(total=total, trainable=sum(p.numel() for p in params if p.requires_grad),
                  largest_trainable=max((p.numel() for p in params if p.requires_grad), default=0),
-                 small=sum(p.numel() for p in params if p.numel() <= DS_PERSISTENCE_THRESHOLD),
-                 largest_layer=max(layers, default=0), root=total - sum(layers))
+                 largest_layer=max(layers, default=0), root=total - sum(layers), hidden_size=hidden_size(policy_cfg))
+
+
+@dataclass(frozen=True)
+class ModuleTrace:
+    """The order in which a forward uses the policy's parameters, as ZeRO-3's hooks see it: every parameter's size,
+    the parameters each module owns itself (those ZeRO-3 gathers for it), and the forward as module events, +m+1 when
+    module m starts, -(m+1) when it ends; `grad_out[m]`: its output needs a gradient (only then does ZeRO-3 gather
+    it again in the backward)."""
+
+    numels: list[int]
+    module_params: list[list[int]]
+    forward: list[int]
+    grad_out: list[bool]
+
+    def events(self) -> list[tuple[bool, int, bool]]:
+        """(fetch, module, in the backward) for the forward, then the backward: the forward's events reversed, a
+        module gathered when its output's gradient arrives and released once its inputs' are computed."""
+        forward = [(e > 0, abs(e) - 1, False) for e in self.forward]
+        backward = [(not fetch, m, True) for fetch, m, _ in reversed(forward) if self.grad_out[m]]
+        return forward + backward
+
+
+def record_trace(policy, inputs: dict, autocast: bool) -> ModuleTrace:
+    """Run the policy's loss once (real or fake tensors) and record its ModuleTrace."""
+    params = list(policy.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    modules = [m for m in policy.modules() if any(True for _ in m.parameters(recurse=False))]
+    forward: list[int] = []
+    grad_out = [False] * len(modules)
+    handles = []
+    for i, module in enumerate(modules):
+        def pre(_module, _args, i=i):
+            forward.append(i + 1)
+
+        def post(_module, _args, out, i=i):
+            forward.append(-(i + 1))
+            grad_out[i] = grad_out[i] or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        _forward(policy, inputs, autocast)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ModuleTrace(numels=[p.numel() for p in params], forward=forward, grad_out=grad_out,
+                       module_params=[[index[id(p)] for p in m.parameters(recurse=False)] for m in modules])
+
+
+def module_trace(policy_cfg: PolicyConfig, cameras: int) -> ModuleTrace:
+    """The ModuleTrace of the full-size policy, from one forward on fake tensors of the configured shapes (batch 1).
+    Cached like step_bytes."""
+    key = json.dumps(["trace", MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"), cameras,
+                      torch.__version__], sort_keys=True)
+    cache = cache_dir() / f"trace_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if cache.is_file():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            return ModuleTrace(**json.loads(cache.read_text()))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch_state = torch.random.get_rng_state()
+    try:
+        policy = policy_module(policy_cfg, torch.float32, meta=True)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            policy.to_empty(device="cpu")
+            trace = record_trace(policy, fake_inputs(policy_cfg, 1, cameras), autocast=False)
+    finally:
+        torch.random.set_rng_state(torch_state)
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(trace.__dict__))
+    return trace
+
+
+def zero3_gathered(trace: ModuleTrace, settings: dict[str, int]) -> tuple[int, int]:
+    """The elements ZeRO-3 holds gathered, beyond the parameters it keeps whole: the most during the forward, and as
+    the backward starts (where the activations peak; later in the backward it may gather more, with most activations
+    freed), as DeepSpeed's parameter coordinator decides once it has recorded the step's trace (from the second step
+    on; runtime/zero/partitioned_param_coordinator.py): each module's own parameters are gathered when it starts and
+    released when it ends unless used again within stage3_max_reuse_distance elements of the trace; parameters are
+    fetched ahead in trace order, up to stage3_prefetch_bucket_size at a time while fewer than
+    stage3_max_live_parameters are gathered. docs/ARCHITECTURE.md, "Memory plan"."""
+    import bisect
+    from collections import defaultdict, deque
+
+    numels, own = trace.numels, trace.module_params
+    persist = [n <= settings["stage3_param_persistence_threshold"] for n in numels]
+    events = trace.events()
+    fetched = [m for fetch, m, _ in events if fetch]  # the module order ZeRO-3 records
+    reach = [0]  # elements of the modules before each trace position
+    uses: dict[int, list[int]] = defaultdict(list)  # parameter -> trace positions using it
+    for position, m in enumerate(fetched):
+        reach.append(reach[-1] + sum(numels[p] for p in own[m]))
+        for p in own[m]:
+            uses[p].append(position)
+    queue = deque((p, position) for position, m in enumerate(fetched) for p in sorted(set(own[m])))
+    fetched_for: dict[int, float] = defaultdict(lambda: float("-inf"))
+    available: set[int] = set()
+    live = gathered = 0  # every gathered element (the prefetch budget's count); those not kept whole
+    peak, at_backward = 0, None
+    position = 0
+
+    def gather(p: int) -> None:
+        nonlocal live, gathered
+        available.add(p)
+        live += numels[p]
+        gathered += 0 if persist[p] else numels[p]
+
+    for fetch, m, backward in events:
+        if fetch:
+            params = set(own[m])
+            for _ in [p for p in params if fetched_for[p] < position]:
+                p, used_at = queue.popleft()
+                fetched_for[p] = used_at
+            for p in params - available:
+                gather(p)
+            budget, ahead, chosen = min(settings["stage3_max_live_parameters"] - live,
+                                        settings["stage3_prefetch_bucket_size"]), 0, []
+            while queue and ahead < budget:
+                p, used_at = queue.popleft()
+                fetched_for[p] = max(fetched_for[p], used_at)
+                if p not in available and p not in chosen:
+                    chosen.append(p)
+                    ahead += numels[p]
+            for p in chosen:
+                gather(p)
+            if backward and at_backward is None:
+                at_backward = gathered
+            peak = max(peak, gathered) if not backward else peak
+            position += 1
+        else:
+            for p in set(own[m]) & available:
+                later = bisect.bisect_left(uses[p], position)
+                reused = later < len(uses[p]) and reach[uses[p][later]] - reach[position] < settings["stage3_max_reuse_distance"]
+                if not persist[p] and not reused and fetched_for[p] <= position:
+                    available.discard(p)
+                    live -= numels[p]
+                    gathered -= numels[p]
+    return peak, at_backward or 0
 
 
 @dataclass
@@ -392,13 +531,15 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
         if setup.backend != "ddp":
             optimizer = {"gradients": step.gradients, **optimizer}
     else:
+        # The sizes DeepSpeed runs with: a deepspeed_config_file's, "auto" as Accelerate fills it, else DeepSpeed's.
+        settings = zero_settings(deepspeed_zero_section(setup), s.hidden_size)
         # On CPU a buffer DeepSpeed allocates but only partly writes is resident only where written: the reduce
         # bucket holds at most every trainable gradient.
-        bucket = w * (min(DS_REDUCE_BUCKET, s.trainable) if cpu else DS_REDUCE_BUCKET)
+        bucket = w * min(settings["reduce_bucket_size"], s.trainable if cpu else settings["reduce_bucket_size"])
         partition = shard(s.trainable)
-        lives["fp32 master weights"] = 4 * partition  # a copy even when the weights are fp32
-        lives["AdamW state"] = 8 * partition
         if stage <= 2:
+            lives["fp32 master weights"] = 4 * partition  # a copy even when the weights are fp32
+            lives["AdamW state"] = 8 * partition
             lives["weights"] = w * s.total
             # Each backward allocates the reduce bucket the gradients are copied into as they appear (on CPU
             # resident as they are written, like gradients appearing) and fills this rank's partition of them, in the
@@ -412,19 +553,7 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
                 backward = {"activations": step.backward, "ZeRO reduce bucket": bucket, "gradient partition": w * partition}
             optimizer = {"gradient partition": w * partition, "fp32 gradient partition": 4 * partition, **optimizer}
         else:
-            # Parameters of at most DS_PERSISTENCE_THRESHOLD elements stay whole on every rank; the others are
-            # gathered ahead of use and kept while they will be used again within stage3_max_reuse_distance, up to
-            # stage3_max_live_parameters gathered at once: the whole of a model smaller than that stays gathered
-            # from the forward through the backward.
-            lives["weights"] = w * (shard(s.total - s.small) + s.small)
-            lives["ZeRO reduce bucket"] = bucket
-            lives["gradient partition (fp32)"] = 4 * partition
-            gathered = w * min(s.total - s.small, DS_MAX_LIVE_PARAMETERS)
-            forward = {"activations": step.forward, "gathered parameters": gathered}
-            # A full bucket is reduce-scattered from a flat copy of its gradients (DeepSpeed's
-            # reduce_scatter_coalesced), in the backward while activations are still live.
-            backward = {"activations": step.backward, "gathered parameters": gathered,
-                        "reduce-scatter copy of the bucket": bucket}
+            lives, forward, backward, optimizer = _zero3_phases(cfg, s, step, settings, world, w, cpu, bucket, optimizer)
     if ema:
         # train/ema.py: an fp32 copy of what the optimizer trains (LoRA: the adapters and fully trained modules) on
         # every rank under DDP; under ZeRO each rank averages its own partition of the fp32 master weights, under
@@ -439,12 +568,46 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
         plan.device_costs = {"CUDA context": CUDA_CONTEXT}
         if world > 1:
             plan.device_costs["NCCL buffers"] = NCCL_BUFFERS
-        plan.device_costs[f"allocator fragmentation ({CUDA_FRAGMENTATION:.0%} of allocated)"] = int(CUDA_FRAGMENTATION * allocated)
+        share = CUDA_FRAGMENTATION_ZERO3 if stage == 3 else CUDA_FRAGMENTATION
+        plan.device_costs[f"allocator fragmentation ({share:.0%} of allocated)"] = int(share * allocated)
     checkpointing = "on" if cfg.policy.gradient_checkpointing else "off"
     unit = ("CPU process" if cpu else "GPU") + ("es" if cpu and world > 1 else "s" if world > 1 else "")
     plan.label = (f"{setup.label} on {world} {unit}, {batch} per device, gradient "
                   f"checkpointing {checkpointing}{', LoRA' if cfg.policy.lora.enabled else ''}")
     return plan
+
+
+def _zero3_phases(cfg: TrainConfig, s: Sizes, step: StepBytes, settings: dict[str, int], world: int, w: int, cpu: bool,
+                  bucket: int, optimizer: dict):
+    """DeepSpeed ZeRO-3 as it runs (runtime/zero/stage3.py, docs/ARCHITECTURE.md "Memory plan"): through the run this
+    rank's partition of every parameter in the weights' dtype `w`, the parameters under
+    stage3_param_persistence_threshold whole, the fp32 master partition (a copy even of fp32 weights), AdamW's moments,
+    the reduce bucket (allocated once) and the gradient partition (in `w`, DeepSpeed's default accumulation dtype). In
+    the forward and the backward the parameters gathered (zero3_gathered) and the all-gather buffers of those fetched
+    ahead; in the backward also, when the trainable parameters overfill the bucket, the flat copy a full bucket is
+    reduce-scattered from (reduce_scatter_coalesced). The optimizer steps one sub-group of the partition at a time: its
+    gradients flattened to fp32 and AdamW's temporaries."""
+
+    def shard(n: int) -> int:
+        return -(-n // world)
+
+    trace = module_trace(cfg.policy, cfg.dataset.num_cameras)
+    persisted = sum(n for n in trace.numels if n <= settings["stage3_param_persistence_threshold"])
+    partition = shard(s.trainable)
+    lives = {"weights (this rank's partition)": w * shard(s.total), "parameters kept whole": w * persisted,
+             "fp32 master weights": 4 * partition, "AdamW state": 8 * partition, "ZeRO reduce bucket": bucket,
+             "gradient partition": w * partition}
+    forward_gathered, backward_gathered = zero3_gathered(trace, settings)
+    in_flight = w * min(settings["stage3_prefetch_bucket_size"], s.total - persisted)
+    forward = {"activations": step.forward, "gathered parameters": w * forward_gathered,
+               "all-gather buffers in flight": in_flight}
+    backward = {"activations": step.backward, "gathered parameters": w * backward_gathered,
+                "all-gather buffers in flight": in_flight,
+                "reduce-scatter copy of a full bucket": bucket if s.trainable > settings["reduce_bucket_size"] else 0}
+    stepped = min(partition, settings["sub_group_size"])
+    optimizer = {"fp32 gradient partition": 4 * stepped, **optimizer,
+                 "AdamW temporaries": (8 if cpu else 4) * stepped}
+    return lives, forward, backward, optimizer
 
 
 def _fsdp_phases(s: Sizes, step, world: int, w: int, accumulates: bool, cpu: bool, optimizer: dict):

@@ -90,6 +90,17 @@ def make_accelerator(cfg: TrainConfig, setup: AccelerateSetup, *, tensorboard_di
             ds["gradient_clipping"] = cfg.optimizer.grad_clip_norm
         else:
             ds.pop("gradient_clipping", None)
+        # "auto" bucket sizes in a deepspeed_config_file: Accelerate fills them from model.config.hidden_size, which
+        # the policy does not have; the same values from its width, as the memory plan counts them.
+        from opentau_cli.config.accelerate import zero_settings
+        from opentau_cli.policies.pi05.configuration import hidden_size
+
+        zero = ds.setdefault("zero_optimization", {})
+        resolved = zero_settings(zero, hidden_size(cfg.policy))
+        for key, value in list(zero.items()):
+            name = key if key in resolved else f"stage3_{key}"  # DeepSpeed reads each stage3_ key without it too
+            if value == "auto" and name in resolved:
+                zero[key] = resolved[name]
     return accelerator
 
 

@@ -38,6 +38,14 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def hidden_size(policy_cfg: PolicyConfig) -> int:
+    """The model's width as Accelerate reads it for DeepSpeed's "auto" bucket sizes: the language model's, as a
+    PaliGemma config states it (docs/ARCHITECTURE.md, "Memory plan")."""
+    if policy_cfg.preset not in PRESETS:
+        raise UserError(f"policy.preset={policy_cfg.preset!r} is unknown; choose one of {', '.join(PRESETS)}.")
+    return PRESETS[policy_cfg.preset]["vlm"]["hidden_size"]
+
+
 def image_size_of(policy_cfg: PolicyConfig) -> int:
     """The square image side SigLIP is built for; refuses shapes it cannot patch."""
     height, width = policy_cfg.image_resolution
