@@ -2,17 +2,19 @@
 
 Same model (pi05_small), batch and data, one process, the same thread count. The two sides run alternately, `--pairs`
 pairs, the side that goes first swapping every pair (so a load that rises or falls during the benchmark favours
-neither); each pair gives one ratio, and the figure is the median of those ratios, with their spread. opentau's
-steps/s is timed from outside, between its progress lines at step `warmup` and `warmup + steps` (it logs every
-`warmup` steps); the anchor is benchmarks/handwritten_loop.py. Then `opentau profile` and the hand-written loop with
---phases (timed the same way: a device sync at both ends of each phase) give each phase's median time on both sides,
-which shows where a gap comes from. Target: median ratio >= 0.97.
+neither); each pair gives one ratio per run length, and the figure is the median of those ratios, with their spread.
+Every run lasts `warmup` + the longest of `--steps` (15, 20 and 50 measured steps by default) and is timed over the
+first N measured steps for each N, side by side: opentau's steps/s from outside, between its progress lines at step
+`warmup` and `warmup + N` (it logs every `warmup` steps); the anchor, benchmarks/handwritten_loop.py, from its own
+clock at the same steps. Then `opentau profile` and the hand-written loop with --phases (timed the same way: a device
+sync at both ends of each phase) give each phase's median time on both sides, which shows where a gap comes from.
+Target: median ratio >= 0.97 at every run length.
 
 Each round also runs opentau train with EMA on (`--ema.decay=0.99`) and with TensorBoard on (a tracker that runs here
 without a network), so what each costs shows as its own ratio to the same round's hand-written run, side by side
 (`--variants` picks them; the order of the runs rotates every round).
 
-    python benchmarks/bench_overhead.py            # pi05_small, 5 rounds of 5 warm-up + 20 measured steps
+    python benchmarks/bench_overhead.py            # pi05_small, 5 rounds of 5 warm-up + 50 measured steps (15/20/50)
     python benchmarks/bench_overhead.py --smoke    # tiny preset, one pair of a few steps (CI)
 """
 
@@ -48,12 +50,12 @@ def train_args(config: Path, warmup: int) -> list[str]:
             "--logging.progress_bar=plain", "--scheduler.warmup_steps=0"]
 
 
-def opentau_steps_per_s(config: Path, warmup: int, steps: int, workdir: Path, extra: list[str] = ()) -> float:
-    """Steps/s of a real `opentau train` run, timed from outside: the arrival times of its progress lines at step
-    `warmup` and `warmup + steps` (so the loop's own logging, collectives and progress are all counted). `extra`:
-    overrides after the benchmark's own (a variant's)."""
+def opentau_steps_per_s(config: Path, warmup: int, lengths: list[int], workdir: Path, extra: list[str] = ()) -> dict[int, float]:
+    """Steps/s of a real `opentau train` run over its first N measured steps for each N of `lengths`, timed from
+    outside: the arrival times of its progress lines at step `warmup` and `warmup + N` (so the loop's own logging,
+    collectives and progress are all counted). `extra`: overrides after the benchmark's own (a variant's)."""
     cmd = [opentau_bin(), "train", *train_args(config, warmup), f"--output_dir={workdir / 'run'}", "--overwrite=true",
-           f"--steps={warmup + steps}", f"--save_freq={10**9}", *extra]
+           f"--steps={warmup + max(lengths)}", f"--save_freq={10**9}", *extra]
     seen: dict[int, float] = {}
     proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines = []
@@ -62,15 +64,17 @@ def opentau_steps_per_s(config: Path, warmup: int, steps: int, workdir: Path, ex
         m = re.match(r"step (\d+)/\d+", line)
         if m:
             seen[int(m.group(1))] = time.perf_counter()
-    if proc.wait() != 0 or warmup not in seen or warmup + steps not in seen:
+    if proc.wait() != 0 or any(warmup + n not in seen for n in [0, *lengths]):
         raise SystemExit(f"opentau train failed or logged no progress ({proc.returncode}):\n{''.join(lines[-30:])}")
-    return steps / (seen[warmup + steps] - seen[warmup])
+    return {n: n / (seen[warmup + n] - seen[warmup]) for n in lengths}
 
 
-def handwritten(config: Path, warmup: int, steps: int, *, phases: bool = False) -> dict:
-    """The hand-written loop's JSON line: steps_per_s, and with phases=True the per-phase statistics."""
-    proc, _ = run([sys.executable, str(HERE / "handwritten_loop.py"), "--config", str(config), "--steps", str(steps),
-                   "--warmup", str(warmup), "--validation.val_freq=0", *(["--phases"] if phases else [])])
+def handwritten(config: Path, warmup: int, lengths: list[int], *, phases: bool = False) -> dict:
+    """The hand-written loop's JSON line: steps_per_s over the longest length, `windows` (steps/s over the first N
+    measured steps for each N) and with phases=True the per-phase statistics."""
+    proc, _ = run([sys.executable, str(HERE / "handwritten_loop.py"), "--config", str(config), "--steps", str(max(lengths)),
+                   "--warmup", str(warmup), "--windows", ",".join(map(str, lengths)), "--validation.val_freq=0",
+                   *(["--phases"] if phases else [])])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -103,7 +107,9 @@ def ratio_row(ratios: list[float], target: float | None) -> str:
 
 def main() -> None:
     parser = base_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=20, help="Measured steps (a multiple of --warmup).")
+    parser.add_argument("--steps", default="15,20,50", help="Measured steps, comma-separated run lengths, each a "
+                                                            "multiple of --warmup: every run lasts the longest and is "
+                                                            "timed over the first N measured steps for each.")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=5, help="Rounds of runs (hand-written, opentau and each variant), "
                                                              "the order rotating every round: each run and its round's "
@@ -115,9 +121,13 @@ def main() -> None:
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     if args.smoke:
-        args.steps, args.warmup, args.pairs = 4, 2, 1
-    if args.steps % args.warmup:
-        parser.error("--steps must be a multiple of --warmup (opentau logs every --warmup steps)")
+        args.steps, args.warmup, args.pairs = "2,4", 2, 1
+    try:
+        lengths = sorted({int(n) for n in str(args.steps).split(",") if n.strip()})
+    except ValueError:
+        parser.error("--steps: comma-separated whole numbers, e.g. 15,20,50")
+    if not lengths or any(n <= 0 or n % args.warmup for n in lengths):
+        parser.error("--steps: every run length must be a positive multiple of --warmup (opentau logs every --warmup steps)")
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     variants = [] if args.variants == "none" else [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -128,39 +138,47 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
     sides = ["opentau", "hand-written", *variants]
-    speeds: dict[str, list[float]] = {side: [] for side in sides}
-    started = time.perf_counter()
+    speeds: dict[str, list[dict[int, float]]] = {side: [] for side in sides}
+    started, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         for i in range(args.pairs):
             # Rotate the order every round, so a load that rises or falls during the benchmark favours no side.
             for side in sides[i % len(sides):] + sides[:i % len(sides)]:
                 if side == "hand-written":
-                    speeds[side].append(handwritten(config, args.warmup, args.steps)["steps_per_s"])
+                    windows = handwritten(config, args.warmup, lengths)["windows"]
+                    speeds[side].append({int(n): v for n, v in windows.items()})
                 else:
                     extra = VARIANTS[side][1] if side in VARIANTS else []
-                    speeds[side].append(opentau_steps_per_s(config, args.warmup, args.steps, Path(tmp), extra))
+                    speeds[side].append(opentau_steps_per_s(config, args.warmup, lengths, Path(tmp), extra))
             anchor = speeds["hand-written"][-1]
-            shown = ", ".join(f"{side} {speeds[side][-1]:.3f} ({speeds[side][-1] / anchor:.3f})"
+            shown = "; ".join(f"{side} " + ", ".join(f"{speeds[side][-1][n] / anchor[n]:.3f}" for n in lengths)
                               for side in sides if side != "hand-written")
-            print(f"pair {i + 1}/{args.pairs}: hand-written {anchor:.3f} steps/s; {shown}", flush=True)
+            print(f"pair {i + 1}/{args.pairs} (ratios at {'/'.join(map(str, lengths))} steps): {shown}", flush=True)
         if not args.no_phases:
-            ours_phases = opentau_phases(config, args.warmup, args.steps, Path(tmp))
-            anchor_phases = handwritten(config, args.warmup, args.steps, phases=True)["phases"]
-    anchor = speeds["hand-written"]
-    ratios = {side: [a / b for a, b in zip(speeds[side], anchor)] for side in sides if side != "hand-written"}
-    rows = [
-        ("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), {args.warmup} warm-up + {args.steps} measured "
-                   f"steps, 1 process, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"),
-        ("hand-written Accelerate loop steps/s per pair", listed(anchor)),
-        ("opentau train steps/s per pair", listed(speeds["opentau"])),
-        ("ratio opentau / hand-written", ratio_row(ratios["opentau"], TARGET)),
-        ("ratios per pair", listed(ratios["opentau"])),
-    ]
+            ours_phases = opentau_phases(config, args.warmup, max(lengths), Path(tmp))
+            anchor_phases = handwritten(config, args.warmup, lengths, phases=True)["phases"]
+    load_after = os.getloadavg()
+
+    def series(side: str, n: int) -> list[float]:
+        return [run_speeds[n] for run_speeds in speeds[side]]
+
+    def ratios(side: str, n: int, base: str = "hand-written") -> list[float]:
+        return [a / b for a, b in zip(series(side, n), series(base, n))]
+
+    rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), {args.warmup} warm-up + "
+                       f"{max(lengths)} measured steps per run, timed over the first {', '.join(map(str, lengths))}; "
+                       f"1 process, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"),
+            ("load average (1 min) before / after", f"{load_before[0]:.2f} / {load_after[0]:.2f}")]
+    for n in lengths:
+        rows += [(f"{n} steps: hand-written Accelerate loop steps/s per pair", listed(series("hand-written", n))),
+                 (f"{n} steps: opentau train steps/s per pair", listed(series("opentau", n))),
+                 (f"{n} steps: ratio opentau / hand-written", ratio_row(ratios("opentau", n), TARGET)),
+                 (f"{n} steps: ratios per pair", listed(ratios("opentau", n)))]
     for side in variants:
         label = VARIANTS[side][0]
-        rows += [(f"opentau train, {label}: steps/s per pair", listed(speeds[side])),
-                 (f"ratio opentau, {label} / hand-written", ratio_row(ratios[side], None)),
-                 (f"ratio opentau, {label} / opentau plain", ratio_row([a / b for a, b in zip(speeds[side], speeds["opentau"])], None))]
+        for n in lengths:
+            rows += [(f"{n} steps: ratio opentau, {label} / hand-written", ratio_row(ratios(side, n), None)),
+                     (f"{n} steps: ratio opentau, {label} / opentau plain", ratio_row(ratios(side, n, "opentau"), None))]
     if not args.no_phases:
         for name, label in PHASES.items():
             ours_phase, anchor_phase = ours_phases[name], anchor_phases[name]
@@ -171,7 +189,7 @@ def main() -> None:
     print_rows("Benchmark 1: framework overhead", rows)
     if not args.no_append:
         notes = [f"the runs of a round rotate which goes first; each ratio is a run's steps/s over the same round's "
-                 f"hand-written run; whole benchmark took {time.perf_counter() - started:.0f} s"]
+                 f"hand-written run at the same run length; whole benchmark took {time.perf_counter() - started:.0f} s"]
         if not args.no_phases:
             notes += ["phase rows: one `opentau profile` run and one `handwritten_loop.py --phases` run, each phase's "
                       "median over the measured steps (a device sync at both ends of every phase on both sides); the share "

@@ -2,7 +2,8 @@
 
 Same model (POLICY's build_policy), same batches (DATA's build_data), same optimizer, clipping and a scheduler step,
 and nothing else: no metrics, no checkpoints, no progress display. Prints one JSON line with its steps/s over the
-measured steps (the first --warmup steps are not timed).
+measured steps (the first --warmup steps are not timed) and, with --windows, over the first N measured steps for each
+N given (one run measures several run lengths, as bench_overhead.py times opentau between its progress lines).
 
 With --phases, each phase of a step (data, forward, backward, optimizer, zero-grad + scheduler, the loss read) is
 timed the way `opentau profile` times opentau's step (perf_counter, a device sync at both ends of every phase), and
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--phases", action="store_true", help="Time each phase of a step, as `opentau profile` does.")
+    parser.add_argument("--windows", default="", help="Comma-separated N: also report steps/s over the first N measured steps.")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
 
@@ -83,6 +85,7 @@ def main() -> None:
 
     timer = Phases(False)
     start = None
+    ends = []  # when each measured step ended
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             timer = Phases(args.phases)  # warm-up steps are not recorded
@@ -103,9 +106,13 @@ def main() -> None:
         with timer.phase("sync"):
             loss.item()  # what a real loop reads for logging; also waits for the device
         timer.end_step()
+        if start is not None:
+            ends.append(time.perf_counter())
     elapsed = time.perf_counter() - start
     if accelerator.is_main_process:
         result = {"steps": args.steps, "seconds": elapsed, "steps_per_s": args.steps / elapsed, "loss": loss.item()}
+        windows = [int(n) for n in args.windows.split(",") if n.strip()]
+        result["windows"] = {str(n): n / (ends[n - 1] - start) for n in windows if 0 < n <= len(ends)}
         if args.phases:
             result["phases"] = phase_stats(timer.steps)
         print(json.dumps(result))

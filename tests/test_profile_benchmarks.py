@@ -31,16 +31,18 @@ def run_benchmark(script: str, results, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def test_overhead_benchmark_smoke_prints_the_median_pair_ratio_and_each_phase_of_both_sides(tmp_path):
+def test_overhead_benchmark_smoke_prints_the_median_pair_ratio_at_each_run_length_and_each_phase_of_both_sides(tmp_path):
     out = run_benchmark("bench_overhead.py", tmp_path / "B.md")
-    m = re.search(r"ratio opentau / hand-written\s+(\d+\.\d+) median of 1 pair \(min (\d+\.\d+), "
-                  r"IQR (\d+\.\d+)-(\d+\.\d+), max (\d+\.\d+)", out)
-    assert m, out
-    median, low, q1, q3, high = map(float, m.groups())
-    assert median > 0 and low == q1 == median == q3 == high  # one pair: its ratio is the whole spread
-    ours = float(re.search(r"opentau train steps/s per pair\s+(\d+\.\d+)", out).group(1))
-    anchor = float(re.search(r"hand-written Accelerate loop steps/s per pair\s+(\d+\.\d+)", out).group(1))
-    assert median == pytest.approx(ours / anchor, rel=5e-3)
+    for n in (2, 4):  # the smoke run's lengths, timed in the same runs
+        m = re.search(rf"{n} steps: ratio opentau / hand-written\s+(\d+\.\d+) median of 1 pair \(min (\d+\.\d+), "
+                      r"IQR (\d+\.\d+)-(\d+\.\d+), max (\d+\.\d+)", out)
+        assert m, out
+        median, low, q1, q3, high = map(float, m.groups())
+        assert median > 0 and low == q1 == median == q3 == high  # one pair: its ratio is the whole spread
+        ours = float(re.search(rf"{n} steps: opentau train steps/s per pair\s+(\d+\.\d+)", out).group(1))
+        anchor = float(re.search(rf"{n} steps: hand-written Accelerate loop steps/s per pair\s+(\d+\.\d+)", out).group(1))
+        assert median == pytest.approx(ours / anchor, rel=5e-3)
+    assert re.search(r"load average \(1 min\) before / after\s+\d+\.\d\d / \d+\.\d\d", out)
     phases = {name: tuple(map(float, values)) for name, *values in re.findall(
         r"phase (.+?) \(median ms, share of step\)\s+opentau (\d+\.\d) \((\d+\.\d)%\), "
         r"hand-written (\d+\.\d) \((\d+\.\d)%\), difference ([+-]\d+\.\d)", out)}
