@@ -39,7 +39,7 @@ def last_layer_per_sample(tokens: int) -> int:
     from transformers import GemmaConfig
     from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, GemmaRotaryEmbedding
 
-    from opentau_cli.memory_plan import LiveBytes
+    from opentau_cli.plan.memory import LiveBytes
 
     cfg = GemmaConfig(hidden_size=WIDTH, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1,
                       head_dim=256, num_hidden_layers=1, vocab_size=8)
@@ -74,12 +74,12 @@ def eager_attention(batch: int, tokens: int, layers: int = 18, heads: int = 8, h
 
 def bf16_activations(run: list[str], n: int) -> int:
     """How much less the step keeps when the weights are bf16 (no autocast) instead of fp32 under bf16 autocast: our
-    own policy measured both ways by the memory plan's fake-tensor step (memory_plan.step_bytes). Under autocast the
+    own policy measured both ways by the memory plan's fake-tensor step (plan/memory.py step_bytes). Under autocast the
     residual stream stays fp32 and the bf16 copies of the weights are kept for the backward."""
     import torch
 
     from opentau_cli.config import load_config
-    from opentau_cli.memory_plan import step_bytes
+    from opentau_cli.plan.memory import step_bytes
 
     overrides = [a for a in run[6:]]  # after --accelerate-config Y --gpus N --gpu-memory C
     cfg = load_config(REPO / "configs/examples/pi05_config.json",
@@ -97,7 +97,7 @@ class Row:
     run: list[str]  # `opentau config validate configs/examples/pi05_config.json` arguments
     published: float | None = None  # GiB, where the figure is a peak; else the claim below
     claim: str = "peak"  # "peak", "fits" (the card holds the run), "oom", "above" (needs more than `published`)
-    allocator: float = 0.10  # the plan's allocator allowance for this backend (memory_plan.py)
+    allocator: float = 0.10  # the plan's allocator allowance for this backend (plan/memory.py)
     parts: object = None  # () -> [(part, GiB)]: what the published model holds that ours does not (computed on demand)
     measure: list[tuple[str, float]] = field(default_factory=list)  # (part, GiB): what the published reading counts beyond ours
 

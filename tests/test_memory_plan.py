@@ -178,7 +178,7 @@ def test_zero3_keeps_gathered_what_it_uses_again_within_the_reuse_distance_and_p
     """Four modules of 10 elements in a row, worked by hand: with every later use within the reuse distance, the
     whole model is gathered when the backward starts; with none, one module at a time (plus what is prefetched,
     while fewer than stage3_max_live_parameters are gathered)."""
-    from opentau_cli.memory_plan import ModuleTrace, zero3_gathered
+    from opentau_cli.plan.memory import ModuleTrace, zero3_gathered
 
     chain = ModuleTrace(numels=[10, 10, 10, 10], module_params=[[0], [1], [2], [3]],
                         forward=[1, -1, 2, -2, 3, -3, 4, -4], grad_out=[True] * 4)

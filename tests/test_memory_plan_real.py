@@ -8,7 +8,7 @@ against the plan's build.
 
 The launches run with glibc returning freed blocks to the kernel at once (real_peak.RETURNING), so that the peak
 counts what tensors hold, as torch.cuda.max_memory_allocated does on a GPU; with glibc's defaults a rank also keeps
-freed blocks in its heaps, which the CPU plan states as a separate allowance (memory_plan.CPU_RETENTION), as the CUDA
+freed blocks in its heaps, which the CPU plan states as a separate allowance (plan.memory.CPU_RETENTION), as the CUDA
 plan states the caching allocator's fragmentation. The CPU plan differs from the CUDA one only where the device does
 (plan_memory(..., device="cpu")): AdamW's per-tensor step and DeepSpeed's buffers resident only where written.
 benchmarks/bench_memory_plan.py runs the full matrix (ZeRO-2, gradient checkpointing, ema.decay, LoRA) at a larger
