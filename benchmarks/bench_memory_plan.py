@@ -2,7 +2,8 @@
 the example pi05 config on 8 GPUs (the README's table).
 
 Part 1, checked: pi05_small at 224x224, 16 per device, launched for real by `opentau train` on CPU under single
-process, DDP x2, ZeRO-2 x2, ZeRO-3 x2 and FSDP2 x2, with gradient checkpointing off and on, with `ema.decay` and with
+process, DDP x2, ZeRO-2 x2, ZeRO-3 x2 (DeepSpeed's default sizes, and a deepspeed_config_file with "auto" buckets and a
+small stage3_max_live_parameters) and FSDP2 x2, with gradient checkpointing off and on, with `ema.decay` and with
 LoRA.
 Each rank's peak is read by the kernel (tests/memory_hook: VmHWM after the last step less VmRSS just before the
 policy is built) and set beside the plan for a CPU launch of the same run (`plan_memory(..., device="cpu")`: AdamW's
@@ -10,7 +11,7 @@ per-tensor step, buffers resident only where written, glibc's retention instead 
 fragmentation). Target: the plan within 10% of the largest rank's peak in every row.
 Part 2, computed: the example pi05 config on 8 GPUs for each launch the README lists, with the parts of its plan.
 
-    python benchmarks/bench_memory_plan.py            # 11 real launches (minutes) + the full pi05's plan
+    python benchmarks/bench_memory_plan.py            # 12 real launches (minutes) + the full pi05's plan
     python benchmarks/bench_memory_plan.py --smoke    # pi05_tiny, one real launch (CI)
 """
 
@@ -42,6 +43,7 @@ REAL = [  # (row, Accelerate YAML or None, overrides) of pi05_small launched on 
     ("DDP x2, LoRA rank 16", DDP, ["--policy.lora.rank=16"]),
     ("ZeRO-2 x2", ZERO2, []),
     ("ZeRO-3 x2", ZERO3, []),
+    ("ZeRO-3 x2, auto buckets, max live 2e7, no reuse", "zero3 auto", []),  # tests/memory_hook/real_peak.py ZERO3_AUTO
     ("ZeRO-2 x2, gradient checkpointing", ZERO2, ["--policy.gradient_checkpointing=true"]),  # refused under ZeRO-3
     ("FSDP2 x2 (bf16)", FSDP2, []),
     ("FSDP2 x2 (bf16), gradient checkpointing", FSDP2, ["--policy.gradient_checkpointing=true"]),
@@ -51,20 +53,29 @@ SMALL = ["--steps=3", "--batch_size=16", "--policy.image_resolution=[224,224]", 
 TINY = ["--steps=2", "--batch_size=4", "--save_freq=1000", "--log_freq=1", "--validation.val_freq=0"]
 
 
-def cpu_plan(config: Path, yaml: str | None, overrides: list[str]):
+def yaml_path(yaml: str | None) -> Path | None:
+    """An example YAML, or for "zero3 auto" the ZeRO-3 config of tests/memory_hook/real_peak.py (written once)."""
+    if yaml != "zero3 auto":
+        return EXAMPLES / yaml if yaml else None
+    from real_peak import zero3_auto_yaml
+
+    return zero3_auto_yaml(Path(tempfile.mkdtemp(prefix="opentau-zero3-auto-")))
+
+
+def cpu_plan(config: Path, yaml: Path | None, overrides: list[str]):
     """The plan of a CPU launch of `opentau train --config_path CONFIG OVERRIDES` under YAML."""
     from opentau_cli.config import load_config, resolve_accelerate_config
     from opentau_cli.plan.memory import plan_memory
 
     cfg = load_config(config, overrides, environ={})
-    return plan_memory(cfg, resolve_accelerate_config(EXAMPLES / yaml if yaml else None), device="cpu")
+    return plan_memory(cfg, resolve_accelerate_config(yaml), device="cpu")
 
 
-def real_peaks(config: Path, yaml: str | None, overrides: list[str], work: Path, returning: bool) -> list[int]:
+def real_peaks(config: Path, yaml: Path | None, overrides: list[str], work: Path, returning: bool) -> list[int]:
     """Each rank's peak of a real launch (tests/memory_hook/real_peak.py)."""
     from real_peak import launch
 
-    accel = [f"--accelerate-config={EXAMPLES / yaml}"] if yaml else []
+    accel = [f"--accelerate-config={yaml}"] if yaml else []
     return [rank["peak"] for rank in launch(["--config_path", str(config), *accel, *overrides], work / "run",
                                             returning=returning)]
 
@@ -75,6 +86,7 @@ def real_rows(smoke: bool, glibc: str) -> list[tuple[str, str]]:
     config, base = (TINY_CONFIG, TINY) if smoke else (SMALL_CONFIG, SMALL)
     rows = []
     for name, yaml, extra in REAL[:1] if smoke else REAL:
+        yaml = yaml_path(yaml)
         plan = cpu_plan(config, yaml, [*base, *extra])
         if glibc in ("returning", "both"):
             with tempfile.TemporaryDirectory() as work:

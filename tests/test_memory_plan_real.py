@@ -25,7 +25,7 @@ import pytest
 from conftest import EXAMPLES, REPO
 
 sys.path.insert(0, str(Path(__file__).parent / "memory_hook"))
-from real_peak import launch  # noqa: E402
+from real_peak import launch, zero3_auto_yaml  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -38,25 +38,6 @@ ARGS = ["--steps=2", "--batch_size=8", "--policy.image_resolution=[112,112]", "-
 def home(tmp_path_factory) -> Path:
     """One cache (demo data, step measurements) and Hugging Face home for this module's launches and plans."""
     return tmp_path_factory.mktemp("memory_real")
-
-
-# A deepspeed_config_file as Hugging Face's examples write them ("auto": Accelerate's sizes from the model's width,
-# 640 for pi05_small: a 409,600-element reduce bucket instead of 5e8), with ZeRO-3 keeping at most 2e7 parameters
-# gathered and none for reuse: about 80 MiB gathered instead of the whole model, as the run's memory shows.
-ZERO3_AUTO = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                                    "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 20_000_000,
-                                    "stage3_max_reuse_distance": 0}}
-
-
-def zero3_auto_yaml(directory: Path) -> Path:
-    """The CPU ZeRO-3 example with its settings in ZERO3_AUTO (a deepspeed_config_file next to it)."""
-    import json
-
-    (directory / "ds_zero3_auto.json").write_text(json.dumps(ZERO3_AUTO))
-    yaml = directory / "accelerate_zero3_auto.yaml"
-    yaml.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_zero3_auto.json\n"
-                    "  zero3_init_flag: true\nnum_machines: 1\nnum_processes: 2\nmixed_precision: \"no\"\n")
-    return yaml
 
 
 @pytest.mark.parametrize("yaml, ranks, extra", [

@@ -2,7 +2,7 @@
 
 Shared by tests/test_memory_plan_real.py and benchmarks/bench_memory_plan.py: the peak a rank's steps reached above
 what it held just before the policy was built (its VmHWM after the last step less its VmRSS at that moment), read by
-the kernel, not by any tracker of the product.
+the kernel, not by any tracker of the product; and the ZeRO-3 config with non-default sizes both launch.
 """
 
 from __future__ import annotations
@@ -43,3 +43,20 @@ def launch(args: list[str], run_dir: Path, *, env: dict | None = None, returning
         rank["build_peak"] = rank["hwm_built"] - rank["rss_before_policy"]
         ranks.append(rank)
     return ranks
+
+
+# A deepspeed_config_file as Hugging Face's examples write them ("auto": Accelerate's sizes from the model's width,
+# 640 for pi05_small: a 409,600-element reduce bucket instead of 5e8), with ZeRO-3 keeping at most 2e7 parameters
+# gathered and none for reuse: about 80 MiB gathered instead of the whole model, as the run's memory shows.
+ZERO3_AUTO = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 20_000_000,
+                                    "stage3_max_reuse_distance": 0}}
+
+
+def zero3_auto_yaml(directory: Path) -> Path:
+    """A 2-process CPU ZeRO-3 Accelerate config whose settings are ZERO3_AUTO (a deepspeed_config_file next to it)."""
+    (directory / "ds_zero3_auto.json").write_text(json.dumps(ZERO3_AUTO))
+    yaml = directory / "accelerate_zero3_auto.yaml"
+    yaml.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds_zero3_auto.json\n"
+                    "  zero3_init_flag: true\nnum_machines: 1\nnum_processes: 2\nmixed_precision: \"no\"\n")
+    return yaml
