@@ -51,9 +51,10 @@ NCCL_BUFFERS = 512 * MIB
 # 10% until the GPU self-check's reserved / allocated row measures it.
 CUDA_FRAGMENTATION = 0.10
 # The same under ZeRO-3, whose every module gathers its parameters into new buffers of their own sizes on a stream of
-# their own and frees them again: 23%, the reserved / allocated peak published for ZeRO-3 (69.21 / 56.12 GB) beside
-# 9% for ZeRO-2 (57.14 / 52.37 GB) on the same model and GPUs (DeepSpeed issue 3734; docs/ARCHITECTURE.md, "Memory
-# plan").
+# their own and frees them again: 20%. Published measurements bound it: reserved 23% above allocated for ZeRO-3
+# against 9% for ZeRO-2 on one model with room to spare (DeepSpeed issue 3734); on the upstream tool's pi05 guide
+# run, ZeRO-3 holding more than ZeRO-2 at 8 per GPU though it allocates less (above 15%) and fitting 80 GB cards at
+# 16 (at most 20%). docs/ARCHITECTURE.md, "Memory plan"; docs/PUBLISHED_MEMORY.md.
 CUDA_FRAGMENTATION_ZERO3 = 0.20
 # glibc's retention on CPU, as a share of the peak allocated: freed blocks below its dynamic mmap threshold (raised
 # up to 32 MiB as large blocks are freed) stay in its heaps instead of going back to the kernel. Measured on
@@ -64,7 +65,7 @@ CUDA_FRAGMENTATION_ZERO3 = 0.20
 # the heaps, about 0.6 GiB per rank on pi05_small whatever the batch (docs/ARCHITECTURE.md, "Memory plan").
 CPU_RETENTION = 0.25
 # Part of the cache key of step measurements, with a hash of this file and of the policy's code.
-MEASURE_VERSION = 4
+MEASURE_VERSION = 3
 
 
 def gib(n: int) -> str:
@@ -371,7 +372,7 @@ def zero3_gathered(trace: ModuleTrace, settings: dict[str, int]) -> tuple[int, i
     for fetch, m, backward in events:
         if fetch:
             params = set(own[m])
-            for _ in [p for p in params if fetched_for[p] < position]:
+            for _ in [p for p in params if fetched_for[p] < position]:  # this module's entries, unless fetched ahead
                 p, used_at = queue.popleft()
                 fetched_for[p] = used_at
             for p in params - available:
@@ -386,9 +387,10 @@ def zero3_gathered(trace: ModuleTrace, settings: dict[str, int]) -> tuple[int, i
                     ahead += numels[p]
             for p in chosen:
                 gather(p)
-            if backward and at_backward is None:
+            if not backward:
+                peak = max(peak, gathered)
+            elif at_backward is None:
                 at_backward = gathered
-            peak = max(peak, gathered) if not backward else peak
             position += 1
         else:
             for p in set(own[m]) & available:
