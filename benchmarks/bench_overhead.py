@@ -1,20 +1,22 @@
 """Benchmark 1, framework overhead: `opentau train` steps/s vs a minimal hand-written Accelerate loop.
 
-Same model (pi05_small), batch and data, one process, the same thread count. The two sides run alternately, `--pairs`
-pairs, the side that goes first swapping every pair (so a load that rises or falls during the benchmark favours
-neither); each pair gives one ratio per run length, and the figure is the median of those ratios, with their spread.
-Every run lasts `warmup` + the longest of `--steps` (15, 20 and 50 measured steps by default) and is timed over the
-first N measured steps for each N, side by side: opentau's steps/s from outside, between its progress lines at step
-`warmup` and `warmup + N` (it logs every `warmup` steps); the anchor, benchmarks/handwritten_loop.py, from its own
-clock at the same steps. Then `opentau profile` and the hand-written loop with --phases (timed the same way: a device
-sync at both ends of each phase) give each phase's median time on both sides, which shows where a gap comes from.
-Target: median ratio >= 0.97 at every run length.
+Same model (pi05_small), batch and data, one process each, the same thread count. The two sides run at the same time
+and take turns, one loop iteration each (benchmarks/turns_hook): while one steps, the other waits in a blocking read,
+using no CPU, so whatever else loads the machine falls on both alike, iteration by iteration (a shared machine's load
+moves from minute to minute; run one after the other, the two sides met different loads and the ratio measured the
+load). Each side's iteration is timed from the start of its step to the start of its next: opentau's whole loop (the
+step, its metrics, logging, progress, checkpoint polling), the anchor benchmarks/handwritten_loop.py's step. Every
+pair lasts `warmup` + the longest of `--steps` (15, 20 and 50 measured steps by default) and is timed over the first N
+measured iterations for each N, side by side; `--pairs` pairs, the side that goes first alternating; the figure is the
+median of the pairs' ratios, with their spread. Then `opentau profile` and the hand-written loop with --phases (timed
+the same way: a device sync at both ends of each phase) give each phase's median time on both sides, which shows
+where a gap comes from. Target: median ratio >= 0.97 at every run length.
 
-Each round also runs opentau train with EMA on (`--ema.decay=0.99`) and with TensorBoard on (a tracker that runs here
-without a network), so what each costs shows as its own ratio to the same round's hand-written run, side by side
-(`--variants` picks them; the order of the runs rotates every round).
+Each round also pairs opentau train with EMA on (`--ema.decay=0.99`) and with TensorBoard on (a tracker that runs here
+without a network) with a hand-written run of their own, so what each costs shows as its own ratio (`--variants`
+picks them).
 
-    python benchmarks/bench_overhead.py            # pi05_small, 5 rounds of 5 warm-up + 50 measured steps (15/20/50)
+    python benchmarks/bench_overhead.py            # pi05_small, 5 pairs of 5 warm-up + 50 measured steps (15/20/50)
     python benchmarks/bench_overhead.py --smoke    # tiny preset, one pair of a few steps (CI)
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,23 +52,57 @@ def train_args(config: Path, warmup: int) -> list[str]:
             "--logging.progress_bar=plain", "--scheduler.warmup_steps=0"]
 
 
-def opentau_steps_per_s(config: Path, warmup: int, lengths: list[int], workdir: Path, extra: list[str] = ()) -> dict[int, float]:
-    """Steps/s of a real `opentau train` run over its first N measured steps for each N of `lengths`, timed from
-    outside: the arrival times of its progress lines at step `warmup` and `warmup + N` (so the loop's own logging,
-    collectives and progress are all counted). `extra`: overrides after the benchmark's own (a variant's)."""
-    cmd = [opentau_bin(), "train", *train_args(config, warmup), f"--output_dir={workdir / 'run'}", "--overwrite=true",
-           f"--steps={warmup + max(lengths)}", f"--save_freq={10**9}", *extra]
-    seen: dict[int, float] = {}
-    proc = subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        m = re.match(r"step (\d+)/\d+", line)
-        if m:
-            seen[int(m.group(1))] = time.perf_counter()
-    if proc.wait() != 0 or any(warmup + n not in seen for n in [0, *lengths]):
-        raise SystemExit(f"opentau train failed or logged no progress ({proc.returncode}):\n{''.join(lines[-30:])}")
-    return {n: n / (seen[warmup + n] - seen[warmup]) for n in lengths}
+def lockstep(config: Path, warmup: int, lengths: list[int], workdir: Path, extra: list[str], opentau_first: bool) -> dict:
+    """One pair: `opentau train` (with `extra`) and the hand-written loop at the same time, taking turns one loop
+    iteration each; each side's seconds per iteration over its first N measured iterations, for each N of `lengths`."""
+    turns = workdir / "turns"
+    shutil.rmtree(turns, ignore_errors=True)
+    turns.mkdir(parents=True)
+    for name in ("opentau", "hand"):
+        os.mkfifo(turns / name)
+    first = os.open(turns / ("opentau" if opentau_first else "hand"), os.O_RDWR)
+    os.write(first, b"x")  # the first turn
+    record, log = workdir / "opentau_turns.json", workdir / "opentau.log"
+    steps = warmup + max(lengths) + 1  # one more step: the last measured iteration ends where a step starts
+    with open(log, "w") as out:
+        procs = {
+            "opentau": subprocess.Popen(
+                [opentau_bin(), "train", *train_args(config, warmup), f"--output_dir={workdir / 'run'}", "--overwrite=true",
+                 f"--steps={steps}", f"--save_freq={10**9}", *extra],
+                env={**env(), "PYTHONPATH": str(HERE / "turns_hook"), "BENCH_TURNS": f"{turns}:opentau:hand:{record}"},
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT),
+            "hand-written": subprocess.Popen(
+                [sys.executable, str(HERE / "handwritten_loop.py"), "--config", str(config), "--steps", str(max(lengths) + 1),
+                 "--warmup", str(warmup), "--validation.val_freq=0", "--turns", f"{turns}:hand:opentau"],
+                env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        }
+        try:
+            # A side that fails never gives the turn back: stop the other rather than wait for its timeout.
+            while any(proc.poll() is None for proc in procs.values()):
+                if any(proc.poll() not in (None, 0) for proc in procs.values()):
+                    break
+                time.sleep(0.5)
+            hand_out, hand_err = procs["hand-written"].communicate(timeout=60) if procs["hand-written"].poll() is not None else ("", "")
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            os.close(first)
+    if procs["opentau"].returncode != 0 or procs["hand-written"].returncode != 0:
+        raise SystemExit(f"a side failed (opentau {procs['opentau'].returncode}, hand-written "
+                         f"{procs['hand-written'].returncode}):\n{log.read_text()[-3000:]}\n{hand_err[-3000:]}")
+    spans = {"opentau": json.loads(record.read_text())["spans"],
+             "hand-written": json.loads(hand_out.strip().splitlines()[-1])["spans"]}
+    turns_held = sorted(span for held in spans.values() for span in held)
+    if any(later[0] < earlier[1] for earlier, later in zip(turns_held, turns_held[1:])):
+        raise SystemExit("the two sides' turns overlapped: the pair did not run in turns")
+    return {side: {n: [end - start for start, end in held[warmup:warmup + n]] for n in lengths} for side, held in spans.items()}
+
+
+def typical(seconds: list[float]) -> float:
+    """Steps/s of a side's typical iteration: one over the median."""
+    return 1 / statistics.median(seconds)
 
 
 def handwritten(config: Path, warmup: int, lengths: list[int], *, phases: bool = False) -> dict:
@@ -111,9 +147,8 @@ def main() -> None:
                                                             "multiple of --warmup: every run lasts the longest and is "
                                                             "timed over the first N measured steps for each.")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--pairs", type=int, default=5, help="Rounds of runs (hand-written, opentau and each variant), "
-                                                             "the order rotating every round: each run and its round's "
-                                                             "hand-written run are a pair.")
+    parser.add_argument("--pairs", type=int, default=5, help="Pairs per side (opentau plain and each variant), each "
+                                                             "with a hand-written partner taking turns with it.")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"opentau train variants run each round beside the plain run, comma-separated from "
                              f"{', '.join(VARIANTS)} ('none': the plain run only).")
@@ -137,48 +172,51 @@ def main() -> None:
     # opentau's launcher gives one process all the cores; the hand-written loop must get the same thread count.
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
-    sides = ["opentau", "hand-written", *variants]
-    speeds: dict[str, list[dict[int, float]]] = {side: [] for side in sides}
+    sides = ["opentau", *variants]
+    held: dict[str, list[dict[int, list[float]]]] = {side: [] for side in sides}  # seconds per iteration, per pair
+    partner: dict[str, list[dict[int, list[float]]]] = {side: [] for side in sides}  # each pair's hand-written side
     started, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         for i in range(args.pairs):
-            # Rotate the order every round, so a load that rises or falls during the benchmark favours no side.
-            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
-                if side == "hand-written":
-                    windows = handwritten(config, args.warmup, lengths)["windows"]
-                    speeds[side].append({int(n): v for n, v in windows.items()})
-                else:
-                    extra = VARIANTS[side][1] if side in VARIANTS else []
-                    speeds[side].append(opentau_steps_per_s(config, args.warmup, lengths, Path(tmp), extra))
-            anchor = speeds["hand-written"][-1]
-            shown = "; ".join(f"{side} " + ", ".join(f"{speeds[side][-1][n] / anchor[n]:.3f}" for n in lengths)
-                              for side in sides if side != "hand-written")
+            for side in sides:
+                extra = VARIANTS[side][1] if side in VARIANTS else []
+                pair = lockstep(config, args.warmup, lengths, Path(tmp), extra, opentau_first=i % 2 == 0)
+                held[side].append(pair["opentau"])
+                partner[side].append(pair["hand-written"])
+            shown = "; ".join(f"{side} " + ", ".join(f"{typical(held[side][-1][n]) / typical(partner[side][-1][n]):.3f}"
+                                                     for n in lengths) for side in sides)
             print(f"pair {i + 1}/{args.pairs} (ratios at {'/'.join(map(str, lengths))} steps): {shown}", flush=True)
         if not args.no_phases:
             ours_phases = opentau_phases(config, args.warmup, max(lengths), Path(tmp))
             anchor_phases = handwritten(config, args.warmup, lengths, phases=True)["phases"]
     load_after = os.getloadavg()
 
-    def series(side: str, n: int) -> list[float]:
-        return [run_speeds[n] for run_speeds in speeds[side]]
+    def series(side: str, n: int, of_partner: bool = False, stat=None) -> list[float]:
+        """Steps/s of each pair's side over its first n measured iterations: by its typical (median) iteration, or
+        with `stat=sum` over the whole window."""
+        runs = (partner if of_partner else held)[side]
+        return [n / sum(run[n]) if stat is sum else typical(run[n]) for run in runs]
 
-    def ratios(side: str, n: int, base: str = "hand-written") -> list[float]:
-        return [a / b for a, b in zip(series(side, n), series(base, n))]
+    def ratios(side: str, n: int, stat=None) -> list[float]:
+        return [a / b for a, b in zip(series(side, n, stat=stat), series(side, n, of_partner=True, stat=stat))]
 
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), {args.warmup} warm-up + "
-                       f"{max(lengths)} measured steps per run, timed over the first {', '.join(map(str, lengths))}; "
-                       f"1 process, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"),
+                       f"{max(lengths)} measured steps per pair, timed over the first {', '.join(map(str, lengths))}; "
+                       f"1 process per side, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"),
             ("load average (1 min) before / after", f"{load_before[0]:.2f} / {load_after[0]:.2f}")]
     for n in lengths:
-        rows += [(f"{n} steps: hand-written Accelerate loop steps/s per pair", listed(series("hand-written", n))),
+        rows += [(f"{n} steps: hand-written Accelerate loop steps/s per pair", listed(series("opentau", n, of_partner=True))),
                  (f"{n} steps: opentau train steps/s per pair", listed(series("opentau", n))),
                  (f"{n} steps: ratio opentau / hand-written", ratio_row(ratios("opentau", n), TARGET)),
-                 (f"{n} steps: ratios per pair", listed(ratios("opentau", n)))]
+                 (f"{n} steps: ratios per pair", listed(ratios("opentau", n))),
+                 (f"{n} steps: ratio of whole-window times (every iteration, load bursts included)",
+                  ratio_row(ratios("opentau", n, stat=sum), None))]
     for side in variants:
         label = VARIANTS[side][0]
         for n in lengths:
             rows += [(f"{n} steps: ratio opentau, {label} / hand-written", ratio_row(ratios(side, n), None)),
-                     (f"{n} steps: ratio opentau, {label} / opentau plain", ratio_row(ratios(side, n, "opentau"), None))]
+                     (f"{n} steps: ratio opentau, {label} / opentau plain (each against its own hand-written partner)",
+                      ratio_row([a / b for a, b in zip(ratios(side, n), ratios("opentau", n))], None))]
     if not args.no_phases:
         for name, label in PHASES.items():
             ours_phase, anchor_phase = ours_phases[name], anchor_phases[name]
@@ -188,8 +226,12 @@ def main() -> None:
                          f"difference {a - b:+.1f}"))
     print_rows("Benchmark 1: framework overhead", rows)
     if not args.no_append:
-        notes = [f"the runs of a round rotate which goes first; each ratio is a run's steps/s over the same round's "
-                 f"hand-written run at the same run length; whole benchmark took {time.perf_counter() - started:.0f} s"]
+        notes = [f"each pair runs opentau train and the hand-written loop at the same time, taking turns one loop iteration "
+                 f"each (benchmarks/turns_hook), the side that goes first alternating; steps/s per pair is one over the "
+                 f"side's median iteration over the first N measured (the typical step: a burst of other load lengthens "
+                 f"a few iterations of either side, not the median); each ratio is opentau's over its partner's at the "
+                 f"same run length; the whole-window row divides the sums instead; whole benchmark took "
+                 f"{time.perf_counter() - started:.0f} s"]
         if not args.no_phases:
             notes += ["phase rows: one `opentau profile` run and one `handwritten_loop.py --phases` run, each phase's "
                       "median over the measured steps (a device sync at both ends of every phase on both sides); the share "

@@ -8,6 +8,8 @@ N given (one run measures several run lengths, as bench_overhead.py times openta
 With --phases, each phase of a step (data, forward, backward, optimizer, zero-grad + scheduler, the loss read) is
 timed the way `opentau profile` times opentau's step (perf_counter, a device sync at both ends of every phase), and
 the JSON line also holds their statistics (opentau's phase_stats), comparable phase for phase with `profile --json`.
+With --turns, it takes turns with another process, one step each (benchmarks/turns_hook/turns.py), and the JSON line
+also holds when it held each turn (`spans`).
 
     python benchmarks/handwritten_loop.py --config benchmarks/pi05_small_bench.json --steps 20 --warmup 3 [--phases]
 """
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -68,6 +72,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--phases", action="store_true", help="Time each phase of a step, as `opentau profile` does.")
     parser.add_argument("--windows", default="", help="Comma-separated N: also report steps/s over the first N measured steps.")
+    parser.add_argument("--turns", default="", help="DIR:ME:OTHER: take turns with another process, one step each "
+                                                     "(turns_hook/turns.py); report when it held each.")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
 
@@ -83,10 +89,18 @@ def main() -> None:
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     policy.train()
 
+    turns = None
+    if args.turns:
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "turns_hook"))
+        from turns import Turns
+
+        turns = Turns(*args.turns.split(":"))
     timer = Phases(False)
     start = None
     ends = []  # when each measured step ended
     for step in range(args.warmup + args.steps):
+        if turns is not None:
+            turns.next()
         if step == args.warmup:
             timer = Phases(args.phases)  # warm-up steps are not recorded
             start = time.perf_counter()
@@ -109,10 +123,14 @@ def main() -> None:
         if start is not None:
             ends.append(time.perf_counter())
     elapsed = time.perf_counter() - start
+    if turns is not None:
+        turns.done()
     if accelerator.is_main_process:
         result = {"steps": args.steps, "seconds": elapsed, "steps_per_s": args.steps / elapsed, "loss": loss.item()}
         windows = [int(n) for n in args.windows.split(",") if n.strip()]
         result["windows"] = {str(n): n / (ends[n - 1] - start) for n in windows if 0 < n <= len(ends)}
+        if turns is not None:
+            result["spans"] = turns.spans
         if args.phases:
             result["phases"] = phase_stats(timer.steps)
         print(json.dumps(result))
