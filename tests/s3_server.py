@@ -74,6 +74,8 @@ class S3Server:
         self.bucket = bucket
         self.proc: subprocess.Popen | None = None
         self.ports: dict[str, int] = {}
+        # Its local sockets: a Unix socket's path has at most 107 bytes, which a test's tmp_path can pass.
+        self.sockets = Path(f"/tmp/weed-{os.getpid()}-{id(self):x}")
 
     # --- what a client needs --------------------------------------------------------------------------------------
     @property
@@ -116,10 +118,11 @@ class S3Server:
         data.mkdir(parents=True, exist_ok=True)
         logs.mkdir(parents=True, exist_ok=True)
         self._remove_sockets()  # a killed server's sockets would stop the next one binding them
+        self.sockets.mkdir()
         args = [weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.telemetry=false", f"-filer.localSocket={data}/filer.sock",
-                f"-s3.localSocket={data}/s3.sock", *(f"-{flag}={port}" for flag, port in self.ports.items())]
+                "-master.telemetry=false", f"-filer.localSocket={self.sockets}/filer.sock",
+                f"-s3.localSocket={self.sockets}/s3.sock", *(f"-{flag}={port}" for flag, port in self.ports.items())]
         env = {**os.environ, "S3_BUCKET": self.bucket, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         env.pop("AWS_ENDPOINT_URL", None)
@@ -169,10 +172,8 @@ class S3Server:
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:
-        # weed puts its gRPC sockets in /tmp whatever TMPDIR says, and leaves them (and its local sockets in the data
-        # directory) after a kill.
-        for name in ("filer.sock", "s3.sock"):
-            (self.root / "data" / name).unlink(missing_ok=True)
+        # weed puts its gRPC sockets in /tmp whatever TMPDIR says, and leaves them (and its local sockets) after a kill.
+        shutil.rmtree(self.sockets, ignore_errors=True)
         for port in self.ports.values():
             for name in ("master", "volume", "filer", "s3", "admin"):
                 Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)

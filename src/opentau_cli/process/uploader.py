@@ -329,10 +329,10 @@ class StatusView:
 
     def short(self) -> str:
         s = self._status
+        if s.get("error"):  # until an attempt succeeds, even while the next one is under way
+            return f"upload retrying ({s['uploading']['name']})" if s.get("uploading") else "upload retrying"
         if s.get("uploading"):
             up = s["uploading"]
             pct = f" {100 * up['bytes'] / up['total']:.0f}%" if up.get("total") else ""
             return f"uploading {up['name']}{pct}"
-        if s.get("error"):
-            return "upload retrying"
         return f"remote {s['remote_last']}" if s.get("remote_last") else ""
