@@ -44,7 +44,8 @@ def _fmt_vec(values: list[float], limit: int = 8) -> str:
 @app.command("info")
 @handle_errors
 def info_cmd(
-    target: str = typer.Argument(..., help="Dataset directory, @demo, or a training config JSON (describes its mixture)."),
+    target: str = typer.Argument(..., help="Dataset directory, @demo, a dataset in object storage (s3://bucket/prefix/dataset: "
+                                           "its meta/ is read), or a training config JSON (describes its mixture)."),
     as_json: JsonOpt = False,
     verify: bool = typer.Option(False, "--verify", help="Also read every frame (decode every image / video frame) and fail on the first problem."),
     state_key: str = typer.Option("observation.state", "--state-key", help="State feature read by --verify."),
@@ -64,10 +65,21 @@ def info_cmd(
             raise UserError("--verify reads one dataset: pass its directory (each member's root) instead of a config.")
         _print_mixture(target, as_json)
         return
-    root = resolve_dataset_root(target)
+    from opentau_cli.store.storage import is_url
+
+    root, files = resolve_dataset_root(target), None
+    if is_url(target):  # its meta/ through this machine's cache (data/remote.py); --verify fetches every file
+        from opentau_cli.config.model import DatasetConfig, MixtureMember
+        from opentau_cli.data.remote import resolve
+
+        every_camera = DatasetConfig(num_cameras=1024)
+        files = resolve(MixtureMember(root=target), every_camera, "dataset").files
+        root = files.root
     info = describe_dataset(root)
+    if files is not None:
+        info["root"] = files.url
     if verify:
-        frames = verify_dataset(root, state_key=state_key, action_key=action_key)
+        frames = verify_dataset(root, state_key=state_key, action_key=action_key, files=files)
         typer.echo(f"Verified: all {frames} frames of {info['episodes']} episodes read and decoded.", err=True)
     if as_json:
         typer.echo(json.dumps(info, indent=2))

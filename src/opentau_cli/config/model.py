@@ -106,7 +106,12 @@ class PolicyConfig(Section):
 class DatasetSource(Section):
     """One LeRobot dataset and how its features map to the policy's inputs."""
 
-    root: str = Field(DEMO_DATASET, description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}' for the bundled synthetic demo.")
+    root: str = Field(
+        DEMO_DATASET, description=f"Local LeRobot dataset dir, '{DEMO_DATASET}' for the bundled synthetic demo, or a "
+                                  "dataset in object storage, s3://bucket/prefix/dataset (endpoint and credentials from "
+                                  "the standard AWS variables and files): its meta/ first, then only the files the run "
+                                  "reads, fetched into this machine's cache (dataset.cache_max_gb).",
+    )
     repo_id: str | None = Field(
         None, description="A LeRobot dataset on the Hugging Face Hub, org/name[@revision], instead of root: what the run "
                           "reads (meta/, the selected episodes' data and cameras' videos) is downloaded into the Hugging "
@@ -124,6 +129,12 @@ class DatasetSource(Section):
     action_key: str = Field("action", description="Dataset feature used as action.")
     episodes: list[int] | None = Field(None, description="Restrict to these episode indices (None = all).")
     prompt: str | None = Field(None, description="Task prompt for frames whose dataset has no task text.")
+    remote_options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Non-secret options of the object store holding root (as checkpoint.remote_options), e.g. "
+                    "{\"endpoint_url\": \"http://minio:9000\"}. Credentials are never accepted here: use "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile or a role.",
+    )
 
 
 class MixtureMember(DatasetSource):
@@ -148,6 +159,16 @@ class DatasetConfig(DatasetSource):
     num_workers: int = Field(2, ge=0, description="DataLoader worker processes per rank.")
     video_backend: Literal["pyav"] = Field("pyav", description="Video decoder (install the 'video' extra).")
     video_cache_mb: int = Field(256, ge=1, description="Decoded, resized video frames kept per data worker (MiB).")
+    cache_max_gb: float = Field(
+        50.0, gt=0,
+        description="Datasets in object storage: the most this machine's cache of their files ($OPENTAU_CACHE_DIR/"
+                    "datasets, shared by every run on it) holds on disk; the least recently used files make room.",
+    )
+    remote_wait_seconds: float = Field(
+        600.0, gt=0,
+        description="Datasets in object storage: how long a read keeps retrying while the store does not answer "
+                    "(training waits meanwhile); then the run saves a checkpoint and stops with one sentence.",
+    )
     augment: Literal["none", "openpi"] = Field(
         "none", description="Training image augmentation: 'openpi' = openpi's crop, rotation and colour jitter (wrist "
                             "cameras: colour only), per sample on the device; 'none' = off.")

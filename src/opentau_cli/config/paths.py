@@ -29,6 +29,12 @@ def is_path_key(key: str) -> bool:
                                 and parts[3] == "root")
 
 
+def looks_like_url(text: str) -> bool:
+    """`scheme://...` (a dataset in object storage): not a path of this machine."""
+    scheme, sep, _ = str(text).partition("://")
+    return bool(sep) and scheme[:1].isalpha() and scheme.replace("+", "").replace("-", "").replace(".", "").isalnum()
+
+
 def looks_like_repo_id(text: str) -> bool:
     """`org/name` or `org/name@rev`: one slash, no leading dot or slash."""
     name = text.split("@", 1)[0]
@@ -41,7 +47,7 @@ def resolve_value(key: str, value, base: Path):
     if value is None or not isinstance(value, (str, os.PathLike)):
         return value
     text = os.fspath(value)
-    if not text or text == DEMO_ROOT:
+    if not text or text == DEMO_ROOT or looks_like_url(text):
         return value
     path = Path(text).expanduser()
     if path.is_absolute():
@@ -106,7 +112,7 @@ def missing_paths(data: dict, *, origin: Path, overridden: set[str], lora: bool)
         if key == "policy.pretrained_path" and not lora:
             continue
         text = os.fspath(value)
-        if key in REPO_ID_KEYS and not os.path.isabs(text) and looks_like_repo_id(text):
+        if key in REPO_ID_KEYS and not os.path.isabs(text) and looks_like_repo_id(text) or looks_like_url(text):
             continue
         if Path(text).exists():
             continue

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from opentau_cli.config.accelerate import FSDP_LAYER_CLASSES, AccelerateSetup, reshard_after_forward
 from opentau_cli.config.model import DEMO_DATASET, LOSS_TERMS, TrainConfig
+from opentau_cli.config.paths import looks_like_url
 from opentau_cli.errors import UserError
 
 # A check of another package (the dataset's meta files, the policy's build): the problems it finds, [] when none.
@@ -123,7 +124,7 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
             errors.append(f"policy.loss_weighting has unknown term '{term}' (known: {', '.join(LOSS_TERMS)}).")
 
     # Data and validation.
-    if cfg.dataset.root != DEMO_DATASET and not Path(cfg.dataset.root).is_dir():
+    if cfg.dataset.root != DEMO_DATASET and not looks_like_url(cfg.dataset.root) and not Path(cfg.dataset.root).is_dir():
         errors.append(f"dataset.root '{cfg.dataset.root}' is not a directory (use '{DEMO_DATASET}' for the bundled demo data).")
     if cfg.validation.val_freq > 0 and cfg.validation.val_split == 0:
         errors.append("validation.val_freq > 0 needs held-out episodes: set validation.val_split (e.g. 0.1).")
@@ -155,6 +156,7 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
                         f"by ema_{metric}.")
 
     errors.extend(remote_rules(cfg))
+    errors.extend(remote_dataset_rules(cfg))
 
     # Schedule.
     if cfg.scheduler.type == "cosine_with_warmup" and cfg.scheduler.warmup_steps >= cfg.steps:
@@ -272,6 +274,37 @@ _SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "session
 _SECRET_NAMES = ("key", "access_key", "access_key_id", "aws_access_key_id", "account_key", "sas_token")
 
 
+def secret_options(options: dict) -> list[str]:
+    """The option names of a storage client's options that carry, or may carry, a secret."""
+    return sorted(k for k in options if any(w in k.lower() for w in _SECRET_WORDS) or k.lower() in _SECRET_NAMES)
+
+
+def remote_dataset_rules(cfg) -> list[str]:
+    """Datasets in object storage, read without the network: no secret among their options, options only beside a
+    URL, and a wait for the store shorter than the wait for a peer (else a rank waiting for its peers' data would be
+    stopped as hung first). What the store says is the data check's (data/remote.py)."""
+    d = cfg.dataset
+    members = d.mixture if d.mixture is not None else [d]
+    prefixes = [f"dataset.mixture[{i}]" for i in range(len(members))] if d.mixture is not None else ["dataset"]
+    errors, remote = [], False
+    for prefix, member in zip(prefixes, members):
+        url = bool(member.root) and looks_like_url(member.root) and not member.repo_id
+        remote = remote or url
+        secret = secret_options(member.remote_options)
+        if secret:
+            errors.append(f"{prefix}.remote_options must not hold credentials ({', '.join(secret)}): they would be "
+                          "written into train_config.json; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile "
+                          "(AWS_PROFILE) or a role instead.")
+        elif member.remote_options and not url:
+            errors.append(f"{prefix}.remote_options is set but {prefix}.root is not in object storage (s3://...).")
+    timeout = cfg.distributed.timeout_minutes * 60
+    if remote and d.remote_wait_seconds >= timeout:
+        errors.append(f"dataset.remote_wait_seconds ({d.remote_wait_seconds:g}) must be shorter than "
+                      f"distributed.timeout_minutes ({cfg.distributed.timeout_minutes:g} min): ranks waiting for a "
+                      "peer's data would be stopped as hung before the store is given up on.")
+    return errors
+
+
 def remote_rules(cfg) -> list[str]:
     """checkpoint.remote, read without the network: a URL with a scheme, no secret in its options, and not the run's
     own directory (what the store says is checked before launch, plan/run_plan.py check_remote)."""
@@ -284,7 +317,7 @@ def remote_rules(cfg) -> list[str]:
     if not sep or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme) or not rest.strip("/"):
         hint = f" (file://{Path(url).absolute()} for a directory)" if not sep else ""
         errors.append(f"checkpoint.remote '{url}' is not a URL such as s3://bucket/prefix/run{hint}.")
-    secret = [k for k in ckpt.remote_options if any(w in k.lower() for w in _SECRET_WORDS) or k.lower() in _SECRET_NAMES]
+    secret = secret_options(ckpt.remote_options)
     if secret:
         errors.append(f"checkpoint.remote_options must not hold credentials ({', '.join(sorted(secret))}): they would be "
                       "written into train_config.json; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile "

@@ -11,10 +11,11 @@ from torch.utils.data import DataLoader
 from opentau_cli.config.model import MixtureMember, TrainConfig
 from opentau_cli.data.dataset import LeRobotDataset
 from opentau_cli.data.fingerprint import fingerprints
-from opentau_cli.data.hub import dataset_root, revisions
+from opentau_cli.data.hub import revisions
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.mixture import MixtureDataset, MixtureSampler, into_policy_space, mixture_stats
 from opentau_cli.data.normalization import mode_of
+from opentau_cli.data.remote import LOCAL, member_files
 from opentau_cli.data.sampler import BatchStream, ResumableSampler
 from opentau_cli.data.synth import resolve_dataset_root
 from opentau_cli.data.video import VideoFrames
@@ -55,6 +56,7 @@ class TrainData:
     member_stats: list[dict] = field(default_factory=list)  # each dataset's own statistics
     revisions: dict = field(default_factory=dict)  # the Hub datasets' commits, {name: {repo_id, commit}}
     fingerprints: dict = field(default_factory=dict)  # the local datasets' files, {name: fingerprint} (data/fingerprint.py)
+    remote: bool = False  # some dataset is read from object storage (data/remote.py): its reads can wait, then fail
 
     @property
     def is_mixture(self) -> bool:
@@ -66,12 +68,14 @@ class TrainData:
         self.stream.set_prompt_tokenizer(prompt)  # the validation loader shares the stream's collate
 
 
-def make_dataset(cfg: TrainConfig, member: MixtureMember, root: Path, episodes: list[int], video: VideoFrames | None = None) -> LeRobotDataset:
+def make_dataset(cfg: TrainConfig, member: MixtureMember, root: Path, episodes: list[int], video: VideoFrames | None = None,
+                 files=LOCAL) -> LeRobotDataset:
+    """`files`: how its files are reached (data/remote.py member_files, which also gives `root`)."""
     d, p = cfg.dataset, cfg.policy
     return LeRobotDataset(
         root, episodes, chunk_size=p.chunk_size, image_resolution=tuple(p.image_resolution), num_cameras=d.num_cameras,
         camera_keys=member.camera_keys, state_key=member.state_key, action_key=member.action_key, prompt=member.prompt,
-        video_cache_mb=d.video_cache_mb, video=video,
+        video_cache_mb=d.video_cache_mb, video=video, files=files,
     )
 
 
@@ -82,19 +86,20 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
     members = cfg.dataset.members()
     mixture = cfg.dataset.mixture is not None
     video = VideoFrames(cache_mb=cfg.dataset.video_cache_mb) if mixture else None  # one budget for all members
-    trains, vals, roots = [], [], []
+    trains, vals, roots, remote = [], [], [], False
     for i, member in enumerate(members):
-        root = dataset_root(member, cfg.dataset.num_cameras, f"dataset.mixture[{i}]" if mixture else "dataset")
+        root, files = member_files(member, cfg.dataset, f"dataset.mixture[{i}]" if mixture else "dataset")
         roots.append(root)
+        remote = remote or files is not LOCAL
         train_eps, val_eps = split_episodes(root, cfg.validation.val_split, cfg.seed, member.episodes)
-        train = make_dataset(cfg, member, root, train_eps, video)
+        train = make_dataset(cfg, member, root, train_eps, video, files)
         # The widths against policy.max_*_dim were checked before launch from meta/info.json (data/check.py): hold the
         # data to what its meta declares, so that check stands for the rows themselves.
         for key, width in ((member.state_key, train.state_dim), (member.action_key, train.action_dim)):
             if width != train.meta.width(key):
                 raise UserError(f"{root}: '{key}' rows are {width} wide but meta/info.json declares {train.meta.width(key)}.")
         trains.append(train)
-        vals.append(make_dataset(cfg, member, root, val_eps, video) if val_eps else None)
+        vals.append(make_dataset(cfg, member, root, val_eps, video, files) if val_eps else None)
     member_stats = [t.stats for t in trains]
 
     if mixture:
@@ -126,4 +131,5 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
     return TrainData(stream=stream, val_loader=val_loader, stats=stats, state_dim=len(stats["state"]["mean"]),
                      action_dim=len(stats["action"]["mean"]), train_dataset=train_ds, val_dataset=val_ds,
                      names=[m.label for m in members], weights=[m.weight for m in members], member_stats=member_stats,
-                     revisions=revisions(members, roots), fingerprints=fingerprints(members, roots))
+                     revisions=revisions(members, roots), fingerprints=fingerprints(members, roots),
+                     remote=remote)

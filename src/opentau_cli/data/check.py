@@ -2,9 +2,11 @@
 
 Per dataset (the single `dataset.root`, or each member of `dataset.mixture`): the meta files, the mapped features and
 their widths, the camera mapping and PyAV for video, the selected episodes and their row / time ranges, the fps of
-every video against the dataset's, a stat of every data and video file the selected episodes read, and the footer
-of each of their parquet data files (no video is opened). Across a mixture: names, and one fps for all. Each problem
-is one line naming the file or key.
+every video against the dataset's, a stat of every data and video file the selected episodes read, the footer
+of each of their parquet data files, and that each selected camera's video decodes (the first frame of its first
+selected episode). Across a mixture: names, and one fps for all. Each problem is one line naming the file or key.
+A dataset in object storage goes through the same checks on its cached meta/ and the store's listing of the files
+the run reads (data/remote.py), its problems named by URL.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from pathlib import Path
 
 from opentau_cli.config.model import DEMO_DATASET, DatasetConfig, DatasetSource, MixtureMember, TrainConfig
 from opentau_cli.data.meta import DatasetMeta, camera_slots, layout_version, read_meta
+from opentau_cli.data.remote import LOCAL
 from opentau_cli.data.synth import demo_info, demo_root
 from opentau_cli.data.video import INSTALL_HINT, pyav_available
 from opentau_cli.errors import UserError
+from opentau_cli.store.storage import is_url
 
 NUMERIC = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
 SHOWN_FILES = 3  # missing files named in one line, the rest counted
@@ -37,11 +41,12 @@ def check_dataset(cfg: TrainConfig) -> list[str]:
     prefixes = [f"dataset.mixture[{i}]" for i in range(len(d.mixture))] if d.mixture is not None else ["dataset"]
     fps: dict[str, float] = {}
     for i, (prefix, member) in enumerate(zip(prefixes, d.members())):
-        meta, on_disk = _meta_of(prefix, member, errors, cfg, None if d.mixture is None else i)
+        meta, files = _meta_of(prefix, member, errors, cfg, None if d.mixture is None else i)
         if meta is None:
             continue
         fps[member.label] = meta.fps
-        errors.extend(_check_member(prefix, member, meta, on_disk, cfg))
+        problems = _check_member(prefix, member, meta, files, cfg)
+        errors.extend(files.shown(line) if files is not None else line for line in problems)
     if len(set(fps.values())) > 1:
         listed = ", ".join(f"{name} {rate:g}" for name, rate in fps.items())
         errors.append(
@@ -67,51 +72,72 @@ def _check_mixture_fields(d: DatasetConfig) -> list[str]:
 
 
 def _meta_of(prefix: str, member: MixtureMember, errors: list[str], cfg: TrainConfig,
-             index: int | None) -> tuple[DatasetMeta | None, bool]:
-    """The member's meta and whether its files are on disk to check (the demo is generated on first use). A Hub
-    dataset is resolved here, once per launch: what the run reads is brought into the Hugging Face cache, checked
-    there, and its commit pinned in `cfg` (data/hub.py)."""
+             index: int | None) -> tuple[DatasetMeta | None, object]:
+    """The member's meta and how its files are reached (data/remote.py LOCAL or RemoteFiles), None when they are not
+    there to check (the demo is generated on first use). A Hub dataset is resolved here, once per launch: what the
+    run reads is brought into the Hugging Face cache, checked there, and its commit pinned in `cfg` (data/hub.py); a
+    dataset in object storage likewise, its meta/ into this machine's cache and the versions of what the run reads
+    pinned (data/remote.py)."""
     if member.repo_id is not None or member.root is None:
         return _hub_meta_of(prefix, member, errors, cfg, index)
+    if is_url(member.root):
+        return _remote_meta_of(prefix, member, errors, cfg, index)
     if member.root == DEMO_DATASET and not (demo_root() / "meta" / "info.json").is_file():
         # Check against the info it will have rather than writing it now.
         info = demo_info()
         episodes = dict.fromkeys(range(info["total_episodes"]))  # indices only: nothing to stat yet
         return DatasetMeta(root=demo_root(), info=info, version=layout_version(info, demo_root()), episodes=episodes,
-                           tasks={}, stats=None), False
+                           tasks={}, stats=None), None
     root = demo_root() if member.root == DEMO_DATASET else Path(member.root).expanduser()
     if not root.is_dir():
         if prefix != "dataset":  # rules.py reports a dataset.root that is not a directory
             errors.append(f"{prefix}.root '{member.root}' is not a directory (a local LeRobot dataset, or '{DEMO_DATASET}').")
-        return None, False
+        return None, None
     try:
-        return read_meta(root), True
+        return read_meta(root), LOCAL
     except UserError as e:
         errors.append(str(e))
-        return None, False
+        return None, None
+
+
+def _remote_meta_of(prefix: str, member: MixtureMember, errors: list[str], cfg: TrainConfig,
+                    index: int | None) -> tuple[DatasetMeta | None, object]:
+    from opentau_cli.config.rules import secret_options
+    from opentau_cli.data import remote
+
+    if secret_options(member.remote_options):  # refused by the config rules, and never sent to a store
+        return None, None
+    try:
+        resolved = remote.resolve(member, cfg.dataset, prefix)
+        meta = read_meta(resolved.root)
+    except UserError as e:
+        errors.append(str(e))
+        return None, None
+    remote.pin(cfg, index, resolved)
+    return meta, resolved.files
 
 
 def _hub_meta_of(prefix: str, member: MixtureMember, errors: list[str], cfg: TrainConfig,
-                 index: int | None) -> tuple[DatasetMeta | None, bool]:
+                 index: int | None) -> tuple[DatasetMeta | None, object]:
     from opentau_cli.data import hub
 
     if member.repo_id is None:
         errors.append(f"{prefix} names no dataset: give root (a local LeRobot dataset) or repo_id (org/name on the Hugging Face Hub).")
-        return None, False
+        return None, None
     if member.root is not None:
         errors.append(f"{prefix}.root and {prefix}.repo_id are both set: give one (a local dataset, or one on the Hugging Face Hub).")
-        return None, False
+        return None, None
     try:
         resolved = hub.resolve(member, cfg.dataset.num_cameras, prefix)
         meta = read_meta(resolved.root)
     except UserError as e:
         errors.append(str(e))
-        return None, False
+        return None, None
     hub.pin(cfg, index, resolved)
-    return meta, True
+    return meta, LOCAL
 
 
-def _check_member(prefix: str, member: MixtureMember, meta: DatasetMeta, on_disk: bool, cfg: TrainConfig) -> list[str]:
+def _check_member(prefix: str, member: MixtureMember, meta: DatasetMeta, files, cfg: TrainConfig) -> list[str]:
     p = cfg.policy
     info_json = meta.root / "meta" / "info.json"
     errors = []
@@ -148,10 +174,13 @@ def _check_member(prefix: str, member: MixtureMember, meta: DatasetMeta, on_disk
     if split > 0 and max(1, round(len(selected) * split)) >= len(selected):
         errors.append(f"validation.val_split={split} holds out every one of the {len(selected)} episodes of {meta.root}: "
                       "lower it, or select more episodes.")
-    if on_disk:
+    if files is not None:
         chosen = [meta.episodes[e] for e in selected if e in meta.episodes]
         errors.extend(_check_ranges(meta, chosen, videos))
-        errors.extend(_check_files(prefix, meta, chosen, videos))
+        found = _check_files(prefix, meta, chosen, videos, files)
+        errors.extend(found)
+        if not found and not errors:
+            errors.extend(_check_decoding(meta, chosen, videos, files))
     return errors
 
 
@@ -172,9 +201,9 @@ def _check_ranges(meta: DatasetMeta, episodes: list, videos: list[str]) -> list[
     return []
 
 
-def _check_files(prefix: str, meta: DatasetMeta, episodes: list, videos: list[str]) -> list[str]:
-    """A stat of every data and video file the episodes read, and each data file's parquet footer: absent, empty
-    and unreadable ones, one line per kind."""
+def _check_files(prefix: str, meta: DatasetMeta, episodes: list, videos: list[str], files) -> list[str]:
+    """A stat of every data and video file the episodes read (in object storage: the store's listing), and each data
+    file's parquet footer: absent, empty and unreadable ones, one line per kind."""
     wanted: dict[Path, tuple[str, list[int]]] = {}  # path -> (the info.json template laying it out, episodes reading it)
     for ep in episodes:
         wanted.setdefault(meta.data_path(ep), ("data_path", []))[1].append(ep.index)
@@ -186,25 +215,44 @@ def _check_files(prefix: str, meta: DatasetMeta, episodes: list, videos: list[st
             wanted.setdefault(path, ("video_path", []))[1].append(ep.index)
     found: dict[tuple[str, str], list] = {}  # (missing | empty, data_path | video_path) -> files
     for path, (layout, eps) in wanted.items():
-        try:
-            size = path.stat().st_size
-        except OSError:
+        size = files.size(path)
+        if size is None:
             found.setdefault(("missing", layout), []).append((path, eps))
-            continue
-        if size == 0:
+        elif size == 0:
             found.setdefault(("empty", layout), []).append((path, eps))
-        elif layout == "data_path" and not _parquet_footer_reads(path):
+        elif layout == "data_path" and not _parquet_footer_reads(path, files):
             found.setdefault(("truncated or damaged (its parquet footer does not read)", layout), []).append((path, eps))
-    return [_files_line(prefix, meta, files, state, layout) for (state, layout), files in found.items()]
+    return [_files_line(prefix, meta, paths, state, layout) for (state, layout), paths in found.items()]
 
 
-def _parquet_footer_reads(path: Path) -> bool:
+def _check_decoding(meta: DatasetMeta, episodes: list, videos: list[str], files) -> list[str]:
+    """Each selected camera's video decodes: the first frame of its first selected episode, as training reads it
+    (what the codec, PyAV's decoders and the file's header say, found before launch instead of in a rank)."""
+    from opentau_cli.data.video import VideoFrames
+
+    frames = VideoFrames(cache_mb=1, max_open=1)
+    errors = []
+    for key in videos if episodes else []:
+        try:
+            path, start = meta.video_path(episodes[0], key)
+            frames.get(path, start, meta.fps, (8, 8), files)
+        except UserError as e:
+            errors.append(str(e))
+    frames.close()
+    return errors
+
+
+def _parquet_footer_reads(path: Path, files) -> bool:
     """Whether the parquet file's footer (its schema and row groups) reads: a truncated or damaged file fails here,
-    before launch, instead of in a rank mid-run. The footer only: a few KB, however large the file."""
+    before launch, instead of in a rank mid-run. The footer only: a few KB, however large the file (a file in object
+    storage is fetched into the cache, where the ranks read it next)."""
     import pyarrow.parquet as pq
 
     try:
-        pq.read_metadata(path)
+        with files.open(path) as local:
+            pq.read_metadata(local)
+    except UserError:
+        raise
     except Exception:  # pyarrow's ArrowInvalid / OSError: what a bad footer raises is pyarrow's business
         return False
     return True

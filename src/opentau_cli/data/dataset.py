@@ -11,6 +11,7 @@ from PIL import UnidentifiedImageError
 
 from opentau_cli.data.images import decode_image, resize_with_pad
 from opentau_cli.data.meta import EpisodeMeta, camera_slots, read_meta
+from opentau_cli.data.remote import LOCAL
 from opentau_cli.data.stats import dataset_stats
 from opentau_cli.data.video import VideoFrames
 from opentau_cli.errors import UserError
@@ -38,7 +39,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
     """Frames of a local LeRobot v2.1 / v3.0 dataset.
 
     Numbers (state, action, indices) are read into memory at construction; images are decoded per sample
-    (parquet bytes, or mp4 through a bounded frame cache per worker).
+    (parquet bytes, or mp4 through a bounded frame cache per worker). Every data, image and video file is reached
+    through `files` (data/remote.py): where it lies, or, for a dataset in object storage, a cached copy of the version
+    the launch pinned, fetched on first use; its messages then name the file by URL.
     """
 
     def __init__(
@@ -55,8 +58,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
         prompt: str | None = None,
         video_cache_mb: int = 256,
         video: VideoFrames | None = None,
+        files=LOCAL,
     ):
         self.root = Path(root)
+        self.files = files
         self.meta = read_meta(self.root)
         self.chunk_size = chunk_size
         self.resolution = (int(image_resolution[0]), int(image_resolution[1]))
@@ -78,7 +83,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
         if not episodes:
             raise UserError(f"no episodes of {self.root} selected (check dataset.episodes).")
         self.episodes = sorted(episodes)
-        self._load_numbers()
+        try:
+            self._load_numbers()
+        except UserError as e:
+            raise UserError(files.shown(str(e))) from None
         self.stats = dataset_stats(self.meta, self.episodes, self.state_key, self.action_key, self._state, self._action)
         self._images: OrderedDict[tuple, object] = OrderedDict()  # (data file, column) -> encoded images, LRU by bytes
         self._video = video or VideoFrames(cache_mb=video_cache_mb)  # a mixture's members share one cache
@@ -141,14 +149,15 @@ class LeRobotDataset(torch.utils.data.Dataset):
         """State, action, task and time columns of one data file; for v3.0 files also where each episode's rows are."""
         import pyarrow.parquet as pq
 
-        if not path.is_file():
-            raise UserError(f"data file {path} is missing.")
-        try:
-            names = pq.read_schema(path).names
-            wanted = [c for c in (self.state_key, self.action_key, "episode_index", "timestamp", "task_index") if c in names]
-            table = pq.read_table(path, columns=wanted)
-        except Exception as e:
-            raise UserError(f"{path} is not a readable parquet file: {e}.") from None
+        with self.files.open(path) as local:
+            if not local.is_file():
+                raise UserError(f"data file {path} is missing.")
+            try:
+                names = pq.read_schema(local).names
+                wanted = [c for c in (self.state_key, self.action_key, "episode_index", "timestamp", "task_index") if c in names]
+                table = pq.read_table(local, columns=wanted)
+            except Exception as e:
+                raise UserError(f"{path} is not a readable parquet file: {_reason(e, local, path)}.") from None
         n = table.num_rows
         cols = {
             "rows": n,
@@ -170,7 +179,12 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
     # -- samples ---------------------------------------------------------------------------------------------------
     def __getitem__(self, idx: int) -> dict:
-        idx = int(idx)
+        try:
+            return self._item(int(idx))
+        except UserError as e:
+            raise UserError(self.files.shown(str(e))) from None
+
+    def _item(self, idx: int) -> dict:
         ep = int(self._frame_ep[idx])
         end = self._ep_end[ep]
         # Action chunk: the next chunk_size actions of this episode; past its end repeat the last one and flag it.
@@ -208,7 +222,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         em: EpisodeMeta = self.meta.episodes[ep]
         if self.meta.features[feature].get("dtype") == "video":
             path, start = self.meta.video_path(em, feature)
-            return self._video.get(path, start + float(self._time[idx]), self.fps, self.resolution)
+            return self._video.get(path, start + float(self._time[idx]), self.fps, self.resolution, self.files)
         path, first = self._ep_file[ep]
         row = first + int(self._row[idx])
         cell = self._image_table(path, feature).column(feature)[row].as_py()
@@ -217,7 +231,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
         if data is None and isinstance(cell, dict) and cell.get("path"):
             img_path = self.root / cell["path"]
             try:
-                data = img_path.read_bytes()
+                with self.files.open(img_path) as local:
+                    data = local.read_bytes()
             except OSError:
                 raise UserError(f"image file {img_path} ({where}) is missing.") from None
         if not data:
@@ -235,12 +250,13 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
         key = (path, feature)
         if key not in self._images:
-            if feature not in pq.read_schema(path).names:
-                raise UserError(f"{path} has no column '{feature}' (the camera mapping names it).")
-            try:
-                table = pq.read_table(path, columns=[feature])
-            except Exception as e:
-                raise UserError(f"{path}: cannot read image column '{feature}': {e}.") from None
+            with self.files.open(path) as local:
+                if feature not in pq.read_schema(local).names:
+                    raise UserError(f"{path} has no column '{feature}' (the camera mapping names it).")
+                try:
+                    table = pq.read_table(local, columns=[feature])
+                except Exception as e:
+                    raise UserError(f"{path}: cannot read image column '{feature}': {_reason(e, local, path)}.") from None
             self._images[key] = table
             while len(self._images) > 1 and sum(t.nbytes for t in self._images.values()) > IMAGE_CACHE_BYTES:
                 self._images.popitem(last=False)
@@ -251,3 +267,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_images"] = OrderedDict()
         return state
+
+
+def _reason(e: Exception, local: Path, path: Path) -> str:
+    """pyarrow's words, naming the file by its place in the dataset rather than its cached copy."""
+    return str(e).replace(str(local), str(path))

@@ -47,18 +47,20 @@ def describe_dataset(root: str | Path) -> dict:
     }
 
 
-def verify_dataset(root: str | Path, *, state_key: str = "observation.state", action_key: str = "action", on_episode=None) -> int:
+def verify_dataset(root: str | Path, *, state_key: str = "observation.state", action_key: str = "action", on_episode=None,
+                   files=None) -> int:
     """Read every frame the way training does (numbers, every camera decoded); returns frames read.
 
     Raises UserError naming the file / key / episode at the first problem (missing file or column, corrupt image,
     missing or short video), so a dataset can be checked before a long run instead of failing mid-way.
     """
     from opentau_cli.data.dataset import LeRobotDataset
+    from opentau_cli.data.remote import LOCAL
 
     meta = read_meta(root)
     ds = LeRobotDataset(
         root, chunk_size=1, image_resolution=(8, 8), num_cameras=max(1, len(meta.camera_features)),
-        state_key=state_key, action_key=action_key,
+        state_key=state_key, action_key=action_key, files=files or LOCAL,
     )
     for idx in range(len(ds)):  # frames are in episode order
         ds[idx]
@@ -72,16 +74,16 @@ def describe_mixture(cfg) -> dict:
     episode split, and how often an epoch goes through its training frames. From the meta files only."""
     from opentau_cli.data.build import split_episodes
     from opentau_cli.data.mixture import draw_counts
-    from opentau_cli.data.hub import dataset_root
+    from opentau_cli.data.remote import member_files
 
     members = cfg.dataset.members()
     rows = []
     for m in members:
-        root = dataset_root(m, cfg.dataset.num_cameras)
+        root, files = member_files(m, cfg.dataset)
         meta = read_meta(root)
         train_eps, val_eps = split_episodes(root, cfg.validation.val_split, cfg.seed, m.episodes)
         rows.append({
-            "name": m.label, "root": str(root), "codebase_version": meta.info.get("codebase_version"),
+            "name": m.label, "root": files.url or str(root), "codebase_version": meta.info.get("codebase_version"),
             "robot_type": meta.info.get("robot_type"), "fps": meta.fps, "weight": m.weight,
             "train_episodes": len(train_eps), "val_episodes": len(val_eps),
             "train_frames": sum(meta.episodes[e].length for e in train_eps),

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from opentau_cli.errors import UserError
+from opentau_cli.errors import RunError, UserError
 
 
 class ResumableSampler(torch.utils.data.Sampler):
@@ -69,11 +69,12 @@ class _EpochBatches:
             yield idx[b * self.batch_size : (b + 1) * self.batch_size]
 
 
-def _plain_user_error(e: UserError) -> UserError:
-    """A UserError raised in a DataLoader worker comes back with the worker's traceback as its text; keep the last line."""
+def _plain_error(e: Exception) -> Exception:
+    """An error of ours raised in a DataLoader worker (UserError, data/remote.py's DataUnavailable) comes back with the
+    worker's traceback as its text; keep the last line."""
     text = str(e)
-    m = re.findall(r"UserError: (.*)", text)
-    return UserError(m[-1].strip()) if m else e
+    m = re.findall(rf"{type(e).__name__}: (.*)", text)
+    return type(e)(m[-1].strip()) if m else e
 
 
 def collate(samples: list[dict]) -> dict:
@@ -198,8 +199,8 @@ class BatchStream:
             self.load_state_dict({"epoch": self.epoch + 1, "batch": 0})
             self._it = iter(self._loader)
             batch = next(self._it)
-        except UserError as e:
-            raise _plain_user_error(e) from None
+        except (UserError, RunError) as e:
+            raise _plain_error(e) from None
         batch["sample_key"] = self.sample_keys(self.epoch, self.batch, len(batch["state"]))
         self.batch += 1
         return batch

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from opentau_cli.data.images import fit_size, pad_center
+from opentau_cli.data.remote import LOCAL, register_holder
 from opentau_cli.errors import UserError
 
 INSTALL_HINT = "install PyAV with `pip install 'opentau-cli[video]'` (or `pip install av`)"
@@ -46,14 +47,17 @@ def import_av():
 
 
 class VideoFrames:
-    """Per-process frame source. `get(path, t, fps, (h, w))` -> uint8 (h, w, 3) of the frame shown at time t."""
+    """Per-process frame source. `get(path, t, fps, (h, w), files)` -> uint8 (h, w, 3) of the frame shown at time t;
+    `files` reaches the file (data/remote.py: where it lies, or a cached copy of a dataset in object storage, held
+    while its container is open)."""
 
     def __init__(self, cache_mb: int = 256, max_open: int = 4):
         self.budget = cache_mb * 1024 * 1024
         self.max_open = max_open
         self._frames: OrderedDict[tuple, np.ndarray] = OrderedDict()  # (path, frame_no, h, w) -> pixels
         self._bytes = 0
-        self._open: OrderedDict[Path, object] = OrderedDict()  # path -> av container
+        self._open: OrderedDict[Path, tuple] = OrderedDict()  # path -> (av container, the file's lease)
+        self._registered = False
 
     def __getstate__(self):  # DataLoader workers start with an empty cache and no open files
         return {"budget": self.budget, "max_open": self.max_open}
@@ -61,41 +65,56 @@ class VideoFrames:
     def __setstate__(self, state):
         self.__init__(state["budget"] // (1024 * 1024), state["max_open"])
 
-    def get(self, path: Path, timestamp: float, fps: float, size: tuple[int, int]) -> np.ndarray:
+    def get(self, path: Path, timestamp: float, fps: float, size: tuple[int, int], files=LOCAL) -> np.ndarray:
         want = round(timestamp * fps)
         key = (path, want, *size)
         if key in self._frames:
             self._frames.move_to_end(key)
             return self._frames[key]
-        self._decode_until(path, want, fps, size)
+        self._decode_until(path, want, fps, size, files)
         if key not in self._frames:
             raise UserError(f"{path} has no frame at t={timestamp:.3f}s (frame {want}): the video is shorter than its episode; {REPAIR}.")
         return self._frames[key]
 
-    def _container(self, path: Path):
+    def close(self) -> None:
+        """Close every open container and let go of its file (the cache of a dataset in object storage may then
+        evict it)."""
+        while self._open:
+            _, (container, lease) = self._open.popitem(last=False)
+            container.close()
+            lease.close()
+
+    def _container(self, path: Path, files):
         if path in self._open:
             self._open.move_to_end(path)
-            return self._open[path]
+            return self._open[path][0]
         av = import_av()
-        if not path.is_file():
+        lease = files.lease(path)
+        if files is not LOCAL and not self._registered:  # a full cache may ask for the files held open here
+            register_holder(self.close)
+            self._registered = True
+        if not lease.path.is_file():
+            lease.close()
             raise UserError(f"video file {path} is missing; {REPAIR}.")
         try:
-            container = av.open(str(path))
+            container = av.open(str(lease.path))
         except Exception as e:
+            lease.close()
             raise UserError(f"cannot open video {path} ({_reason(e)}): the file is damaged; {REPAIR}.") from None
         # One decoder thread: parallelism comes from DataLoader workers, and a decoder that owns threads deadlocks
         # when a forked worker frees an inherited container (seen with dav1d); single-threaded was as fast here.
         codec = container.streams.video[0].codec_context
         codec.thread_count = 1
         codec.thread_type = "NONE"
-        self._open[path] = container
+        self._open[path] = (container, lease)
         while len(self._open) > self.max_open:
-            _, old = self._open.popitem(last=False)
+            _, (old, held) = self._open.popitem(last=False)
             old.close()
+            held.close()
         return container
 
-    def _decode_until(self, path: Path, want: int, fps: float, size: tuple[int, int]) -> None:
-        container = self._container(path)
+    def _decode_until(self, path: Path, want: int, fps: float, size: tuple[int, int], files) -> None:
+        container = self._container(path, files)
         stream = container.streams.video[0]
         try:
             # backward=True lands on the keyframe at or before the target.

@@ -47,6 +47,10 @@ class RemoteError(Exception):
     """A store operation that failed after its retries: one sentence, with no credentials in it."""
 
 
+class ObjectChanged(RemoteError):
+    """The object is no longer the version asked for (another ETag): it was replaced since it was listed."""
+
+
 def open_remote(url: str, options: dict | None = None):
     """The store at `url` (S3Remote for s3://, FsspecRemote for any other fsspec URL). Raises UserError with one
     sentence for a URL or options that cannot work (unknown scheme, no bucket, credentials among the options)."""
@@ -153,7 +157,7 @@ class S3Remote:
         self.url = f"s3://{bucket}/{prefix}".rstrip("/")
         self.bucket, self.prefix = bucket, prefix
         self.retry_seconds = float(options.get("retry_seconds", _RETRY_SECONDS))
-        part = int(float(options.get("part_mb", _PART_MB)) * (1 << 20))
+        part = self.part_bytes = int(float(options.get("part_mb", _PART_MB)) * (1 << 20))
         concurrency = int(options.get("concurrency", _CONCURRENCY))
         try:
             session = boto3.session.Session(profile_name=options.get("profile"))
@@ -298,6 +302,62 @@ class S3Remote:
             return out
         return self._retrying("list", prefix or "/", listing)
 
+    def objects(self, prefix: str = "") -> dict[str, dict]:
+        """{key: {"size", "etag", "last_modified"}} of every key under the folder `prefix`, from one listing: what
+        identifies the version of each object (a replaced object gets another ETag and time)."""
+        rel = _key(prefix, prefix=True)
+        base = "/".join(p for p in (self.prefix, rel) if p)
+        base = f"{base}/" if base else ""
+        cut = len(f"{self.prefix}/") if self.prefix else 0
+
+        def listing():
+            out = {}
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                for item in page.get("Contents", []):
+                    if not item["Key"].endswith("/"):
+                        out[item["Key"][cut:]] = {"size": int(item["Size"]), "etag": item["ETag"],
+                                                  "last_modified": item["LastModified"].isoformat()}
+            return out
+        return self._retrying("list", prefix or "/", listing)
+
+    def fetch_version(self, key: str, out, etag: str, size: int) -> dict:
+        """Write the object `key` into the open binary file `out` (from its start), only as the version `etag` (S3's
+        If-Match on every request: ObjectChanged when it was replaced, never a mix of two versions); large objects in
+        ranged parts through the transfer pool. Returns what the store said of it ({"version_id"} when versioned)."""
+        import botocore.exceptions as bx
+        from s3transfer.exceptions import S3DownloadFailedError
+        from s3transfer.subscribers import BaseSubscriber
+
+        full = self._full(key)
+
+        class Known(BaseSubscriber):  # the listing's size and ETag: no HEAD, and If-Match on every ranged GET
+            def on_queued(self, future, **kwargs):
+                future.meta.provide_transfer_size(size)
+                future.meta.provide_object_etag(etag)
+
+        def fetch():
+            out.seek(0)
+            try:
+                if size >= self.part_bytes:
+                    self._transfer.download(self.bucket, full, out, subscribers=[Known()]).result()
+                    return {}
+                answer = self._client.get_object(Bucket=self.bucket, Key=full, IfMatch=etag)
+                body = answer["Body"]
+                while chunk := body.read(_CHUNK):
+                    out.write(chunk)
+                return {"version_id": answer["VersionId"]} if answer.get("VersionId") else {}
+            except S3DownloadFailedError as e:
+                if "did not match expected ETag" in str(e):
+                    raise ObjectChanged(f"{self.url}/{key} changed in the store (it is no longer {etag}).") from None
+                raise
+            except bx.ClientError as e:
+                if _code(e)[0] == "PreconditionFailed":
+                    raise ObjectChanged(f"{self.url}/{key} changed in the store (it is no longer {etag}).") from None
+                raise
+        got = self._retrying("download", key, fetch)
+        out.truncate(size)
+        return got
+
     def delete(self, keys: list[str]) -> None:
         """Delete the keys that exist (1000 per request); a key that does not exist is no error."""
         fulls = [self._full(k) for k in keys]
@@ -383,6 +443,8 @@ class S3Remote:
         while True:
             try:
                 return fn()
+            except ObjectChanged:
+                raise
             except Exception as e:
                 if _missing(e):
                     raise FileNotFoundError(f"{self.url}/{key} does not exist.") from None
@@ -548,6 +610,42 @@ class FsspecRemote:
                     if i.get("type") != "directory" and not p.rpartition("/")[2].endswith(".part")}
         return self._retrying("list", prefix or "/", listing)
 
+    def objects(self, prefix: str = "") -> dict[str, dict]:
+        """{key: {"size", "etag", "last_modified"}} as the backend reports them (a filesystem: its size and time)."""
+        rel = _key(prefix, prefix=True)
+        base = f"{self.root}/{rel}" if rel else self.root
+        cut = len(self.fs._strip_protocol(self.root).rstrip("/")) + 1
+
+        def listing():
+            try:
+                found = self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {self.fs._strip_protocol(p)[cut:]: _version_of(i) for p, i in found.items()
+                    if i.get("type") != "directory" and not p.rpartition("/")[2].endswith(".part")}
+        return self._retrying("list", prefix or "/", listing)
+
+    def fetch_version(self, key: str, out, etag: str, size: int) -> dict:
+        """Write the object into `out` if it is still the version `etag` (as `objects` reports it), else
+        ObjectChanged; checked before and after the copy."""
+        path = self._path(key)
+
+        def same() -> None:
+            if _version_of(self.fs.info(path))["etag"] != etag:
+                raise ObjectChanged(f"{self.url}/{key} changed in the store (it is no longer {etag}).")
+
+        def fetch():
+            same()
+            out.seek(0)
+            with self.fs.open(path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    out.write(chunk)
+            same()
+            return {}
+        self._retrying("download", key, fetch)
+        out.truncate(size)
+        return {}
+
     def delete(self, keys: list[str]) -> None:
         for key in keys:
             try:
@@ -582,7 +680,7 @@ class FsspecRemote:
         while True:
             try:
                 return fn()
-            except (FileNotFoundError, IsADirectoryError):
+            except (FileNotFoundError, IsADirectoryError, ObjectChanged):
                 raise
             except (ConnectionError, TimeoutError) as e:
                 pause = _backoff(attempt)
@@ -590,3 +688,13 @@ class FsspecRemote:
                     raise RemoteError(f"{what.capitalize()} of {self.url}/{key} failed: {type(e).__name__}.") from None
                 time.sleep(pause)
                 attempt += 1
+
+
+def _version_of(info: dict) -> dict:
+    """An fsspec entry's size and what identifies its version: the store's ETag where it gives one, else its
+    modification time with its size."""
+    size = int(info.get("size") or 0)
+    when = info.get("LastModified") or info.get("mtime") or info.get("last_modified") or info.get("updated") or ""
+    when = when.isoformat() if hasattr(when, "isoformat") else str(when)
+    etag = info.get("ETag") or info.get("etag") or f"{size}@{when}"
+    return {"size": size, "etag": str(etag), "last_modified": when}

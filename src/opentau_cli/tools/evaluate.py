@@ -44,16 +44,17 @@ class Evaluated:
 def _dataset(cfg: TrainConfig, member: MixtureMember, episodes: list[int] | None, from_run: bool):
     """The evaluated dataset and whether its episodes are the run's held-out ones."""
     from opentau_cli.data.build import make_dataset, split_episodes
-    from opentau_cli.data.hub import dataset_root
+    from opentau_cli.data.remote import member_files
 
-    root = dataset_root(member, cfg.dataset.num_cameras)  # a Hub dataset: the run's snapshot in the cache
+    # A Hub dataset: the run's snapshot in the cache; one in object storage: the run's version through this machine's cache.
+    root, files = member_files(member, cfg.dataset)
     held_out = False
     if episodes is None and from_run and cfg.validation.val_split > 0:
         _, episodes = split_episodes(root, cfg.validation.val_split, cfg.seed, member.episodes)
         held_out = True
     elif episodes is None:
         episodes = member.episodes
-    return make_dataset(cfg, member, root, episodes), held_out
+    return make_dataset(cfg, member, root, episodes, files=files), held_out
 
 
 def parse_episodes(text: str | None) -> list[int] | None:
@@ -113,12 +114,12 @@ def _check_widths(policy, dataset) -> None:
 def _trajectories(policy, cfg, member: MixtureMember, episodes: list[int], device, generator) -> list[dict]:
     """For a few episodes: the recorded actions, and the chunks sampled every n_action_steps frames laid end to end."""
     from opentau_cli.data.build import make_dataset
-    from opentau_cli.data.hub import dataset_root
+    from opentau_cli.data.remote import member_files
 
-    root = dataset_root(member, cfg.dataset.num_cameras)  # a Hub dataset: the run's snapshot in the cache
+    root, files = member_files(member, cfg.dataset)  # as _dataset reads it
     out = []
     for episode in episodes:
-        one = make_dataset(cfg, member, root, [episode])
+        one = make_dataset(cfg, member, root, [episode], files=files)
         recorded = torch.stack([one[i]["actions"][0] for i in range(len(one))])
         starts = list(range(0, len(one), policy.cfg.n_action_steps))
         chunks = torch.cat([sample(policy, b, device, generator) for b in _batches(one, starts, 8)])

@@ -14,6 +14,7 @@ import torch
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.data.fingerprint import FINGERPRINTS
+from opentau_cli.data.remote import DataUnavailable
 from opentau_cli.store.layout import EMA_STATE
 from opentau_cli.store.topology import topologies, topology_entry, with_topology
 from opentau_cli.train import fsdp
@@ -193,8 +194,23 @@ class Trainer:
         # The DataLoader draws a seed from the global torch RNG whenever it starts an iterator (first batch, new epoch,
         # after a resume); forking keeps those draws out of the model's random stream so a resumed run matches.
         with torch.random.fork_rng(devices=[]):
-            batch = next(self.data.stream)
+            batch = self.agreed_next(self.data.stream)
         return self.augment(to_device(self.augment.prepare(batch), self.accelerator.device))
+
+    def agreed_next(self, batches):
+        """next(batches); when the data comes from object storage, every rank then agrees that every rank has its
+        batch before any computes on it: a rank whose store stayed away (DataUnavailable) stops every rank at the
+        same point, from where they save together (docs/ARCHITECTURE.md, "Datasets in object storage")."""
+        if not self.data.remote:
+            return next(batches)
+        failure = None
+        try:
+            batch = next(batches)
+        except DataUnavailable as e:
+            failure = e
+        if any_rank(self.accelerator, failure is not None):
+            raise first_failure(self.accelerator, failure)
+        return batch
 
     def train_step(self, timer: StepTimer = NO_TIMER, *, stop_requested: bool = False) -> StepResult:
         """One optimizer step, then the collectives every rank runs after it: the metrics gather on log steps and the
@@ -217,9 +233,14 @@ class Trainer:
         acc, accum = self.accelerator, self.cfg.gradient_accumulation_steps
         if not self.model.training:  # only validation switches it off; a walk over every module costs ~0.6 ms a step
             self.model.train()
+        start = self.data.stream.state_dict()
         for _ in range(accum):
             with timer.phase("data"):
-                batch = self.next_batch()
+                try:
+                    batch = self.next_batch()
+                except DataUnavailable:  # the step did not happen: its data position is where it began
+                    self.data.stream.load_state_dict(start)
+                    raise
             with acc.accumulate(self.model):
                 with timer.phase("forward"):
                     out = self.model(batch)
@@ -319,7 +340,7 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + 7 * acc.process_index + 1)
             it = iter(loader)
             for _ in range(n):
-                batch = to_device(next(it), acc.device)
+                batch = to_device(self.agreed_next(it), acc.device)
                 out = self.model(batch)
                 for k, v in out.items():
                     if isinstance(v, torch.Tensor) and v.dim() == 0:
@@ -419,6 +440,19 @@ def any_rank(accelerator, flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, group=host_group())
     return bool(t.item() > 0)
+
+
+def first_failure(accelerator, failure: DataUnavailable | None) -> DataUnavailable:
+    """The failure of the lowest rank that had one, on every rank (a collective, after any_rank said one did)."""
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1:
+        return failure
+    everyone = [None] * accelerator.num_processes
+    dist.all_gather_object(everyone, None if failure is None else (type(failure).__name__, str(failure)),
+                           group=host_group())
+    name, text = next(f for f in everyone if f is not None)
+    return next(c for c in (DataUnavailable, *DataUnavailable.__subclasses__()) if c.__name__ == name)(text)
 
 
 _HOST_GROUP: dict = {}

@@ -86,6 +86,7 @@ def agree_run_id(accelerator, launch: dict, machine_rank: int) -> tuple[str, int
 
 def fit(cfg, setup, launch: dict, console) -> int:
     """Build, maybe resume, and run the loop: step, log, validate, save."""
+    from opentau_cli.data.remote import DataUnavailable
     from opentau_cli.process import runlock
     from opentau_cli.process import restarts
     from opentau_cli.process.runtime import attempt, keep_until_exit, max_restarts
@@ -190,6 +191,9 @@ def fit(cfg, setup, launch: dict, console) -> int:
                 break
         watchdog.stop()
         ckpt.wait()  # async_save: the last save is published before the run ends
+    except DataUnavailable as e:  # every rank together (Trainer.agreed_next), at the last step trained
+        stop_for_data(e, trainer.step, ckpt, lambda: {**trainer.state_dict(), "validation": None,
+                                                       "trackers": trackers.state()}, config, run_dir)
     finally:
         progress.close()
         metrics.close()
@@ -197,6 +201,24 @@ def fit(cfg, setup, launch: dict, console) -> int:
             acc.end_training()
         trainer.data.stream.close()
     return 0
+
+
+def stop_for_data(e, step: int, ckpt, state, config: dict, run_dir: Path):
+    """A dataset in object storage could not be read for dataset.remote_wait_seconds (or changed under the run): what
+    was trained is saved (`state()`, unless that step is saved already) and the launch stops with one sentence (exit
+    1), its data position at the first batch not trained on (docs/ARCHITECTURE.md, "Datasets in object storage")."""
+    from opentau_cli.data.remote import DataChanged
+    from opentau_cli.errors import RunError
+    from opentau_cli.store.layout import step_of
+
+    if step and (ckpt.parent is None or step_of(ckpt.parent.name) != step):
+        ckpt.save(step, config=config, state=state())
+    ckpt.wait()
+    flag = " --dataset-changed=true" if isinstance(e, DataChanged) else ""
+    then = "to train on the files as they are now" if flag else "once the store answers"
+    if not step:
+        raise RunError(f"{e}: no step was trained; run the same command again {then}.") from None
+    raise RunError(f"{e}: step {step} is saved; continue with `opentau resume {run_dir}{flag}` {then}.") from None
 
 
 def restart_point(acc, leader: int, cfg, setup, launch: dict, run_log_dir: Path, resume_from: Path | None,
