@@ -285,11 +285,13 @@ def test_a_store_away_for_a_while_is_waited_for_and_one_away_too_long_is_one_sen
         files = resolved.files
         video = files.root / f"videos/chunk-000/{TOP}/episode_000001.mp4"
         server.stop()
-        threading.Timer(4, server.start).start()  # back after 4 s
+        back = threading.Timer(4, server.start)  # back after 4 s
+        back.start()
         started = time.monotonic()
         with files.open(video) as path:
             assert path.read_bytes() == (local["v21"] / f"videos/chunk-000/{TOP}/episode_000001.mp4").read_bytes()
         assert time.monotonic() - started >= 3.5  # it waited for the store
+        back.join()
         files.wait_seconds = 3
         server.stop()
         started = time.monotonic()

@@ -4,7 +4,7 @@ Put this directory on PYTHONPATH and set TEST_OUTAGE_DIR=DIR. Whenever DIR/arm e
 file by any process of the launch (a rank or a data worker) claims the outage: it creates DIR/request, then waits
 until the test has stopped the server (DIR/down) and goes on with the download, which then meets the store gone.
 What happens from there (retries, waiting, giving up) is the product's own. Python processes without the variable
-are untouched.
+are untouched. Python reads one sitecustomize: this one also installs tests/sample_hook's (TEST_RECORD_SAMPLES).
 """
 
 from __future__ import annotations
@@ -37,3 +37,8 @@ def _install(directory: str) -> None:
 
 if os.environ.get("TEST_OUTAGE_DIR"):
     _install(os.environ["TEST_OUTAGE_DIR"])
+if os.environ.get("TEST_RECORD_SAMPLES"):
+    import runpy
+
+    runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sample_hook",
+                                "sitecustomize.py"))

@@ -15,7 +15,8 @@ from opentau_cli.data.hub import revisions
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.mixture import MixtureDataset, MixtureSampler, into_policy_space, mixture_stats
 from opentau_cli.data.normalization import mode_of
-from opentau_cli.data.remote import LOCAL, member_files
+from opentau_cli.data.files import LOCAL
+from opentau_cli.data.remote import member_files
 from opentau_cli.data.sampler import BatchStream, ResumableSampler
 from opentau_cli.data.synth import resolve_dataset_root
 from opentau_cli.data.video import VideoFrames

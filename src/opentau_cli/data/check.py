@@ -16,7 +16,7 @@ from pathlib import Path
 
 from opentau_cli.config.model import DEMO_DATASET, DatasetConfig, DatasetSource, MixtureMember, TrainConfig
 from opentau_cli.data.meta import DatasetMeta, camera_slots, layout_version, read_meta
-from opentau_cli.data.remote import LOCAL
+from opentau_cli.data.files import LOCAL
 from opentau_cli.data.synth import demo_info, demo_root
 from opentau_cli.data.video import INSTALL_HINT, pyav_available
 from opentau_cli.errors import UserError

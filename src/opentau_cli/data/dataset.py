@@ -11,7 +11,7 @@ from PIL import UnidentifiedImageError
 
 from opentau_cli.data.images import decode_image, resize_with_pad
 from opentau_cli.data.meta import EpisodeMeta, camera_slots, read_meta
-from opentau_cli.data.remote import LOCAL
+from opentau_cli.data.files import LOCAL
 from opentau_cli.data.stats import dataset_stats
 from opentau_cli.data.video import VideoFrames
 from opentau_cli.errors import UserError

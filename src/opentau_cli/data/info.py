@@ -55,7 +55,7 @@ def verify_dataset(root: str | Path, *, state_key: str = "observation.state", ac
     missing or short video), so a dataset can be checked before a long run instead of failing mid-way.
     """
     from opentau_cli.data.dataset import LeRobotDataset
-    from opentau_cli.data.remote import LOCAL
+    from opentau_cli.data.files import LOCAL
 
     meta = read_meta(root)
     ds = LeRobotDataset(

@@ -32,12 +32,12 @@ import os
 import random
 import re
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from opentau_cli.config.model import DatasetConfig, MixtureMember
+from opentau_cli.data.files import LOCAL, Lease, release_held
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.store.storage import is_url
 
@@ -49,9 +49,9 @@ FILES = "files"
 _LOCK = ".lock"
 _PART = ".part"
 _REVISION = re.compile(r"^[0-9a-f]{32}$")
-# Each request to the store retries for a few seconds only: the waiting (dataset.remote_wait_seconds) is this
-# module's own loop, which says in the rank's log that the store is away.
-_REQUEST_RETRY_SECONDS = 5.0
+# Each request to the store retries for a second only: the waiting (dataset.remote_wait_seconds) is this module's own
+# loop, which says in the rank's log at once that the store is away.
+_REQUEST_RETRY_SECONDS = 1.0
 
 
 class DataUnavailable(RunError):
@@ -268,72 +268,6 @@ def _hold(path: Path) -> int | None:
     return fd
 
 
-class Lease:
-    """A local file held for reading: eviction leaves it alone until `close`."""
-
-    def __init__(self, path: Path, fd: int | None = None):
-        self.path, self._fd = Path(path), fd
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __enter__(self) -> Path:
-        return self.path
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        self.close()
-
-
-# Objects of this process that hold leases only to keep files open for later (data/video.py's open containers):
-# asked to let go when the cache has no room for a file this process needs.
-_HOLDERS: list = []
-
-
-def register_holder(release) -> None:
-    """`release()` closes what its owner keeps open (a bound method, kept weakly)."""
-    _HOLDERS.append(weakref.WeakMethod(release))
-
-
-def _release_held() -> None:
-    for ref in list(_HOLDERS):
-        method = ref()
-        if method is None:
-            _HOLDERS.remove(ref)
-        else:
-            method()
-
-
-# --- what a reader uses ------------------------------------------------------------------------------------------
-
-class LocalFiles:
-    """A dataset on this machine's disk: its files are read where they are."""
-
-    url = None
-
-    def lease(self, path: Path) -> Lease:
-        return Lease(path)
-
-    def open(self, path: Path) -> Lease:
-        return Lease(path)
-
-    def size(self, path: Path) -> int | None:
-        try:
-            return Path(path).stat().st_size
-        except OSError:
-            return None
-
-    def shown(self, text: str) -> str:
-        return text
-
-
-LOCAL = LocalFiles()
-
-
 class RemoteFiles:
     """The files of one version of a dataset in object storage, as a reader sees them: paths under `root` (the
     cached meta's root, a LeRobot layout) map to cached copies of the pinned versions, fetched on first use."""
@@ -402,7 +336,7 @@ class RemoteFiles:
                     short = int(str(e))
             if reserved is None:
                 if short is not None and not let_go:
-                    _release_held()
+                    release_held()
                     let_go = True
                     continue
                 if short is not None and time.monotonic() - started > self.wait_seconds:
@@ -442,21 +376,28 @@ class RemoteFiles:
             except FileNotFoundError:
                 raise UserError(f"{self.url}/{rel} is no longer in the store (it was there when the run started): "
                                 "restore it, or train without the episodes that read it (dataset.episodes).") from None
-            except ObjectChanged:
-                raise DataChanged(f"{self.url}/{rel} changed in the store while the run read the dataset (the run "
-                                  "reads the versions its launch pinned)") from None
+            except ObjectChanged as e:
+                try:  # a store starting up may refuse a read it cannot check yet: only another ETag is a change
+                    now = self.store().version(rel)
+                except RemoteError:
+                    now = pin
+                if now is None or now["etag"] != pin["etag"]:
+                    raise DataChanged(f"{self.url}/{rel} changed in the store while the run read the dataset (the "
+                                      "run reads the versions its launch pinned)") from None
+                error = e
             except RemoteError as e:
-                waited, why = time.monotonic() - started, str(e).rpartition(" failed: ")[2].rstrip(".")
-                if waited >= self.wait_seconds:
-                    raise DataUnavailable(f"The store of {self.url} did not answer for {waited:.0f} s "
-                                          f"(dataset.remote_wait_seconds) while {rel} was read ({why})") from None
-                if not said:
-                    print(f"{self.url}: reading {rel} failed ({why}); retrying for up to {self.wait_seconds:g} s "
-                          "(dataset.remote_wait_seconds) while training waits.", flush=True)
-                    said = True
-                time.sleep(min(min(30.0, 0.5 * 2 ** attempt) * random.uniform(0.5, 1.0),
-                               max(0.0, self.wait_seconds - waited)))
-                attempt += 1
+                error = e
+            waited, why = time.monotonic() - started, str(error).rpartition(" failed: ")[2].rstrip(".")
+            if waited >= self.wait_seconds:
+                raise DataUnavailable(f"The store of {self.url} did not answer for {waited:.0f} s "
+                                      f"(dataset.remote_wait_seconds) while {rel} was read ({why})")
+            if not said:
+                print(f"{self.url}: reading {rel} failed ({why}); retrying for up to {self.wait_seconds:g} s "
+                      "(dataset.remote_wait_seconds) while training waits.", flush=True)
+                said = True
+            time.sleep(min(min(30.0, 0.5 * 2 ** attempt) * random.uniform(0.5, 1.0),
+                           max(0.0, self.wait_seconds - waited)))
+            attempt += 1
 
 
 # --- before launch -----------------------------------------------------------------------------------------------

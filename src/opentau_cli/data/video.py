@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from opentau_cli.data.images import fit_size, pad_center
-from opentau_cli.data.remote import LOCAL, register_holder
+from opentau_cli.data.files import LOCAL, register_holder
 from opentau_cli.errors import UserError
 
 INSTALL_HINT = "install PyAV with `pip install 'opentau-cli[video]'` (or `pip install av`)"

@@ -320,6 +320,14 @@ class S3Remote:
             return out
         return self._retrying("list", prefix or "/", listing)
 
+    def version(self, key: str) -> dict | None:
+        """{"size", "etag", "last_modified"} of the object as the store has it now (HeadObject); None when absent."""
+        head = self._head(key)
+        if head is None:
+            return None
+        return {"size": int(head["ContentLength"]), "etag": head["ETag"],
+                "last_modified": head["LastModified"].isoformat()}
+
     def fetch_version(self, key: str, out, etag: str, size: int) -> dict:
         """Write the object `key` into the open binary file `out` (from its start), only as the version `etag` (S3's
         If-Match on every request: ObjectChanged when it was replaced, never a mix of two versions); large objects in
@@ -624,6 +632,12 @@ class FsspecRemote:
             return {self.fs._strip_protocol(p)[cut:]: _version_of(i) for p, i in found.items()
                     if i.get("type") != "directory" and not p.rpartition("/")[2].endswith(".part")}
         return self._retrying("list", prefix or "/", listing)
+
+    def version(self, key: str) -> dict | None:
+        try:
+            return _version_of(self._retrying("look up", key, lambda: self.fs.info(self._path(key))))
+        except FileNotFoundError:
+            return None
 
     def fetch_version(self, key: str, out, etag: str, size: int) -> dict:
         """Write the object into `out` if it is still the version `etag` (as `objects` reports it), else
