@@ -1,6 +1,7 @@
 """A damaged copy of the real g1 dataset (one video removed, one truncated), through the installed CLI.
 
-A removed file is found before launch by `config validate` and `train` alike; a truncated one only shows while
+A removed file is found before launch by `config validate` and `train` alike (so is a video that does not decode
+at the first selected episode: tests/test_data_remote.py); a truncated one of a later episode only shows while
 reading: the 2-rank run stops with exit 2 and one line, the elastic launcher's traceback stays in the run's logs, and
 the same command runs again once the file is restored.
 """
@@ -58,7 +59,7 @@ def test_a_video_removed_from_the_real_dataset_is_named_by_validate_and_train_be
 def test_a_truncated_video_stops_a_2_rank_run_with_one_line_and_the_same_command_runs_once_it_is_restored(g1, damaged, tmp_path):
     out = tmp_path / "run"
     command = ["train", f"--config_path={TINY}", f"--accelerate-config={DDP}", f"--dataset.root={damaged}", f"--output_dir={out}",
-               "--dataset.episodes=[1]", "--validation.val_split=0", "--validation.val_freq=0", "--batch_size=2", "--steps=2",
+               "--dataset.episodes=[0,1]", "--validation.val_split=0", "--validation.val_freq=0", "--batch_size=2", "--steps=2",
                "--save_freq=2", "--log_freq=1", "--scheduler.warmup_steps=0", *WIDE]
     failed = run_cli(command, cwd=tmp_path)
     assert failed.returncode == 2, failed.stderr[-3000:]
