@@ -217,3 +217,51 @@ def test_a_video_in_the_store_that_fails_to_decode_is_named_by_url_and_never_tak
     assert len(errors) == 1 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert f"{url}/videos/chunk-000/observation.images.cam_high/episode_000001.mp4" in errors[0]
     assert "damaged" in errors[0] and not (out / CHECKPOINTS).exists()
+
+
+def test_a_resume_refuses_the_dataset_changed_in_the_store_unless_told_and_the_checkpoint_records_every_version(
+        runs, tmp_path):
+    """After the other tests (it rewrites a file in the store, then puts it back): the versions recorded in the
+    checkpoint are the store's (a plain client's listing); a resume checks them before anything starts."""
+    import boto3
+    from botocore.config import Config
+    from conftest import refused, run_cli_in_process
+
+    from opentau_cli.store.layout import TRAINING_STATE
+
+    client = boto3.client("s3", endpoint_url=runs.server.endpoint, aws_access_key_id=ACCESS_KEY,
+                          aws_secret_access_key=SECRET_KEY, region_name="us-east-1", config=Config(retries={"max_attempts": 1}))
+    listing = {o["Key"].split("teams/reach/", 1)[1]: o for o in client.list_objects_v2(
+        Bucket=runs.server.bucket, Prefix="teams/reach/")["Contents"]}
+    state = json.loads((runs.run / CHECKPOINTS / f"{STEPS:06d}" / TRAINING_STATE).read_text())
+    (record,) = state["dataset_fingerprints"].values()
+    assert record["url"] == runs.url and record["files"] == 80  # 40 data files and 40 videos in the store
+    assert record["bytes"] == sum(o["Size"] for k, o in listing.items() if k.startswith(("data/", "videos/")))
+    assert len(record["versions"]) == 80 + sum(k.startswith("meta/") for k in listing)  # every file the run reads
+    for rel, version in record["versions"].items():
+        assert (version["etag"], version["size"]) == (listing[rel]["ETag"], listing[rel]["Size"]), rel
+        assert version["last_modified"] == listing[rel]["LastModified"].isoformat(), rel
+
+    env = {**runs.server.env, "OPENTAU_CACHE_DIR": str(runs.cache), "HF_HOME": str(runs.tmp / "hf_home")}
+    same = run_cli_in_process(["resume", str(runs.run)], env=env)
+    assert same.returncode == 0 and "Nothing to do" in same.stderr and "changed" not in same.stderr, same.stderr
+    rel = "data/chunk-000/episode_000007.parquet"
+    original = client.get_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}")["Body"].read()
+    client.put_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}", Body=original)  # same bytes, a new upload
+    try:
+        rewritten = run_cli_in_process(["resume", str(runs.run)], env=env)
+        assert rewritten.returncode == 0, rewritten.stderr  # the same content: the same ETag, nothing changed
+        import io
+
+        import pyarrow.parquet as pq
+
+        other = io.BytesIO()  # the same rows written again another way: a valid file, other bytes
+        pq.write_table(pq.read_table(io.BytesIO(original)), other, compression="gzip")
+        client.put_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}", Body=other.getvalue())
+        refused(run_cli_in_process(["resume", str(runs.run)], env=env),
+                f"{runs.url} changed since checkpoint {STEPS:06d} was saved", f"1 of the files it read has another "
+                f"version in the store ({rel})", "--dataset-changed=true")
+        told = run_cli_in_process(["resume", str(runs.run), "--dataset-changed=true"], env=env)
+        assert told.returncode == 0 and "resuming on it as it is now (--dataset-changed=true)" in told.stderr, told.stderr
+    finally:
+        client.put_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}", Body=original)

@@ -56,7 +56,7 @@ class TrainData:
     weights: list[float] = field(default_factory=list)
     member_stats: list[dict] = field(default_factory=list)  # each dataset's own statistics
     revisions: dict = field(default_factory=dict)  # the Hub datasets' commits, {name: {repo_id, commit}}
-    fingerprints: dict = field(default_factory=dict)  # the local datasets' files, {name: fingerprint} (data/fingerprint.py)
+    fingerprints: dict = field(default_factory=dict)  # the datasets' files, {name: fingerprint} (data/fingerprint.py)
     remote: bool = False  # some dataset is read from object storage (data/remote.py): its reads can wait, then fail
 
     @property
@@ -87,11 +87,11 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
     members = cfg.dataset.members()
     mixture = cfg.dataset.mixture is not None
     video = VideoFrames(cache_mb=cfg.dataset.video_cache_mb) if mixture else None  # one budget for all members
-    trains, vals, roots, remote = [], [], [], False
+    trains, vals, roots, sources = [], [], [], []
     for i, member in enumerate(members):
         root, files = member_files(member, cfg.dataset, f"dataset.mixture[{i}]" if mixture else "dataset")
         roots.append(root)
-        remote = remote or files is not LOCAL
+        sources.append(files)
         train_eps, val_eps = split_episodes(root, cfg.validation.val_split, cfg.seed, member.episodes)
         train = make_dataset(cfg, member, root, train_eps, video, files)
         # The widths against policy.max_*_dim were checked before launch from meta/info.json (data/check.py): hold the
@@ -132,5 +132,5 @@ def build_data(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> TrainDat
     return TrainData(stream=stream, val_loader=val_loader, stats=stats, state_dim=len(stats["state"]["mean"]),
                      action_dim=len(stats["action"]["mean"]), train_dataset=train_ds, val_dataset=val_ds,
                      names=[m.label for m in members], weights=[m.weight for m in members], member_stats=member_stats,
-                     revisions=revisions(members, roots), fingerprints=fingerprints(members, roots),
-                     remote=remote)
+                     revisions=revisions(members, roots), fingerprints=fingerprints(members, roots, sources),
+                     remote=any(files is not LOCAL for files in sources))

@@ -273,9 +273,10 @@ class RemoteFiles:
     cached meta's root, a LeRobot layout) map to cached copies of the pinned versions, fetched on first use."""
 
     def __init__(self, url: str, options: dict, root: Path, pins: dict[str, dict], cache: FileCache,
-                 wait_seconds: float):
+                 wait_seconds: float, store_totals: dict | None = None):
         self.url, self.options, self.root, self.pins = url.rstrip("/"), dict(options), Path(root), pins
         self.cache, self.wait_seconds = cache, float(wait_seconds)
+        self.store_totals = dict(store_totals or {})  # {"files", "bytes"}: the store's data and video files
         self.objects = self.root.parent / FILES
         self._store, self._pid = None, None
 
@@ -465,7 +466,7 @@ def resolve(member: MixtureMember, dataset: DatasetConfig, prefix: str = "datase
     if not pins.is_file():
         _write_json(cache, pins, record)
     return RemoteDataset(url, revision, RemoteFiles(url, member.remote_options, root, pinned, cache,
-                                                    dataset.remote_wait_seconds))
+                                                    dataset.remote_wait_seconds, record["store"]))
 
 
 def _write_json(cache: FileCache, path: Path, data: dict) -> None:
@@ -533,6 +534,15 @@ def pin(cfg, index: int | None, resolved: RemoteDataset) -> None:
     target.revision = resolved.revision
 
 
+def unpin(cfg) -> None:
+    """Forget the versions a checkpoint's config names for its datasets in object storage: a resume compares what the
+    store holds now with what the checkpoint recorded instead (data/fingerprint.py check_unchanged), and its launch
+    pins what it will read."""
+    for member in cfg.dataset.mixture if cfg.dataset.mixture is not None else [cfg.dataset]:
+        if member.root and is_url(member.root) and not member.repo_id:
+            member.revision = None
+
+
 def open_files(member: MixtureMember, dataset: DatasetConfig, prefix: str = "dataset") -> RemoteFiles:
     """The pinned files of `member` for a process of the run: from the pins its launch wrote into this machine's cache
     (no listing), else (another machine, a tool on a checkpoint's config) resolved again, and refused when the store
@@ -545,7 +555,7 @@ def open_files(member: MixtureMember, dataset: DatasetConfig, prefix: str = "dat
         root = pins.parent.parent / f"{record['meta']}"
         if (root / META / "info.json").is_file():
             return RemoteFiles(url, member.remote_options, root, record["files"], cache_for(dataset),
-                               dataset.remote_wait_seconds)
+                               dataset.remote_wait_seconds, record["store"])
     return resolve(member, dataset, prefix).files
 
 

@@ -26,6 +26,7 @@ from opentau_cli.config.paths import missing_paths
 from opentau_cli.data.check import check_dataset
 from opentau_cli.data.fingerprint import CHANGED_FLAG, FINGERPRINTS, check_unchanged
 from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
+from opentau_cli.data.remote import unpin
 from opentau_cli.errors import UserError
 from opentau_cli.plan.remote import check_remote, check_remote_history
 from opentau_cli.plan.resume import RESHARD_FLAG, ROLLBACK_FLAG, check_in_run, check_resumable
@@ -244,11 +245,12 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     started_on = recorded_branches(ckpt, saved)
     branches = asked_revisions(cfg) if told_revision(overrides) else started_on
     notes.extend(pin_for_resume(ckpt, cfg, saved, overrides, started_on))
+    unpin(cfg)  # a dataset in object storage: what its store holds now is pinned, then compared with the checkpoint's
     checked = check_launch(cfg, setup, machine)
-    # A local dataset rewritten under the same root since the checkpoint: refused as another Hub commit would be,
-    # unless the command line says so (the flag, or naming the dataset).
+    # A local dataset rewritten under the same root since the checkpoint, or one in object storage whose files
+    # changed: refused as another Hub commit would be, unless the command line says so (the flag, or naming it).
     notes.extend(check_unchanged(ckpt, checked.config.dataset.members(), saved.get(FINGERPRINTS) or {},
-                                 accept=dataset_changed or told_revision(overrides)))
+                                 accept=dataset_changed or told_revision(overrides), dataset=checked.config.dataset))
     state = check_resumable(ckpt, checked.config, setup, reshard=reshard)
     if saved_config is None:
         saved_config = json.loads((ckpt / TRAIN_CONFIG).read_text())  # readable: check_resumable read it
