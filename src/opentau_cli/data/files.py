@@ -70,5 +70,8 @@ class LocalFiles:
     def shown(self, text: str) -> str:
         return text
 
+    def pressed(self) -> bool:
+        return False
+
 
 LOCAL = LocalFiles()

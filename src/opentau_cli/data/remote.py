@@ -47,6 +47,7 @@ META = "meta"
 PINS = "pins"
 FILES = "files"
 _LOCK = ".lock"
+_PRESSURE = ".pressure"
 _PART = ".part"
 _REVISION = re.compile(r"^[0-9a-f]{32}$")
 # Each request to the store retries for a second only: the waiting (dataset.remote_wait_seconds) is this module's own
@@ -138,6 +139,18 @@ class FileCache:
     def on_disk(self, size: int) -> int:
         """The disk a file of `size` bytes takes, allocated whole."""
         return -(-int(size) // self.block) * self.block
+
+    def press(self) -> None:
+        """Ask every process reading from this cache to let go of the files it only keeps open (`pressed`)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / _PRESSURE).touch()
+
+    def pressure(self) -> float:
+        """When room was last asked for (0: never)."""
+        try:
+            return (self.root / _PRESSURE).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
 
     @contextmanager
     def locked(self):
@@ -303,6 +316,15 @@ class RemoteFiles:
         pin = self.pins.get(self.rel(path))
         return None if pin is None else pin["size"]
 
+    def pressed(self) -> bool:
+        """Whether a process asked for room since this process last looked: then what it only keeps open (video
+        containers) should be let go of. Cheap enough to ask before each read (one stat)."""
+        when = self.cache.pressure()
+        if when <= getattr(self, "_pressure_seen", 0.0):
+            return False
+        self._pressure_seen = when
+        return True
+
     def open(self, path: Path) -> Lease:
         """`with files.open(path) as local:` the pinned version's local copy, held while the block reads it."""
         return self.lease(path)
@@ -322,9 +344,9 @@ class RemoteFiles:
 
     def _fetch(self, rel: str, pin: dict, local: Path) -> int:
         """Bring the pinned version of `rel` into the cache (or wait while another process brings it); returns a
-        shared lock on it. Without room, this process first lets go of the files it only keeps open, then waits for
-        other readers to let go, for up to wait_seconds."""
-        started, let_go = time.monotonic(), False
+        shared lock on it. Without room, this process lets go of the files it only keeps open and asks the other
+        processes to do the same (`pressed`), then waits for them, for up to wait_seconds."""
+        started = time.monotonic()
         while True:
             reserved = short = None
             with self.cache.locked():
@@ -336,14 +358,13 @@ class RemoteFiles:
                 except CacheFull as e:
                     short = int(str(e))
             if reserved is None:
-                if short is not None and not let_go:
+                if short is not None:
+                    if time.monotonic() - started > self.wait_seconds:
+                        raise UserError(self.cache.too_small(
+                            f"the files this run reads at once ({self.url}/{rel} needs {short / 1e6:.1f} MB more than "
+                            "the files being read leave free)"))
                     release_held()
-                    let_go = True
-                    continue
-                if short is not None and time.monotonic() - started > self.wait_seconds:
-                    raise UserError(self.cache.too_small(
-                        f"the files this run reads at once ({self.url}/{rel} needs {short / 1e6:.1f} MB more than the "
-                        "files being read leave free)"))
+                    self.cache.press()
                 time.sleep(0.05 + random.random() * 0.05)
                 continue
             part, fd = reserved

@@ -66,6 +66,8 @@ class VideoFrames:
         self.__init__(state["budget"] // (1024 * 1024), state["max_open"])
 
     def get(self, path: Path, timestamp: float, fps: float, size: tuple[int, int], files=LOCAL) -> np.ndarray:
+        if files.pressed():  # a process of the run needs room in the cache: let go of the files kept open
+            self.close()
         want = round(timestamp * fps)
         key = (path, want, *size)
         if key in self._frames:
