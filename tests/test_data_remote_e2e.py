@@ -52,6 +52,14 @@ class Runs:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.server = S3Server(tmp / "s3").start()
+        try:
+            self.launch()
+        except BaseException:
+            self.server.kill()
+            raise
+
+    def launch(self) -> None:
+        tmp = self.tmp
         self.dataset = write_synth(tmp / "reach", episodes=40, steps_per_episode=10, video=True, seed=5)
         self.url = upload(self.server, self.dataset, "teams/reach")
         self.cache = tmp / "opentau_cache"
