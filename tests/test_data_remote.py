@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from botocore.config import Config
-from conftest import EXAMPLES, G1, offline_hub, refused, run_cli_in_process, s3_environment
+from conftest import EXAMPLES, offline_hub, refused, run_cli_in_process
 from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
 
 from opentau_cli.config.load import load_config
@@ -31,6 +31,7 @@ from opentau_cli.data import build_data, write_synth
 from opentau_cli.data.check import check_dataset
 from opentau_cli.data.remote import DataChanged, DataUnavailable, FileCache, RemoteFiles, cache_root, resolve
 from opentau_cli.data.synth import DEMO_SETTINGS
+from opentau_cli.data.video import VideoFrames
 from opentau_cli.errors import UserError
 
 pytestmark = pytest.mark.timeout(600)
@@ -54,19 +55,18 @@ def upload(server: S3Server, folder: Path, prefix: str) -> str:
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    """The datasets on local disk: the bundled demo, a 2-camera video dataset (v2.1 and v3.0), and the real g1."""
+    """The datasets on local disk: the bundled demo and a 2-camera video dataset (v2.1 and v3.0)."""
     base = tmp_path_factory.mktemp("datasets")
     video = dict(episodes=4, steps_per_episode=8, cameras=2, seed=3, video=True)
     return {"demo": write_synth(base / "demo", **DEMO_SETTINGS),
-            "v21": write_synth(base / "v21", fmt="v2.1", **video), "v30": write_synth(base / "v30", fmt="v3.0", **video),
-            "g1": G1 if (G1 / "meta" / "info.json").is_file() else None}
+            "v21": write_synth(base / "v21", fmt="v2.1", **video), "v30": write_synth(base / "v30", fmt="v3.0", **video)}
 
 
 @pytest.fixture(scope="module")
 def stored(s3_server, local):
     """The same datasets in the store, under a prefix of this module's own."""
     base = f"datasets-{os.getpid()}"
-    return {name: upload(s3_server, folder, f"{base}/{name}") for name, folder in local.items() if folder is not None}
+    return {name: upload(s3_server, folder, f"{base}/{name}") for name, folder in local.items()}
 
 
 @pytest.fixture
@@ -162,6 +162,27 @@ def test_the_same_samples_in_the_same_order_as_the_same_dataset_on_local_disk(s3
                 data.stream.close()
 
 
+def test_the_real_g1_dataset_from_the_store_gives_the_batches_it_gives_from_local_disk(s3, g1, cache):
+    """AV1 480x640 video, 26-wide state: the first batches of a shuffled epoch through a data worker, tensor for tensor,
+    from the store and from the shared copy on disk."""
+    url = upload(s3, g1, f"g1-{os.getpid()}")
+    streams = []
+    for root in (url, g1):
+        cfg = config(f"--dataset.root={root}", "--dataset.num_workers=1", "--validation.val_split=0")
+        assert check_dataset(cfg) == []
+        streams.append(build_data(cfg))
+    try:
+        for _ in range(2):
+            a, b = next(streams[0].stream), next(streams[1].stream)
+            assert a.keys() == b.keys()
+            for key in a:
+                assert (torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]), key
+        assert streams[0].stats == streams[1].stats
+    finally:
+        for data in streams:
+            data.stream.close()
+
+
 def blobs(server: S3Server, prefix: str, sizes: list[int]) -> dict[str, bytes]:
     """Files of random bytes in the store, laid out as a dataset's data files; {relative path: bytes}."""
     client, rng, out = plain_client(server), random.Random(7), {}
@@ -228,6 +249,42 @@ def test_the_cache_never_holds_more_than_its_cap_while_several_processes_fetch_a
     assert on_disk(cache) <= cap and not list(cache.rglob("*.part"))
 
 
+def _idle_reader(server, prefix, cap, rel, ready, done):
+    """(Forked, in the test's environment.) Reads a frame of `rel`, then sits idle with its container (and so the
+    file) kept open, as a data worker waiting for its next batch."""
+    files = files_for(server, prefix, cap)
+    frames = VideoFrames()
+    frames.get(files.root / rel, 0.0, 10.0, (32, 32), files)
+    ready.set()
+    done.wait(120)
+
+
+def test_a_process_that_holds_a_video_open_while_idle_lets_go_when_another_needs_the_room(s3, local, cache):
+    """Room for one video: an idle process holds the other one open; the reader asking for room gets it (without the
+    idle process letting go it would wait dataset.remote_wait_seconds, then fail)."""
+    prefix, client = f"held-{os.getpid()}", plain_client(s3)
+    rels = [f"videos/chunk-000/{TOP}/episode_00000{e}.mp4" for e in (0, 1)]
+    for rel in rels:
+        client.upload_file(str(local["v21"] / rel), s3.bucket, f"{prefix}/{rel}")
+    probe = FileCache(cache_root(), 1.0)
+    # one video and the six folders of the cache it lies in (datasets/ds/files/videos/chunk-000/<camera>)
+    cap = max(probe.on_disk((local["v21"] / rel).stat().st_size) for rel in rels) + 6 * probe.block
+    fork = multiprocessing.get_context("fork")
+    ready, done = fork.Event(), fork.Event()
+    idle = fork.Process(target=_idle_reader, args=(s3, prefix, cap, rels[0], ready, done))
+    idle.start()
+    try:
+        assert ready.wait(60) and cached_files(cache) == {rels[0]}
+        files = files_for(s3, prefix, cap, wait=20)
+        with files.open(files.root / rels[1]) as path:
+            assert path.read_bytes() == (local["v21"] / rels[1]).read_bytes()
+        assert cached_files(cache) == {rels[1]} and on_disk(cache) <= cap
+    finally:
+        done.set()
+        idle.join(60)
+    assert idle.exitcode == 0
+
+
 def test_the_least_recently_used_files_make_room_and_a_file_being_read_is_never_evicted(s3, cache):
     prefix = f"lru-{os.getpid()}"
     content = blobs(s3, prefix, [100_000] * 5)
@@ -274,18 +331,16 @@ def test_a_second_run_on_the_same_machine_reads_the_cache(s3, stored, cache):
     assert any(second[p][1] > first[p][1] for p in first)  # read again (each use marks it recently used)
 
 
-def test_a_store_away_for_a_while_is_waited_for_and_one_away_too_long_is_one_sentence(tmp_path, monkeypatch, local):
-    server = S3Server(tmp_path / "s3").start()
+def test_a_store_away_for_a_while_is_waited_for_and_one_away_too_long_is_one_sentence(s3, local, cache, tmp_path):
+    """The session's server itself goes away and comes back (same ports, same data: this worker's tests run one at a
+    time), rather than a second server started beside it."""
+    server = s3
+    url = upload(server, local["v21"], f"away-{os.getpid()}")
+    files = resolve(MixtureMember(root=url), DatasetConfig(remote_wait_seconds=30, num_cameras=2)).files
+    video = files.root / f"videos/chunk-000/{TOP}/episode_000001.mp4"
+    back = threading.Timer(4, server.start)  # back after 4 s
     try:
-        s3_environment(monkeypatch, server)
-        monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path / "opentau_cache"))
-        url = upload(server, local["v21"], "v21")
-        member = MixtureMember(root=url)
-        resolved = resolve(member, DatasetConfig(remote_wait_seconds=30, num_cameras=2))
-        files = resolved.files
-        video = files.root / f"videos/chunk-000/{TOP}/episode_000001.mp4"
         server.stop()
-        back = threading.Timer(4, server.start)  # back after 4 s
         back.start()
         started = time.monotonic()
         with files.open(video) as path:
@@ -302,9 +357,12 @@ def test_a_store_away_for_a_while_is_waited_for_and_one_away_too_long_is_one_sen
         assert f"while videos/chunk-000/{TOP}/episode_000002.mp4 was read" in message and "\n" not in message
         assert SECRET_KEY not in message and ACCESS_KEY not in message
         assert 3 <= time.monotonic() - started < 60
-        assert not list((tmp_path / "opentau_cache").rglob("*.part"))
+        assert not list(cache.rglob("*.part"))
     finally:
-        server.kill()
+        if back.is_alive():
+            back.join()
+        if server.proc.poll() is not None:
+            server.start()
 
 
 def test_a_file_replaced_in_the_store_is_never_read_in_another_version(s3, local, cache, tmp_path):
@@ -332,13 +390,17 @@ def damaged(s3_server, local):
     out = {}
     for case in ("no_meta", "missing_video", "empty_data", "undecodable", "good"):
         out[case] = upload(s3_server, local["v21"], f"{base}/{case}")
-    key = lambda case, rel: f"{base}/{case}/{rel}"  # noqa: E731
-    client.delete_object(Bucket=s3_server.bucket, Key=key("no_meta", "meta/info.json"))
-    client.delete_object(Bucket=s3_server.bucket, Key=key("missing_video", f"videos/chunk-000/{TOP}/episode_000002.mp4"))
-    client.put_object(Bucket=s3_server.bucket, Key=key("empty_data", "data/chunk-000/episode_000001.parquet"), Body=b"")
-    client.put_object(Bucket=s3_server.bucket, Key=key("undecodable", f"videos/chunk-000/{TOP}/episode_000000.mp4"),
-                      Body=b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 40)
+    key = lambda case: f"{base}/{case}/{DAMAGED[case]}"  # noqa: E731
+    client.delete_object(Bucket=s3_server.bucket, Key=key("no_meta"))
+    client.delete_object(Bucket=s3_server.bucket, Key=key("missing_video"))
+    client.put_object(Bucket=s3_server.bucket, Key=key("empty_data"), Body=b"")
+    client.put_object(Bucket=s3_server.bucket, Key=key("undecodable"), Body=b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 40)
     return out
+
+
+# The file each damaged copy has wrong (put back as it was to retry).
+DAMAGED = {"no_meta": "meta/info.json", "missing_video": f"videos/chunk-000/{TOP}/episode_000002.mp4",
+           "empty_data": "data/chunk-000/episode_000001.parquet", "undecodable": f"videos/chunk-000/{TOP}/episode_000000.mp4"}
 
 
 CAM = f'--dataset.camera_keys={{"{TOP}": "camera0"}}'
@@ -355,7 +417,9 @@ CAM = f'--dataset.camera_keys={{"{TOP}": "camera0"}}'
     ("good", [CAM, '--dataset.remote_options={"endpoint_url": "http://127.0.0.1:9"}'], ["cannot be reached"]),
 ])
 def test_each_problem_of_a_dataset_in_object_storage_is_one_sentence_before_anything_starts(
-        s3, damaged, cache, tmp_path, case, args, needles):
+        s3, damaged, local, cache, tmp_path, case, args, needles):
+    """... and nothing it leaves behind (in the cache, under the output) blocks the retry once the store or the
+    config is put right."""
     url = damaged[case]
     out = tmp_path / "run"
     result = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={url}", f"--output_dir={out}", *args])
@@ -364,6 +428,10 @@ def test_each_problem_of_a_dataset_in_object_storage_is_one_sentence_before_anyt
         assert url + "/" in result.stderr  # named by its URL, never by its copy in the cache
     assert not out.exists()
     assert not list(cache.rglob("*.part"))
+    if case in DAMAGED:
+        plain_client(s3).upload_file(str(local["v21"] / DAMAGED[case]), s3.bucket, f"{url.split('/', 3)[3]}/{DAMAGED[case]}")
+    retry = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={url}", f"--output_dir={out}", CAM])
+    assert retry.returncode == 0, retry.stderr
 
 
 def test_a_wrong_secret_or_a_missing_bucket_is_one_sentence(s3, stored, cache, monkeypatch, tmp_path):

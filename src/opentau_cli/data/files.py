@@ -5,6 +5,8 @@ while it reads it, which keeps the cache from evicting it (docs/ARCHITECTURE.md,
 from __future__ import annotations
 
 import os
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -31,23 +33,41 @@ class Lease:
 
 
 # Objects of this process that hold leases only to keep files open for later (data/video.py's open containers):
-# asked to let go when the cache has no room for a file this process needs.
+# asked to let go when the cache has no room for a file a process of the run needs.
 _HOLDERS: list = []
+_WATCHERS: dict = {}  # (pid, cache) -> the thread that lets go when another process asks (`register_holder`)
+WATCH_SECONDS = 0.05
 
 
-def register_holder(release) -> None:
-    """`release()` closes what its owner keeps open (a bound method, kept weakly)."""
+def register_holder(release, files) -> None:
+    """`release(blocking)` closes what its owner keeps open (a bound method, kept weakly). `files`' `pressed()` says
+    when another process asks for room: a thread of this process then calls it at once, so that a process whose
+    readers sit idle (a DataLoader worker waiting for its next batch) never keeps the others waiting for room."""
     _HOLDERS.append(weakref.WeakMethod(release))
+    key = (os.getpid(), files.watch_key)
+    if key not in _WATCHERS:  # after a fork too: the parent's thread did not come along
+        _WATCHERS[key] = threading.Thread(target=_watch, args=(files,), name="opentau-cache-room", daemon=True)
+        _WATCHERS[key].start()
 
 
-def release_held() -> None:
+def _watch(files) -> None:
+    while True:
+        time.sleep(WATCH_SECONDS)
+        if files.pressed():
+            release_held(blocking=False)  # a holder busy reading lets go when it next needs room or is asked again
+
+
+def release_held(blocking: bool = True) -> None:
     """Ask every holder of this process to let go of what it keeps open."""
     for ref in list(_HOLDERS):
         method = ref()
-        if method is None:
+        if method is not None:
+            method(blocking)
+            continue
+        try:  # its owner is gone (the watcher thread may have removed it first)
             _HOLDERS.remove(ref)
-        else:
-            method()
+        except ValueError:
+            pass
 
 
 class LocalFiles:
@@ -69,9 +89,6 @@ class LocalFiles:
 
     def shown(self, text: str) -> str:
         return text
-
-    def pressed(self) -> bool:
-        return False
 
 
 LOCAL = LocalFiles()

@@ -92,6 +92,10 @@ def _tag(etag: str) -> str:
     return xxhash.xxh3_64(etag.encode()).hexdigest()
 
 
+def _shown_size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n:,} bytes"
+
+
 # --- the cache ---------------------------------------------------------------------------------------------------
 
 def _alive(pid: int) -> bool:
@@ -316,9 +320,13 @@ class RemoteFiles:
         pin = self.pins.get(self.rel(path))
         return None if pin is None else pin["size"]
 
+    @property
+    def watch_key(self) -> str:
+        return str(self.cache.root)
+
     def pressed(self) -> bool:
-        """Whether a process asked for room since this process last looked: then what it only keeps open (video
-        containers) should be let go of. Cheap enough to ask before each read (one stat)."""
+        """Whether a process asked for room since this process last looked (data/files.py's watcher asks, one stat):
+        then what this process only keeps open (video containers) is let go of."""
         when = self.cache.pressure()
         if when <= getattr(self, "_pressure_seen", 0.0):
             return False
@@ -361,7 +369,7 @@ class RemoteFiles:
                 if short is not None:
                     if time.monotonic() - started > self.wait_seconds:
                         raise UserError(self.cache.too_small(
-                            f"the files this run reads at once ({self.url}/{rel} needs {short / 1e6:.1f} MB more than "
+                            f"the files this run reads at once ({self.url}/{rel} needs {_shown_size(short)} more than "
                             "the files being read leave free)"))
                     release_held()
                     self.cache.press()
@@ -478,7 +486,7 @@ def resolve(member: MixtureMember, dataset: DatasetConfig, prefix: str = "datase
     if largest is not None and cache.on_disk(wanted[largest]["size"]) + meta_bytes > cache.max_bytes:
         at_least = (cache.on_disk(wanted[largest]["size"]) + meta_bytes) / GB
         raise UserError(f"dataset.cache_max_gb={cache.max_gb:g} cannot hold {url}'s meta/ and the largest file the "
-                        f"run reads ({largest}, {wanted[largest]['size'] / 1e6:.1f} MB): raise it to at least "
+                        f"run reads ({largest}, {_shown_size(wanted[largest]['size'])}): raise it to at least "
                         f"{at_least:.3g} (room for many files makes the reads wait less).")
     store_files = {k: v for k, v in listing.items() if k.split("/", 1)[0] in ("data", "videos")}
     record = {"url": url, "meta": root.name, "files": pinned,

@@ -10,6 +10,7 @@ samples/s in-process, later epochs 1677 samples/s from the cache; decoding a who
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -58,6 +59,7 @@ class VideoFrames:
         self._bytes = 0
         self._open: OrderedDict[Path, tuple] = OrderedDict()  # path -> (av container, the file's lease)
         self._registered = False
+        self._lock = threading.RLock()  # data/files.py's watcher thread may close the containers (`close`)
 
     def __getstate__(self):  # DataLoader workers start with an empty cache and no open files
         return {"budget": self.budget, "max_open": self.max_open}
@@ -66,8 +68,10 @@ class VideoFrames:
         self.__init__(state["budget"] // (1024 * 1024), state["max_open"])
 
     def get(self, path: Path, timestamp: float, fps: float, size: tuple[int, int], files=LOCAL) -> np.ndarray:
-        if files.pressed():  # a process of the run needs room in the cache: let go of the files kept open
-            self.close()
+        with self._lock:
+            return self._get(path, timestamp, fps, size, files)
+
+    def _get(self, path: Path, timestamp: float, fps: float, size: tuple[int, int], files) -> np.ndarray:
         want = round(timestamp * fps)
         key = (path, want, *size)
         if key in self._frames:
@@ -78,13 +82,18 @@ class VideoFrames:
             raise UserError(f"{path} has no frame at t={timestamp:.3f}s (frame {want}): the video is shorter than its episode; {REPAIR}.")
         return self._frames[key]
 
-    def close(self) -> None:
+    def close(self, blocking: bool = True) -> None:
         """Close every open container and let go of its file (the cache of a dataset in object storage may then
-        evict it)."""
-        while self._open:
-            _, (container, lease) = self._open.popitem(last=False)
-            container.close()
-            lease.close()
+        evict it); not blocking: only if no frame is being read now."""
+        if not self._lock.acquire(blocking):
+            return
+        try:
+            while self._open:
+                _, (container, lease) = self._open.popitem(last=False)
+                container.close()
+                lease.close()
+        finally:
+            self._lock.release()
 
     def _container(self, path: Path, files):
         if path in self._open:
@@ -93,7 +102,7 @@ class VideoFrames:
         av = import_av()
         lease = files.lease(path)
         if files is not LOCAL and not self._registered:  # a full cache may ask for the files held open here
-            register_holder(self.close)
+            register_holder(self.close, files)
             self._registered = True
         if not lease.path.is_file():
             lease.close()
