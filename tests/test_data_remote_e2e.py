@@ -49,19 +49,20 @@ def steps_read(record: Path, ranks: int, per_device: int, first: int, count: int
 
 
 class Runs:
-    def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.server = S3Server(tmp / "s3").start()
+    def __init__(self, tmp: Path, server: S3Server):
+        """`server`: the session's (tests/conftest.py s3_server), taken away and brought back by this module's runs;
+        the tests of one pytest worker run one at a time, so nothing else uses it meanwhile."""
+        self.tmp, self.server = tmp, server
         try:
             self.launch()
-        except BaseException:
-            self.server.kill()
-            raise
+        finally:
+            if self.server.proc.poll() is not None:  # the store comes back for the modules after this one
+                self.server.start()
 
     def launch(self) -> None:
         tmp = self.tmp
         self.dataset = write_synth(tmp / "reach", episodes=40, steps_per_episode=10, video=True, seed=5)
-        self.url = upload(self.server, self.dataset, "teams/reach")
+        self.url = upload(self.server, self.dataset, f"e2e-{os.getpid()}/reach")
         self.cache = tmp / "opentau_cache"
         common = [f"--config_path={TINY}", f"--accelerate-config={DDP}", "--steps", str(STEPS), "--save_freq", "6",
                   "--log_freq", "1", "--batch_size", str(PER_DEVICE), "--dataset.num_workers=1",
@@ -153,10 +154,8 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    runs = Runs(tmp_path_factory.mktemp("remote_data_e2e"))
-    yield runs
-    runs.server.kill()
+def runs(tmp_path_factory, s3_server):
+    return Runs(tmp_path_factory.mktemp("remote_data_e2e"), s3_server)
 
 
 def _ok(result):
@@ -197,15 +196,19 @@ def test_a_resume_on_another_world_size_reads_exactly_the_samples_of_the_uninter
     assert sorted(losses(runs.copy)) == list(range(1, STEPS + 1))
 
 
-def test_the_cache_never_held_more_than_its_cap_and_no_file_holds_a_credential(runs):
+def test_the_cache_never_held_more_than_its_cap_and_no_file_the_runs_wrote_holds_a_credential(runs):
+    """Every byte under the module's folder: the runs' directories (logs, checkpoints, configs), the cache, the Hugging
+    Face home and what the hooks recorded; the credentials reached the runs by the environment only."""
     cap = round(CAP_GB * (1 << 30))
     assert on_disk(runs.dataset / "data") + on_disk(runs.dataset / "videos") > cap  # the files never all fit
     assert 0 < runs.peak[0] <= cap, runs.peak[0]
-    for folder in (runs.run, runs.cache):
-        for path in folder.rglob("*"):
-            if path.is_file() and not path.is_symlink():
-                body = path.read_bytes()
-                assert SECRET_KEY.encode() not in body and ACCESS_KEY.encode() not in body, path
+    read = 0
+    for path in runs.tmp.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            body = path.read_bytes()
+            read += len(body)
+            assert SECRET_KEY.encode() not in body and ACCESS_KEY.encode() not in body, path
+    assert read > on_disk(runs.run / CHECKPOINTS) / 2  # the checkpoints' bytes were among those read
 
 
 def test_a_video_in_the_store_that_fails_to_decode_is_named_by_url_and_never_taken_as_an_end_of_data(runs, g1, tmp_path):
@@ -214,7 +217,7 @@ def test_a_video_in_the_store_that_fails_to_decode_is_named_by_url_and_never_tak
     video = damaged / "videos" / "chunk-000" / "observation.images.cam_high" / "episode_000001.mp4"
     video.chmod(0o644)
     video.write_bytes(video.read_bytes()[:300_000])
-    url = upload(runs.server, damaged, "teams/g1_damaged")
+    url = upload(runs.server, damaged, f"e2e-{os.getpid()}/g1_damaged")
     out = tmp_path / "run"
     failed = run_cli(["train", f"--config_path={TINY}", f"--dataset.root={url}", f"--output_dir={out}",
                       "--dataset.episodes=[0,1]", "--validation.val_split=0", "--validation.val_freq=0", "--batch_size=4",
@@ -239,8 +242,9 @@ def test_a_resume_refuses_the_dataset_changed_in_the_store_unless_told_and_the_c
 
     client = boto3.client("s3", endpoint_url=runs.server.endpoint, aws_access_key_id=ACCESS_KEY,
                           aws_secret_access_key=SECRET_KEY, region_name="us-east-1", config=Config(retries={"max_attempts": 1}))
-    listing = {o["Key"].split("teams/reach/", 1)[1]: o for o in client.list_objects_v2(
-        Bucket=runs.server.bucket, Prefix="teams/reach/")["Contents"]}
+    prefix = runs.url.split("/", 3)[3]
+    listing = {o["Key"].split(f"{prefix}/", 1)[1]: o for o in client.list_objects_v2(
+        Bucket=runs.server.bucket, Prefix=f"{prefix}/")["Contents"]}
     state = json.loads((runs.run / CHECKPOINTS / f"{STEPS:06d}" / TRAINING_STATE).read_text())
     (record,) = state["dataset_fingerprints"].values()
     assert record["url"] == runs.url and record["files"] == 80  # 40 data files and 40 videos in the store
@@ -254,8 +258,8 @@ def test_a_resume_refuses_the_dataset_changed_in_the_store_unless_told_and_the_c
     same = run_cli_in_process(["resume", str(runs.run)], env=env)
     assert same.returncode == 0 and "Nothing to do" in same.stderr and "changed" not in same.stderr, same.stderr
     rel = "data/chunk-000/episode_000007.parquet"
-    original = client.get_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}")["Body"].read()
-    client.put_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}", Body=original)  # same bytes, a new upload
+    original = client.get_object(Bucket=runs.server.bucket, Key=f"{prefix}/{rel}")["Body"].read()
+    client.put_object(Bucket=runs.server.bucket, Key=f"{prefix}/{rel}", Body=original)  # same bytes, a new upload
     try:
         rewritten = run_cli_in_process(["resume", str(runs.run)], env=env)
         assert rewritten.returncode == 0, rewritten.stderr  # the same content: the same ETag, nothing changed
@@ -265,11 +269,11 @@ def test_a_resume_refuses_the_dataset_changed_in_the_store_unless_told_and_the_c
 
         other = io.BytesIO()  # the same rows written again another way: a valid file, other bytes
         pq.write_table(pq.read_table(io.BytesIO(original)), other, compression="gzip")
-        client.put_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}", Body=other.getvalue())
+        client.put_object(Bucket=runs.server.bucket, Key=f"{prefix}/{rel}", Body=other.getvalue())
         refused(run_cli_in_process(["resume", str(runs.run)], env=env),
                 f"{runs.url} changed since checkpoint {STEPS:06d} was saved", f"1 of the files it read has another "
                 f"version in the store ({rel})", "--dataset-changed=true")
         told = run_cli_in_process(["resume", str(runs.run), "--dataset-changed=true"], env=env)
         assert told.returncode == 0 and "resuming on it as it is now (--dataset-changed=true)" in told.stderr, told.stderr
     finally:
-        client.put_object(Bucket=runs.server.bucket, Key=f"teams/reach/{rel}", Body=original)
+        client.put_object(Bucket=runs.server.bucket, Key=f"{prefix}/{rel}", Body=original)
