@@ -340,7 +340,7 @@ def test_a_store_away_for_a_while_is_waited_for_and_one_away_too_long_is_one_sen
     video = files.root / f"videos/chunk-000/{TOP}/episode_000001.mp4"
     back = threading.Timer(4, server.start)  # back after 4 s
     try:
-        server.stop()
+        server.kill()  # gone at once (a clean stop leaves the restarted store slow to write for up to 20 s)
         back.start()
         started = time.monotonic()
         with files.open(video) as path:
@@ -348,7 +348,7 @@ def test_a_store_away_for_a_while_is_waited_for_and_one_away_too_long_is_one_sen
         assert time.monotonic() - started >= 3.5  # it waited for the store
         back.join()
         files.wait_seconds = 3
-        server.stop()
+        server.kill()
         started = time.monotonic()
         with pytest.raises(DataUnavailable) as caught:
             files.open(files.root / f"videos/chunk-000/{TOP}/episode_000002.mp4")
@@ -418,8 +418,8 @@ CAM = f'--dataset.camera_keys={{"{TOP}": "camera0"}}'
 ])
 def test_each_problem_of_a_dataset_in_object_storage_is_one_sentence_before_anything_starts(
         s3, damaged, local, cache, tmp_path, case, args, needles):
-    """... and nothing it leaves behind (in the cache, under the output) blocks the retry once the store or the
-    config is put right."""
+    """... and what a refused check leaves behind never blocks the retry once the store or the config is put right
+    (tried where the cache was written to: a damaged video fetched, then replaced; a cap too small)."""
     url = damaged[case]
     out = tmp_path / "run"
     result = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={url}", f"--output_dir={out}", *args])
@@ -428,10 +428,12 @@ def test_each_problem_of_a_dataset_in_object_storage_is_one_sentence_before_anyt
         assert url + "/" in result.stderr  # named by its URL, never by its copy in the cache
     assert not out.exists()
     assert not list(cache.rglob("*.part"))
-    if case in DAMAGED:
-        plain_client(s3).upload_file(str(local["v21"] / DAMAGED[case]), s3.bucket, f"{url.split('/', 3)[3]}/{DAMAGED[case]}")
-    retry = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={url}", f"--output_dir={out}", CAM])
-    assert retry.returncode == 0, retry.stderr
+    if case == "undecodable" or "cache_max_gb" in " ".join(args):
+        if case in DAMAGED:
+            plain_client(s3).upload_file(str(local["v21"] / DAMAGED[case]), s3.bucket,
+                                         f"{url.split('/', 3)[3]}/{DAMAGED[case]}")
+        retry = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={url}", f"--output_dir={out}", CAM])
+        assert retry.returncode == 0, retry.stderr
 
 
 def test_a_wrong_secret_or_a_missing_bucket_is_one_sentence(s3, stored, cache, monkeypatch, tmp_path):

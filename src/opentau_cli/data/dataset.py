@@ -179,6 +179,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
     # -- samples ---------------------------------------------------------------------------------------------------
     def __getitem__(self, idx: int) -> dict:
+        self.files.read_ahead()  # a dataset in object storage: its files fetched before they are read
         try:
             return self._item(int(idx))
         except UserError as e:

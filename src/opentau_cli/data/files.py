@@ -90,5 +90,8 @@ class LocalFiles:
     def shown(self, text: str) -> str:
         return text
 
+    def read_ahead(self) -> None:
+        pass
+
 
 LOCAL = LocalFiles()

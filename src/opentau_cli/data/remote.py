@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ _REVISION = re.compile(r"^[0-9a-f]{32}$")
 # Each request to the store retries for a second only: the waiting (dataset.remote_wait_seconds) is this module's own
 # loop, which says in the rank's log at once that the store is away.
 _REQUEST_RETRY_SECONDS = 1.0
+READ_AHEAD_THREADS = 4  # per process reading samples (RemoteFiles.read_ahead)
 
 
 class DataUnavailable(RunError):
@@ -167,56 +169,61 @@ class FileCache:
         finally:
             os.close(fd)
 
-    def walk(self) -> tuple[int, list[tuple[float, Path, int]], set[Path]]:
+    def walk(self) -> tuple[int, list[tuple[float, str, int]], set[str]]:
         """(bytes on disk now, fetched files as (last use, path, bytes), files being downloaded). Under the lock:
-        leftovers of downloads whose process died are removed on the way."""
+        leftovers of downloads whose process died are removed on the way. Plain strings and scandir: this runs
+        before every download, over every file the cache holds."""
         used, files, busy = 0, [], set()
-        stack = [self.root]
+        root = str(self.root)
+        stack = [(root, False)]  # (folder, whether it lies in some <id>/files/)
         while stack:
-            folder = stack.pop()
+            folder, fetched = stack.pop()
             try:
+                used += os.stat(folder).st_blocks * 512
                 entries = list(os.scandir(folder))
-                used += folder.stat().st_blocks * 512
             except FileNotFoundError:
                 continue
             for entry in entries:
                 try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append((entry.path, fetched or (entry.name == FILES and os.path.dirname(folder) == root)))
+                        continue
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                path = Path(entry.path)
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(path)
-                    continue
                 owner = _part_owner(entry.name)
                 if owner is not None and not _alive(owner):
-                    path.unlink(missing_ok=True)
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
                     continue
                 used += st.st_blocks * 512
                 if owner is not None:
-                    busy.add(path.with_name(entry.name[: -len(_PART)].rpartition(".")[0]))
-                elif path.relative_to(self.root).parts[1:2] == (FILES,):
-                    files.append((st.st_mtime, path, st.st_blocks * 512))
+                    busy.add(entry.path[: -len(_PART)].rpartition(".")[0])
+                elif fetched:
+                    files.append((st.st_mtime, entry.path, st.st_blocks * 512))
         return used, files, busy
 
-    def reserve(self, target: Path, size: int) -> tuple[Path, int] | None:
+    def reserve(self, target: Path, size: int, evict: bool = True) -> tuple[Path, int] | None:
         """Under the lock: room for `target` (its whole size and any folder it needs), made by removing the least
-        recently used fetched files nobody holds, and its temporary file '<target>.<pid>.part' with that size
-        allocated; returns (part, open descriptor), or None while another process is downloading `target`. Raises
-        CacheFull (with the bytes missing) when no room can be made."""
+        recently used fetched files nobody holds (unless not `evict`), and its temporary file
+        '<target>.<pid>.part' with that size allocated; returns (part, open descriptor), or None while another
+        process is downloading `target`. Raises CacheFull (with the bytes missing) when no room can be made."""
         used, files, busy = self.walk()
-        if target in busy:
+        if str(target) in busy:
             return None
         new_dirs, parent = 0, target.parent
         while not parent.exists():
             new_dirs += 1
             parent = parent.parent
         need = self.on_disk(size) + new_dirs * self.block
-        for _, path, taken in sorted(files):
+        for _, path, taken in sorted(files) if evict else ():
             if used + need <= self.max_bytes:
                 break
             if _evict(path):
-                used -= taken + _remove_empty_parents(path.parent, self.root / path.relative_to(self.root).parts[0] / FILES)
+                home = self.root / Path(path).relative_to(self.root).parts[0]
+                used -= taken + _remove_empty_parents(Path(path).parent, home / FILES)
         if used + need > self.max_bytes:
             raise CacheFull(str(used + need - self.max_bytes))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +239,7 @@ class FileCache:
         return part, fd
 
 
-def _evict(path: Path) -> bool:
+def _evict(path: str) -> bool:
     """Remove a fetched file unless a process holds it (a reader's shared lock)."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -246,7 +253,9 @@ def _evict(path: Path) -> bool:
             return False
         raise
     try:
-        path.unlink(missing_ok=True)
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
     finally:
         os.close(fd)
     return True
@@ -295,10 +304,10 @@ class RemoteFiles:
         self.cache, self.wait_seconds = cache, float(wait_seconds)
         self.store_totals = dict(store_totals or {})  # {"files", "bytes"}: the store's data and video files
         self.objects = self.root.parent / FILES
-        self._store, self._pid = None, None
+        self._store, self._pid, self._ahead = None, None, None
 
-    def __getstate__(self):  # a DataLoader worker opens its own connection
-        return {**self.__dict__, "_store": None, "_pid": None}
+    def __getstate__(self):  # a DataLoader worker opens its own connection and reads ahead for itself
+        return {**self.__dict__, "_store": None, "_pid": None, "_ahead": None}
 
     def store(self):
         from opentau_cli.store.remote import open_remote
@@ -344,11 +353,15 @@ class RemoteFiles:
             raise UserError(f"{self.url}/{rel} was not in the store when the run started (it is not among the files "
                             "the run's check pinned): restore the dataset's files, or train without the episodes "
                             "that read it (dataset.episodes).")
-        local = self.objects / f"{rel}.{_tag(pin['etag'])}"
+        local = self.local(rel, pin)
         fd = _hold(local)
         if fd is None:
             fd = self._fetch(rel, pin, local)
         return Lease(local, fd)
+
+    def local(self, rel: str, pin: dict) -> Path:
+        """Where the cache keeps the pinned version of `rel`."""
+        return self.objects / f"{rel}.{_tag(pin['etag'])}"
 
     def _fetch(self, rel: str, pin: dict, local: Path) -> int:
         """Bring the pinned version of `rel` into the cache (or wait while another process brings it); returns a
@@ -375,20 +388,66 @@ class RemoteFiles:
                     self.cache.press()
                 time.sleep(0.05 + random.random() * 0.05)
                 continue
-            part, fd = reserved
-            try:
-                with os.fdopen(fd, "r+b") as out:
-                    self._download(rel, pin, out)
-                    out.flush()
-                    os.fsync(out.fileno())
-                with self.cache.locked():
-                    os.replace(part, local)
-                    held = _hold(local)  # under the lock: no eviction in between
-            except BaseException:
-                part.unlink(missing_ok=True)
-                raise
+            held = self._bring(reserved, local, lambda out: self._download(rel, pin, out))
             if held is not None:
                 return held
+
+    def _bring(self, reserved: tuple[Path, int], local: Path, download, hold: bool = True) -> int | None:
+        """Download into the reserved temporary file, then give it its name (and, if `hold`, a shared lock on it
+        taken under the cache's lock, so that no eviction comes in between)."""
+        part, fd = reserved
+        try:
+            with os.fdopen(fd, "r+b") as out:
+                download(out)
+                out.flush()
+                os.fdatasync(out.fileno())  # a crash never leaves a torn file under the final name
+            with self.cache.locked():
+                os.replace(part, local)
+                return _hold(local) if hold else None
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+
+    def read_ahead(self) -> None:
+        """Called by each read of a sample; the first in a process (a data worker, or a rank without workers)
+        starts threads that fetch the pinned data and video files the cache does not hold yet, into its free room
+        only (never evicting), so that the first epoch's reads find them there. The processes of a machine share
+        the work (a file another is fetching is skipped). A thread stops at the first file without room or that
+        the store does not give at once: the reader that needs it fetches it as usual (waiting, retrying)."""
+        if self._ahead == os.getpid():
+            return
+        self._ahead = os.getpid()
+        todo = iter([rel for rel in sorted(self.pins) if rel.split("/", 1)[0] in ("data", "videos")])
+        lock, stop = threading.Lock(), threading.Event()
+
+        def work() -> None:
+            while not stop.is_set():
+                with lock:
+                    rel = next(todo, None)
+                try:
+                    if rel is None or not self._fetch_ahead(rel):
+                        return stop.set()
+                except Exception:  # noqa: BLE001 (the reader meets the same problem and says it)
+                    return stop.set()
+
+        for _ in range(READ_AHEAD_THREADS):
+            threading.Thread(target=work, name="opentau-read-ahead", daemon=True).start()
+
+    def _fetch_ahead(self, rel: str) -> bool:
+        """Fetch `rel` if the cache has free room for it; False when it has none."""
+        pin = self.pins[rel]
+        local = self.local(rel, pin)
+        with self.cache.locked():
+            if local.exists():
+                return True
+            try:
+                reserved = self.cache.reserve(local, pin["size"], evict=False)
+            except CacheFull:
+                return False
+        if reserved is not None:  # else another process is fetching it
+            self._bring(reserved, local, lambda out: self.store().fetch_version(rel, out, pin["etag"], pin["size"]),
+                        hold=False)
+        return True
 
     def _download(self, rel: str, pin: dict, out) -> None:
         """The store's bytes of the pinned version into `out`, retried with backoff while the store does not answer,
