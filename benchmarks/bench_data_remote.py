@@ -18,9 +18,9 @@ synthetic H.264 64x64 one with many short episodes (a file to fetch every few sa
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
-import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -30,35 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import REPO, base_parser, print_rows, report, verdict  # noqa: E402
-from s3_server import ACCESS_KEY, SECRET_KEY, S3Server  # noqa: E402
+from s3_server import S3Server  # noqa: E402
+from test_data_remote import on_disk, upload  # noqa: E402 (the tests' own walk of a folder and plain upload)
 
 G1 = REPO.parent / "shared" / "data" / "g1_pick_bottle_v21"
 COLD_TARGET, WARM_TARGET = 0.8, 0.95
-
-
-def on_disk(folder: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        try:
-            total += os.lstat(dirpath).st_blocks * 512
-        except FileNotFoundError:
-            continue
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
-
-
-def upload(server: S3Server, folder: Path, prefix: str) -> str:
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=ACCESS_KEY,
-                          aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        client.upload_file(str(path), server.bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
-    return server.url(prefix)
 
 
 def epoch(root: str, workers: int, batch: int, resolution: int, cap_gb: float, cache: Path, wide: bool) -> dict:

@@ -145,34 +145,20 @@ def test_the_same_samples_in_the_same_order_as_the_same_dataset_on_local_disk(s3
         ([f"--dataset.mixture={mixture % (stored['demo'], local['demo'])}"],
          [f"--dataset.mixture={mixture % (local['demo'], local['demo'])}"]),
     ):
-        streams = []
-        for args in (store_args, disk_args):
-            cfg = config(*args, "--dataset.num_workers=2", "--validation.val_split=0.1")
-            assert check_dataset(cfg) == []
-            streams.append(build_data(cfg))
-        try:
-            for _ in range(6):
-                a, b = next(streams[0].stream), next(streams[1].stream)
-                assert a.keys() == b.keys()
-                for key in a:
-                    assert (torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]), key
-            assert streams[0].stats == streams[1].stats
-        finally:
-            for data in streams:
-                data.stream.close()
+        same_batches([*store_args, "--dataset.num_workers=2", "--validation.val_split=0.1"],
+                     [*disk_args, "--dataset.num_workers=2", "--validation.val_split=0.1"], 6)
 
 
-def test_the_real_g1_dataset_from_the_store_gives_the_batches_it_gives_from_local_disk(s3, g1, cache):
-    """AV1 480x640 video, 26-wide state: the first batches of a shuffled epoch through a data worker, tensor for tensor,
-    from the store and from the shared copy on disk."""
-    url = upload(s3, g1, f"g1-{os.getpid()}")
+def same_batches(store_args: list[str], disk_args: list[str], batches: int) -> None:
+    """The first `batches` batches of the two configs' streams (each checked first, as a launch does) are equal in
+    every tensor and text, and so are their statistics."""
     streams = []
-    for root in (url, g1):
-        cfg = config(f"--dataset.root={root}", "--dataset.num_workers=1", "--validation.val_split=0")
+    for args in (store_args, disk_args):
+        cfg = config(*args)
         assert check_dataset(cfg) == []
         streams.append(build_data(cfg))
     try:
-        for _ in range(2):
+        for _ in range(batches):
             a, b = next(streams[0].stream), next(streams[1].stream)
             assert a.keys() == b.keys()
             for key in a:
@@ -181,6 +167,14 @@ def test_the_real_g1_dataset_from_the_store_gives_the_batches_it_gives_from_loca
     finally:
         for data in streams:
             data.stream.close()
+
+
+def test_the_real_g1_dataset_from_the_store_gives_the_batches_it_gives_from_local_disk(s3, g1, cache):
+    """AV1 480x640 video, 26-wide state: the first batches of a shuffled epoch through a data worker, tensor for tensor,
+    from the store and from the shared copy on disk."""
+    url = upload(s3, g1, f"g1-{os.getpid()}")
+    same_batches([f"--dataset.root={url}", "--dataset.num_workers=1", "--validation.val_split=0"],
+                 [f"--dataset.root={g1}", "--dataset.num_workers=1", "--validation.val_split=0"], 2)
 
 
 def blobs(server: S3Server, prefix: str, sizes: list[int]) -> dict[str, bytes]:

@@ -40,6 +40,7 @@ from pathlib import Path
 from opentau_cli.config.model import DatasetConfig, MixtureMember
 from opentau_cli.data.files import LOCAL, Lease, release_held
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.store.outputs import pid_alive
 from opentau_cli.store.storage import is_url
 
 CACHE_NAME = "datasets"
@@ -99,16 +100,6 @@ def _shown_size(n: int) -> str:
 
 
 # --- the cache ---------------------------------------------------------------------------------------------------
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _part_owner(name: str) -> int | None:
     """The pid in '<name>.<pid>.part', or None for another name."""
@@ -192,7 +183,7 @@ class FileCache:
                 except FileNotFoundError:
                     continue
                 owner = _part_owner(entry.name)
-                if owner is not None and not _alive(owner):
+                if owner is not None and not pid_alive(owner):
                     try:
                         os.unlink(entry.path)
                     except FileNotFoundError:

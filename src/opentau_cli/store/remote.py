@@ -288,19 +288,7 @@ class S3Remote:
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
         """{key: size} of every key under the folder `prefix`: one listing instead of a HEAD per key."""
-        rel = _key(prefix, prefix=True)
-        base = "/".join(p for p in (self.prefix, rel) if p)
-        base = f"{base}/" if base else ""
-        cut = len(f"{self.prefix}/") if self.prefix else 0
-
-        def listing():
-            out = {}
-            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                for item in page.get("Contents", []):
-                    if not item["Key"].endswith("/"):  # a folder marker some tools write, not an object of ours
-                        out[item["Key"][cut:]] = item["Size"]
-            return out
-        return self._retrying("list", prefix or "/", listing)
+        return {key: version["size"] for key, version in self.objects(prefix).items()}
 
     def objects(self, prefix: str = "") -> dict[str, dict]:
         """{key: {"size", "etag", "last_modified"}} of every key under the folder `prefix`, from one listing: what
@@ -314,7 +302,7 @@ class S3Remote:
             out = {}
             for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
                 for item in page.get("Contents", []):
-                    if not item["Key"].endswith("/"):
+                    if not item["Key"].endswith("/"):  # a folder marker some tools write, not an object of ours
                         out[item["Key"][cut:]] = {"size": int(item["Size"]), "etag": item["ETag"],
                                                   "last_modified": item["LastModified"].isoformat()}
             return out
@@ -605,18 +593,7 @@ class FsspecRemote:
         return sorted(self.sizes(prefix))
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
-        rel = _key(prefix, prefix=True)
-        base = f"{self.root}/{rel}" if rel else self.root
-        cut = len(self.fs._strip_protocol(self.root).rstrip("/")) + 1
-
-        def listing():
-            try:
-                found = self.fs.find(base, detail=True)
-            except FileNotFoundError:
-                return {}
-            return {self.fs._strip_protocol(p)[cut:]: int(i["size"]) for p, i in found.items()
-                    if i.get("type") != "directory" and not p.rpartition("/")[2].endswith(".part")}
-        return self._retrying("list", prefix or "/", listing)
+        return {key: version["size"] for key, version in self.objects(prefix).items()}
 
     def objects(self, prefix: str = "") -> dict[str, dict]:
         """{key: {"size", "etag", "last_modified"}} as the backend reports them (a filesystem: its size and time)."""
