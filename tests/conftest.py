@@ -127,6 +127,7 @@ MODULE_SECONDS_LAST_CI = {
     "test_gpu_check.py": 126, "test_async_save.py": 117, "test_readme_commands.py": 108, "test_ema_e2e.py": 91,
     "test_elastic_machines.py": 80, "test_history_e2e.py": 77, "test_checkpoint_faults.py": 70,
     "test_process_lifetime.py": 67, "test_consolidate.py": 66,
+    "test_data_remote_e2e.py": 130,  # not yet measured in CI: 132 s on a loaded 2-core machine by hand
 }
 
 

@@ -203,3 +203,13 @@ def test_remote_benchmark_smoke_compares_uploads_and_the_resume_from_the_store_w
     for row in ("upload, checkpoint", "upload, large checkpoint", "resume on an empty disk",
                 "bytes uploaded per checkpoint, full fine-tuning"):
         assert f"| {row}" in table, table
+
+
+def test_data_remote_benchmark_smoke_compares_cold_and_warm_epochs_from_the_store_with_local_disk(tmp_path):
+    out = run_benchmark("bench_data_remote.py", tmp_path / "B.md")
+    for side in ("cold cache", "warm cache"):
+        m = re.search(rf"store, {side}\s+(\d+\.\d) samples/s \((\d+\.\d\d)x local", out)
+        assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out
+    peak, cap = map(float, re.search(r"cache peak on disk\s+(\d+\.\d\d) MB, cap (\d+\.\d\d) MB \(within the cap\)", out).groups())
+    assert 0 < peak <= cap
+    assert re.search(r"cap = half the dataset\s+\d+\.\d samples/s .*\(within the cap\)", out), out
