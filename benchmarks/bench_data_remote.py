@@ -35,6 +35,7 @@ from test_data_remote import on_disk, upload  # noqa: E402 (the tests' own walk 
 
 G1 = REPO.parent / "shared" / "data" / "g1_pick_bottle_v21"
 COLD_TARGET, WARM_TARGET = 0.8, 0.95
+TITLE = "Datasets in object storage: an epoch from a local S3 server vs from local disk"
 
 
 def epoch(root: str, workers: int, batch: int, resolution: int, cap_gb: float, cache: Path, wide: bool) -> dict:
@@ -152,7 +153,7 @@ def main() -> None:
               "the store is SeaweedFS on this machine (loopback): a real store adds network latency per file fetched",
               "the cold cache is emptied before each round; the warm epoch reads the files the cold one fetched",
               "the machine is shared with other work: the load average above says how busy it was"]
-    report(args, "A dataset in object storage vs local disk", rows, notes)
+    report(args, TITLE, rows, notes)
 
 
 if __name__ == "__main__":
