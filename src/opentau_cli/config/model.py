@@ -140,7 +140,8 @@ class DatasetSource(Section):
 class MixtureMember(DatasetSource):
     """A dataset of a mixture: its own root, key mapping and episodes, and its sampling weight."""
 
-    root: str | None = Field(None, description=f"Local LeRobot dataset dir, or '{DEMO_DATASET}' (or repo_id instead).")
+    root: str | None = Field(None, description=f"Local LeRobot dataset dir, '{DEMO_DATASET}', or s3://bucket/prefix/dataset "
+                                               "(or repo_id instead).")
     name: str | None = Field(None, description="Its name in logs, training_state.json and `dataset info`; default: the folder name.")
     weight: float = Field(1.0, gt=0, description="Sampling weight: the member's share of draws is weight / sum of weights.")
 
