@@ -179,7 +179,8 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
     # -- samples ---------------------------------------------------------------------------------------------------
     def __getitem__(self, idx: int) -> dict:
-        self.files.read_ahead()  # a dataset in object storage: its files fetched before they are read
+        if torch.utils.data.get_worker_info() is not None:  # threads only where no fork follows (not in a rank)
+            self.files.read_ahead()  # a dataset in object storage: its files fetched before they are read
         try:
             return self._item(int(idx))
         except UserError as e:

@@ -56,6 +56,8 @@ _REVISION = re.compile(r"^[0-9a-f]{32}$")
 # loop, which says in the rank's log at once that the store is away.
 _REQUEST_RETRY_SECONDS = 1.0
 READ_AHEAD_THREADS = 4  # per process reading samples (RemoteFiles.read_ahead)
+_STORE_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=lambda: globals().update(_STORE_LOCK=threading.Lock()))  # never inherited held
 
 
 class DataUnavailable(RunError):
@@ -301,13 +303,16 @@ class RemoteFiles:
         return {**self.__dict__, "_store": None, "_pid": None, "_ahead": None}
 
     def store(self):
+        """This process's client of the store: one, shared by its reader and read-ahead threads (making one costs
+        ~0.1 s of CPU: five made at once delayed a worker's first batch by a second)."""
         from opentau_cli.store.remote import open_remote
 
-        if self._store is None or self._pid != os.getpid():
-            self._store = open_remote(self.url, {**self.options, "retry_seconds": min(_REQUEST_RETRY_SECONDS,
-                                                                                        self.wait_seconds)})
-            self._pid = os.getpid()
-        return self._store
+        with _STORE_LOCK:
+            if self._store is None or self._pid != os.getpid():
+                self._store = open_remote(self.url, {**self.options, "retry_seconds": min(_REQUEST_RETRY_SECONDS,
+                                                                                            self.wait_seconds)})
+                self._pid = os.getpid()
+            return self._store
 
     def rel(self, path: Path) -> str:
         return Path(path).relative_to(self.root).as_posix()
@@ -377,7 +382,8 @@ class RemoteFiles:
                             "the files being read leave free)"))
                     release_held()
                     self.cache.press()
-                time.sleep(0.05 + random.random() * 0.05)
+                # another process (or a read-ahead thread) is bringing it: small files come in milliseconds
+                time.sleep((0.05 if short is not None else 0.005) * (1 + random.random()))
                 continue
             held = self._bring(reserved, local, lambda out: self._download(rel, pin, out))
             if held is not None:
@@ -400,8 +406,9 @@ class RemoteFiles:
             raise
 
     def read_ahead(self) -> None:
-        """Called by each read of a sample; the first in a process (a data worker, or a rank without workers)
-        starts threads that fetch the pinned data and video files the cache does not hold yet, into its free room
+        """Called by each read of a sample in a data worker (a process that never forks: a fork while a thread
+        holds the cache's lock would leave the lock held by the child); the first in a process starts threads that
+        fetch the pinned data and video files the cache does not hold yet, into its free room
         only (never evicting), so that the first epoch's reads find them there. The processes of a machine share
         the work (a file another is fetching is skipped). A thread stops at the first file without room or that
         the store does not give at once: the reader that needs it fetches it as usual (waiting, retrying)."""
