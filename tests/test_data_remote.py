@@ -308,6 +308,26 @@ def test_the_least_recently_used_files_make_room_and_a_file_being_read_is_never_
         assert path.read_bytes() == content[b]
 
 
+def test_a_data_worker_fetches_the_selected_files_ahead_of_its_reads_and_nothing_else(s3, cache, tmp_path):
+    """20 one-camera episodes, 16 selected: one batch of 4 samples reads at most 4 videos, and the worker's read-ahead
+    brings the other selected ones meanwhile, never an unselected episode's."""
+    folder = write_synth(tmp_path / "many", episodes=20, steps_per_episode=8, video=True, seed=8)
+    url = upload(s3, folder, f"ahead-{os.getpid()}")
+    cfg = config(f"--dataset.root={url}", "--dataset.episodes=[" + ",".join(map(str, range(16))) + "]",
+                 "--dataset.num_workers=1", "--validation.val_split=0")
+    assert check_dataset(cfg) == []
+    data = build_data(cfg)
+    try:
+        next(data.stream)
+        videos = {f"videos/chunk-000/{TOP}/episode_{e:06d}.mp4" for e in range(16)}
+        deadline = time.monotonic() + 60
+        while not videos <= cached_files(cache) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        data.stream.close()
+    assert cached_files(cache) == videos | {f"data/chunk-000/episode_{e:06d}.parquet" for e in range(16)}
+
+
 def test_a_second_run_on_the_same_machine_reads_the_cache(s3, stored, cache):
     runs = []
     for _ in range(2):
