@@ -9,7 +9,7 @@ the config its ranks read. The checks of a local dataset then run on the cached 
 
 While the run reads (`RemoteFiles`), a reader asks for a file by its place in the dataset's layout and gets a local
 copy of exactly the pinned version: fetched on first use (If-Match on every request, so never another version),
-then held by the reader (a shared lock on the file) while it reads. The cache (`FileCache`) is one directory per
+or earlier by a data worker's read-ahead, then held by the reader (a shared lock on the file) while it reads. The cache (`FileCache`) is one directory per
 machine, `$OPENTAU_CACHE_DIR/datasets`, shared by every process and run on it: what it holds on disk never exceeds
 `dataset.cache_max_gb`. Room is made under one lock by removing the least recently used fetched files that no
 process holds, and each download is given its whole size on disk before it starts (a preallocated temporary file,
@@ -17,6 +17,7 @@ renamed when complete), so concurrent downloads never add up past the cap. A sto
 with backoff for `dataset.remote_wait_seconds` while the reader (and so training) waits; then `DataUnavailable`.
 
     <cache>/.lock                      one flock for every change of what the cache holds
+    <cache>/.pressure                  touched when a process needs room: the others let go of what they keep open
     <cache>/<id>/source.json           the dataset's URL (id: a digest of it)
     <cache>/<id>/meta-<digest>/meta/   one version of its meta files: the root `read_meta` reads (never evicted)
     <cache>/<id>/pins/<revision>.json  the files a run reads and their versions (never evicted)
