@@ -87,7 +87,10 @@ def on_disk(folder: Path) -> int:
     """What `du` counts under `folder`: the blocks of every file and folder, the folder itself included."""
     total = 0
     for dirpath, dirs, files in os.walk(folder):
-        total += os.lstat(dirpath).st_blocks * 512
+        try:  # measured while the cache changes: a folder may go between listing and stat
+            total += os.lstat(dirpath).st_blocks * 512
+        except FileNotFoundError:
+            continue
         for name in files:
             try:
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
