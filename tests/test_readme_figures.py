@@ -23,6 +23,7 @@ PLAN = "Memory plan: real CPU peaks and the example pi05 config on 8 GPUs"
 STARTUP = "Starting from pretrained weights: build + load vs no init"
 RESTART = "Restart: a rank's death to the first step after it (pi05_small_bench, DDP x2, CPU)"
 FSDP = "FSDP2 vs ZeRO-3 vs DDP on 2 CPU processes"
+DATA_REMOTE = "Datasets in object storage: an epoch from a local S3 server vs from local disk"
 
 
 # README figure -> where it comes from: (a pattern of README.md whose group is the figure, the benchmark's section
@@ -85,6 +86,10 @@ FIGURES = [
     (r"against ([\d.]+) when built first and then loaded", STARTUP, "build + load: peak RSS above imports", r"\(([\d.]+) copies"),
     (r"then loaded \(([\d.]+)x, and", STARTUP, "no init, no draws / build + load: peak RSS", r"^([\d.]+)x"),
     (r"and ([\d.]+)x the time, `benchmarks/bench_startup.py`", STARTUP, "no init, no draws / build + load: wall time", r"^([\d.]+)x"),
+    (r"g1 dataset ran at\s+([\d.]+)x local disk", DATA_REMOTE, "g1 (AV1 480x640): store, cold cache", r"\(([\d.]+)x local"),
+    (r"empty cache and ([\d.]+)x with a warm one", DATA_REMOTE, "g1 (AV1 480x640): store, warm cache", r"\(([\d.]+)x local"),
+    (r"at ([\d.]+)x cold, below the", DATA_REMOTE, "synthetic H.264 64x64: store, cold cache", r"\(([\d.]+)x local"),
+    (r"of 0.8 of local disk, and ([\d.]+)x warm", DATA_REMOTE, "synthetic H.264 64x64: store, warm cache", r"\(([\d.]+)x local"),
 ]
 
 # What a measured figure looks like in prose: a ratio ("0.49x"), a cost per unit ("0.5 s per GB", "0.2 CPU-seconds per
