@@ -10,7 +10,10 @@ Side by side in one run, against a local SeaweedFS (tests/s3_server.py, one serv
    the median of the rounds' ratios (target >= 0.9x).
 2. Training time lost per save: the same pi05_small run (N steps, a save every K) with `checkpoint.remote` on and
    off, `remote_drain_seconds=0` so that the launch does not wait for its last upload: (wall on - wall off) / saves,
-   and the walls' ratio (target <= 1.05x).
+   and the walls' ratio (target <= 1.05x). Twice: training on every core (CPU-bound training: the upload's hashing
+   and sending can only take CPU from it), and training on one thread (OMP_NUM_THREADS=1), a core left free as a
+   GPU-bound rank leaves its host's CPU. The store runs at nice 19 throughout: it stands for another machine, whose
+   CPU is not the training's.
 3. Resume on an empty disk: `opentau resume URL` (download, check, launch, one more step) vs downloading the same
    files with boto3 and `opentau resume` of that directory (target <= 1.1x).
 4. Bytes per checkpoint (the sum of its committed manifest): full fine-tuning, a frozen vision tower, LoRA rank 16.
@@ -115,95 +118,111 @@ def main() -> None:
     parser.add_argument("--big-mb", type=int, default=1100, help="The file added to make a checkpoint of >= 1 GB.")
     parser.add_argument("--steps", type=int, default=30, help="Steps of the on / off training runs.")
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--parts", default="upload,resume,training,bytes",
+                        help="Comma-separated, of upload, resume, training, bytes (resume needs upload).")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     if args.smoke:
         args.rounds, args.big_mb, args.steps, args.save_every = 1, 40, 4, 2
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    server = S3Server(work / "s3").start()
+    server = S3Server(work / "s3", nice=19).start()
     os.environ.update(server.env)
     train = [opentau_bin(), "train", f"--config_path={config}", "--log_freq", "1", "--logging.progress_bar=plain"]
     rows, notes = [], []
     try:
-        # 1. Upload throughput. The run that makes the checkpoint uploads it too (the resume below starts from it).
+        # The run that makes the checkpoint uploads it too (the resume below starts from it).
         made = work / "made"
         run([*train, f"--output_dir={made}", "--steps", "1", "--save_freq", "1",
              f"--checkpoint.remote={server.url('bench/made')}"])
         ckpt = made / "checkpoints" / "000001"
-        small = upload_rounds(server, ckpt, args.rounds, "small")
-        big_run = work / "big"
-        shutil.copytree(made, big_run)
-        big = big_run / "checkpoints" / "000001"
-        write_random(big / "extra.bin", args.big_mb << 20)
-        from opentau_cli.store.manifest import write_manifest
+        if "upload" in parts:  # 1. Upload throughput.
+            small = upload_rounds(server, ckpt, args.rounds, "small")
+            big_run = work / "big"
+            shutil.copytree(made, big_run)
+            big = big_run / "checkpoints" / "000001"
+            write_random(big / "extra.bin", args.big_mb << 20)
+            from opentau_cli.store.manifest import write_manifest
 
-        (big / "manifest.json").unlink()
-        write_manifest(big)
-        large = upload_rounds(server, big, args.rounds, "big")
-        for name, r in (("checkpoint", small), ("large checkpoint", large)):
-            rows.append((f"upload, {name} ({r['bytes'] / 1e9:.2f} GB): opentau / boto3",
-                         f"{r['ratio']:.2f}x ({r['ours_mbs']:.1f} vs {r['plain_mbs']:.1f} MB/s; rounds "
-                         f"{', '.join(f'{x:.2f}' for x in r['ratios'])}; target >= 0.9x, {verdict(r['ratio'], 0.9)})"))
+            (big / "manifest.json").unlink()
+            write_manifest(big)
+            large = upload_rounds(server, big, args.rounds, "big")
+            for name, r in (("checkpoint", small), ("large checkpoint", large)):
+                rows.append((f"upload, {name} ({r['bytes'] / 1e9:.2f} GB): opentau / boto3",
+                             f"{r['ratio']:.2f}x ({r['ours_mbs']:.1f} vs {r['plain_mbs']:.1f} MB/s; rounds "
+                             f"{', '.join(f'{x:.2f}' for x in r['ratios'])}; target >= 0.9x, {verdict(r['ratio'], 0.9)})"))
 
-        # 2. Resume on an empty disk (the launch does not wait for the upload of its own new checkpoint).
-        url = server.url("bench/made")
         from opentau_cli.store.remote_run import RemoteRun
         from opentau_cli.store.storage import open_storage
 
-        remote = RemoteRun(open_storage(url))
-        last = remote.last()
-        step = int(last)
-        more = ["--steps", str(step + 1)]
-        _, ours_wall = run([opentau_bin(), "resume", url, f"--output_dir={work / 'resumed-ours'}", *more,
-                            "--checkpoint.remote_drain_seconds=0"])
-        started = time.perf_counter()
-        plain_dir = work / "resumed-plain"
-        keys = sorted(remote.manifest(last)["files"]) + ["manifest.json"]
-        Plain(server).download(keys, f"bench/made/checkpoints/{last}", plain_dir / "checkpoints" / last)
-        _, plain_resume = run([opentau_bin(), "resume", str(plain_dir / "checkpoints" / last), *more,
-                               "--checkpoint.remote=null"])
-        plain_wall = time.perf_counter() - started
-        rows.append(("resume on an empty disk: opentau resume URL / boto3 download + resume",
-                     f"{ours_wall / plain_wall:.2f}x ({ours_wall:.1f} vs {plain_wall:.1f} s; target <= 1.1x, "
-                     f"{verdict(ours_wall / plain_wall, 1.1, higher_is_better=False)})"))
-        # 3. Training time lost per save.
-        common = ["--steps", str(args.steps), "--save_freq", str(args.save_every)]
-        walls = {}
-        for who in ("off", "on", "off2", "on2") if not args.smoke else ():
-            extra = [f"--checkpoint.remote={server.url('bench/train-' + who)}", "--checkpoint.remote_drain_seconds=0"] \
-                if who.startswith("on") else []
-            _, wall = run([*train, f"--output_dir={work / ('train-' + who)}", *common, *extra])
-            walls.setdefault(who.rstrip("2"), []).append(wall)
-        if walls:  # not in a smoke run: two launches of each
-            saves = args.steps // args.save_every
-            on, off = statistics.median(walls["on"]), statistics.median(walls["off"])
-            rows.append(("training wall, checkpoint.remote on / off",
-                         f"{on / off:.3f}x ({on:.1f} vs {off:.1f} s, {args.steps} steps, {saves} saves; target <= "
-                         f"1.05x, {verdict(on / off, 1.05, higher_is_better=False)})"))
-            rows.append(("training time lost per save, remote on", f"{(on - off) / saves:.2f} s"))
+        if "resume" in parts:  # 2. Resume on an empty disk (the launch does not wait for its own new checkpoint).
+            url = server.url("bench/made")
+            remote = RemoteRun(open_storage(url))
+            last = remote.last()
+            step = int(last)
+            more = ["--steps", str(step + 1)]
+            _, ours_wall = run([opentau_bin(), "resume", url, f"--output_dir={work / 'resumed-ours'}", *more,
+                                "--checkpoint.remote_drain_seconds=0"])
+            started = time.perf_counter()
+            plain_dir = work / "resumed-plain"
+            keys = sorted(remote.manifest(last)["files"]) + ["manifest.json"]
+            Plain(server).download(keys, f"bench/made/checkpoints/{last}", plain_dir / "checkpoints" / last)
+            run([opentau_bin(), "resume", str(plain_dir / "checkpoints" / last), *more,
+                                   "--checkpoint.remote=null"])
+            plain_wall = time.perf_counter() - started
+            rows.append(("resume on an empty disk: opentau resume URL / boto3 download + resume",
+                         f"{ours_wall / plain_wall:.2f}x ({ours_wall:.1f} vs {plain_wall:.1f} s; target <= 1.1x, "
+                         f"{verdict(ours_wall / plain_wall, 1.1, higher_is_better=False)})"))
 
-        # 4. Bytes per checkpoint (full fine-tuning: the checkpoint of step 1 above).
-        rows.append(("bytes uploaded per checkpoint, full fine-tuning", f"{small['bytes'] / 1e6:.1f} MB"))
-        for label, extra in (("frozen vision tower", ["--policy.freeze_vision_encoder=true"]),
-                             ("LoRA rank 16", ["--policy.lora.rank=16"])):
-            if args.smoke:
-                break
-            tag = label.split()[0].lower()
-            url = server.url(f"bench/bytes-{tag}")
-            run([*train, f"--output_dir={work / ('bytes-' + tag)}", "--steps", "1", "--save_freq", "1",
-                 f"--checkpoint.remote={url}", *extra])
-            r = RemoteRun(open_storage(url))
-            size = sum(e["size"] for e in r.manifest(r.last())["files"].values())
-            rows.append((f"bytes uploaded per checkpoint, {label}", f"{size / 1e6:.1f} MB"))
+        if "training" in parts and not args.smoke:  # 3. Training time lost per save: two launches of each side.
+            common = ["--steps", str(args.steps), "--save_freq", str(args.save_every)]
+            saves = args.steps // args.save_every
+            for threads, label in ((None, "training on every core"), ("1", "training on one thread")):
+                walls = {}
+                saved_omp = os.environ.get("OMP_NUM_THREADS")
+                if threads:
+                    os.environ["OMP_NUM_THREADS"] = threads
+                try:
+                    for who in ("off", "on", "off2", "on2"):
+                        tag = f"{who}-{threads or 'all'}"
+                        extra = [f"--checkpoint.remote={server.url('bench/train-' + tag)}",
+                                 "--checkpoint.remote_drain_seconds=0"] if who.startswith("on") else []
+                        _, wall = run([*train, f"--output_dir={work / ('train-' + tag)}", *common, *extra])
+                        walls.setdefault(who.rstrip("2"), []).append(wall)
+                        shutil.rmtree(work / ("train-" + tag), ignore_errors=True)
+                finally:
+                    os.environ.pop("OMP_NUM_THREADS", None) if saved_omp is None else os.environ.__setitem__("OMP_NUM_THREADS", saved_omp)
+                on, off = statistics.median(walls["on"]), statistics.median(walls["off"])
+                rows.append((f"training wall, checkpoint.remote on / off, {label}",
+                             f"{on / off:.3f}x ({on:.1f} vs {off:.1f} s, {args.steps} steps, {saves} saves; target <= "
+                             f"1.05x, {verdict(on / off, 1.05, higher_is_better=False)})"))
+                rows.append((f"training time lost per save, {label}", f"{(on - off) / saves:.2f} s"))
+
+        if "bytes" in parts:  # 4. Bytes per checkpoint (full fine-tuning: the checkpoint of step 1 above).
+            full = RemoteRun(open_storage(server.url("bench/made")))
+            rows.append(("bytes uploaded per checkpoint, full fine-tuning",
+                         f"{sum(e['size'] for e in full.manifest(full.last())['files'].values()) / 1e6:.1f} MB"))
+            for label, extra in (("frozen vision tower", ["--policy.freeze_vision_encoder=true"]),
+                                 ("LoRA rank 16", ["--policy.lora.rank=16"])):
+                if args.smoke:
+                    break
+                tag = label.split()[0].lower()
+                url = server.url(f"bench/bytes-{tag}")
+                run([*train, f"--output_dir={work / ('bytes-' + tag)}", "--steps", "1", "--save_freq", "1",
+                     f"--checkpoint.remote={url}", *extra])
+                r = RemoteRun(open_storage(url))
+                size = sum(e["size"] for e in r.manifest(r.last())["files"].values())
+                rows.append((f"bytes uploaded per checkpoint, {label}", f"{size / 1e6:.1f} MB"))
     finally:
         server.kill()
         if not args.smoke:
             shutil.rmtree(work, ignore_errors=True)
     title = "Remote checkpoints: upload, training time lost per save, resume from the store"
-    notes.append(f"config {Path(config).name}; a local SeaweedFS {server.ports.get('s3.port', '')} on loopback; "
-                 f"parts of {PART >> 20} MiB, {CONCURRENCY} in flight; {args.rounds} upload rounds alternated")
+    notes.append(f"config {Path(config).name}; a local SeaweedFS {server.ports.get('s3.port', '')} on loopback at nice "
+                 f"19 (it stands for another machine); parts of {PART >> 20} MiB, {CONCURRENCY} in flight; "
+                 f"{args.rounds} upload rounds alternated; parts measured: {args.parts}")
     print_rows(title, rows)
     report(args, title, rows, notes)
 

@@ -69,9 +69,10 @@ def _free_ports(count: int) -> list[int]:
 
 
 class S3Server:
-    def __init__(self, root: Path, bucket: str = "opentau-test"):
+    def __init__(self, root: Path, bucket: str = "opentau-test", nice: int = 0):
         self.root = Path(root)
         self.bucket = bucket
+        self.nice = nice  # a benchmark's store below the training's priority: it stands for another machine
         self.proc: subprocess.Popen | None = None
         self.ports: dict[str, int] = {}
         # Its local sockets: a Unix socket's path has at most 107 bytes, which a test's tmp_path can pass.
@@ -119,7 +120,7 @@ class S3Server:
         logs.mkdir(parents=True, exist_ok=True)
         self._remove_sockets()  # a killed server's sockets would stop the next one binding them
         self.sockets.mkdir()
-        args = [weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [*(["nice", "-n", str(self.nice)] if self.nice else []), weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", f"-filer.localSocket={self.sockets}/filer.sock",
                 f"-s3.localSocket={self.sockets}/s3.sock", *(f"-{flag}={port}" for flag, port in self.ports.items())]
