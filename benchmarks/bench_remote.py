@@ -37,6 +37,7 @@ from _common import opentau_bin  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
 PART, CONCURRENCY = 16 << 20, 8  # store/remote.py's defaults
+ALL_PARTS = "upload,resume,training,bytes"
 
 
 def write_random(path: Path, size: int) -> None:
@@ -118,7 +119,7 @@ def main() -> None:
     parser.add_argument("--big-mb", type=int, default=1100, help="The file added to make a checkpoint of >= 1 GB.")
     parser.add_argument("--steps", type=int, default=30, help="Steps of the on / off training runs.")
     parser.add_argument("--save-every", type=int, default=10)
-    parser.add_argument("--parts", default="upload,resume,training,bytes",
+    parser.add_argument("--parts", default=ALL_PARTS,
                         help="Comma-separated, of upload, resume, training, bytes (resume needs upload).")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -220,6 +221,8 @@ def main() -> None:
         if not args.smoke:
             shutil.rmtree(work, ignore_errors=True)
     title = "Remote checkpoints: upload, training time lost per save, resume from the store"
+    if parts != set(ALL_PARTS.split(",")):  # a part alone is its own section: the latest full run keeps its figures
+        title = f"Remote checkpoints, {args.parts} only"
     notes.append(f"config {Path(config).name}; a local SeaweedFS {server.ports.get('s3.port', '')} on loopback at nice "
                  f"19 (it stands for another machine); parts of {PART >> 20} MiB, {CONCURRENCY} in flight; "
                  f"{args.rounds} upload rounds alternated; parts measured: {args.parts}")
