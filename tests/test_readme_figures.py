@@ -24,6 +24,8 @@ STARTUP = "Starting from pretrained weights: build + load vs no init"
 RESTART = "Restart: a rank's death to the first step after it (pi05_small_bench, DDP x2, CPU)"
 FSDP = "FSDP2 vs ZeRO-3 vs DDP on 2 CPU processes"
 DATA_REMOTE = "Datasets in object storage: an epoch from a local S3 server vs from local disk"
+REMOTE = "Remote checkpoints: upload, training time lost per save, resume from the store"
+REMOTE_TRAINING = "Remote checkpoints, training only"
 
 
 # README figure -> where it comes from: (a pattern of README.md whose group is the figure, the benchmark's section
@@ -86,6 +88,11 @@ FIGURES = [
     (r"against ([\d.]+) when built first and then loaded", STARTUP, "build + load: peak RSS above imports", r"\(([\d.]+) copies"),
     (r"then loaded \(([\d.]+)x, and", STARTUP, "no init, no draws / build + load: peak RSS", r"^([\d.]+)x"),
     (r"and ([\d.]+)x the time, `benchmarks/bench_startup.py`", STARTUP, "no init, no draws / build + load: wall time", r"^([\d.]+)x"),
+    (r"checkpoint uploads at ([\d.]+)x the throughput", REMOTE, "upload, checkpoint (0.95 GB): opentau / boto3", r"^([\d.]+)x"),
+    (r"a 2.1 GB one at\s+([\d.]+)x", REMOTE, "upload, large checkpoint (2.10 GB): opentau / boto3", r"^([\d.]+)x"),
+    (r"on an empty disk takes ([\d.]+)x the", REMOTE, "resume on an empty disk: opentau resume URL / boto3 download + resume", r"^([\d.]+)x"),
+    (r"the training loses ([\d.]+) s per save", REMOTE_TRAINING, "training time lost per save, training on every core", r"^([\d.]+) s"),
+    (r"every core, ([\d.]+) s per save on one thread", REMOTE_TRAINING, "training time lost per save, training on one thread", r"^([\d.]+) s"),
     (r"g1 dataset ran at\s+([\d.]+)x local disk", DATA_REMOTE, "g1 (AV1 480x640): store, cold cache", r"\(([\d.]+)x local"),
     (r"empty cache and ([\d.]+)x with a warm one", DATA_REMOTE, "g1 (AV1 480x640): store, warm cache", r"\(([\d.]+)x local"),
     (r"at ([\d.]+)x cold, below the", DATA_REMOTE, "synthetic H.264 64x64: store, cold cache", r"\(([\d.]+)x local"),
