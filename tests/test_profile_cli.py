@@ -108,18 +108,20 @@ def test_find_max_batch_reports_an_oom_under_the_memory_limit_as_batch_0(isolate
 
 
 def test_a_user_error_found_late_in_the_data_exits_2_with_one_line_under_profile_as_under_train(isolated_env):
-    """Truncated videos pass the checks made before launch (they only look at the metadata); the first batch finds
-    them. Both commands read the rank's marked line the same way."""
+    """A truncated video of a later episode passes the checks made before launch (they decode the first selected
+    episode's only); the first batch finds it. Both commands read the rank's marked line the same way."""
     data = isolated_env / "videos"
     r = run_cli_in_process(["dataset", "synth", str(data), "--episodes", "2", "--steps-per-episode", "12", "--video"])
     assert r.returncode == 0, r.stderr
-    for video in data.rglob("*.mp4"):
+    for video in data.rglob("episode_000001.mp4"):
         video.write_bytes(video.read_bytes()[:600])
-    checked = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={data}", f"--output_dir={isolated_env / 'run'}"])
+    no_validation = ["--validation.val_split=0", "--validation.val_freq=0"]  # both episodes train
+    checked = run_cli_in_process(["config", "validate", TINY, f"--dataset.root={data}", f"--output_dir={isolated_env / 'run'}",
+                                  *no_validation])
     assert checked.returncode == 0, checked.stderr  # so the error below is found late, inside a worker
     errors = {}
     for command, extra in (("profile", ["--warmup", "0"]), ("train", [f"--output_dir={isolated_env / 'run'}"])):
-        r = run_cli([command, f"--config_path={TINY}", f"--dataset.root={data}", "--steps", "1", *extra],
+        r = run_cli([command, f"--config_path={TINY}", f"--dataset.root={data}", "--steps", "1", *no_validation, *extra],
                     cwd=isolated_env, env=ONE_THREAD)
         assert r.returncode == 2, f"{command}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         assert "Traceback" not in r.stdout + r.stderr, command

@@ -75,7 +75,7 @@ def make_trainer():
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         batches = iter([{"x": torch.full((2,), float(v))} for v in values])
         return Trainer(cfg=cfg, setup=setup, accelerator=accelerator, model=model, optimizer=optimizer,
-                       scheduler=scheduler, data=SimpleNamespace(stream=batches))
+                       scheduler=scheduler, data=SimpleNamespace(stream=batches, remote=False))
 
     yield make
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -85,6 +85,12 @@ def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict, overrides: d
     if before is not None:  # only the members' paths are compared: resolve those, not a copy of the whole config
         members = {"dataset": {"mixture": copy.deepcopy(before)}}
         before = resolve_paths(members, paths_base(ckpt / TRAIN_CONFIG))["dataset"]["mixture"]
+    from opentau_cli.config.model import MixtureMember
+
+    defaults = MixtureMember().model_dump(mode="json")
+    for member in before or []:  # a setting added since the checkpoint was written: it ran with the default
+        for name, value in defaults.items():
+            member.setdefault(name, value)
     for key in overrides or {}:
         if before and now and key.startswith("dataset.mixture.") and is_path_key(key):  # dataset.mixture.N.root
             i = int(key.split(".")[2])

@@ -233,7 +233,7 @@ class Trainer:
         acc, accum = self.accelerator, self.cfg.gradient_accumulation_steps
         if not self.model.training:  # only validation switches it off; a walk over every module costs ~0.6 ms a step
             self.model.train()
-        start = self.data.stream.state_dict()
+        start = self.data.stream.state_dict() if self.data.remote else None  # only a store can go away mid-step
         for _ in range(accum):
             with timer.phase("data"):
                 try:
