@@ -15,7 +15,7 @@ from conftest import EXAMPLES
 from opentau_cli.config.load import load_config
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, build_data, write_synth
 from opentau_cli.data.mixture import MixtureSampler, draw_counts
-from opentau_cli.data.normalization import IDENTITY, mode_of, normalize, unnormalize
+from opentau_cli.data.normalization import IDENTITY, normalize, unnormalize
 
 pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
 

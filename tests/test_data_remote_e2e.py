@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, G1, SINGLE_PROCESS_ENV, run_cli
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, run_cli
 from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
 from test_data_remote import on_disk, upload
 

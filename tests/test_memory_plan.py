@@ -5,7 +5,6 @@ comes to real training processes is tests/test_memory_plan_real.py's business.""
 
 from __future__ import annotations
 
-import re
 
 import pytest
 from typer.testing import CliRunner

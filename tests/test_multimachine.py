@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, opentau_bin, run_cli, run_cli_in_process
+from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, opentau_bin, run_cli_in_process
 from opentau_cli.errors import RunError
 from opentau_cli.process.launch import free_port
 from opentau_cli.store.layout import (

@@ -27,7 +27,7 @@ def run_benchmark(script: str, results, timeout: float = 600) -> str:
     text = results.read_text()
     assert text.startswith("# Benchmarks")
     assert re.search(r"^## .+ \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)$", text, re.M)
-    assert "- machine: " in text and f"CPUs" in text and "- command: `" in text and "--smoke" in text
+    assert "- machine: " in text and "CPUs" in text and "- command: `" in text and "--smoke" in text
     return proc.stdout
 
 

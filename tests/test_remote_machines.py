@@ -142,4 +142,4 @@ def test_the_group_re_forms_alone_from_the_store_then_with_the_machine_that_came
     assert (first["machine"], first["world_before"], first["world"], first["resumed_from"]) == (1, 2, 1, f"{SAVE:06d}")
     assert (second["regroup"], second["world_before"], second["world"]) == ("machines joined: 2 processes now, 1 before", 1, 2)
     assert second["resumed_from"] == f"{LEAVES_AT:06d}"
-    assert f"Downloading checkpoint" in machines["back_err"]
+    assert "Downloading checkpoint" in machines["back_err"]

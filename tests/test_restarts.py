@@ -10,7 +10,6 @@ safetensors / torch.load, not with the product).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
