@@ -16,25 +16,21 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import (
+    DDP_REFERENCE_ARGS,
+    DDP_REFERENCE_SAVE,
+    DDP_REFERENCE_STEPS,
+    EXAMPLES,
+)
+from test_elastic_machines import start, train_losses
 
-from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, opentau_bin
 from opentau_cli.process.launch import free_port
-from opentau_cli.store.layout import CHECKPOINTS, LOGS, MANIFEST, METRICS
+from opentau_cli.store.layout import CHECKPOINTS, LOGS, MANIFEST
 
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 LEAVES_AT = 5
 FAULT_HOOK = Path(__file__).parent / "fault_hook"
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def train_losses(run_dir: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
-
-
-def start(args: list[str], env: dict, out: Path) -> subprocess.Popen:
-    with open(out.with_suffix(".out"), "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:
-        return subprocess.Popen([opentau_bin(), *args], env=env, stdout=stdout, stderr=stderr, start_new_session=True)
 
 
 def machine_env(root: Path, server) -> dict:
