@@ -1,6 +1,6 @@
 """A dataset read from object storage vs the same files on local disk, through the same pipeline.
 
-Against a local SeaweedFS (tests/s3_server.py), each dataset is read one epoch at a time the way a rank reads it:
+Against a local SeaweedFS (tests/s3_server.py) at nice 19 (it stands for another machine), each dataset is read one epoch at a time the way a rank reads it:
 the pre-launch check (data/check.py, which pins the store's versions), `build_data`, then every batch of one epoch
 through the DataLoader with --workers data worker processes (fresh workers, so no decoded frame is reused between
 epochs). Three sides per round, in alternating order: from local disk; from the store with an empty cache (cold:
@@ -100,7 +100,7 @@ def main() -> None:
     rows, notes = [], []
     with tempfile.TemporaryDirectory(prefix="opentau-bench-data-") as tmp:
         work = Path(tmp)
-        server = S3Server(work / "s3").start()
+        server = S3Server(work / "s3", nice=19).start()  # as in bench_remote.py: it stands for another machine
         os.environ.update(server.env)
         try:
             datasets = []
@@ -150,7 +150,8 @@ def main() -> None:
     print_rows("Benchmark: a dataset in object storage vs on local disk", rows)
     notes += ["each epoch is what a rank does: the pre-launch check, build_data, then one epoch of batches through "
               "fresh data workers (no decoded frame reused); samples/s count the epoch's batches only",
-              "the store is SeaweedFS on this machine (loopback): a real store adds network latency per file fetched",
+              "the store is SeaweedFS on this machine (loopback) at nice 19, standing for another machine (its CPU "
+              "is not the training's, as in bench_remote.py): a real store adds network latency per file fetched",
               "the cold cache is emptied before each round; the warm epoch reads the files the cold one fetched",
               "the machine is shared with other work: the load average above says how busy it was"]
     report(args, TITLE, rows, notes)

@@ -11,12 +11,18 @@ Side by side in one run, against a local SeaweedFS (tests/s3_server.py, one serv
 2. Training time lost per save: the same pi05_small run (N steps, a save every K) with `checkpoint.remote` on and
    off, `remote_drain_seconds=0` so that the launch does not wait for its last upload: (wall on - wall off) / saves,
    and the walls' ratio (target <= 1.05x). Twice: training on every core (CPU-bound training: the upload's hashing
-   and sending can only take CPU from it), and training on one thread (OMP_NUM_THREADS=1), a core left free as a
-   GPU-bound rank leaves its host's CPU. The store runs at nice 19 throughout: it stands for another machine, whose
-   CPU is not the training's.
+   and sending can only take CPU from it), training on one thread (OMP_NUM_THREADS=1), a core left free as a
+   GPU-bound rank leaves its host's CPU, and the cores split as on a GPU node's host: the rank and its data workers
+   pinned to core 0, the launcher (whose thread uploads) and the store to core 1 (benchmarks/cores_hook): a GPU
+   node's host has idle cores for the upload, and the store stands for another machine. The store
+   runs at nice 19 throughout. Each row says how many of the launch's saves were committed in the store when it
+   ended (uploads are not skipped to save time: an upload still running is left, as with remote_drain_seconds=0).
 3. Resume on an empty disk: `opentau resume URL` (download, check, launch, one more step) vs downloading the same
    files with boto3 and `opentau resume` of that directory (target <= 1.1x).
 4. Bytes per checkpoint (the sum of its committed manifest): full fine-tuning, a frozen vision tower, LoRA rank 16.
+5. Interference (the cores' shared memory and caches): a one-thread matmul loop on core 0 alone, then while core 1
+   copies memory, then while core 1 uploads the checkpoint of 1. to the store (this process and the store pinned
+   there): how much moving bytes on one core slows training on another, which no scheduling priority removes.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from _common import opentau_bin  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
 PART, CONCURRENCY = 16 << 20, 8  # store/remote.py's defaults
-ALL_PARTS = "upload,resume,training,bytes"
+ALL_PARTS = "upload,resume,training,bytes,interference"
 
 
 def write_random(path: Path, size: int) -> None:
@@ -47,6 +53,58 @@ def write_random(path: Path, size: int) -> None:
             n = min(left, 64 << 20)
             f.write(os.urandom(n))
             left -= n
+
+
+PROBE = """import os, sys, time, torch
+os.sched_setaffinity(0, {0}); torch.set_num_threads(1); a = torch.randn(512, 512)
+for _ in range(20): a @ a
+n, t = 0, time.perf_counter()
+while time.perf_counter() - t < float(sys.argv[1]): a @ a; n += 1
+print(n / (time.perf_counter() - t))"""
+COPY = "import os, numpy as np\nos.sched_setaffinity(0, {1}); x = np.ones(200_000_000, dtype=np.uint8)\nwhile True: x.copy()"
+
+
+def probe(seconds: float, busy=None) -> float:
+    """Matmuls per second of one thread on core 0 over `seconds`, while `busy()` runs here again and again."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", PROBE, str(seconds)], stdout=subprocess.PIPE, text=True)
+    while busy is not None and proc.poll() is None:
+        busy()
+    return float(proc.communicate()[0])
+
+
+def interference(server: S3Server, ckpt: Path, seconds: float) -> list[tuple[str, str]]:
+    import subprocess
+
+    everywhere = set(range(os.cpu_count() or 1))
+    pin(server.proc.pid, {1})
+    os.sched_setaffinity(0, {1})
+    try:
+        alone = statistics.median(probe(seconds) for _ in range(2))
+        copier = subprocess.Popen([sys.executable, "-c", COPY])
+        time.sleep(1)
+        copying = probe(seconds)
+        copier.kill()
+        copier.wait()
+        count = iter(range(1000))
+        uploading = probe(seconds, lambda: ours_upload(server, ckpt, f"bench/interference{next(count)}"))
+    finally:
+        os.sched_setaffinity(0, everywhere)
+        pin(server.proc.pid, everywhere)
+    return [("one-thread matmul on core 0, core 1 idle", f"{alone:.1f} per s"),
+            ("the same while core 1 copies memory", f"{alone / copying:.2f}x slower ({copying:.1f} per s)"),
+            ("the same while core 1 uploads the checkpoint (this process and the store on core 1)",
+             f"{alone / uploading:.2f}x slower ({uploading:.1f} per s)")]
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit them)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 def checkpoint_files(ckpt: Path) -> list[tuple[Path, str]]:
@@ -119,6 +177,10 @@ def main() -> None:
     parser.add_argument("--big-mb", type=int, default=1100, help="The file added to make a checkpoint of >= 1 GB.")
     parser.add_argument("--steps", type=int, default=30, help="Steps of the on / off training runs.")
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--store-dir", type=Path, default=None,
+                        help="Where the local S3 server keeps its data (default: under --workdir).")
+    parser.add_argument("--training-variants", default="all,one,split",
+                        help="Of the training part: all (every core), one (one thread), split (cores split).")
     parser.add_argument("--parts", default=ALL_PARTS,
                         help="Comma-separated, of upload, resume, training, bytes (resume needs upload).")
     args = parser.parse_args()
@@ -129,7 +191,9 @@ def main() -> None:
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    server = S3Server(work / "s3", nice=19).start()
+    store_dir = args.store_dir or work / "s3"
+    shutil.rmtree(store_dir, ignore_errors=True)
+    server = S3Server(store_dir, nice=19).start()
     os.environ.update(server.env)
     train = [opentau_bin(), "train", f"--config_path={config}", "--log_freq", "1", "--logging.progress_bar=plain"]
     rows, notes = [], []
@@ -180,26 +244,41 @@ def main() -> None:
         if "training" in parts and not args.smoke:  # 3. Training time lost per save: two launches of each side.
             common = ["--steps", str(args.steps), "--save_freq", str(args.save_every)]
             saves = args.steps // args.save_every
-            for threads, label in ((None, "training on every core"), ("1", "training on one thread")):
-                walls = {}
-                saved_omp = os.environ.get("OMP_NUM_THREADS")
-                if threads:
-                    os.environ["OMP_NUM_THREADS"] = threads
+            variants = (("all", {}, "training on every core"),
+                        ("one", {"OMP_NUM_THREADS": "1"}, "training on one thread"),
+                        ("split", {"OMP_NUM_THREADS": "1", "BENCH_RANK_CPUS": "0", "BENCH_OTHER_CPUS": "1",
+                                   "PYTHONPATH": str(Path(__file__).resolve().parent / "cores_hook")},
+                         "rank on core 0, uploader and store on core 1 (a GPU node's host)"))
+            for name, variables, label in variants:
+                if name not in args.training_variants.split(",") or (name == "split" and (os.cpu_count() or 1) < 2):
+                    continue
+                walls, committed = {}, []
+                saved = {k: os.environ.get(k) for k in variables}
+                os.environ.update(variables)
+                pin(server.proc.pid, {1} if name == "split" else set(range(os.cpu_count() or 1)))
                 try:
                     for who in ("off", "on", "off2", "on2"):
-                        tag = f"{who}-{threads or 'all'}"
-                        extra = [f"--checkpoint.remote={server.url('bench/train-' + tag)}",
-                                 "--checkpoint.remote_drain_seconds=0"] if who.startswith("on") else []
+                        tag = f"{who}-{name}"
+                        url = server.url("bench/train-" + tag)
+                        extra = [f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=0"] if who.startswith("on") else []
                         _, wall = run([*train, f"--output_dir={work / ('train-' + tag)}", *common, *extra])
                         walls.setdefault(who.rstrip("2"), []).append(wall)
+                        if extra:
+                            committed.append(len(RemoteRun(open_storage(url)).committed()))
                         shutil.rmtree(work / ("train-" + tag), ignore_errors=True)
                 finally:
-                    os.environ.pop("OMP_NUM_THREADS", None) if saved_omp is None else os.environ.__setitem__("OMP_NUM_THREADS", saved_omp)
+                    for k, v in saved.items():
+                        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
                 on, off = statistics.median(walls["on"]), statistics.median(walls["off"])
                 rows.append((f"training wall, checkpoint.remote on / off, {label}",
-                             f"{on / off:.3f}x ({on:.1f} vs {off:.1f} s, {args.steps} steps, {saves} saves; target <= "
+                             f"{on / off:.3f}x ({on:.1f} vs {off:.1f} s, {args.steps} steps, {saves} saves, committed "
+                             f"in the store at the end: {' and '.join(map(str, committed))} of {saves}; target <= "
                              f"1.05x, {verdict(on / off, 1.05, higher_is_better=False)})"))
                 rows.append((f"training time lost per save, {label}", f"{(on - off) / saves:.2f} s"))
+            pin(server.proc.pid, set(range(os.cpu_count() or 1)))
+
+        if "interference" in parts and not args.smoke and (os.cpu_count() or 1) >= 2:  # 5. (quiet: before 4.)
+            rows += interference(server, ckpt, 8)
 
         if "bytes" in parts:  # 4. Bytes per checkpoint (full fine-tuning: the checkpoint of step 1 above).
             full = RemoteRun(open_storage(server.url("bench/made")))
@@ -220,11 +299,14 @@ def main() -> None:
         server.kill()
         if not args.smoke:
             shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(store_dir, ignore_errors=True)
     title = "Remote checkpoints: upload, training time lost per save, resume from the store"
     if parts != set(ALL_PARTS.split(",")):  # a part alone is its own section: the latest full run keeps its figures
         title = f"Remote checkpoints, {args.parts} only"
+    if "training" in parts and args.training_variants != "all,one,split":
+        title += f" ({args.training_variants})"
     notes.append(f"config {Path(config).name}; a local SeaweedFS {server.ports.get('s3.port', '')} on loopback at nice "
-                 f"19 (it stands for another machine); parts of {PART >> 20} MiB, {CONCURRENCY} in flight; "
+                 f"19, its data in {store_dir} (it stands for another machine); parts of {PART >> 20} MiB, {CONCURRENCY} in flight; "
                  f"{args.rounds} upload rounds alternated; parts measured: {args.parts}")
     print_rows(title, rows)
     report(args, title, rows, notes)

@@ -26,6 +26,8 @@ FSDP = "FSDP2 vs ZeRO-3 vs DDP on 2 CPU processes"
 DATA_REMOTE = "Datasets in object storage: an epoch from a local S3 server vs from local disk"
 REMOTE = "Remote checkpoints: upload, training time lost per save, resume from the store"
 REMOTE_TRAINING = "Remote checkpoints, training only"
+REMOTE_INTERFERENCE = "Remote checkpoints, interference only"
+SPLIT = "rank on core 0, uploader and store on core 1 (a GPU node's host)"
 
 
 # README figure -> where it comes from: (a pattern of README.md whose group is the figure, the benchmark's section
@@ -91,12 +93,16 @@ FIGURES = [
     (r"checkpoint uploads at ([\d.]+)x the throughput", REMOTE, "upload, checkpoint (0.95 GB): opentau / boto3", r"^([\d.]+)x"),
     (r"a 2.1 GB one at\s+([\d.]+)x", REMOTE, "upload, large checkpoint (2.10 GB): opentau / boto3", r"^([\d.]+)x"),
     (r"on an empty disk takes ([\d.]+)x the", REMOTE, "resume on an empty disk: opentau resume URL / boto3 download + resume", r"^([\d.]+)x"),
-    (r"the training loses ([\d.]+) s per save", REMOTE_TRAINING, "training time lost per save, training on every core", r"^([\d.]+) s"),
-    (r"every core, ([\d.]+) s per save on one thread", REMOTE_TRAINING, "training time lost per save, training on one thread", r"^([\d.]+) s"),
+    (r"the run takes ([\d.]+)x as long", REMOTE_TRAINING, f"training wall, checkpoint.remote on / off, {SPLIT}", r"^([\d.]+)x"),
+    (r"as long, ([\d.]+) s per save \(the target", REMOTE_TRAINING, f"training time lost per save, {SPLIT}", r"^([\d.]+) s"),
+    (r"one-thread matmul ([\d.]+)x\.", REMOTE_INTERFERENCE, "the same while core 1 uploads the checkpoint (this process and "
+     "the store on core 1)", r"^([\d.]+)x"),
+    (r"pays for them: ([\d.]+) s per save on one thread", REMOTE_TRAINING, "training time lost per save, training on one thread", r"^([\d.]+) s"),
+    (r"([\d.]+) s per save when the training uses both\s+cores", REMOTE_TRAINING, "training time lost per save, training on every core", r"^([\d.]+) s"),
     (r"g1 dataset ran at\s+([\d.]+)x local disk", DATA_REMOTE, "g1 (AV1 480x640): store, cold cache", r"\(([\d.]+)x local"),
-    (r"empty cache and ([\d.]+)x with a warm one", DATA_REMOTE, "g1 (AV1 480x640): store, warm cache", r"\(([\d.]+)x local"),
-    (r"at ([\d.]+)x cold, below the", DATA_REMOTE, "synthetic H.264 64x64: store, cold cache", r"\(([\d.]+)x local"),
-    (r"of 0.8 of local disk, and ([\d.]+)x warm", DATA_REMOTE, "synthetic H.264 64x64: store, warm cache", r"\(([\d.]+)x local"),
+    (r"empty cache and ([\d.]+)x with a warm\s+one", DATA_REMOTE, "g1 (AV1 480x640): store, warm cache", r"\(([\d.]+)x local"),
+    (r"every 20 samples\) at ([\d.]+)x cold", DATA_REMOTE, "synthetic H.264 64x64: store, cold cache", r"\(([\d.]+)x local"),
+    (r"x cold and ([\d.]+)x warm", DATA_REMOTE, "synthetic H.264 64x64: store, warm cache", r"\(([\d.]+)x local"),
 ]
 
 # What a measured figure looks like in prose: a ratio ("0.49x"), a cost per unit ("0.5 s per GB", "0.2 CPU-seconds per

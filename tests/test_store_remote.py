@@ -99,6 +99,34 @@ def test_every_operation_on_s3_leaves_in_the_store_exactly_what_a_plain_client_r
     assert all((tmp_path / "many_back" / key).read_bytes() == local.read_bytes() for key, local in many.items())
 
 
+def test_a_process_ends_without_sending_the_rest_of_a_cancelled_upload_and_sends_it_all_when_not_cancelled(s3, tmp_path):
+    """The client's transfer threads are ones Python waits for at exit: a run that gave up on an upload (its drain
+    time spent) would otherwise go on sending the whole queued checkpoint before the process could end."""
+    files = [random_file(tmp_path / f"f{i:02d}.bin", 6 * MB) for i in range(16)]
+    script = """if True:
+        import sys, threading, time
+        from pathlib import Path
+        from opentau_cli.store.remote import open_remote
+        url, cancel, files = sys.argv[1], sys.argv[2] == "cancel", sys.argv[3:]
+        remote = open_remote(url, {"part_mb": 5, "concurrency": 1})
+        threading.Thread(target=remote.put_files, args=([(Path(f), Path(f).name) for f in files],), daemon=True).start()
+        while not remote.list(""):  # the first file is stored: the rest are queued or under way
+            time.sleep(0.005)
+        if cancel:
+            remote.cancel()
+    """
+    stored = {}
+    for how in ("cancel", "keep"):
+        url = s3.url(f"cancel-{os.getpid()}/{how}")
+        done = subprocess.run([sys.executable, "-c", script, url, how, *map(str, files)], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        listing = plain_client(s3).list_objects_v2(Bucket=s3.bucket, Prefix=f"cancel-{os.getpid()}/{how}/")
+        stored[how] = len(listing.get("Contents", []))
+    assert stored["keep"] == len(files)  # without cancel, the exit waited for every queued file
+    assert 1 <= stored["cancel"] < len(files) // 2
+
+
 def test_a_checksum_of_an_object_written_without_one_is_computed_from_the_store_s_bytes(s3, tmp_path):
     """Another tool's upload carries no checksum: the store's bytes are read back and hashed the same way, and the
     value equals what the server computes for the same bytes."""

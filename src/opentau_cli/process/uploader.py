@@ -87,9 +87,13 @@ class Uploader:
             self._idle.clear()
             self._idle.wait(min(0.5, max(deadline - time.monotonic(), 0.01)))
         self._stop.set()
-        # An upload in flight stops at its next batch; one that does not in a second is left to die with the process
-        # (a daemon thread): what it stored is uncommitted, ignored by readers, removed by the next commit.
+        # An upload in flight stops at its next batch; one that does not in a second has its transfers cancelled (the
+        # client's pool would keep the process alive sending them) and is left to die with the process (a daemon
+        # thread): what it stored is uncommitted, ignored by readers, removed by the next commit.
         self._thread.join(timeout=1)
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.remote.storage.cancel()
         if not self.commits:  # another machine: whether its part of the newest checkpoint went
             pending = self._pending()
             return [pending] if pending else []

@@ -177,6 +177,7 @@ class S3Remote:
         self._client = client({"mode": "standard", "max_attempts": _attempts(self.retry_seconds)}, 10, 120)
         self._quick = client({"total_max_attempts": 1}, 3, 10)  # pre-flight: one try, seconds
         self.endpoint = self._client.meta.endpoint_url
+        self._uploads, self._cancelled = [], False  # put_files' transfers, for cancel
         self._transfer = create_transfer_manager(self._client, TransferConfig(
             multipart_threshold=part, multipart_chunksize=part, max_concurrency=concurrency,
             num_download_attempts=10, preferred_transfer_client="classic"))
@@ -216,12 +217,18 @@ class S3Remote:
                     for future in first:
                         future.cancel()
                 raise
+            finally:
+                self._uploads.clear()
             return {key: f"crc64nvme:{crc.result()}" for key, _, crc, _ in pending}
 
     def _upload(self, local: Path, key: str):
+        if self._cancelled:
+            raise RemoteError(f"Upload of {self.url}/{key} was stopped (the run is ending).")
         # CRC64NVME makes a multipart upload's checksum FULL_OBJECT: the whole file's, whatever the part size.
-        return self._transfer.upload(str(local), self.bucket, self._full(key),
-                                     extra_args={"ChecksumAlgorithm": "CRC64NVME"})
+        future = self._transfer.upload(str(local), self.bucket, self._full(key),
+                                       extra_args={"ChecksumAlgorithm": "CRC64NVME"})
+        self._uploads.append(future)
+        return future
 
     def get_file(self, key: str, local: Path) -> None:
         """Download (ranged GETs in parallel) to a temporary name beside `local`, renamed when complete."""
@@ -372,6 +379,15 @@ class S3Remote:
         full = self._full(dst)
         self._retrying("copy", src, lambda: self._transfer.copy(
             source, self.bucket, full, extra_args={"ChecksumAlgorithm": "CRC64NVME"}).result())
+
+    def cancel(self) -> None:
+        """Stop every upload in flight for good: the transfer pool's threads are ones the interpreter waits for at
+        exit, and would otherwise send the rest of a queued checkpoint after the run has given up on it. A request
+        under way ends first (one part); what was stored stays uncommitted. (Each transfer's own future is
+        cancelled: s3transfer 0.19's TransferManager.shutdown(cancel=True) passes its arguments out of order.)"""
+        self._cancelled = True
+        for future in list(self._uploads):
+            future.cancel()
 
     def abort_uploads(self, prefix: str = "") -> int:
         """Abort the unfinished multipart uploads under `prefix` (what an interrupted upload leaves on the store,
@@ -656,6 +672,9 @@ class FsspecRemote:
             os.replace(tmp, path)
         finally:
             Path(tmp).unlink(missing_ok=True)
+
+    def cancel(self) -> None:
+        """Nothing to wait for: fsspec's transfers run in its daemon thread or in the caller's."""
 
     def check(self) -> str | None:
         try:

@@ -7,8 +7,9 @@ on and nothing more: `write_bytes` and `put_file` are atomic for readers (a read
 old, never part), `put_file` returns the content's checksum as the store records it and `checksum` gives the stored
 object's, computed on the store's side where it can (else read back), so that an upload is checked by comparing the
 two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list` names every key under a prefix
-(recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store. `LocalStorage` is a directory on this
-machine; store/remote.py is an object store or any other fsspec URL.
+(recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store; `cancel` stops the
+transfers in flight for good (the process is ending: nothing may keep it alive to finish sending). `LocalStorage` is
+a directory on this machine; store/remote.py is an object store or any other fsspec URL.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Storage(Protocol):
     def sizes(self, prefix: str = "") -> dict[str, int]: ...
     def delete(self, keys: list[str]) -> None: ...
     def copy(self, src: str, dst: str) -> None: ...
+    def cancel(self) -> None: ...
 
 
 def fsync_dir(path: Path) -> None:
@@ -94,6 +96,9 @@ class LocalStorage:
 
     def copy(self, src: str, dst: str) -> None:
         self.put_file(self._path(src), dst)
+
+    def cancel(self) -> None:
+        """Nothing to stop: a copy runs in its caller's thread."""
 
     def size(self, key: str) -> int | None:
         try:
