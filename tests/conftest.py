@@ -121,13 +121,13 @@ def isolated_env(tmp_path, monkeypatch):
 # Seconds each of the longest modules took in the last CI run (its "slowest 15 modules" table): they start longest
 # first, so the two workers end together instead of one finishing a long module alone. A module not listed keeps its
 # place; a stale figure costs only balance, never a test.
-MODULE_SECONDS_LAST_CI = {  # the 15 slowest of a whole-suite run here (2026-12-05); the rest from an earlier CI run
-    "test_profile_benchmarks.py": 507, "test_fsdp_e2e.py": 336, "test_memory_plan_real.py": 333,
-    "test_train_e2e.py": 326, "test_restarts.py": 317, "test_lora_e2e.py": 290, "test_published_memory.py": 232,
-    "test_checkpoint_fixtures.py": 231, "test_remote_backends.py": 164, "test_gpu_check.py": 147,
-    "test_data_remote_e2e.py": 146, "test_faults_edges.py": 111, "test_async_save.py": 117,
-    "test_readme_commands.py": 81, "test_history_e2e.py": 79, "test_consolidate.py": 77, "test_ema_e2e.py": 91,
-    "test_elastic_machines.py": 80, "test_checkpoint_faults.py": 70, "test_process_lifetime.py": 67,
+MODULE_SECONDS_LAST_CI = {  # the 15 slowest of a whole-suite run here (2026-12-05 05:34); the rest from earlier runs
+    "test_profile_benchmarks.py": 312, "test_restarts.py": 254, "test_train_e2e.py": 245,
+    "test_memory_plan_real.py": 234, "test_fsdp_e2e.py": 230, "test_published_memory.py": 223,
+    "test_lora_e2e.py": 182, "test_checkpoint_fixtures.py": 162, "test_remote_backends.py": 153,
+    "test_gpu_check.py": 126, "test_async_save.py": 117, "test_faults_edges.py": 115, "test_data_remote_e2e.py": 105,
+    "test_readme_commands.py": 92, "test_history_e2e.py": 84, "test_elastic_machines.py": 80, "test_ema_e2e.py": 78,
+    "test_consolidate.py": 77, "test_checkpoint_faults.py": 70, "test_process_lifetime.py": 67,
 }
 
 

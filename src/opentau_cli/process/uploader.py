@@ -132,6 +132,8 @@ class Uploader:
                     self._failures = 0
                     self.error = None
             except Exception as e:  # noqa: BLE001 - retried with backoff: the store may come back
+                if self._stop.is_set():  # cancelled by the drain: the launch is ending, nothing to retry or say
+                    break
                 self._failed(e)
             finally:
                 self.uploading = None
