@@ -7,9 +7,9 @@ on and nothing more: `write_bytes` and `put_file` are atomic for readers (a read
 old, never part), `put_file` returns the content's checksum as the store records it and `checksum` gives the stored
 object's, computed on the store's side where it can (else read back), so that an upload is checked by comparing the
 two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list` names every key under a prefix
-(recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store; `cancel` stops the
-transfers in flight for good (the process is ending: nothing may keep it alive to finish sending). `LocalStorage` is
-a directory on this machine; store/remote.py is an object store or any other fsspec URL.
+(recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store;
+`cancel` stops the transfers in flight for good (the process is ending: nothing may keep it alive to finish
+sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
 """
 
 from __future__ import annotations
