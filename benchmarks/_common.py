@@ -55,10 +55,13 @@ def env() -> dict:
     return e
 
 
-def run(args: list[str], *, timeout: float = 3600, check: bool = True) -> tuple[subprocess.CompletedProcess, float]:
-    """Run a command (usually the installed CLI); returns the result and its wall time in seconds."""
+def run(args: list[str], *, timeout: float = 3600, check: bool = True,
+        extra_env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a command (usually the installed CLI), with `extra_env` on top of this process's variables; returns the
+    result and its wall time in seconds."""
     start = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True, env=env(), cwd=REPO, timeout=timeout)
+    proc = subprocess.run(args, capture_output=True, text=True, env={**env(), **(extra_env or {})}, cwd=REPO,
+                          timeout=timeout)
     wall = time.perf_counter() - start
     if check and proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])

@@ -10,7 +10,7 @@ Side by side in one run, against a local SeaweedFS (tests/s3_server.py, one serv
    the median of the rounds' ratios (target >= 0.9x).
 2. Training time lost per save: the same pi05_small run (N steps, a save every K) with `checkpoint.remote` on and
    off, `remote_drain_seconds=0` so that the launch does not wait for its last upload: (wall on - wall off) / saves,
-   and the walls' ratio (target <= 1.05x). Twice: training on every core (CPU-bound training: the upload's hashing
+   and the walls' ratio (target <= 1.05x). Three ways: training on every core (CPU-bound training: the upload's hashing
    and sending can only take CPU from it), training on one thread (OMP_NUM_THREADS=1), a core left free as a
    GPU-bound rank leaves its host's CPU, and the cores split as on a GPU node's host: the rank and its data workers
    pinned to core 0, the launcher (whose thread uploads) and the store to core 1 (benchmarks/cores_hook): a GPU
@@ -27,6 +27,7 @@ Side by side in one run, against a local SeaweedFS (tests/s3_server.py, one serv
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -44,6 +45,8 @@ from s3_server import S3Server  # noqa: E402
 
 PART, CONCURRENCY = 16 << 20, 8  # store/remote.py's defaults
 ALL_PARTS = "upload,resume,training,bytes,interference"
+ALL_VARIANTS = "all,one,split"  # of the training part
+EVERY_CORE = set(range(os.cpu_count() or 1))
 
 
 def write_random(path: Path, size: int) -> None:
@@ -77,7 +80,6 @@ def probe(seconds: float, busy=None) -> float:
 def interference(server: S3Server, ckpt: Path, seconds: float) -> list[tuple[str, str]]:
     import subprocess
 
-    everywhere = set(range(os.cpu_count() or 1))
     pin(server.proc.pid, {1})
     os.sched_setaffinity(0, {1})
     try:
@@ -87,11 +89,11 @@ def interference(server: S3Server, ckpt: Path, seconds: float) -> list[tuple[str
         copying = probe(seconds)
         copier.kill()
         copier.wait()
-        count = iter(range(1000))
+        count = itertools.count()
         uploading = probe(seconds, lambda: ours_upload(server, ckpt, f"bench/interference{next(count)}"))
     finally:
-        os.sched_setaffinity(0, everywhere)
-        pin(server.proc.pid, everywhere)
+        os.sched_setaffinity(0, EVERY_CORE)
+        pin(server.proc.pid, EVERY_CORE)
     return [("one-thread matmul on core 0, core 1 idle", f"{alone:.1f} per s"),
             ("the same while core 1 copies memory", f"{alone / copying:.2f}x slower ({copying:.1f} per s)"),
             ("the same while core 1 uploads the checkpoint (this process and the store on core 1)",
@@ -179,10 +181,10 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--store-dir", type=Path, default=None,
                         help="Where the local S3 server keeps its data (default: under --workdir).")
-    parser.add_argument("--training-variants", default="all,one,split",
+    parser.add_argument("--training-variants", default=ALL_VARIANTS,
                         help="Of the training part: all (every core), one (one thread), split (cores split).")
     parser.add_argument("--parts", default=ALL_PARTS,
-                        help="Comma-separated, of upload, resume, training, bytes (resume needs upload).")
+                        help="Comma-separated, of upload, resume, training, bytes, interference.")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if args.smoke:
@@ -234,8 +236,7 @@ def main() -> None:
             plain_dir = work / "resumed-plain"
             keys = sorted(remote.manifest(last)["files"]) + ["manifest.json"]
             Plain(server).download(keys, f"bench/made/checkpoints/{last}", plain_dir / "checkpoints" / last)
-            run([opentau_bin(), "resume", str(plain_dir / "checkpoints" / last), *more,
-                                   "--checkpoint.remote=null"])
+            run([opentau_bin(), "resume", str(plain_dir / "checkpoints" / last), *more, "--checkpoint.remote=null"])
             plain_wall = time.perf_counter() - started
             rows.append(("resume on an empty disk: opentau resume URL / boto3 download + resume",
                          f"{ours_wall / plain_wall:.2f}x ({ours_wall:.1f} vs {plain_wall:.1f} s; target <= 1.1x, "
@@ -253,29 +254,23 @@ def main() -> None:
                 if name not in args.training_variants.split(",") or (name == "split" and (os.cpu_count() or 1) < 2):
                     continue
                 walls, committed = {}, []
-                saved = {k: os.environ.get(k) for k in variables}
-                os.environ.update(variables)
-                pin(server.proc.pid, {1} if name == "split" else set(range(os.cpu_count() or 1)))
-                try:
-                    for who in ("off", "on", "off2", "on2"):
-                        tag = f"{who}-{name}"
-                        url = server.url("bench/train-" + tag)
-                        extra = [f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=0"] if who.startswith("on") else []
-                        _, wall = run([*train, f"--output_dir={work / ('train-' + tag)}", *common, *extra])
-                        walls.setdefault(who.rstrip("2"), []).append(wall)
-                        if extra:
-                            committed.append(len(RemoteRun(open_storage(url)).committed()))
-                        shutil.rmtree(work / ("train-" + tag), ignore_errors=True)
-                finally:
-                    for k, v in saved.items():
-                        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                pin(server.proc.pid, {1} if name == "split" else EVERY_CORE)
+                for who in ("off", "on", "off2", "on2"):
+                    tag = f"{who}-{name}"
+                    url = server.url("bench/train-" + tag)
+                    extra = [f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=0"] if who.startswith("on") else []
+                    _, wall = run([*train, f"--output_dir={work / ('train-' + tag)}", *common, *extra], extra_env=variables)
+                    walls.setdefault(who.rstrip("2"), []).append(wall)
+                    if extra:
+                        committed.append(len(RemoteRun(open_storage(url)).committed()))
+                    shutil.rmtree(work / ("train-" + tag), ignore_errors=True)
                 on, off = statistics.median(walls["on"]), statistics.median(walls["off"])
                 rows.append((f"training wall, checkpoint.remote on / off, {label}",
                              f"{on / off:.3f}x ({on:.1f} vs {off:.1f} s, {args.steps} steps, {saves} saves, committed "
                              f"in the store at the end: {' and '.join(map(str, committed))} of {saves}; target <= "
                              f"1.05x, {verdict(on / off, 1.05, higher_is_better=False)})"))
                 rows.append((f"training time lost per save, {label}", f"{(on - off) / saves:.2f} s"))
-            pin(server.proc.pid, set(range(os.cpu_count() or 1)))
+            pin(server.proc.pid, EVERY_CORE)
 
         if "interference" in parts and not args.smoke and (os.cpu_count() or 1) >= 2:  # 5. (quiet: before 4.)
             rows += interference(server, ckpt, 8)
@@ -303,7 +298,7 @@ def main() -> None:
     title = "Remote checkpoints: upload, training time lost per save, resume from the store"
     if parts != set(ALL_PARTS.split(",")):  # a part alone is its own section: the latest full run keeps its figures
         title = f"Remote checkpoints, {args.parts} only"
-    if "training" in parts and args.training_variants != "all,one,split":
+    if "training" in parts and args.training_variants != ALL_VARIANTS:
         title += f" ({args.training_variants})"
     notes.append(f"config {Path(config).name}; a local SeaweedFS {server.ports.get('s3.port', '')} on loopback at nice "
                  f"19, its data in {store_dir} (it stands for another machine); parts of {PART >> 20} MiB, {CONCURRENCY} in flight; "

@@ -120,7 +120,8 @@ class S3Server:
         logs.mkdir(parents=True, exist_ok=True)
         self._remove_sockets()  # a killed server's sockets would stop the next one binding them
         self.sockets.mkdir()
-        args = [*(["nice", "-n", str(self.nice)] if self.nice else []), weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [*(["nice", "-n", str(self.nice)] if self.nice else []), weed_binary(), f"-logdir={logs}", "mini",
+                f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", f"-filer.localSocket={self.sockets}/filer.sock",
                 f"-s3.localSocket={self.sockets}/s3.sock", *(f"-{flag}={port}" for flag, port in self.ports.items())]
