@@ -1,4 +1,4 @@
-"""`opentau checkpoint consolidate | export | inspect | verify | list`."""
+"""`opentau checkpoint consolidate | export | inspect | verify | list | push`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import JsonOpt, WeightsOpt, handle_errors, local_source, make_app, progress_bar
+from opentau_cli.cli.common import BreakLockOpt, JsonOpt, WeightsOpt, handle_errors, local_source, make_app, progress_bar
 from opentau_cli.units import SIZE_HELP
 
-app = make_app("Consolidate, export, inspect, verify and list checkpoints.")
+app = make_app("Consolidate, export, inspect, verify, list and push checkpoints.")
 
 
 def human(n: int | None) -> str:
@@ -405,3 +405,21 @@ def _print_remote(url: str, as_json: bool) -> None:
         typer.echo(f"{k + ':':18}{v}")
     typer.echo(f"`opentau resume {remote.url}` continues from {info['last'] or 'nothing'}; "
                f"`opentau checkpoint inspect {remote.url}:STEP` shows one checkpoint.")
+
+
+@app.command("push")
+@handle_errors
+def push_cmd(run_dir: Path = typer.Argument(..., help="A run directory whose run has a checkpoint.remote."),
+             break_lock: BreakLockOpt = False) -> None:
+    """Upload the run's checkpoints that are local only (newer than the store's newest) to its checkpoint.remote,
+    taking the store's lease as a launch does.
+
+    Example: opentau checkpoint push outputs/train/pi05
+    """
+    from opentau_cli.process.uploader import push
+
+    if not (run_dir / "checkpoints").is_dir():
+        from opentau_cli.errors import UserError
+
+        raise UserError(f"{run_dir} is not a run directory (no checkpoints/ in it).")
+    push(run_dir, break_lock=break_lock, echo=lambda m: typer.echo(m, err=True))

@@ -141,7 +141,8 @@ MachineRankOpt = Annotated[Optional[int], typer.Option("--machine_rank", "--mach
 NumMachinesOpt = Annotated[Optional[int], typer.Option("--num_machines", "--num-machines", help=f"Machines in the run; {_MACHINE_HELP}.")]
 MainIpOpt = Annotated[Optional[str], typer.Option("--main_process_ip", "--main-process-ip", help=f"Machine 0's address; {_MACHINE_HELP}.")]
 BreakLockOpt = Annotated[bool, typer.Option("--break-lock", "--break_lock", help=(
-    "Take over the run directory's lock held by a run on another host that is known to be dead (a lost node)."))]
+    "Take over the run directory's lock, and checkpoint.remote's lease, held by a run on another host that is known "
+    "to be dead (a lost node)."))]
 ReshardOpt = Annotated[str, typer.Option("--reshard", metavar="BOOL", help=(
     "true: resume on another number of processes or machines, or under another backend / ZeRO stage; the global "
     "batch, model, optimizer and data position carry over exactly (README, \"Elastic resume\")."))]

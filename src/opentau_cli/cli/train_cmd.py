@@ -62,7 +62,12 @@ def _launch(plan, break_lock: bool = False) -> None:
         warn(note)
     for note in plan.notes if first else ():
         typer.echo(note, err=True)
-    if plan.finished:  # e.g. a scheduler re-queues a run that already completed
+    if plan.finished:  # e.g. a scheduler re-queues a run that already completed: what is local only goes up
+        if first and plan.config.checkpoint.remote:
+            from opentau_cli.process.uploader import push
+
+            push(plan.config.output_dir, plan.config.checkpoint.model_dump(), break_lock=break_lock,
+                 echo=lambda m: typer.echo(m, err=True))
         return
     if first:
         typer.echo(summarize(plan, heading="Resuming" if plan.resume_from else "Training"), err=True)

@@ -241,6 +241,12 @@ class CheckpointConfig(Section):
         description="When a launch ends (finished, preempted or failed), how long it waits for its pending uploads "
                     "before it exits and names the checkpoints that are local only.",
     )
+    remote_lease_seconds: float = Field(
+        120.0, ge=2,
+        description="The launch writing to checkpoint.remote holds the store's lease (one writer per prefix), renewed "
+                    "4 times per period; a lease with no heartbeat for this long has expired and another launch may "
+                    "take it (before then it is refused, unless --break-lock).",
+    )
 
 
 class LoggingConfig(Section):

@@ -10,7 +10,7 @@ from typing import Callable
 from opentau_cli.errors import UserError
 from opentau_cli.process.uploader import read_status, status_path
 from opentau_cli.store.layout import CHECKPOINTS, step_of
-from opentau_cli.store.manifest import is_complete, write_json_atomic
+from opentau_cli.store.manifest import is_complete, read_manifest, write_json_atomic
 from opentau_cli.store.remote_run import RemoteRun, choose, split_target
 from opentau_cli.store.runs import latest
 from opentau_cli.store.storage import check_storage, is_url, open_storage  # noqa: F401 (is_url: the CLI's)
@@ -95,7 +95,12 @@ def check_remote_history(cfg, ckpt: Path, rollback: bool) -> list[str]:
     if not cfg.checkpoint.remote:
         return []
     remote = RemoteRun(open_storage(cfg.checkpoint.remote, cfg.checkpoint.remote_options))
-    newer = [n for n in remote.committed() if step_of(n) > step_of(ckpt.name)]
+    committed = remote.committed()
+    if ckpt.name in committed and (read_manifest(ckpt) or {}).get("files") != remote.manifest(ckpt.name).get("files"):
+        # The run went on elsewhere (a rollback there) from before this checkpoint: never written over.
+        raise UserError(f"{remote.url} holds another checkpoint {ckpt.name} than {ckpt} (the run went on from the "
+                        f"store elsewhere): continue it with `opentau resume {remote.url} --output_dir=DIR`.")
+    newer = [n for n in committed if step_of(n) > step_of(ckpt.name)]
     if not newer:
         return []
     if not rollback:

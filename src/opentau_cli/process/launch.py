@@ -4,7 +4,7 @@ The launcher is the only process the user talks to. It runs a `RunPlan` that `op
 rule and resume check, the same as `config validate`) before anything is spawned, writes the resolved config and an Accelerate YAML with the CPU recipes of
 docs/ARCHITECTURE.md "CPU recipes" applied into `<output_dir>/logs/<timestamp>/`, then runs the workers and maps their outcome to
 exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log path), 2 a user error a rank found late,
-130 Ctrl-C.
+3 done but checkpoints are left on this machine only (not yet in checkpoint.remote), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from opentau_cli.config import AccelerateSetup, TrainConfig, Validated
 from opentau_cli.config.model import DistributedConfig
 from opentau_cli.config.rules import cuda_is_available
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.process import lease as remote_lease
 from opentau_cli.process import runlock
 from opentau_cli.process.accelerate_launcher import TORCHRUN_ARGS
 from opentau_cli.process.restarts import STOPPED, failure_of_attempt, is_knock_on, last_attempt, read_restarts, record_final
@@ -46,6 +47,7 @@ class Worker:
 
 
 TRAIN_WORKER = Worker("opentau_cli.train.worker", "Training")
+LOCAL_ONLY_EXIT = 3  # the launch ended as it should, but checkpoints are on this machine only: README "Exit codes"
 
 
 @dataclass
@@ -308,11 +310,42 @@ def run(plan: RunPlan, *, worker: Worker = TRAIN_WORKER, echo=print, break_lock:
     (`runlock`: machine 0 holds it for the run), RunError when a rank failed (with the log path)."""
     if plan.setup.machine_rank > 0:
         return _run(plan, worker, echo)
-    with runlock.held(plan.config.output_dir, break_lock=break_lock):
-        return _run(plan, worker, echo)
+    with holding_remote(plan, break_lock, echo) as lease, runlock.held(plan.config.output_dir, break_lock=break_lock):
+        return _run(plan, worker, echo, lease)
 
 
-def _run(plan: RunPlan, worker: Worker, echo) -> int:
+@contextlib.contextmanager
+def holding_remote(plan: RunPlan, break_lock: bool, echo):
+    """checkpoint.remote's lease (process/lease.py) for the launch, renewed while it runs; None without a remote.
+    Taken before anything is written here, so a refusal leaves no trace. A fresh run checks again, once it holds
+    the lease, that no other run committed there meanwhile."""
+    cfg = plan.config
+    if not cfg.checkpoint.remote:
+        yield None
+        return
+    from opentau_cli.store.remote_run import RemoteRun
+    from opentau_cli.store.storage import open_storage
+
+    from opentau_cli.process.uploader import UPLOAD_RETRY_SECONDS
+    from opentau_cli.store.remote import RemoteError
+
+    # Short retries: a renewal that fails is tried again at the next heartbeat, and the release at the end of a
+    # launch whose store is away must not hold the exit.
+    storage = open_storage(cfg.checkpoint.remote, {**cfg.checkpoint.remote_options,
+                                                   "retry_seconds": UPLOAD_RETRY_SECONDS / 2})
+    me = remote_lease.identity(Path(cfg.output_dir).absolute(), cfg.checkpoint.remote_lease_seconds)
+    try:
+        held = remote_lease.acquire(storage, me, break_lock=break_lock)
+    except RemoteError as e:
+        raise UserError(f"{e} The launch did not start; run it again once the store answers.") from None
+    with held.heartbeat(on_lost=echo):
+        if not cfg.resume and RemoteRun(storage).committed():
+            raise UserError(f"checkpoint.remote {cfg.checkpoint.remote} already holds a run: pick another prefix, or "
+                            f"continue that run with `opentau resume {cfg.checkpoint.remote}`.")
+        yield held
+
+
+def _run(plan: RunPlan, worker: Worker, echo, lease=None) -> int:
     cuda = cuda_is_available()
     setup = plan.setup
     first = setup.machine_rank == 0
@@ -335,7 +368,7 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
 
     # While the ranks run, rank 0's progress line shows the uploads (process/uploader.py StatusView); the uploader's
     # own lines go to uploads.log.
-    uploader = start_uploads(plan, log_dir) if plan.config.checkpoint.remote else None
+    uploader = start_uploads(plan, log_dir, lease) if plan.config.checkpoint.remote else None
     interrupted = False
     preempted: list[str] = []
     proc = None
@@ -373,8 +406,7 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
             proc = subprocess.Popen(cmd, env=worker_env(setup, cuda, max_restarts, plan.config.distributed),
                                     stdout=None if worker.console and first else launcher_log, stderr=launcher_log)
         rc = proc.wait()
-        if uploader is not None:
-            finish_uploads(uploader, plan.config, echo)
+        local_only = finish_uploads(uploader, plan.config, echo) if uploader is not None else []
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -392,7 +424,7 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
             echo(f"Stopped by {preempted[0]} before training began: nothing to save; "
                  + (f"continue from {kept} with `opentau resume {plan.config.output_dir}`." if kept else
                     "run the same command again to start."))
-            return 0
+            return LOCAL_ONLY_EXIT if local_only else 0
         if log == log_dir:  # no rank got as far as its log
             log = log_dir / LAUNCHER_LOG
         stopped = log_dir / STOPPED
@@ -411,13 +443,13 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         last = last.removeprefix("Error: ").rstrip(".")
         reason = f": {last}" if last else f" (exit code {rc})"
         raise RunError(f"{worker.name} failed{after}{reason}. Full log: {log.resolve()}")
-    return 0
+    return LOCAL_ONLY_EXIT if local_only else 0
 
 
-def start_uploads(plan: RunPlan, log_dir: Path):
+def start_uploads(plan: RunPlan, log_dir: Path, lease=None):
     """The launcher's uploads of the run's checkpoints to checkpoint.remote (process/uploader.py); a rollback first
     sets the remote's checkpoints newer than the resume point aside, as the local ones were."""
-    from opentau_cli.process.uploader import UPLOAD_RETRY_SECONDS, Uploader
+    from opentau_cli.process.uploader import UPLOAD_RETRY_SECONDS, UPLOADS_LOG, Uploader
     from opentau_cli.store.remote_run import RemoteRun
     from opentau_cli.store.storage import open_storage
 
@@ -425,13 +457,15 @@ def start_uploads(plan: RunPlan, log_dir: Path):
     # Each request retries for a few seconds only: the thread's own retries (with backoff, for as long as the run
     # lives) take over from there, and say on the progress line that the store is away.
     options = {**cfg.checkpoint.remote_options, "retry_seconds": UPLOAD_RETRY_SECONDS}
-    remote = RemoteRun(open_storage(cfg.checkpoint.remote, options))
+    remote = RemoteRun(open_storage(cfg.checkpoint.remote, options), fence=lease.check if lease else lambda: None)
     protect = plan.resume_from.name if plan.resume_from is not None else None
     record = {"run_dir": str(Path(cfg.output_dir).absolute()), "first_launch": log_dir.name}
 
     def note(line: str) -> None:
-        with open(log_dir / "uploads.log", "a") as f:
+        with open(log_dir / UPLOADS_LOG, "a") as f:
             f.write(time.strftime("%H:%M:%S ") + line + "\n")
+
+    quiet_storage_clients(log_dir / UPLOADS_LOG)
 
     # Every machine sends its ranks' part of each checkpoint when it keeps its own run directory; machine 0 commits.
     first = plan.setup.machine_rank == 0
@@ -441,18 +475,39 @@ def start_uploads(plan: RunPlan, log_dir: Path):
     return uploader.start()
 
 
-def finish_uploads(uploader, cfg: TrainConfig, echo) -> None:
-    """Wait up to checkpoint.remote_drain_seconds for the pending uploads; name what stays local only."""
-    local_only = uploader.drain(cfg.checkpoint.remote_drain_seconds)
+def quiet_storage_clients(log: Path) -> None:
+    """The storage clients' own log records (a cancelled transfer's traceback, a retried request) go to `log`, never
+    the console: the launcher says what matters in its own words."""
+    import logging
+
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"))
+    for name in ("botocore", "boto3", "s3transfer", "awscrt", "urllib3", "fsspec", "concurrent.futures"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+
+
+def finish_uploads(uploader, cfg: TrainConfig, echo) -> list[str]:
+    """Wait up to checkpoint.remote_drain_seconds for the pending uploads, saying what it waits for and each retry;
+    name what stays local only and return it."""
+    seconds = cfg.checkpoint.remote_drain_seconds
+    pending = uploader.pending()
+    if pending is not None and seconds > 0 and uploader.stopped is None:
+        echo(f"Waiting up to {seconds:g} s for checkpoint {pending} to be stored in {uploader.remote.url} ...")
+        uploader.loud = echo
+    local_only = uploader.drain(seconds)
     if not uploader.commits:
         if local_only:
             echo(f"This machine's part of checkpoint {local_only[0]} is not in {uploader.remote.url} after waiting "
-                 f"{cfg.checkpoint.remote_drain_seconds:g} s.")
-        return
+                 f"{seconds:g} s.")
+        return local_only
     if not local_only and uploader.remote_last():
         echo(f"Checkpoint {uploader.remote_last()} is stored in {uploader.remote.url}.")
     if local_only:
+        why = "the store is another launch's now" if uploader.stopped else f"after waiting {seconds:g} s"
         echo(f"Checkpoint{'s' * (len(local_only) > 1)} {', '.join(local_only)} {'are' if len(local_only) > 1 else 'is'} "
-             f"local only (not yet in {uploader.remote.url} after waiting {cfg.checkpoint.remote_drain_seconds:g} s): "
-             f"`opentau resume {cfg.output_dir}` on this machine uploads {'them' if len(local_only) > 1 else 'it'}; "
-             f"`opentau resume {uploader.remote.url}` elsewhere continues from {uploader.remote_last() or 'nothing'}.")
+             f"local only (not in {uploader.remote.url}: {why}): `opentau checkpoint push {cfg.output_dir}` uploads "
+             f"{'them' if len(local_only) > 1 else 'it'} once the store answers; `opentau resume {uploader.remote.url}` "
+             f"elsewhere continues from {uploader.remote_last() or 'nothing'}.")
+    return local_only

@@ -33,7 +33,7 @@ def lock_path(run_dir: Path) -> Path:
     return Path(run_dir) / LOGS / RUN_LOCK
 
 
-def _me() -> dict:
+def identity() -> dict:
     import psutil
 
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": psutil.Process().create_time(),
@@ -68,7 +68,7 @@ def ranks_dir(run_dir: Path) -> Path:
 
 def register_rank(run_dir: Path) -> None:
     """Record this rank process as part of the live run (see the module doc)."""
-    me = _me()
+    me = identity()
     folder = ranks_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{me['host']}-{me['pid']}.tmp"
@@ -142,7 +142,7 @@ def acquire(run_dir: Path, *, break_lock: bool = False) -> dict:
     """Take the run directory's lock (creating logs/); UserError when a live run holds it. Returns what was written."""
     path = lock_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    mine = _me()
+    mine = identity()
     rank = live_rank(run_dir)
     if rank is not None:
         raise in_use_error(run_dir, rank)

@@ -9,6 +9,10 @@ in between stay local only). A checkpoint is hard-linked aside while it uploads,
 meanwhile. A failure (the store unreachable, throttling beyond the client's own retries) is retried with backoff,
 and what is already stored and checked is not sent again. `<run>/logs/remote.json` says what is local only,
 uploading and remote, for the progress line and `checkpoint inspect`.
+
+The launch holds the store's lease (process/lease.py) and every write goes through its check: once it is lost, or
+the store holds a committed checkpoint of the same name with other content (the run went on elsewhere), the thread
+stops for good, says why, and the checkpoints stay local (`stopped`). A committed checkpoint is never written over.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.store.layout import BEST, CHECKPOINTS, LOGS, MANIFEST, TRAINING_STATE, UPLOADING, read_last, step_of
+from opentau_cli.store.layout import BEST, CHECKPOINTS, LAST, LOGS, MANIFEST, TRAINING_STATE, UPLOADING, read_last, step_of
 from opentau_cli.store.manifest import read_manifest, write_json_atomic
-from opentau_cli.store.remote_run import RemoteRun, history_files
+from opentau_cli.store.remote_run import Fenced, RemoteRun, history_files
 
 STATUS = "remote.json"  # <run>/logs/remote.json
+UPLOADS_LOG = "uploads.log"  # <run>/logs/<launch>/uploads.log: what the uploader and the storage clients said
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # seconds between retries of a failed upload step
 UPLOAD_RETRY_SECONDS = 10  # how long one request of an upload retries before the thread's backoff takes over
 UPLOAD_NICE = 10  # the upload thread's priority below the launcher's (and so the ranks')
@@ -71,6 +76,9 @@ class Uploader:
         self.rollback_to: str | None = None  # a rolled-back launch's resume point: newer remote checkpoints go aside
         self._compared: dict[str, dict] = {}  # name -> its files, when the remote's manifest of that name matches
         self._stored: dict[str, dict[str, str]] = {}  # name -> {file: checksum} its failed attempts stored
+        self.stopped: str | None = None  # why this launch writes nothing more to the store (see the module doc)
+        self.loud: Callable[[str], None] | None = None  # the console too, while the end of the launch waits
+        self._status_written = 0.0
 
     # The launcher's side.
 
@@ -83,7 +91,7 @@ class Uploader:
         """Wait up to `seconds` for the newest published checkpoint to be committed; stop the thread. Returns the
         published checkpoints newer than the newest remote one (local only), oldest first."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and self._pending() is not None:
+        while time.monotonic() < deadline and self.stopped is None and self.pending() is not None:
             self._idle.clear()
             self._idle.wait(min(0.5, max(deadline - time.monotonic(), 0.01)))
         self._stop.set()
@@ -95,7 +103,7 @@ class Uploader:
             with contextlib.suppress(Exception):
                 self.remote.storage.cancel()
         if not self.commits:  # another machine: whether its part of the newest checkpoint went
-            pending = self._pending()
+            pending = self.pending()
             return [pending] if pending else []
         newest = max((step_of(n) for n in self.committed), default=-1)
         local_only = [p.name for p in self._published() if step_of(p.name) > newest]
@@ -119,10 +127,12 @@ class Uploader:
                 if self.rollback_to is not None:
                     self._roll_back(self.rollback_to)
                 break
+            except Fenced as e:
+                return None if self._stop.is_set() else self._give_up(str(e))
             except Exception as e:  # noqa: BLE001 - any client error: the store is not there yet; retried
                 self._failed(e)
         while not self._stop.is_set():
-            name = self._pending()
+            name = self.pending()
             if name is None:
                 self._idle.set()
                 self._stop.wait(self.poll_seconds)
@@ -131,6 +141,8 @@ class Uploader:
                 if self._upload(name):
                     self._failures = 0
                     self.error = None
+            except Fenced as e:
+                return None if self._stop.is_set() else self._give_up(str(e))
             except Exception as e:  # noqa: BLE001 - retried with backoff: the store may come back
                 if self._stop.is_set():  # cancelled by the drain: the launch is ending, nothing to retry or say
                     break
@@ -138,6 +150,15 @@ class Uploader:
             finally:
                 self.uploading = None
                 self._write_status()
+
+    def _give_up(self, why: str) -> None:
+        """Write nothing more to the store (the lease is lost, or the run went on elsewhere): say so once."""
+        self.stopped = why
+        self.uploading = None
+        self._write_status()
+        self.echo(why)
+        if self.loud is not None:
+            self.loud(why)
 
     def _roll_back(self, to: str) -> None:
         """Set the remote's checkpoints newer than `to` aside (rolled_back/<time>/), as the launch did locally."""
@@ -147,11 +168,11 @@ class Uploader:
         if newer:
             self.remote.set_aside(newer, stamp())
             if to in self.committed:
-                self.remote.storage.write_bytes(f"{CHECKPOINTS}/last", f"{to}\n".encode())
+                self.remote.set_pointer(LAST, to)
             self.committed = self.remote.committed()
         self.rollback_to = None
 
-    def _pending(self) -> str | None:
+    def pending(self) -> str | None:
         """The checkpoint to upload next: `last`, when the remote lacks it. A remote checkpoint of the same name but
         other content (a rollback's older branch, a save that replaced a stale one) does not count."""
         name = read_last(self.root)
@@ -198,12 +219,14 @@ class Uploader:
             self._write_status()
             if commits and not self.committed:
                 self.remote.claim(self.record)
-            if commits and name in self.committed:  # another checkpoint of the same name: un-commit it first
-                self.remote.retain(set(self.committed) - {name}, force=True)
-                self.committed = self.remote.committed()
+            if name in self.committed:  # committed with other content (pending): never written over
+                raise Fenced(f"{self.remote.url} holds another checkpoint {name} (the run went on elsewhere): this "
+                             f"launch changes nothing in the store; its checkpoints stay local.")
 
             def sent(n: int) -> None:
                 self.done_bytes += n
+                if time.monotonic() - self._status_written > 0.5:  # the progress line's percentage
+                    self._write_status()
 
             done = self._stored.setdefault(name, {})  # what earlier attempts stored and checked
             if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent, done=done):
@@ -282,12 +305,16 @@ class Uploader:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         self.error = f"{type(e).__name__}: {text[:200]}"
         self._write_status()
+        line = (f"Upload to {self.remote.url} failed ({self.error}); retrying in {wait:g} s "
+                f"(attempt {self._failures}).")
         if self._failures in (1, 4) or self._failures % 10 == 0:
-            self.echo(f"Upload to {self.remote.url} failed ({self.error}); retrying in {wait:g} s "
-                      f"(attempt {self._failures}). Training goes on.")
+            self.echo(line + " Training goes on.")
+        if self.loud is not None:  # the end of the launch waits on it: every retry is said
+            self.loud(line)
         self._stop.wait(wait)
 
     def _write_status(self) -> None:
+        self._status_written = time.monotonic()
         newest_remote = self.remote_last()
         states = {}
         for path in self._published():
@@ -296,7 +323,7 @@ class Uploader:
         status = {"url": self.remote.url, "checkpoints": states, "remote_last": newest_remote,
                   "uploading": ({"name": self.uploading, "bytes": self.done_bytes, "total": self.total_bytes}
                                 if self.uploading else None),
-                  "error": self.error, "time": time.time()}
+                  "error": self.error, "stopped": self.stopped, "time": time.time()}
         try:
             (self.run_dir / LOGS).mkdir(parents=True, exist_ok=True)
             write_json_atomic(status_path(self.run_dir), status)
@@ -314,6 +341,7 @@ class StatusView:
         self._status: dict = {}
         self._said_last = (read_status(run_dir) or {}).get("remote_last")
         self._said_error = None
+        self._said_stopped = None
 
     def poll(self) -> tuple[str, list[str]]:
         try:
@@ -331,10 +359,16 @@ class StatusView:
             if error and error != self._said_error:
                 news.append(f"Upload to {self._status.get('url')} failed ({error}); retrying. Training goes on.")
             self._said_error = error
+            stopped = self._status.get("stopped")
+            if stopped and stopped != self._said_stopped:
+                news.append(stopped)
+                self._said_stopped = stopped
         return self.short(), news
 
     def short(self) -> str:
         s = self._status
+        if s.get("stopped"):
+            return "uploads stopped"
         if s.get("error"):  # until an attempt succeeds, even while the next one is under way
             return f"upload retrying ({s['uploading']['name']})" if s.get("uploading") else "upload retrying"
         if s.get("uploading"):
@@ -342,3 +376,52 @@ class StatusView:
             pct = f" {100 * up['bytes'] / up['total']:.0f}%" if up.get("total") else ""
             return f"uploading {up['name']}{pct}"
         return f"remote {s['remote_last']}" if s.get("remote_last") else ""
+
+
+def push(run_dir: Path, checkpoint: dict | None = None, *, break_lock: bool = False,
+         echo: Callable[[str], None] = print) -> list[str]:
+    """`opentau checkpoint push RUN` (and a resume with nothing left to train): upload and commit, oldest first, the
+    run's published checkpoints newer than the store's newest committed one, holding the store's lease and the run
+    directory's lock as a launch does. `checkpoint`: the run's checkpoint settings (default: those its `last`
+    checkpoint was trained with). Returns the names committed."""
+    from opentau_cli.errors import RunError, UserError
+    from opentau_cli.process import lease as remote_lease
+    from opentau_cli.process import runlock
+    from opentau_cli.store.remote import RemoteError
+    from opentau_cli.store.storage import open_storage
+
+    run_dir = Path(run_dir)
+    if checkpoint is None:
+        last = read_last(run_dir / CHECKPOINTS)
+        try:
+            saved = json.loads((run_dir / CHECKPOINTS / str(last) / "train_config.json").read_text())
+        except (OSError, ValueError):
+            saved = {}
+        checkpoint = saved.get("checkpoint") or {}
+    url = checkpoint.get("remote") or (read_status(run_dir) or {}).get("url")
+    if not url:
+        raise UserError(f"{run_dir} has no checkpoint.remote: nothing to push.")
+    options = {**(checkpoint.get("remote_options") or {}), "retry_seconds": UPLOAD_RETRY_SECONDS}
+    seconds = float(checkpoint.get("remote_lease_seconds") or remote_lease.DEFAULT_SECONDS)
+    try:
+        storage = open_storage(url, options)
+        with runlock.held(run_dir, break_lock=break_lock):
+            held = remote_lease.acquire(storage, remote_lease.identity(run_dir.absolute(), seconds),
+                                        break_lock=break_lock)
+            with held.heartbeat(on_lost=echo):
+                remote = RemoteRun(storage, fence=held.check)
+                up = Uploader(run_dir, remote, keep_last=checkpoint.get("keep_last"), echo=echo,
+                              record={"run_dir": str(run_dir.absolute())})
+                up.committed = remote.committed()
+                newest = max((step_of(n) for n in up.committed), default=-1)
+                todo = [p.name for p in up._published() if step_of(p.name) > newest]
+                if not todo:
+                    echo(f"Every checkpoint of {run_dir} is in {remote.url} already"
+                         + (f" (newest: {up.remote_last()})." if up.committed else "."))
+                for name in todo:
+                    echo(f"Uploading checkpoint {name} to {remote.url} ...")
+                    up._upload(name)
+                return todo
+    except RemoteError as e:
+        raise RunError(f"{e} Nothing more was pushed; run `opentau checkpoint push {run_dir}` again once the store "
+                       f"answers.") from None

@@ -148,6 +148,8 @@ def crc64nvme(path: Path | None = None, data: bytes | None = None) -> str:
 class S3Remote:
     """s3://bucket/prefix through boto3 (botocore's standard retries per request, ours around each operation)."""
 
+    conditional = True  # If-None-Match / If-Match on PutObject: AWS S3, SeaweedFS (tests/test_lease.py), MinIO, R2, GCS
+
     def __init__(self, url: str, bucket: str, prefix: str, options: dict):
         import boto3
         import botocore.exceptions
@@ -262,6 +264,55 @@ class S3Remote:
         full, crc = self._full(key), crc64nvme(data=bytes(data))
         self._retrying("write", key, lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=data,
                                                                       ChecksumCRC64NVME=crc))
+
+    def read_version(self, key: str) -> tuple[bytes, str, float] | None:
+        """The object's content, ETag and age: the store's Date against its Last-Modified (one clock, the store's)."""
+        from email.utils import parsedate_to_datetime
+
+        full = self._full(key)
+
+        def get():
+            answer = self._client.get_object(Bucket=self.bucket, Key=full)
+            data = answer["Body"].read()
+            date = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+            now = parsedate_to_datetime(date) if date else None
+            age = max(0.0, (now - answer["LastModified"]).total_seconds()) if now else 0.0
+            return data, answer["ETag"], age
+        try:
+            return self._retrying("read", key, get)
+        except FileNotFoundError:
+            return None
+
+    def write_new(self, key: str, data: bytes) -> str | None:
+        """PutObject with If-None-Match: * (created only where no object is); its ETag, or None."""
+        return self._conditional_put(key, data, IfNoneMatch="*")
+
+    def write_if(self, key: str, data: bytes, version: str) -> str | None:
+        """PutObject with If-Match: VERSION (replaced only while the object is that version); its ETag, or None."""
+        return self._conditional_put(key, data, IfMatch=version)
+
+    def _conditional_put(self, key: str, data: bytes, **condition) -> str | None:
+        import botocore.exceptions as bx
+
+        full, data = self._full(key), bytes(data)
+
+        def put():
+            try:
+                return self._client.put_object(Bucket=self.bucket, Key=full, Body=data, **condition)["ETag"]
+            except bx.ClientError as e:
+                # 412: the condition failed; 409: a conditional write raced another (AWS asks to retry: we lost).
+                if _code(e)[1] in (409, 412) or _code(e)[0] in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return None
+                raise
+        try:
+            etag = self._retrying("write", key, put)
+        except FileNotFoundError:  # If-Match on a missing object: AWS answers 404 where others answer 412
+            etag = None
+        if etag is None:  # a retried request whose first try was stored: the object holds exactly our content
+            found = self.read_version(key)
+            if found is not None and found[0] == data:
+                return found[1]
+        return etag
 
     def size(self, key: str) -> int | None:
         head = self._head(key)
@@ -501,7 +552,10 @@ def _describe(e: BaseException) -> str:
 
 class FsspecRemote:
     """Any other fsspec URL. put_file / write_bytes are atomic for readers on a filesystem (a temporary name, then
-    a rename) and on object stores (one upload); checksums are xxh3_128 read back (manifest.hash_file's)."""
+    a rename) and on object stores (one upload); checksums are xxh3_128 read back (manifest.hash_file's).
+    Conditional writes: on a local filesystem an exclusive create and a lock (store/storage.py); elsewhere fsspec
+    offers no condition on a write, so they check, then write: another writer may slip in between the two
+    requests (`conditional` is False; docs/ARCHITECTURE.md, "Remote checkpoints")."""
 
     def __init__(self, url: str, fs, root: str, retry_seconds: float = _RETRY_SECONDS):
         from fsspec.implementations.local import LocalFileSystem
@@ -509,6 +563,48 @@ class FsspecRemote:
         self.url, self.fs, self.root = str(url).rstrip("/"), fs, root
         self.retry_seconds = retry_seconds
         self._local = isinstance(fs, LocalFileSystem)
+        self.conditional = self._local
+
+    def read_version(self, key: str) -> tuple[bytes, str, float] | None:
+        from datetime import datetime, timezone
+
+        from opentau_cli.store.storage import content_version, read_file_version
+
+        if self._local:
+            return read_file_version(Path(self._path(key)))
+        try:
+            data = self.read_bytes(key)
+        except FileNotFoundError:
+            return None
+        when = (self.version(key) or {}).get("last_modified") or ""
+        try:
+            stamp = datetime.fromisoformat(when)
+            stamp = stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
+            age = max(0.0, (datetime.now(timezone.utc) - stamp).total_seconds())
+        except ValueError:
+            age = 0.0
+        return data, content_version(data), age
+
+    def write_new(self, key: str, data: bytes) -> str | None:
+        from opentau_cli.store.storage import content_version, write_file_new
+
+        if self._local:
+            return write_file_new(Path(self._path(key)), data)
+        if self.exists(key):
+            return None
+        self.write_bytes(key, data)
+        return content_version(data)
+
+    def write_if(self, key: str, data: bytes, version: str) -> str | None:
+        from opentau_cli.store.storage import content_version, write_file_if
+
+        if self._local:
+            return write_file_if(Path(self._path(key)), data, version)
+        found = self.read_version(key)
+        if found is None or found[1] != version:
+            return None
+        self.write_bytes(key, data)
+        return content_version(data)
 
     def __repr__(self) -> str:
         return f"FsspecRemote({self.url!r})"

@@ -10,6 +10,8 @@ then `checkpoints/last`. A checkpoint counts only once its manifest is there; re
 folder without a manifest (an interrupted upload), which a later commit removes.
 
 Everything here goes through a `store.storage.Storage`, so a directory and an object store obey the same code.
+Every write calls `fence` first: the writer's lease check (process/lease.py), which raises once another launch holds
+the store, so that a writer that lost it changes nothing there.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +35,11 @@ RUN_RECORD = "run.json"  # at the remote's root: the run it holds
 RESTARTS_FILE = f"{LOGS}/restarts.jsonl"  # process/restarts.py's history
 
 
+class Fenced(RunError):
+    """This writer may change nothing more in the store: its lease is lost (process/lease.py), or the store holds a
+    committed checkpoint it would write over."""
+
+
 def pointer(data: bytes) -> str | None:
     """The checkpoint name a `last` / `best` object holds (None when it holds none)."""
     name = data.decode("utf-8", "replace").strip()
@@ -41,9 +48,10 @@ def pointer(data: bytes) -> str | None:
 
 @dataclass
 class RemoteRun:
-    """One run's remote copy."""
+    """One run's remote copy. `fence`: called before every write (the lease's check; readers need none)."""
 
     storage: Storage
+    fence: Callable[[], None] = field(default=lambda: None, repr=False)
 
     @property
     def url(self) -> str:
@@ -99,6 +107,7 @@ class RemoteRun:
         """Say which run this remote holds: written before its first checkpoint, and again by a run that starts
         over a remote where nothing was ever committed."""
         if self.run_record() is None or not self.committed():
+            self.fence()
             self.storage.write_bytes(RUN_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
 
     def upload(self, name: str, files: dict[str, Path], manifest: dict, *, cancelled: Callable[[], bool] = lambda: False,
@@ -123,6 +132,10 @@ class RemoteRun:
         for batch in _batches(todo):
             if cancelled():
                 return False
+            if self.storage.size(f"{CHECKPOINTS}/{name}/{MANIFEST}") is not None:
+                raise Fenced(f"{self.url} holds another committed checkpoint {name} (the run went on elsewhere): "
+                             f"this launch changes nothing in the store; its checkpoints stay local.")
+            self.fence()
             sent = self.storage.put_files([(local, key) for _, local, key, _ in batch])
             for rel, _, key, size in batch:
                 if self.storage.checksum(key) != sent[key] or self.storage.size(key) != size:
@@ -133,21 +146,33 @@ class RemoteRun:
 
     def commit(self, name: str, manifest_file: Path, history: dict[str, Path], *, best: str | None = None) -> None:
         """Make checkpoint `name` count: the run's history as of now, its manifest, then `last` (and `best`)."""
+        self.fence()
         for rel, local in sorted(history.items()):
             if local.is_file():
                 self.storage.write_bytes(rel, local.read_bytes())
-        self.storage.put_file(manifest_file, f"{CHECKPOINTS}/{name}/{MANIFEST}")
-        self.storage.write_bytes(f"{CHECKPOINTS}/{LAST}", f"{name}\n".encode())
+        self.fence()
+        key = f"{CHECKPOINTS}/{name}/{MANIFEST}"
+        if self.storage.size(key) is None:
+            self.storage.put_file(manifest_file, key)
+        elif self.storage.read_bytes(key) != Path(manifest_file).read_bytes():  # not this commit's, retried
+            raise Fenced(f"{self.url} holds another committed checkpoint {name} (the run went on elsewhere): this "
+                         f"launch changes nothing in the store; its checkpoints stay local.")
+        self.set_pointer(LAST, name)
         if best is not None:
-            self.storage.write_bytes(f"{CHECKPOINTS}/{BEST}", f"{best}\n".encode())
+            self.set_pointer(BEST, best)
 
-    def retain(self, keep: set[str], *, force: bool = False) -> list[str]:
-        """Delete every committed checkpoint not in `keep`, never `last` or `best` (unless `force`: a checkpoint of
-        the same name is about to replace it): its manifest first (readers stop trusting it), then its files.
-        Returns the names deleted."""
-        keep = set(keep) | (set() if force else {n for n in (self.last(), self.best()) if n})
+    def set_pointer(self, link: str, name: str) -> None:
+        """Point `checkpoints/<link>` (`last`, `best`) at `name`, fenced: every write of a pointer goes here."""
+        self.fence()
+        self.storage.write_bytes(f"{CHECKPOINTS}/{link}", f"{name}\n".encode())
+
+    def retain(self, keep: set[str]) -> list[str]:
+        """Delete every committed checkpoint not in `keep`, never `last` or `best`: its manifest first (readers stop
+        trusting it), then its files. Returns the names deleted."""
+        keep = set(keep) | {n for n in (self.last(), self.best()) if n}
         doomed = [n for n in self.committed() if n not in keep]
         for name in doomed:
+            self.fence()
             self.storage.delete([f"{CHECKPOINTS}/{name}/{MANIFEST}"])
             self.storage.delete(self.storage.list(f"{CHECKPOINTS}/{name}"))
         return doomed
@@ -156,6 +181,7 @@ class RemoteRun:
         """Remove what interrupted uploads left (folders without a manifest), except those `busy` uploading."""
         gone = [n for n in self.partial() if n not in busy]
         for name in gone:
+            self.fence()
             self.storage.delete(self.storage.list(f"{CHECKPOINTS}/{name}"))
         return gone
 
@@ -167,8 +193,10 @@ class RemoteRun:
             keys = self.storage.list(prefix)
             manifest_key = f"{prefix}/{MANIFEST}"
             ordered = [k for k in keys if k != manifest_key] + ([manifest_key] if manifest_key in keys else [])
+            self.fence()
             for key in ordered:
                 self.storage.copy(key, f"{ROLLED_BACK}/{stamp}/{key}")
+            self.fence()
             self.storage.delete([manifest_key])
             self.storage.delete([k for k in keys if k != manifest_key])
 

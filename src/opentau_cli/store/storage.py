@@ -10,6 +10,14 @@ two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list`
 (recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store;
 `cancel` stops the transfers in flight for good (the process is ending: nothing may keep it alive to finish
 sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
+
+Conditional writes, for the writer's lease (store/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"): `read_version`
+gives a small object's content, its version (the store's ETag, or a hash of the content) and its age by the store's
+own clock; `write_new` creates an object only where none is, `write_if` replaces one only while it is still the
+version given; both return the new version, or None when the condition failed (another writer was first).
+`conditional` says whether the store makes that check and the write one atomic step (S3 and its compatible stores
+with `If-None-Match` / `If-Match`, a directory with an exclusive create and a lock) or checks, then writes (other
+fsspec stores: a window of one request).
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ class Storage(Protocol):
     def delete(self, keys: list[str]) -> None: ...
     def copy(self, src: str, dst: str) -> None: ...
     def cancel(self) -> None: ...
+    conditional: bool
+    def read_version(self, key: str) -> tuple[bytes, str, float] | None: ...
+    def write_new(self, key: str, data: bytes) -> str | None: ...
+    def write_if(self, key: str, data: bytes, version: str) -> str | None: ...
 
 
 def fsync_dir(path: Path) -> None:
@@ -55,6 +67,8 @@ def fsync_dir(path: Path) -> None:
 
 class LocalStorage:
     """A directory on this machine (a local disk or a mounted share): atomic by write-to-temp, fsync, rename."""
+
+    conditional = True
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -100,6 +114,15 @@ class LocalStorage:
     def cancel(self) -> None:
         """Nothing to stop: a copy runs in its caller's thread."""
 
+    def read_version(self, key: str) -> tuple[bytes, str, float] | None:
+        return read_file_version(self._path(key))
+
+    def write_new(self, key: str, data: bytes) -> str | None:
+        return write_file_new(self._path(key), data)
+
+    def write_if(self, key: str, data: bytes, version: str) -> str | None:
+        return write_file_if(self._path(key), data, version)
+
     def size(self, key: str) -> int | None:
         try:
             return self._path(key).stat().st_size
@@ -141,6 +164,79 @@ class LocalStorage:
             Path(tmp).unlink(missing_ok=True)
             raise
         fsync_dir(path.parent)
+
+
+def content_version(data: bytes) -> str:
+    """A small object's version where the store gives none: the hash of its content."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(bytes(data))
+
+
+def read_file_version(path: Path) -> tuple[bytes, str, float] | None:
+    """A file's content, version and age (this machine's clock against the file's modification time)."""
+    import time
+
+    try:
+        data, mtime = Path(path).read_bytes(), Path(path).stat().st_mtime
+    except FileNotFoundError:
+        return None
+    return data, content_version(data), max(0.0, time.time() - mtime)
+
+
+def write_file_new(path: Path, data: bytes) -> str | None:
+    """Create `path` holding `data` if no file is there, atomically: the whole content is written under a temporary
+    name, then hard-linked to `path`, which fails where a file exists (atomic on local filesystems and NFS)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return content_version(data)
+
+
+def write_file_if(path: Path, data: bytes, version: str) -> str | None:
+    """Replace `path` with `data` if it still holds the content of `version`: read, compare and rename under an
+    exclusive lock of its directory (flock: one host, or NFS with working locks), so two writers never both win."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            try:
+                current = content_version(path.read_bytes())
+            except FileNotFoundError:
+                return None
+            if current != version:
+                return None
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+            fsync_dir(path.parent)
+            return content_version(data)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    finally:
+        os.close(lock)
 
 
 def _xxh3(path: Path) -> str:
