@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from opentau_cli.errors import UserError
+from opentau_cli.process import lease
 from opentau_cli.process.uploader import read_status, status_path
 from opentau_cli.store.layout import CHECKPOINTS, step_of
 from opentau_cli.store.manifest import is_complete, read_manifest, write_json_atomic
@@ -36,8 +37,15 @@ def check_remote(cfg) -> list[str]:
             f"with `opentau resume {url}`."]
 
 
+def check_writer(url: str | None, options: dict, break_lock: bool = False) -> None:
+    """Another launch holds the store's lease (process/lease.py): refused before anything is downloaded, written or
+    printed, in the words the launch's own `acquire` would use (that is the atomic step)."""
+    if url and check_storage(url, options) is None:
+        lease.check_free(open_storage(url, options), break_lock=break_lock)
+
+
 def local_copy(target: str, output_dir: str | None, options: dict, echo: Callable[[str], None], *,
-               rollback: bool = False) -> Path:
+               rollback: bool = False, break_lock: bool = False) -> Path:
     """The local checkpoint `opentau resume URL[:STEP]` continues: the remote's `last` (or STEP), fetched (every file
     verified against its manifest) into the run's directory (`output_dir`, else where the run lived) unless a
     complete copy of it or of a newer checkpoint of the same run is there already."""
@@ -46,6 +54,7 @@ def local_copy(target: str, output_dir: str | None, options: dict, echo: Callabl
     if problem:
         raise UserError(problem)
     remote = RemoteRun(open_storage(url, options))
+    lease.check_free(remote.storage, break_lock=break_lock)
     if remote.last() is None:
         why = "is empty" if remote.is_empty() else "holds no committed checkpoint (an upload that never finished)"
         raise UserError(f"{url} {why}: nothing to resume; start the run with `opentau train ... "

@@ -28,7 +28,7 @@ from opentau_cli.data.fingerprint import CHANGED_FLAG, FINGERPRINTS, check_uncha
 from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
 from opentau_cli.data.remote import unpin
 from opentau_cli.errors import UserError
-from opentau_cli.plan.remote import check_remote, check_remote_history
+from opentau_cli.plan.remote import check_remote, check_remote_history, check_writer
 from opentau_cli.plan.resume import RESHARD_FLAG, ROLLBACK_FLAG, check_in_run, check_resumable
 from opentau_cli.process import runlock
 from opentau_cli.process.launch import RunPlan
@@ -194,7 +194,7 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
             raise UserError(f"{flag} applies to a resume: pass it with --resume=true, or use `opentau resume RUN {flag}`.")
     if not cfg.resume:
         setup = with_machine(resolve_accelerate_config(accelerate_config), machines)
-        check_not_live(cfg.output_dir, setup, break_lock)
+        check_not_live(cfg.output_dir, setup, break_lock, cfg.checkpoint.remote, cfg.checkpoint.remote_options)
         branches = asked_revisions(cfg)  # before check_launch pins the commits
         return RunPlan(checked=check_launch(cfg, setup, machine), dataset_branches=branches)
     source = Path(cfg.config_path).parent if cfg.config_path else None
@@ -240,7 +240,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
         setup = setup_from_dict(saved["accelerate"])
         notes.append(f"Using the checkpoint's launch setup ({setup.label}, {setup.world_size} processes).")
     setup = with_machine(setup, machines)
-    check_not_live(cfg.output_dir, setup, break_lock)
+    check_not_live(cfg.output_dir, setup, break_lock, cfg.checkpoint.remote, cfg.checkpoint.remote_options)
     # A run on elastic machines changes its world by design (a machine that left or joins): no flag needed.
     reshard = reshard or cfg.distributed.machines is not None
     saved_config = None  # the checkpoint's train_config.json, read once
@@ -295,13 +295,16 @@ def recorded_branches(ckpt: Path, state: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
 
 
-def check_not_live(run_dir: Path, setup: AccelerateSetup, break_lock: bool) -> None:
+def check_not_live(run_dir: Path, setup: AccelerateSetup, break_lock: bool, remote: str | None = None,
+                   remote_options: dict | None = None) -> None:
     """A live run holding the run directory's lock is refused first, in the words the launch would use (process/runlock.py):
     what it is writing (a checkpoint being published, newer than `last` for a moment) must not be judged as a finished
     run's history (the history check would advise --rollback=true, which would move the live run's checkpoints), and
-    nothing is printed before the refusal. Machine 0 takes the lock; the other machines of a run join it."""
+    nothing is printed before the refusal. Machine 0 takes the lock (and checkpoint.remote's lease: another launch
+writing there is refused the same way); the other machines of a run join it."""
     if setup.machine_rank == 0:
         runlock.check_free(run_dir, break_lock=break_lock)
+        check_writer(remote, remote_options or {}, break_lock)
 
 
 def check_history(ckpt: Path, rollback: bool) -> list[str]:

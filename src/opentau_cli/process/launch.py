@@ -369,6 +369,8 @@ def _run(plan: RunPlan, worker: Worker, echo, lease=None) -> int:
     # While the ranks run, rank 0's progress line shows the uploads (process/uploader.py StatusView); the uploader's
     # own lines go to uploads.log.
     uploader = start_uploads(plan, log_dir, lease) if plan.config.checkpoint.remote else None
+    if lease is not None and uploader is not None:
+        lease.on_lost = uploader.give_up  # said once, by the uploader (uploads.log, the progress line)
     interrupted = False
     preempted: list[str] = []
     proc = None
@@ -502,12 +504,18 @@ def finish_uploads(uploader, cfg: TrainConfig, echo) -> list[str]:
             echo(f"This machine's part of checkpoint {local_only[0]} is not in {uploader.remote.url} after waiting "
                  f"{seconds:g} s.")
         return local_only
+    if uploader.stopped:
+        echo(uploader.stopped)
     if not local_only and uploader.remote_last():
         echo(f"Checkpoint {uploader.remote_last()} is stored in {uploader.remote.url}.")
     if local_only:
-        why = "the store is another launch's now" if uploader.stopped else f"after waiting {seconds:g} s"
-        echo(f"Checkpoint{'s' * (len(local_only) > 1)} {', '.join(local_only)} {'are' if len(local_only) > 1 else 'is'} "
-             f"local only (not in {uploader.remote.url}: {why}): `opentau checkpoint push {cfg.output_dir}` uploads "
-             f"{'them' if len(local_only) > 1 else 'it'} once the store answers; `opentau resume {uploader.remote.url}` "
-             f"elsewhere continues from {uploader.remote_last() or 'nothing'}.")
+        many = len(local_only) > 1
+        said = f"Checkpoint{'s' * many} {', '.join(local_only)} {'are' if many else 'is'} local only"
+        if uploader.stopped:
+            echo(f"{said} (this launch may not write to {uploader.remote.url} any more): `opentau resume "
+                 f"{uploader.remote.url}` continues the run from the store.")
+        else:
+            echo(f"{said} (not in {uploader.remote.url} after waiting {seconds:g} s): `opentau checkpoint push "
+                 f"{cfg.output_dir}` uploads {'them' if many else 'it'} once the store answers; `opentau resume "
+                 f"{uploader.remote.url}` elsewhere continues from {uploader.remote_last() or 'nothing'}.")
     return local_only

@@ -86,6 +86,7 @@ class Lease:
     def __init__(self, storage: Storage, record: dict, version: str):
         self.storage, self.record, self.version = storage, record, version
         self.lost: str | None = None  # why this launch no longer holds it, once it does not
+        self.on_lost: Callable[[str], None] = lambda why: None
         self._lock = threading.Lock()
 
     @property
@@ -123,8 +124,9 @@ class Lease:
 
     @contextmanager
     def heartbeat(self, on_lost: Callable[[str], None]) -> Iterator["Lease"]:
-        """Renew every `seconds / RENEWALS` while the block runs; `on_lost(message)` once, if it is lost; release at
-        the end."""
+        """Renew every `seconds / RENEWALS` while the block runs; `self.on_lost(message)` once, if it is lost (first
+        `on_lost`; the launch hands it to its uploader once that runs); release at the end."""
+        self.on_lost = on_lost
         stop = threading.Event()
         period = float(self.record.get("seconds", DEFAULT_SECONDS)) / RENEWALS
 
@@ -133,7 +135,7 @@ class Lease:
                 try:
                     self.check()
                 except LeaseLost as e:
-                    on_lost(str(e))
+                    self.on_lost(str(e))
                     return
                 except Exception:  # noqa: BLE001 - the store away for now: the next beat tries again
                     continue
@@ -147,6 +149,21 @@ class Lease:
             self.release()
 
 
+def _refusal(storage: Storage, holder: dict, age: float) -> UserError:
+    seconds = float(holder.get("seconds", DEFAULT_SECONDS))
+    return UserError(f"{storage.url} is being written by {describe(holder, age)}: wait for it to finish or stop it, or "
+                     f"if it is dead wait until its lease expires ({seconds:g} s after its last heartbeat) or pass "
+                     f"--break-lock.")
+
+
+def check_free(storage: Storage, *, break_lock: bool = False) -> None:
+    """The UserError `acquire` would raise now, taking nothing: for the plan, before anything is downloaded or
+    written (the launch's `acquire` is the atomic step)."""
+    found = read_holder(storage)
+    if found is not None and not _free(found[0], found[2], break_lock):
+        raise _refusal(storage, found[0], found[2])
+
+
 def acquire(storage: Storage, me: dict, *, break_lock: bool = False) -> Lease:
     """Take the lease of `storage` for the launch `me` (`identity`); UserError naming the holder while another
     launch holds it."""
@@ -158,11 +175,7 @@ def acquire(storage: Storage, me: dict, *, break_lock: bool = False) -> Lease:
         else:
             holder, current, age = found
             if not _free(holder, age, break_lock):
-                seconds = float(holder.get("seconds", DEFAULT_SECONDS))
-                raise UserError(
-                    f"{storage.url} is being written by {describe(holder, age)}: wait for it to finish or stop it, "
-                    f"or if it is dead wait until its lease expires ({seconds:g} s after its last heartbeat) or pass "
-                    f"--break-lock.")
+                raise _refusal(storage, holder, age)
             record = _stamped({**me, "generation": int(holder.get("generation", 0) or 0) + 1})
             version = storage.write_if(LEASE, _encode(record), current)
         if version is not None:

@@ -128,7 +128,7 @@ class Uploader:
                     self._roll_back(self.rollback_to)
                 break
             except Fenced as e:
-                return None if self._stop.is_set() else self._give_up(str(e))
+                return self.give_up(str(e))
             except Exception as e:  # noqa: BLE001 - any client error: the store is not there yet; retried
                 self._failed(e)
         while not self._stop.is_set():
@@ -142,7 +142,7 @@ class Uploader:
                     self._failures = 0
                     self.error = None
             except Fenced as e:
-                return None if self._stop.is_set() else self._give_up(str(e))
+                return self.give_up(str(e))
             except Exception as e:  # noqa: BLE001 - retried with backoff: the store may come back
                 if self._stop.is_set():  # cancelled by the drain: the launch is ending, nothing to retry or say
                     break
@@ -151,14 +151,15 @@ class Uploader:
                 self.uploading = None
                 self._write_status()
 
-    def _give_up(self, why: str) -> None:
-        """Write nothing more to the store (the lease is lost, or the run went on elsewhere): say so once."""
+    def give_up(self, why: str) -> None:
+        """Write nothing more to the store (the lease is lost, or the run went on elsewhere): say so (uploads.log, the
+        status file the progress line shows) once."""
+        if self.stopped is not None:
+            return
         self.stopped = why
         self.uploading = None
         self._write_status()
         self.echo(why)
-        if self.loud is not None:
-            self.loud(why)
 
     def _roll_back(self, to: str) -> None:
         """Set the remote's checkpoints newer than `to` aside (rolled_back/<time>/), as the launch did locally."""
@@ -223,13 +224,21 @@ class Uploader:
                 raise Fenced(f"{self.remote.url} holds another checkpoint {name} (the run went on elsewhere): this "
                              f"launch changes nothing in the store; its checkpoints stay local.")
 
+            checked, sending = [0], [0]  # bytes stored and checked; bytes sent so far (the client's count)
+
             def sent(n: int) -> None:
-                self.done_bytes += n
-                if time.monotonic() - self._status_written > 0.5:  # the progress line's percentage
+                checked[0] += n
+                shown(0)
+
+            def shown(n: int) -> None:  # the progress line's percentage, as the bytes go
+                sending[0] += n
+                self.done_bytes = min(self.total_bytes, max(checked[0], sending[0]))
+                if time.monotonic() - self._status_written > 0.5:
                     self._write_status()
 
             done = self._stored.setdefault(name, {})  # what earlier attempts stored and checked
-            if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent, done=done):
+            if not self.remote.upload(name, files, manifest, cancelled=self._stop.is_set, progress=sent, done=done,
+                                      sending=shown):
                 return False
             if not commits:  # the records' machine commits once every machine's part is in the store
                 self._handled.add(name)

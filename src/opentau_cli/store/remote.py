@@ -197,11 +197,12 @@ class S3Remote:
         keeps for the whole object; returns the file's "crc64nvme:<base64>" as computed here."""
         return self.put_files([(Path(local), key)])[key]
 
-    def put_files(self, pairs: list[tuple[Path, str]]) -> dict[str, str]:
+    def put_files(self, pairs: list[tuple[Path, str]], sending=None) -> dict[str, str]:
         """put_file for several files at once, their parts sharing one pool of transfers (a checkpoint's files:
         measured faster than one after another, benchmarks/bench_remote_clients.py); {key: checksum}. The local
         CRCs are computed by a thread of their own while the files are sent (computed first, they cost up to a
-        fifth of the upload's time on a busy machine)."""
+        fifth of the upload's time on a busy machine). `sending(n)`: bytes sent, as the transfer threads send them
+        (negative when a part is sent again)."""
         from concurrent.futures import ThreadPoolExecutor
 
         pending = []
@@ -209,10 +210,10 @@ class S3Remote:
             try:
                 for local, key in pairs:
                     local = Path(local)
-                    pending.append((key, local, hasher.submit(crc64nvme, local), [self._upload(local, key)]))
+                    pending.append((key, local, hasher.submit(crc64nvme, local), [self._upload(local, key, sending)]))
                 for key, local, _, first in pending:  # a failed file is sent again, whole, by _retrying
                     self._retrying("upload", key, lambda first=first, local=local, key=key: (
-                        first.pop() if first else self._upload(local, key)).result())
+                        first.pop() if first else self._upload(local, key, sending)).result())
             except BaseException:
                 for _, _, crc, first in pending:
                     crc.cancel()
@@ -223,12 +224,19 @@ class S3Remote:
                 self._uploads.clear()
             return {key: f"crc64nvme:{crc.result()}" for key, _, crc, _ in pending}
 
-    def _upload(self, local: Path, key: str):
+    def _upload(self, local: Path, key: str, sending=None):
+        from s3transfer.subscribers import BaseSubscriber
+
+        class Sending(BaseSubscriber):
+            def on_progress(self, future, bytes_transferred, **kwargs):
+                sending(bytes_transferred)
+
         if self._cancelled:
             raise RemoteError(f"Upload of {self.url}/{key} was stopped (the run is ending).")
         # CRC64NVME makes a multipart upload's checksum FULL_OBJECT: the whole file's, whatever the part size.
         future = self._transfer.upload(str(local), self.bucket, self._full(key),
-                                       extra_args={"ChecksumAlgorithm": "CRC64NVME"})
+                                       extra_args={"ChecksumAlgorithm": "CRC64NVME"},
+                                       subscribers=[Sending()] if sending is not None else None)
         self._uploads.append(future)
         return future
 
@@ -634,7 +642,7 @@ class FsspecRemote:
         self._retrying("upload", key, put)
         return f"{HASH_NAME}:{hash_file(Path(local))}"
 
-    def put_files(self, pairs: list[tuple[Path, str]]) -> dict[str, str]:
+    def put_files(self, pairs: list[tuple[Path, str]], sending=None) -> dict[str, str]:
         return {key: self.put_file(local, key) for local, key in pairs}
 
     def get_files(self, pairs: list[tuple[str, Path]]) -> None:

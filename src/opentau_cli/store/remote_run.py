@@ -111,11 +111,12 @@ class RemoteRun:
             self.storage.write_bytes(RUN_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
 
     def upload(self, name: str, files: dict[str, Path], manifest: dict, *, cancelled: Callable[[], bool] = lambda: False,
-               progress: Callable[[int], None] = lambda n: None, done: dict[str, str] | None = None) -> bool:
+               progress: Callable[[int], None] = lambda n: None, done: dict[str, str] | None = None,
+               sending: Callable[[int], None] | None = None) -> bool:
         """Put every file of checkpoint `name` (relative path -> local file), each checked against the manifest's
         hash before it is sent and from the store's side once stored. `done` (relative path -> checksum) carries
         what an earlier attempt stored and checked: a file the store still holds with that checksum is not sent
-        again. Files go in batches of about UPLOAD_BATCH bytes through the client's transfer pool. Returns False
+        again. `progress(size)` after each file is stored and checked; `sending(n)` as bytes go (a display's). Files go in batches of about UPLOAD_BATCH bytes through the client's transfer pool. Returns False
         when `cancelled` said stop (what is there stays, uncommitted). Raises RunError when a local file no longer
         matches the manifest (the checkpoint changed on disk: it is not uploaded)."""
         done = {} if done is None else done
@@ -136,7 +137,7 @@ class RemoteRun:
                 raise Fenced(f"{self.url} holds another committed checkpoint {name} (the run went on elsewhere): "
                              f"this launch changes nothing in the store; its checkpoints stay local.")
             self.fence()
-            sent = self.storage.put_files([(local, key) for _, local, key, _ in batch])
+            sent = self.storage.put_files([(local, key) for _, local, key, _ in batch], sending)
             for rel, _, key, size in batch:
                 if self.storage.checksum(key) != sent[key] or self.storage.size(key) != size:
                     raise RunError(f"{self.url}/{key} does not hold what was sent (the store's checksum differs).")

@@ -8,7 +8,8 @@ old, never part), `put_file` returns the content's checksum as the store records
 object's, computed on the store's side where it can (else read back), so that an upload is checked by comparing the
 two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list` names every key under a prefix
 (recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store;
-`cancel` stops the transfers in flight for good (the process is ending: nothing may keep it alive to finish
+`put_files` may report the bytes it sends as they go (`sending`, for a progress display only); `cancel` stops the
+transfers in flight for good (the process is ending: nothing may keep it alive to finish
 sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
 
 Conditional writes, for the writer's lease (store/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"): `read_version`
@@ -26,7 +27,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class Storage(Protocol):
@@ -35,7 +36,8 @@ class Storage(Protocol):
     def read_bytes(self, key: str) -> bytes: ...
     def write_bytes(self, key: str, data: bytes) -> None: ...
     def put_file(self, local: Path, key: str) -> str: ...
-    def put_files(self, pairs: list[tuple[Path, str]]) -> dict[str, str]: ...
+    def put_files(self, pairs: list[tuple[Path, str]], sending: Callable[[int], None] | None = None
+                  ) -> dict[str, str]: ...
     def get_file(self, key: str, local: Path) -> None: ...
     def get_files(self, pairs: list[tuple[str, Path]]) -> None: ...
     def checksum(self, key: str) -> str | None: ...
@@ -91,7 +93,7 @@ class LocalStorage:
             self._replace(key, lambda f: shutil.copyfileobj(src, f, 16 << 20))
         return _xxh3(Path(local))
 
-    def put_files(self, pairs: list[tuple[Path, str]]) -> dict[str, str]:
+    def put_files(self, pairs: list[tuple[Path, str]], sending: Callable[[int], None] | None = None) -> dict[str, str]:
         return {key: self.put_file(local, key) for local, key in pairs}
 
     def get_file(self, key: str, local: Path) -> None:
