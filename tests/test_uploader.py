@@ -122,3 +122,36 @@ def test_remote_retention_keeps_keep_last_and_the_checkpoint_the_launch_resumed_
     assert remote.committed() == ["000002", "000006"] and remote.last() == "000006"
     assert (remote.storage.root / CHECKPOINTS / "000004").exists() is False
     assert all((run / CHECKPOINTS / n / MANIFEST).is_file() for n in ("000002", "000004", "000006"))  # local untouched
+
+
+def test_a_same_named_checkpoint_committed_with_other_content_is_never_written_over(tmp_path):
+    """Another machine's 000002 is committed (the run went on elsewhere): this launch stops uploading, says why,
+    and the store keeps the other checkpoint byte for byte."""
+    other, run = tmp_path / "other", tmp_path / "run"
+    remote = RemoteRun(LocalStorage(tmp_path / "remote"))
+    theirs = Uploader(other, remote, keep_last=None, poll_seconds=0.05).start()
+    publish(other, 2)
+    wait_for(lambda: remote.committed() == ["000002"])
+    theirs.drain(5)
+    stored = {key: remote.storage.read_bytes(key) for key in remote.storage.list(CHECKPOINTS)}
+    said = []
+    mine = Uploader(run, remote, keep_last=None, poll_seconds=0.05, echo=said.append).start()
+    ckpt = publish(run, 2)
+    (ckpt / "model.safetensors").write_bytes(b"other content" * 1000)
+    write_manifest(ckpt)
+    wait_for(lambda: mine.stopped is not None)
+    assert mine.drain(1) == []  # nothing newer than the store's 000002: the name is taken, not left behind
+    assert {key: remote.storage.read_bytes(key) for key in remote.storage.list(CHECKPOINTS)} == stored
+    assert said == [mine.stopped] and "holds another checkpoint 000002" in mine.stopped
+    assert read_status(run)["stopped"] == mine.stopped
+
+
+def test_the_upload_reports_the_bytes_as_the_client_sends_them(s3, tmp_path):
+    """What moves the progress line's percentage: S3 transfers report bytes as they go, in many steps."""
+    from opentau_cli.store.storage import open_storage
+
+    local = tmp_path / "big.bin"
+    local.write_bytes(bytes(range(256)) * (40 * 4096))  # 40 MiB: three 16 MiB parts
+    calls = []
+    open_storage(s3.url(f"progress/{tmp_path.name}")).put_files([(local, "big.bin")], calls.append)
+    assert sum(calls) == local.stat().st_size and len(calls) > 3

@@ -60,18 +60,23 @@ def _launch(plan, break_lock: bool = False) -> None:
     first = plan.setup.machine_rank == 0  # machine 0 prints the plan and the progress; the others where their logs go
     for note in plan.checked.warnings:
         warn(note)
-    for note in plan.notes if first else ():
-        typer.echo(note, err=True)
     if plan.finished:  # e.g. a scheduler re-queues a run that already completed: what is local only goes up
+        for note in plan.notes if first else ():
+            typer.echo(note, err=True)
         if first and plan.config.checkpoint.remote:
             from opentau_cli.process.uploader import push
 
             push(plan.config.output_dir, plan.config.checkpoint.model_dump(), break_lock=break_lock,
                  echo=lambda m: typer.echo(m, err=True))
         return
-    if first:
-        typer.echo(summarize(plan, heading="Resuming" if plan.resume_from else "Training"), err=True)
-    code = launch.run(plan, echo=lambda m: typer.echo(m, err=True), break_lock=break_lock)
+
+    def announce() -> None:
+        for note in plan.notes if first else ():
+            typer.echo(note, err=True)
+        if first:
+            typer.echo(summarize(plan, heading="Resuming" if plan.resume_from else "Training"), err=True)
+
+    code = launch.run(plan, echo=lambda m: typer.echo(m, err=True), break_lock=break_lock, announce=announce)
     if code:
         raise typer.Exit(code)
 

@@ -304,13 +304,17 @@ def failed_log(log_dir: Path) -> tuple[Path, str]:
     return (logs[0] if logs else log_dir), ""
 
 
-def run(plan: RunPlan, *, worker: Worker = TRAIN_WORKER, echo=print, break_lock: bool = False) -> int:
+def run(plan: RunPlan, *, worker: Worker = TRAIN_WORKER, echo=print, break_lock: bool = False,
+        announce=lambda: None) -> int:
     """Launch `worker` on every rank and wait. Returns 0 or 130; raises UserError when a rank found a problem with
     the input (its one line, read the same way for every worker) or another live run holds the run directory
-    (`runlock`: machine 0 holds it for the run), RunError when a rank failed (with the log path)."""
+    (`runlock`: machine 0 holds it for the run) or checkpoint.remote (its lease, `holding_remote`), RunError when a
+    rank failed (with the log path). `announce()` once the launch can no longer be refused."""
     if plan.setup.machine_rank > 0:
+        announce()
         return _run(plan, worker, echo)
     with holding_remote(plan, break_lock, echo) as lease, runlock.held(plan.config.output_dir, break_lock=break_lock):
+        announce()  # the plan's summary: once nothing can refuse the launch any more
         return _run(plan, worker, echo, lease)
 
 
