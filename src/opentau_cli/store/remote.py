@@ -576,7 +576,7 @@ class FsspecRemote:
     def read_version(self, key: str) -> tuple[bytes, str, float] | None:
         from datetime import datetime, timezone
 
-        from opentau_cli.store.storage import content_version, read_file_version
+        from opentau_cli.store.local_files import content_version, read_file_version
 
         if self._local:
             return read_file_version(Path(self._path(key)))
@@ -594,7 +594,7 @@ class FsspecRemote:
         return data, content_version(data), age
 
     def write_new(self, key: str, data: bytes) -> str | None:
-        from opentau_cli.store.storage import content_version, write_file_new
+        from opentau_cli.store.local_files import content_version, write_file_new
 
         if self._local:
             return write_file_new(Path(self._path(key)), data)
@@ -604,7 +604,7 @@ class FsspecRemote:
         return content_version(data)
 
     def write_if(self, key: str, data: bytes, version: str) -> str | None:
-        from opentau_cli.store.storage import content_version, write_file_if
+        from opentau_cli.store.local_files import content_version, write_file_if
 
         if self._local:
             return write_file_if(Path(self._path(key)), data, version)

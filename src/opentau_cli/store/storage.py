@@ -12,7 +12,7 @@ two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list`
 transfers in flight for good (the process is ending: nothing may keep it alive to finish
 sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
 
-Conditional writes, for the writer's lease (store/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"): `read_version`
+Conditional writes, for the writer's lease (process/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"): `read_version`
 gives a small object's content, its version (the store's ETag, or a hash of the content) and its age by the store's
 own clock; `write_new` creates an object only where none is, `write_if` replaces one only while it is still the
 version given; both return the new version, or None when the condition failed (another writer was first).
@@ -28,6 +28,10 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Protocol
+
+from opentau_cli.store.local_files import (  # noqa: F401 (fsync_dir: its users import it from here)
+    fsync_dir, read_file_version, write_file_if, write_file_new,
+)
 
 
 class Storage(Protocol):
@@ -52,19 +56,6 @@ class Storage(Protocol):
     def write_new(self, key: str, data: bytes) -> str | None: ...
     def write_if(self, key: str, data: bytes, version: str) -> str | None: ...
 
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class LocalStorage:
@@ -166,79 +157,6 @@ class LocalStorage:
             Path(tmp).unlink(missing_ok=True)
             raise
         fsync_dir(path.parent)
-
-
-def content_version(data: bytes) -> str:
-    """A small object's version where the store gives none: the hash of its content."""
-    import xxhash
-
-    return xxhash.xxh3_128_hexdigest(bytes(data))
-
-
-def read_file_version(path: Path) -> tuple[bytes, str, float] | None:
-    """A file's content, version and age (this machine's clock against the file's modification time)."""
-    import time
-
-    try:
-        data, mtime = Path(path).read_bytes(), Path(path).stat().st_mtime
-    except FileNotFoundError:
-        return None
-    return data, content_version(data), max(0.0, time.time() - mtime)
-
-
-def write_file_new(path: Path, data: bytes) -> str | None:
-    """Create `path` holding `data` if no file is there, atomically: the whole content is written under a temporary
-    name, then hard-linked to `path`, which fails where a file exists (atomic on local filesystems and NFS)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return None
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return content_version(data)
-
-
-def write_file_if(path: Path, data: bytes, version: str) -> str | None:
-    """Replace `path` with `data` if it still holds the content of `version`: read, compare and rename under an
-    exclusive lock of its directory (flock: one host, or NFS with working locks), so two writers never both win."""
-    import fcntl
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            try:
-                current = content_version(path.read_bytes())
-            except FileNotFoundError:
-                return None
-            if current != version:
-                return None
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
-            fsync_dir(path.parent)
-            return content_version(data)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    finally:
-        os.close(lock)
 
 
 def _xxh3(path: Path) -> str:
