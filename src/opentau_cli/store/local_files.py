@@ -39,9 +39,9 @@ def read_file_version(path: Path) -> tuple[bytes, str, float] | None:
     return data, content_version(data), max(0.0, time.time() - mtime)
 
 
-def write_file_new(path: Path, data: bytes) -> str | None:
-    """Create `path` holding `data` if no file is there, atomically: the whole content is written under a temporary
-    name, then hard-linked to `path`, which fails where a file exists (atomic on local filesystems and NFS)."""
+def synced_temp(path: Path, data: bytes) -> Path:
+    """A temporary file beside `path` (its directory made if need be) holding `data`, on disk: for a rename or a
+    link into place. The caller removes it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
@@ -50,12 +50,23 @@ def write_file_new(path: Path, data: bytes) -> str | None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return None
-    finally:
+    except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def write_file_new(path: Path, data: bytes) -> str | None:
+    """Create `path` holding `data` if no file is there, atomically: the whole content is written under a temporary
+    name, then hard-linked to `path`, which fails where a file exists (atomic on local filesystems and NFS)."""
+    path = Path(path)
+    tmp = synced_temp(path, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return None
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return content_version(data)
 
@@ -77,15 +88,11 @@ def write_file_if(path: Path, data: bytes, version: str) -> str | None:
                 return None
             if current != version:
                 return None
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+            tmp = synced_temp(path, data)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, path)
             finally:
-                Path(tmp).unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
             fsync_dir(path.parent)
             return content_version(data)
         finally:

@@ -669,18 +669,15 @@ class FsspecRemote:
         path = self._path(key)
 
         def write():
+            from opentau_cli.store.local_files import synced_temp
+
             if not self._local:
                 return self.fs.pipe_file(path, bytes(data))
-            self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
-            tmp = self._temp(path)
+            tmp = synced_temp(Path(path), bytes(data))
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 os.replace(tmp, path)
             finally:
-                Path(tmp).unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
         self._retrying("write", key, write)
 
     def size(self, key: str) -> int | None:
