@@ -209,8 +209,8 @@ def test_a_writer_paused_past_its_lease_is_fenced_once_continued_and_says_so(pau
 @pytest.fixture(scope="module")
 def store_gone(tmp_path_factory):
     """A run whose store goes away while its second checkpoint uploads and stays away to the end; then the store
-    comes back, `opentau checkpoint push RUN` uploads what is local only, and `opentau resume RUN` (nothing left to
-    train) finds nothing more to upload."""
+    comes back, `opentau resume RUN` (nothing left to train) uploads what is local only, and `opentau checkpoint push
+    RUN` finds nothing more to upload (its uploads: tests/test_uploader.py)."""
     from s3_server import S3Server
 
     tmp = tmp_path_factory.mktemp("gone")
@@ -229,8 +229,8 @@ def store_gone(tmp_path_factory):
         (tmp / "a" / "release").touch()
         ended = a.wait()
         server.start()
-        pushed = Launch(tmp / "push", server, ["checkpoint", "push", str(run)]).wait()
-        again = Launch(tmp / "again", server, ["resume", str(run)]).wait()  # nothing left to train: pushes what is left
+        pushed = Launch(tmp / "push", server, ["resume", str(run)]).wait()  # nothing left to train: uploads the rest
+        again = Launch(tmp / "again", server, ["checkpoint", "push", str(run)]).wait()
         remote = remote_of(server, url)
         return {"url": url, "run": run, "ended": ended, "pushed": pushed, "again": again,
                 "committed": remote.committed(), "last": remote.last(),
@@ -248,15 +248,15 @@ def test_a_run_that_ends_with_checkpoints_local_only_exits_3_naming_them(store_g
     assert "Traceback" not in ended.stderr + ended.stdout and "CancelledError" not in ended.stderr + ended.stdout
 
 
-def test_checkpoint_push_uploads_what_is_local_only_once_the_store_is_back(store_gone):
+def test_a_resume_with_nothing_to_train_uploads_what_is_local_only_once_the_store_is_back(store_gone):
     ok(store_gone["pushed"])
     run = store_gone["run"]
     assert store_gone["committed"] == ["000002", "000004", "000006"] and store_gone["last"] == "000006"
     for name in ("000002", "000004", "000006"):
         assert store_gone["manifests"][name] == json.loads((run / CHECKPOINTS / name / MANIFEST).read_text())
     assert "Checkpoint 000006 is stored in" in store_gone["pushed"].stderr
+    assert "Nothing to do" in store_gone["pushed"].stderr
     ok(store_gone["again"])
-    assert "Nothing to do" in store_gone["again"].stderr
     assert f"Every checkpoint of {run} is in {store_gone['url']} already (newest: 000006)." in store_gone["again"].stderr
     claims = called_stored(store_gone["ended"], run) + called_stored(store_gone["pushed"], run)
     assert {name for name, _ in claims} == {"000002", "000004", "000006"}

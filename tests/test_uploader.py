@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from opentau_cli.process.uploader import Uploader, read_status
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST, point_last
 from opentau_cli.store.manifest import write_manifest
@@ -155,3 +157,31 @@ def test_the_upload_reports_the_bytes_as_the_client_sends_them(s3, tmp_path):
     calls = []
     open_storage(s3.url(f"progress/{tmp_path.name}")).put_files([(local, "big.bin")], calls.append)
     assert sum(calls) == local.stat().st_size and len(calls) > 3
+
+
+def test_checkpoint_push_commits_what_is_local_only_oldest_first_holding_the_lease(tmp_path):
+    from opentau_cli.errors import UserError
+    from opentau_cli.process import lease
+    from opentau_cli.process.uploader import push
+
+    run, store = tmp_path / "run", LocalStorage(tmp_path / "remote")
+    remote = RemoteRun(store)
+    up = Uploader(run, remote, keep_last=None, poll_seconds=0.05).start()
+    publish(run, 2)
+    wait_for(lambda: remote.committed() == ["000002"])
+    up.drain(5)
+    publish(run, 4)
+    publish(run, 6)  # saved after the launch: local only
+    settings = {"remote": store.url, "keep_last": None}
+    held = lease.acquire(store, {**lease.identity("/elsewhere", 60), "host": "another-host"})
+    with pytest.raises(UserError, match="is being written by run /elsewhere"):
+        push(run, settings, echo=lambda line: None)
+    assert remote.committed() == ["000002"]
+    held.release()
+    said = []
+    assert push(run, settings, echo=said.append) == ["000004", "000006"]
+    assert remote.committed() == ["000002", "000004", "000006"] and remote.last() == "000006"
+    for name in ("000004", "000006"):
+        assert remote.manifest(name) == json.loads((run / CHECKPOINTS / name / MANIFEST).read_text())
+    assert said[-1] == f"Checkpoint 000006 is stored in {store.url}."
+    assert push(run, settings, echo=said.append) == []
