@@ -34,7 +34,7 @@ def test_help_lists_every_command_group():
     for name in ("train", "resume", "eval", "checkpoint", "config", "profile", "dataset"):
         assert name in result.output
     sub = invoke("checkpoint", "--help").output
-    for name in ("consolidate", "export", "inspect", "verify", "list"):
+    for name in ("consolidate", "export", "inspect", "verify", "list", "push"):
         assert name in sub
     sub = invoke("config", "--help").output
     for name in ("validate", "show", "schema"):
