@@ -113,10 +113,21 @@ def test_a_writer_whose_lease_was_broken_is_fenced_and_the_generation_goes_up(st
 def test_an_expired_lease_is_taken_over_and_a_released_one_at_once(store):
     a = lease.acquire(store, me("a", seconds=2))
     time.sleep(3.2)  # no heartbeat for longer than its seconds (the store's clock, whole seconds)
-    b = lease.acquire(store, me("b"))
+    b = lease.acquire(store, me("b"), echo=pytest.fail)  # expired: taken at once
     assert b.record["generation"] == 2
     b.release()
     c = lease.acquire(store, me("c"))
     assert c.record["generation"] == 3
+    with pytest.raises(lease.LeaseLost):
+        a.check()
+
+
+def test_a_lease_whose_holder_missed_its_heartbeats_is_waited_out_and_taken(store):
+    """A requeued job after its node was lost: not refused, it waits until the lease expires, saying so."""
+    a = lease.acquire(store, me("a", seconds=4))
+    time.sleep(2.5)  # two of its heartbeats (one per second) missed
+    said = []
+    b = lease.acquire(store, me("b"), echo=said.append)
+    assert b.record["generation"] == 2 and len(said) == 1 and "missed its heartbeats" in said[0]
     with pytest.raises(lease.LeaseLost):
         a.check()

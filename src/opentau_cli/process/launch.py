@@ -339,7 +339,7 @@ def holding_remote(plan: RunPlan, break_lock: bool, echo):
                                                    "retry_seconds": UPLOAD_RETRY_SECONDS / 2})
     me = remote_lease.identity(Path(cfg.output_dir).absolute(), cfg.checkpoint.remote_lease_seconds)
     try:
-        held = remote_lease.acquire(storage, me, break_lock=break_lock)
+        held = remote_lease.acquire(storage, me, break_lock=break_lock, echo=echo)
     except RemoteError as e:
         raise UserError(f"{e} The launch did not start; run it again once the store answers.") from None
     with held.heartbeat(on_lost=echo):

@@ -7,7 +7,8 @@ that fails where one exists (`If-None-Match: *` on S3) and renewed, replaced or 
 unless it is still the version this launch last wrote (`If-Match: <ETag>`), so two launches never both hold it. A
 lease is free when released, when no heartbeat came for its `seconds` (the store's own clock: its Date against the
 object's Last-Modified), when its holder was on this host and is gone, or when `--break-lock` takes it from a run on
-another host. Machine 0 of a run holds it; the other machines commit nothing.
+another host. A lease whose holder missed two heartbeats is waited out rather than refused (a requeued job after its
+node was lost). Machine 0 of a run holds it; the other machines commit nothing.
 
 Fencing: `Lease.check` renews the lease with that same conditional write, so it succeeds only while nobody took the
 lease over; every write of committed state (store/remote_run.py `RemoteRun.fence`) calls it first. A launch that lost
@@ -64,12 +65,17 @@ def describe(holder: dict, age: float | None = None) -> str:
             f"{holder.get('heartbeat', '?')}{ago}")
 
 
-def _free(holder: dict, age: float, break_lock: bool) -> bool:
-    if not holder or holder.get("released") or age >= float(holder.get("seconds", DEFAULT_SECONDS)):
-        return True
+def _state(holder: dict, age: float, break_lock: bool) -> str:
+    """"free", "held", or "stale": its holder missed two heartbeats or more (a node lost without a word, most
+    likely), so a new writer waits for the lease to expire rather than failing a requeued job."""
+    seconds = float(holder.get("seconds", DEFAULT_SECONDS)) if holder else 0.0
+    if not holder or holder.get("released") or age >= seconds:
+        return "free"
     here = holder.get("host") == socket.gethostname()
     alive_here = here and runlock.holder_alive(holder, 0.0)
-    return (here and not alive_here) or (break_lock and not alive_here)
+    if (here and not alive_here) or (break_lock and not alive_here):
+        return "free"
+    return "stale" if not here and age >= 2 * seconds / RENEWALS else "held"
 
 
 def _encode(record: dict) -> bytes:
@@ -160,22 +166,29 @@ def check_free(storage: Storage, *, break_lock: bool = False) -> None:
     """The UserError `acquire` would raise now, taking nothing: for the plan, before anything is downloaded or
     written (the launch's `acquire` is the atomic step)."""
     found = read_holder(storage)
-    if found is not None and not _free(found[0], found[2], break_lock):
+    if found is not None and _state(found[0], found[2], break_lock) == "held":
         raise _refusal(storage, found[0], found[2])
 
 
-def acquire(storage: Storage, me: dict, *, break_lock: bool = False) -> Lease:
+def acquire(storage: Storage, me: dict, *, break_lock: bool = False, echo: Callable[[str], None] = print) -> Lease:
     """Take the lease of `storage` for the launch `me` (`identity`); UserError naming the holder while another
-    launch holds it."""
-    for _ in range(3):  # another launch may win a race for a free lease: then it is that one's
+    launch holds it. A stale lease (see `_state`) is waited out, saying so with `echo`."""
+    for _ in range(4):  # another launch may win a race for a free lease: then it is that one's
         found = read_holder(storage)
         if found is None:
             record = _stamped({**me, "generation": 1})
             version = storage.write_new(LEASE, _encode(record))
         else:
             holder, current, age = found
-            if not _free(holder, age, break_lock):
+            state = _state(holder, age, break_lock)
+            if state == "held":
                 raise _refusal(storage, holder, age)
+            if state == "stale":
+                left = float(holder.get("seconds", DEFAULT_SECONDS)) - age + 1.0
+                echo(f"{storage.url} is held by {describe(holder, age)}, which missed its heartbeats: waiting "
+                     f"{left:.0f} s for its lease to expire.")
+                time.sleep(left)
+                continue
             record = _stamped({**me, "generation": int(holder.get("generation", 0) or 0) + 1})
             version = storage.write_if(LEASE, _encode(record), current)
         if version is not None:

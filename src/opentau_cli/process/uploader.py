@@ -416,7 +416,7 @@ def push(run_dir: Path, checkpoint: dict | None = None, *, break_lock: bool = Fa
         storage = open_storage(url, options)
         with runlock.held(run_dir, break_lock=break_lock):
             held = remote_lease.acquire(storage, remote_lease.identity(run_dir.absolute(), seconds),
-                                        break_lock=break_lock)
+                                        break_lock=break_lock, echo=echo)
             with held.heartbeat(on_lost=echo):
                 remote = RemoteRun(storage, fence=held.check)
                 up = Uploader(run_dir, remote, keep_last=checkpoint.get("keep_last"), echo=echo,
