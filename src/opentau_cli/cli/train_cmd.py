@@ -141,14 +141,14 @@ def resume(
 
     _set_card(gpu_memory)
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
-    target = _local_target(run_dir, list(ctx.args), parse_bool_flag("--rollback", rollback), break_lock)
+    target = _local_target(run_dir, list(ctx.args), parse_bool_flag("--rollback", rollback))
     _launch(plan_resume(target, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
                         reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
                         break_lock=break_lock, dataset_changed=parse_bool_flag("--dataset-changed", dataset_changed)),
             break_lock)
 
 
-def _local_target(run_dir: str, args: list[str], rollback: bool, break_lock: bool = False) -> Path:
+def _local_target(run_dir: str, args: list[str], rollback: bool) -> Path:
     """A local run or checkpoint as given, or the local copy of a remote run (plan/remote.py)."""
     from opentau_cli.plan.remote import local_copy
     from opentau_cli.store.storage import is_url
@@ -162,7 +162,7 @@ def _local_target(run_dir: str, args: list[str], rollback: bool, break_lock: boo
     overrides = parse_overrides(args)
     options = overrides.get("checkpoint.remote_options")
     return local_copy(run_dir, overrides.get("output_dir"), json.loads(options) if isinstance(options, str) else options or {},
-                      echo=lambda m: typer.echo(m, err=True), rollback=rollback, break_lock=break_lock)
+                      echo=lambda m: typer.echo(m, err=True), rollback=rollback)
 
 
 def register(app: typer.Typer) -> None:

@@ -38,14 +38,14 @@ def check_remote(cfg) -> list[str]:
 
 
 def check_writer(url: str | None, options: dict, break_lock: bool = False) -> None:
-    """Another launch holds the store's lease (process/lease.py): refused before anything is downloaded, written or
+    """Another launch holds the store's lease (process/lease.py): refused by the plan, before anything is written or
     printed, in the words the launch's own `acquire` would use (that is the atomic step)."""
     if url and check_storage(url, options) is None:
         lease.check_free(open_storage(url, options), break_lock=break_lock)
 
 
 def local_copy(target: str, output_dir: str | None, options: dict, echo: Callable[[str], None], *,
-               rollback: bool = False, break_lock: bool = False) -> Path:
+               rollback: bool = False) -> Path:
     """The local checkpoint `opentau resume URL[:STEP]` continues: the remote's `last` (or STEP), fetched (every file
     verified against its manifest) into the run's directory (`output_dir`, else where the run lived) unless a
     complete copy of it or of a newer checkpoint of the same run is there already."""
@@ -54,7 +54,6 @@ def local_copy(target: str, output_dir: str | None, options: dict, echo: Callabl
     if problem:
         raise UserError(problem)
     remote = RemoteRun(open_storage(url, options))
-    lease.check_free(remote.storage, break_lock=break_lock)
     if remote.last() is None:
         why = "is empty" if remote.is_empty() else "holds no committed checkpoint (an upload that never finished)"
         raise UserError(f"{url} {why}: nothing to resume; start the run with `opentau train ... "
