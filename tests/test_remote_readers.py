@@ -15,13 +15,12 @@ In each case every checkpoint the store holds with a manifest has its writer's m
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import SINGLE_PROCESS_ENV, refused, run_cli, run_cli_in_process
+from conftest import SINGLE_PROCESS_ENV, refused, run_cli, run_cli_in_process, start_s3_server
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST
 from remote_runs import HOOK, TINY, ok
 
@@ -31,15 +30,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_th
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """This module's own S3 server: stopping it touches no other module's."""
-    from s3_server import S3Server, WeedMissing, weed_binary
-
-    try:
-        weed_binary()
-    except WeedMissing as e:
-        if os.environ.get("CI"):
-            pytest.fail(str(e))
-        pytest.skip(str(e))
-    server = S3Server(tmp_path_factory.mktemp("readers_s3")).start()
+    server = start_s3_server(tmp_path_factory, "readers_s3")
     yield server
     server.kill()
 

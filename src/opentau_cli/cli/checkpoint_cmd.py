@@ -274,7 +274,8 @@ def _print_run(run, as_json: bool) -> None:
 @app.command("verify")
 @handle_errors
 def verify_cmd(path: str = typer.Argument(..., help="A checkpoint directory, a run directory, or a run in remote storage "
-                                                    "(URL: every committed checkpoint, downloaded into the cache)."),
+                                                    "(URL: every committed checkpoint, verified into the cache: downloaded "
+                                                    "once, its copies used while the store cannot be reached)."),
                as_json: JsonOpt = False) -> None:
     """Re-hash every file of a checkpoint (or of every checkpoint of a run) against its manifest; exit 1 on any problem.
 

@@ -106,14 +106,13 @@ def _copy(remote: RemoteRun, name: str, run: Path, echo: Callable[[str], None]) 
 
     objects = {key: info["etag"] for key, info in remote.storage.objects(f"{CHECKPOINTS}/{name}").items()}
     have = run / CHECKPOINTS / name
-    record = read_record(run)
-    if record.get("checkpoints", {}).get(name, {}).get("objects") == objects and have.is_dir() \
-            and not verify_manifest(have):
+    unchanged = read_record(run).get("checkpoints", {}).get(name, {}).get("objects") == objects
+    if unchanged and have.is_dir() and not verify_manifest(have):
         return have
     size = sum(e["size"] for e in remote.manifest(name)["files"].values())
     echo(f"Downloading checkpoint {name} of {remote.url} ({size / 1e9:.2f} GB) into {run} ...")
     # Only files whose objects are those verified before may be kept: another version is downloaded and checked.
-    ckpt = remote.fetch(name, run, history=False, reuse=record.get("checkpoints", {}).get(name, {}).get("objects") == objects)
+    ckpt = remote.fetch(name, run, history=False, reuse=unchanged)
     record = read_record(run)
     record.setdefault("checkpoints", {})[name] = {"objects": objects, "time": _now()}
     record["url"] = remote.url
@@ -138,7 +137,8 @@ def _offline(url: str, what: str | None, problem: str, echo: Callable[[str], Non
     if name is None or verify_manifest(run / CHECKPOINTS / name):
         raise UserError(f"{problem.rstrip('.')}; and this machine's cache holds no verified copy of "
                         f"{url}{'' if what is None else ':' + what}.")
-    echo(f"{problem.rstrip('.')}: using checkpoint {name} as verified from it on {record['checkpoints'][name]['time']}.")
+    when = record["checkpoints"][name]["time"]
+    echo(f"{problem.rstrip('.')}: using checkpoint {name} as verified from it on {when}.")
     return run / CHECKPOINTS / name
 
 
@@ -220,7 +220,8 @@ def _verify_offline(url: str, problem: str, report):
         report.problems.append(f"{problem.rstrip('.')}; and this machine's cache holds no verified copy of {url}.")
         return report
     for name in names:
-        report.checkpoints[f"{url.rstrip('/')}/{CHECKPOINTS}/{name}"] = [str(p) for p in verify_manifest(run / CHECKPOINTS / name)]
+        problems = verify_manifest(run / CHECKPOINTS / name)
+        report.checkpoints[f"{url.rstrip('/')}/{CHECKPOINTS}/{name}"] = [str(p) for p in problems]
     missing = [n for n in record["seen"]["committed"] if n not in names]
     report.notes.append(f"{problem.rstrip('.')}: re-hashed the copies in this machine's cache, verified from the store "
                         f"on {', '.join(sorted({record['checkpoints'][n]['time'] for n in names}))}; the store then "
