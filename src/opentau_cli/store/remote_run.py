@@ -136,8 +136,8 @@ class RemoteRun:
         found.last_problem = _last_problem(found)
         return found
 
-    def newest(self) -> str | None:
-        """The newest committed checkpoint (every file at its size): where a reader continues."""
+    def newest_committed(self) -> str | None:
+        """The newest committed checkpoint (every file at its size): where a re-formed group continues."""
         committed = self.survey().committed
         return committed[-1] if committed else None
 
