@@ -233,8 +233,13 @@ def test_offline_tools_given_a_url_record_the_url_and_step_never_the_cache(store
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert report["checkpoint"] == {"path": f"{url}/checkpoints/000004", "step": 4, "url": url,
                                     "resolved_from": f"{url}:4"}
-    served = load_served(local_source(f"{url}:4")).metadata()  # what `opentau serve URL:4` sends on connect
-    assert served["source"] == f"{url}:4" and served["checkpoint"]["path"] == f"{url}/checkpoints/000004"
+    # `URL:best` is recorded as the step it resolves to (the store's `best`, as checkpoint.keep_best writes it).
+    best = copy_of(store, run, "best")
+    put(store, "runs/best/checkpoints/best", b"000002\n")
+    served = load_served(local_source(f"{best}:best")).metadata()  # what `opentau serve URL:best` sends on connect
+    assert served["source"] == f"{best}:2" and served["step"] == 2
+    assert served["checkpoint"] == {"path": f"{best}/checkpoints/000002", "step": 2, "url": best,
+                                    "resolved_from": f"{best}:2"}
     exported = cli(run, ["checkpoint", "export", f"{url}:4", "--output", str(tmp_path / "export")])
     ok(exported)
     assert f"from {url}/checkpoints/000004" in exported.stdout
