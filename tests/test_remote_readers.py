@@ -125,6 +125,11 @@ def test_a_missing_or_garbled_last_strands_nothing_and_every_resume_form_continu
     listed = cli(run, ["checkpoint", "list", url])
     assert ("Note: checkpoints/last is missing or holds no checkpoint name; readers continue from 000004, the newest "
             f"committed checkpoint; `opentau resume {url}` repairs it.") in listed.stdout
+    shown = cli(run, ["checkpoint", "inspect", url, "--json"])
+    ok(shown)
+    assert {k: v for k, v in json.loads(shown.stdout).items() if k != "run_dir"} == {
+        "url": url, "last": None, "best": None, "resumes_from": "000004", "committed": ["000002", "000004"],
+        "damaged": [], "partial": []}
     verified = cli(run, ["checkpoint", "verify", url])
     assert verified.returncode == 1
     assert (f"FAIL {url}: checkpoints/last is missing or holds no checkpoint name; readers continue from 000004, the "
@@ -265,6 +270,8 @@ def test_offline_tools_given_a_url_record_the_url_and_step_never_the_cache(store
     for text in (json.dumps(report), json.dumps(served), card, (tmp_path / "export" / ".opentau-output.json").read_text(),
                  (tmp_path / "eval" / ".opentau-output.json").read_text()):
         assert str(cache) not in text and "/remote/" not in text.replace(url, "")
+    assert_every_stored_checkpoint_is_its_writers(store, "runs/base", run["manifests"])
+    assert_every_stored_checkpoint_is_its_writers(store, "runs/best", run["manifests"])
 
 
 def test_verify_and_inspect_use_the_verified_cache_and_work_while_the_store_is_stopped(store, run, tmp_path):
