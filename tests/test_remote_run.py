@@ -81,8 +81,13 @@ def test_last_naming_a_checkpoint_without_its_manifest_is_not_taken(remote, tmp_
     remote.upload(ckpt.name, files_of(ckpt), json.loads((ckpt / MANIFEST).read_text()))
     remote.storage.write_bytes(f"{CHECKPOINTS}/last", b"000004\n")  # a pointer written before its manifest (a bug)
     assert remote.last() is None  # never a partial checkpoint
-    with pytest.raises(UserError):
-        choose(remote, None)
+    assert choose(remote, None) == "000002"  # readers go by the manifests: `last` is only a hint
+    found = remote.survey()
+    assert found.committed == ["000002"] and found.partial == ["000004"] and found.last == "000004"
+    assert found.last_problem == ("checkpoints/last names 000004, which is not committed (no manifest); readers "
+                                  "continue from 000002, the newest committed checkpoint")
+    assert remote.repair_last("000002") == "000002" and remote.last() == "000002" and remote.survey().last_problem is None
+    assert remote.repair_last("000002") is None  # sound now: nothing written
 
 
 def test_a_file_changed_after_its_manifest_is_never_uploaded(remote, tmp_path):
@@ -131,10 +136,13 @@ def test_a_download_that_does_not_match_the_manifest_lands_nothing(remote, tmp_p
     data = bytearray(remote.storage.read_bytes(key))
     data[1000] ^= 0xFF
     remote.storage.write_bytes(key, bytes(data))  # rot in the store after the commit
-    with pytest.raises(RunError, match="does not match its manifest"):
+    with pytest.raises(UserError) as refused:
         remote.fetch("000002", tmp_path / "copy")
-    assert not (tmp_path / "copy" / CHECKPOINTS / "000002").exists()
-    assert [p.name for p in (tmp_path / "copy" / CHECKPOINTS).iterdir()] == []
+    assert str(refused.value) == (f"Checkpoint 000002 in {remote.url} is damaged (checkpoints/000002/model.safetensors "
+                                  "does not match its manifest's hash) and nothing was written locally: no earlier "
+                                  "checkpoint there is intact; restore the file, or start the run again with "
+                                  "`opentau train`.")
+    assert not (tmp_path / "copy").exists()
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -274,7 +274,8 @@ def _print_run(run, as_json: bool) -> None:
 @app.command("verify")
 @handle_errors
 def verify_cmd(path: str = typer.Argument(..., help="A checkpoint directory, a run directory, or a run in remote storage "
-                                                    "(URL: every committed checkpoint, downloaded into the cache)."),
+                                                    "(URL: every committed checkpoint, verified into the cache: downloaded "
+                                                    "once, its copies used while the store cannot be reached)."),
                as_json: JsonOpt = False) -> None:
     """Re-hash every file of a checkpoint (or of every checkpoint of a run) against its manifest; exit 1 on any problem.
 
@@ -372,7 +373,7 @@ def _list_remote(url: str, verify: bool, as_json: bool) -> None:
     if verify:
         verify_cmd(url, as_json)
         return
-    rows = list_remote(url)
+    rows, found = list_remote(url)
     if as_json:
         typer.echo(json.dumps([r.to_dict() for r in rows], indent=2))
         return
@@ -381,29 +382,34 @@ def _list_remote(url: str, verify: bool, as_json: bool) -> None:
         return
     typer.echo(f"{'':2}{'checkpoint':<12}{'step':>8}{'size':>12}  {'state':<12}{'is':<10}")
     for r in rows:
-        state = "committed" if r.committed else "partial"
-        typer.echo(f"{'->' if 'last' in r.marks else '':2}{r.name:<12}{r.step:>8}{human(r.size):>12}  {state:<12}"
-                   f"{'+'.join(r.marks) or '-':<10}")
-    typer.echo("(committed = its manifest is stored after every file was checked; partial = an upload that never "
-               "committed, which readers ignore and the next commit removes)")
+        typer.echo(f"{'->' if 'last' in r.marks else '':2}{r.name:<12}{r.step:>8}{human(r.size):>12}  {r.state:<12}"
+                   f"{'+'.join(r.marks) or '-':<10}{r.problem or ''}")
+    typer.echo("(committed = its manifest is stored and every file it lists is there at its size (hashes are checked "
+               "on download: `checkpoint verify URL`); damaged = a file is missing or at another size; partial = an "
+               "upload that never committed, which readers ignore and the next commit removes)")
+    if found.last_problem:
+        typer.echo(f"Note: {found.last_problem}; `opentau resume {found.url}` repairs it.")
 
 
 def _print_remote(url: str, as_json: bool) -> None:
     from opentau_cli.tools.remote import list_remote, open_run
 
     remote = open_run(url)
-    rows = list_remote(url)
+    rows, found = list_remote(url)
     record = remote.run_record() or {}
-    info = {"url": remote.url, "run_dir": record.get("run_dir"), "last": remote.last(), "best": remote.best(),
-            "committed": [r.name for r in rows if r.committed], "partial": [r.name for r in rows if not r.committed]}
+    info = {"url": remote.url, "run_dir": record.get("run_dir"), "last": found.last, "best": found.best,
+            "resumes_from": found.newest, "committed": found.committed, "damaged": sorted(found.damaged),
+            "partial": found.partial}
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    for k, v in (("remote", info["url"]), ("run from", info["run_dir"] or "-"), ("last", info["last"] or "-"),
+    for k, v in (("remote", info["url"]), ("run from", info["run_dir"] or "-"),
+                 ("last", (info["last"] or "-") + (f" ({found.last_problem})" if found.last_problem else "")),
                  ("best", info["best"] or "-"), ("committed", _names(info["committed"])),
+                 ("damaged", _names(info["damaged"])),
                  ("partial", _names(info["partial"]) + (" (uploads that never committed)" if info["partial"] else ""))):
         typer.echo(f"{k + ':':18}{v}")
-    typer.echo(f"`opentau resume {remote.url}` continues from {info['last'] or 'nothing'}; "
+    typer.echo(f"`opentau resume {remote.url}` continues from {info['resumes_from'] or 'nothing'}; "
                f"`opentau checkpoint inspect {remote.url}:STEP` shows one checkpoint.")
 
 

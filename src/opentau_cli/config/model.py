@@ -9,11 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_DATASET = "@demo"
+# A storage client's options as JSON holds them, nested ones too (S3's `config_kwargs`, fsspec's `client_kwargs`):
+# which names the client takes is the client's to say (store/remote.py open_remote), in one sentence.
+StoreOptions = dict[str, JsonValue]
 # The policy's loss terms: the flow-matching MSE and the cross-entropy on discrete action tokens.
 LOSS_TERMS = ("mse", "ce")
 
@@ -129,7 +132,7 @@ class DatasetSource(Section):
     action_key: str = Field("action", description="Dataset feature used as action.")
     episodes: list[int] | None = Field(None, description="Restrict to these episode indices (None = all).")
     prompt: str | None = Field(None, description="Task prompt for frames whose dataset has no task text.")
-    remote_options: dict[str, str | int | float | bool] = Field(
+    remote_options: StoreOptions = Field(
         default_factory=dict,
         description="Non-secret options of the object store holding root (as checkpoint.remote_options), e.g. "
                     "{\"endpoint_url\": \"http://minio:9000\"}. Credentials are never accepted here: use "
@@ -230,10 +233,10 @@ class CheckpointConfig(Section):
                     "variables and files), file:///mounted/share/run, or another fsspec URL. Uploads run in the "
                     "background; `opentau resume URL` continues the run on a machine with an empty disk.",
     )
-    remote_options: dict[str, str | int | float | bool] = Field(
+    remote_options: StoreOptions = Field(
         default_factory=dict,
         description="Non-secret options of the remote's client, e.g. {\"endpoint_url\": \"http://minio:9000\", "
-                    "\"region_name\": \"eu-west-1\"}. Credentials are never accepted here (they would be written "
+                    "\"region\": \"eu-west-1\", \"config_kwargs\": {\"connect_timeout\": 5}} (S3: botocore's Config). Credentials are never accepted here (they would be written "
                     "into train_config.json): use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile or a role.",
     )
     remote_drain_seconds: float = Field(

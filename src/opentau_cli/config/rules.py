@@ -274,9 +274,15 @@ _SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "session
 _SECRET_NAMES = ("key", "access_key", "access_key_id", "aws_access_key_id", "account_key", "sas_token")
 
 
-def secret_options(options: dict) -> list[str]:
-    """The option names of a storage client's options that carry, or may carry, a secret."""
-    return sorted(k for k in options if any(w in k.lower() for w in _SECRET_WORDS) or k.lower() in _SECRET_NAMES)
+def secret_options(options: dict, within: str = "") -> list[str]:
+    """The option names of a storage client's options that carry, or may carry, a secret (nested ones dotted)."""
+    found = []
+    for k, v in options.items():
+        if any(w in k.lower() for w in _SECRET_WORDS) or k.lower() in _SECRET_NAMES:
+            found.append(within + k)
+        elif isinstance(v, dict):
+            found += secret_options(v, f"{within}{k}.")
+    return sorted(found)
 
 
 def remote_dataset_rules(cfg) -> list[str]:

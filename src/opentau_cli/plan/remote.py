@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
+from opentau_cli.config.rules import secret_options
 from opentau_cli.errors import UserError
 from opentau_cli.process import lease
 from opentau_cli.process.uploader import read_status, status_path
 from opentau_cli.store.layout import CHECKPOINTS, step_of
 from opentau_cli.store.manifest import is_complete, read_manifest, write_json_atomic
+from opentau_cli.store.outputs import make_parents, remove_leftovers, remove_made
 from opentau_cli.store.remote_run import RemoteRun, choose, split_target
 from opentau_cli.store.runs import latest
 from opentau_cli.store.storage import check_storage, is_url, open_storage  # noqa: F401 (is_url: the CLI's)
@@ -21,7 +25,7 @@ def check_remote(cfg) -> list[str]:
     """The store answers (bucket, credentials, endpoint), and holds nothing or this run: a fresh run never writes
     into another run's remote, as it never writes into another run's directory."""
     url, options = cfg.checkpoint.remote, cfg.checkpoint.remote_options
-    if not url:
+    if not url or secret_options(options):  # a credential among the options: said by the config rules, once
         return []
     problem = check_storage(url, options)
     if problem:
@@ -46,20 +50,23 @@ def check_writer(url: str | None, options: dict, break_lock: bool = False) -> No
 
 def local_copy(target: str, output_dir: str | None, options: dict, echo: Callable[[str], None], *,
                rollback: bool = False) -> Path:
-    """The local checkpoint `opentau resume URL[:STEP]` continues: the remote's `last` (or STEP), fetched (every file
-    verified against its manifest) into the run's directory (`output_dir`, else where the run lived) unless a
-    complete copy of it or of a newer checkpoint of the same run is there already."""
+    """The local checkpoint `opentau resume URL[:STEP]` continues: the remote's newest committed checkpoint (or STEP;
+    found from the manifests, `last` being only a hint), fetched (every file verified against its manifest) into the
+    run's directory (`output_dir`, else where the run lived) unless a complete copy of it or of a newer checkpoint of
+    the same run is there already. A damaged checkpoint is refused (Damaged) before anything is created here: a new
+    run directory is assembled beside its place and renamed into it only once every file is verified."""
     url, what = split_target(target)
     problem = check_storage(url, options)
     if problem:
         raise UserError(problem)
     remote = RemoteRun(open_storage(url, options))
-    if remote.last() is None:
+    found = remote.survey()
+    if found.newest is None:
         why = "is empty" if remote.is_empty() else "holds no committed checkpoint (an upload that never finished)"
         raise UserError(f"{url} {why}: nothing to resume; start the run with `opentau train ... "
                         f"--checkpoint.remote={url}`.")
-    name = choose(remote, what)
-    newer = [n for n in remote.committed() if step_of(n) > step_of(name)]
+    name = choose(remote, what, found)
+    newer = [n for n in found.with_manifest() if step_of(n) > step_of(name)]
     if newer and not rollback:  # said before anything is downloaded (the plan says it again for a local target)
         raise UserError(f"{url} holds newer checkpoints than {name} ({', '.join(newer)}): continue from the newest "
                         f"with `opentau resume {url}`, or pass --rollback=true to move them into "
@@ -69,22 +76,43 @@ def local_copy(target: str, output_dir: str | None, options: dict, echo: Callabl
     if not str(run_dir) or str(run_dir) == ".":
         raise UserError(f"{url} does not say where its run lived: pass --output_dir=DIR for the local copy.")
     bound = (read_status(run_dir) or {}).get("url")
-    if run_dir.exists() and any(run_dir.iterdir()) and bound != remote.url:
+    fresh = not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir()))
+    if not fresh and bound != remote.url:
         raise UserError(f"{run_dir} already holds {'a run of ' + bound if bound else 'files of another run'}: pass "
                         f"--output_dir=DIR (a new or empty directory) for the local copy of {url}.")
     have = latest(run_dir) if (run_dir / CHECKPOINTS).is_dir() else None
     if what is None and have is not None and step_of(have.name) >= step_of(name) and is_complete(have):
         echo(f"{run_dir} holds checkpoint {have.name} of this run already: nothing to download.")
         return have
-    manifest = remote.manifest(name)
-    size = sum(e["size"] for e in manifest["files"].values())
+    size = sum(e["size"] for e in remote.manifest(name)["files"].values())
     echo(f"Downloading checkpoint {name} of {url} ({size / 1e9:.2f} GB) into {run_dir} ...")
     started = time.perf_counter()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    bind(run_dir, remote.url)
-    ckpt = remote.fetch(name, run_dir)
+    if fresh:
+        assemble_run(remote, name, run_dir)
+    else:
+        remote.fetch(name, run_dir)
     echo(f"Downloaded and verified in {time.perf_counter() - started:.1f} s.")
-    return ckpt
+    return run_dir / CHECKPOINTS / name
+
+
+def assemble_run(remote: RemoteRun, name: str, run_dir: Path) -> None:
+    """A new local copy of the run at `remote` holding checkpoint `name`: written into a hidden sibling of `run_dir`
+    (`.<name>.tmp-<pid>`, which the next try removes if this process dies) and renamed into place once every file is
+    verified, so that a failure leaves nothing here (not even `run_dir`'s parents)."""
+    remove_leftovers(run_dir)
+    made = make_parents(run_dir.parent)
+    staging = run_dir.with_name(f".{run_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        remote.fetch(name, staging)
+        bind(staging, remote.url)
+        if run_dir.is_dir():
+            run_dir.rmdir()  # empty (checked by the caller)
+        os.replace(staging, run_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        remove_made(made)
+        raise
 
 
 def bind(run_dir: Path, url: str) -> None:

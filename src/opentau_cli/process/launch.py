@@ -475,6 +475,17 @@ def start_uploads(plan: RunPlan, log_dir: Path, lease=None):
 
     # Every machine sends its ranks' part of each checkpoint when it keeps its own run directory; machine 0 commits.
     first = plan.setup.machine_rank == 0
+    if first and protect is not None:
+        # The launch is going ahead: put a missing, garbled or stale `last` in the store right before any upload, as
+        # readers go by the manifests and `last` is only a hint (docs/ARCHITECTURE.md, "Remote checkpoints"); fenced
+        # by the writer's lease like every pointer (RemoteRun.set_pointer).
+        try:
+            repaired = remote.repair_last(protect)
+        except Exception as e:  # noqa: BLE001 - the hint waits for the next commit, which rewrites it
+            note(f"Repairing {remote.url}/checkpoints/last failed ({type(e).__name__}); the next commit rewrites it.")
+        else:
+            if repaired:
+                note(f"Repaired {remote.url}/checkpoints/last: it names {repaired} again.")
     uploader = Uploader(Path(cfg.output_dir), remote, keep_last=cfg.checkpoint.keep_last, protect=protect,
                         record=record, echo=note, commits=first)
     uploader.rollback_to = plan.resume_from.name if plan.remote_rollback and first else None

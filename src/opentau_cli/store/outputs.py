@@ -164,9 +164,10 @@ def writable_parent(target: Path) -> Path:
 
 @contextmanager
 def publishing(target: Path, *, force: bool, source: Path | str | None = None,
-               command: str | None = None) -> Iterator[Path]:
+               command: str | None = None, recorded: str | None = None) -> Iterator[Path]:
     """Yield a hidden temporary sibling path of `target` (the caller makes it a directory or a file); when the block
-    succeeds, mark a directory as `command`'s output (MARKER) and rename it into place (replacing an empty
+    succeeds, mark a directory as `command`'s output (MARKER, naming `recorded` as its source, by default `source`: a
+    cached copy of a remote checkpoint is named by its URL) and rename it into place (replacing an empty
     directory, or with `force` an earlier output of `command`, which is removed only after the new one is in place);
     when it fails, remove it and the parent directories this call made. Refuses what check_target refuses."""
     target = Path(target)
@@ -177,7 +178,8 @@ def publishing(target: Path, *, force: bool, source: Path | str | None = None,
     try:
         yield staging
         if staging.is_dir() and not staging.is_symlink():
-            (staging / MARKER).write_text(json.dumps({"command": command, "source": None if source is None else str(source)}) + "\n")
+            named = recorded if recorded is not None else None if source is None else str(source)
+            (staging / MARKER).write_text(json.dumps({"command": command, "source": named}) + "\n")
         follow_umask(staging)
         fault_point("output_staged", target)
         old = None

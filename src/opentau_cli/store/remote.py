@@ -36,7 +36,7 @@ _CONCURRENCY = 8
 _RETRY_SECONDS = 120.0
 _CHUNK = 8 << 20
 _S3_OPTIONS = {"endpoint_url", "region", "profile", "addressing_style", "verify", "part_mb", "concurrency",
-               "retry_seconds"}
+               "retry_seconds", "config_kwargs"}  # config_kwargs: botocore's Config (timeouts, proxies, ...)
 # An option whose name has one of these is a credential, or may be: refused whatever its value.
 _SECRET_NAME = re.compile(r"key|secret|token|passw|credential|session|sas|auth|cert_pass", re.I)
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded",
@@ -70,6 +70,7 @@ def open_remote(url: str, options: dict | None = None):
         unknown = sorted(set(options) - _S3_OPTIONS)
         if unknown:
             raise UserError(f"Unknown option(s) for {url}: {', '.join(unknown)} (known: {', '.join(sorted(_S3_OPTIONS))}).")
+        _check_config_kwargs(url, options.get("config_kwargs", {}))
         return S3Remote(url, bucket, prefix.strip("/"), options)
     import fsspec
 
@@ -86,6 +87,19 @@ def open_remote(url: str, options: dict | None = None):
     except Exception as e:  # the backend's own check of its options
         raise UserError(f"{url}: the options were refused ({type(e).__name__}: {_first_line(e)}).") from None
     return FsspecRemote(url, fs, cls._strip_protocol(url).rstrip("/"), retry)
+
+
+def _check_config_kwargs(url: str, given) -> None:
+    """S3's `config_kwargs` are botocore Config's own arguments: a name it does not take is said here, once."""
+    from botocore.config import Config
+
+    if not isinstance(given, dict):
+        raise UserError(f"The option config_kwargs for {url} takes an object of botocore Config's arguments, e.g. "
+                        '{"connect_timeout": 5}.')
+    unknown = sorted(set(given) - set(Config.OPTION_DEFAULTS))
+    if unknown:
+        raise UserError(f"Unknown config_kwargs for {url}: {', '.join(unknown)} (botocore's Config takes "
+                        f"{', '.join(sorted(Config.OPTION_DEFAULTS))}).")
 
 
 def _names(options: dict):
@@ -168,16 +182,20 @@ class S3Remote:
         region = options.get("region") or session.region_name or "us-east-1"
         s3 = {"addressing_style": options["addressing_style"]} if "addressing_style" in options else {}
 
-        def client(retries: dict, connect: float, read: float):
+        given = dict(options.get("config_kwargs") or {})
+
+        def client(**ours):
             return session.client("s3", endpoint_url=options.get("endpoint_url"), region_name=region,
-                                  verify=options.get("verify"),
-                                  config=Config(retries=retries, connect_timeout=connect, read_timeout=read, s3=s3,
-                                                max_pool_connections=2 * concurrency + 2))
+                                  verify=options.get("verify"), config=Config(**ours))
 
         # botocore retries each request (a multipart upload then resends only the part in flight) about as long
         # as retry_seconds; _retrying repeats a whole operation that still failed, until retry_seconds are spent.
-        self._client = client({"mode": "standard", "max_attempts": _attempts(self.retry_seconds)}, 10, 120)
-        self._quick = client({"total_max_attempts": 1}, 3, 10)  # pre-flight: one try, seconds
+        # The user's config_kwargs go over these, except in the pre-flight's client, which stays one quick try.
+        self._client = client(**{"retries": {"mode": "standard", "max_attempts": _attempts(self.retry_seconds)},
+                                 "connect_timeout": 10, "read_timeout": 120, "s3": s3,
+                                 "max_pool_connections": 2 * concurrency + 2, **given})
+        self._quick = client(**{"s3": s3, **given, "retries": {"total_max_attempts": 1}, "connect_timeout": 3,
+                                "read_timeout": 10})  # pre-flight: one try, seconds
         self.endpoint = self._client.meta.endpoint_url
         self._uploads, self._cancelled = [], False  # put_files' transfers, for cancel
         self._transfer = create_transfer_manager(self._client, TransferConfig(

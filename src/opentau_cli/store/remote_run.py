@@ -6,8 +6,11 @@ checkpoint), `checkpoints/last` and `checkpoints/best` (small objects holding a 
 as of the newest commit (`metrics.jsonl`, `logs/restarts.jsonl`, TensorBoard's events) and `run.json` (which run
 this is). An object store has no rename: a checkpoint is committed by objects written last. Every file of its
 manifest is uploaded and checked from the store's side, then the history, then `checkpoints/<name>/manifest.json`,
-then `checkpoints/last`. A checkpoint counts only once its manifest is there; readers follow `last` and never take a
-folder without a manifest (an interrupted upload), which a later commit removes.
+then `checkpoints/last`. A checkpoint counts only once its manifest is there and every file it lists is there at its
+size; readers find them from the manifests (`survey`), take `last` only as a hint (a missing or garbled one strands
+nothing, and a resume repairs it: `repair_last`), and never take a folder without a manifest (an interrupted upload),
+which a later commit removes. A checkpoint whose manifest is there but whose files are not (missing, shorter, other
+bytes on download) is damaged: said once, with the way on (`Damaged`).
 
 Everything here goes through a `store.storage.Storage`, so a directory and an object store obey the same code.
 Every write calls `fence` first: the writer's lease check (process/lease.py), which raises once another launch holds
@@ -47,6 +50,54 @@ def pointer(data: bytes) -> str | None:
 
 
 @dataclass
+class Found:
+    """What a reader finds in a remote: its checkpoint folders by state, and what `last` and `best` say."""
+
+    url: str
+    committed: list[str]  # its manifest is there and every file it lists is there at its size; oldest first
+    damaged: dict[str, tuple[str, str]]  # its manifest is there, a file is not: name -> (file, what is wrong)
+    partial: list[str]  # objects without a manifest: an upload under way, interrupted, or whose manifest went
+    last: str | None  # the checkpoint `checkpoints/last` names (None: missing or garbled)
+    last_problem: str | None  # why `last` is not to be followed, in words; None when it names the newest committed
+    best: str | None  # the checkpoint `checkpoints/best` names, when it has a manifest
+
+    @property
+    def newest(self) -> str | None:
+        """The checkpoint a reader continues: the newest with a manifest (a damaged one is said, never skipped)."""
+        return max([*self.committed, *self.damaged], key=step_of, default=None)
+
+    def with_manifest(self) -> list[str]:
+        return sorted([*self.committed, *self.damaged], key=step_of)
+
+    def damage(self, name: str, rel: str | None = None, what: str | None = None) -> "Damaged":
+        """The error for damaged checkpoint `name` (its file `rel` and what is wrong with it, else as found)."""
+        rel, what = (rel, what) if rel is not None else self.damaged[name]
+        earlier = [n for n in self.committed if step_of(n) < step_of(name)]
+        return Damaged(self.url, name, rel, what, earlier[-1] if earlier else None)
+
+
+class Damaged(UserError):
+    """A checkpoint whose manifest is in the store but one of whose files is missing, at another size or holds other
+    bytes: one sentence naming the checkpoint, the file and the way on (the newest intact checkpoint before it)."""
+
+    def __init__(self, url: str, name: str, rel: str, what: str, earlier: str | None):
+        self.url, self.name, self.rel, self.what, self.earlier = url, name, rel, what, earlier
+        super().__init__(self.sentence(resume=True))
+
+    def sentence(self, *, resume: bool) -> str:
+        head = (f"Checkpoint {self.name} in {self.url} is damaged ({CHECKPOINTS}/{self.name}/{self.rel} {self.what}) "
+                "and nothing was written locally")
+        if self.earlier is None:
+            return (f"{head}: no earlier checkpoint there is intact; restore the file, or start the run again with "
+                    "`opentau train`.")
+        at = f"{self.url}:{step_of(self.earlier)}"
+        if resume:
+            return (f"{head}: continue from the newest intact one with `opentau resume {at} --rollback=true` (the "
+                    f"newer ones move into {self.url}/{ROLLED_BACK}/<time>/; nothing is deleted).")
+        return f"{head}: the newest intact checkpoint before it is {at}."
+
+
+@dataclass
 class RemoteRun:
     """One run's remote copy. `fence`: called before every write (the lease's check; readers need none)."""
 
@@ -59,8 +110,48 @@ class RemoteRun:
 
     # Reading.
 
+    def survey(self) -> Found:
+        """Every checkpoint folder, from one listing and each manifest: committed (every file it lists at its size),
+        damaged or partial; and whether `last` names the newest committed one."""
+        folders: dict[str, dict[str, int]] = {}
+        for key, size in self.storage.sizes(CHECKPOINTS).items():
+            parts = key.split("/")
+            if len(parts) >= 3 and step_of(parts[1]) is not None:
+                folders.setdefault(parts[1], {})["/".join(parts[2:])] = size
+        committed, damaged, partial = [], {}, []
+        for name in sorted(folders, key=step_of):
+            have = folders[name]
+            if MANIFEST not in have:
+                partial.append(name)
+                continue
+            try:
+                files = json.loads(self.storage.read_bytes(f"{CHECKPOINTS}/{name}/{MANIFEST}"))["files"]
+                wrong = next(((rel, "is missing" if rel not in have else
+                               f"holds {have[rel]} bytes where its manifest says {entry['size']}")
+                              for rel, entry in sorted(files.items()) if have.get(rel) != entry["size"]), None)
+            except FileNotFoundError:  # deleted since the listing (retention): no longer trusted
+                partial.append(name)
+                continue
+            except (ValueError, KeyError, TypeError, AttributeError):
+                wrong = (MANIFEST, "is not a readable manifest")
+            if wrong is None:
+                committed.append(name)
+            else:
+                damaged[name] = wrong
+        found = Found(self.url, committed, damaged, partial, self._pointer(LAST), None, self._pointer(BEST))
+        if found.best not in found.with_manifest():
+            found.best = None
+        found.last_problem = _last_problem(found)
+        return found
+
+    def newest_committed(self) -> str | None:
+        """The newest committed checkpoint (every file at its size): where a re-formed group continues."""
+        committed = self.survey().committed
+        return committed[-1] if committed else None
+
     def committed(self) -> list[str]:
-        """Names of the committed checkpoints (their manifest is there), oldest first."""
+        """Names of the checkpoints whose manifest is there (what the writer committed; `survey` also checks each
+        file's size), oldest first."""
         names = {key.split("/")[1] for key in self.storage.list(CHECKPOINTS)
                  if key.count("/") == 2 and key.endswith("/" + MANIFEST)}
         return sorted((n for n in names if step_of(n) is not None), key=step_of)
@@ -100,6 +191,18 @@ class RemoteRun:
             return pointer(self.storage.read_bytes(f"{CHECKPOINTS}/{link}"))
         except FileNotFoundError:
             return None
+
+    def repair_last(self, name: str | None = None) -> str | None:
+        """Point `last` at `name` (the checkpoint a resume continues; when it is not committed, the newest committed
+        one) where `last` is missing, garbled, names no committed checkpoint or an older one than that. Returns the
+        name written, or None when `last` was sound. `last` is a hint (readers go by the manifests): this keeps it
+        true for other tools and for older opentau releases."""
+        found = self.survey()
+        target = name if name in found.committed else (found.committed[-1] if found.committed else None)
+        if target is None or (found.last in found.committed and step_of(found.last) >= step_of(target)):
+            return None
+        self.set_pointer(LAST, target)
+        return target
 
     # Writing: upload, commit, retain.
 
@@ -206,10 +309,11 @@ class RemoteRun:
     def fetch(self, name: str, run_dir: Path, *, only: Callable[[str], bool] = lambda rel: True,
               history: bool = True, reuse: bool = True) -> Path:
         """Download committed checkpoint `name` into `run_dir/checkpoints/<name>` (its files that `only` accepts, each
-        checked against the manifest's hash before it lands), the run's history with it, and point the local `last`
-        at it. Returns the checkpoint directory. With `reuse`, files already there with the manifest's hash are kept
-        rather than downloaded again."""
+        checked against the manifest's hash before it lands: Damaged, nothing kept, when one does not match), the
+        run's history with it, and point the local `last` at it. Returns the checkpoint directory. With `reuse`, files
+        already there with the manifest's hash are kept rather than downloaded again."""
         from opentau_cli.store.layout import old_dir, point_last, tmp_dir
+        from opentau_cli.store.outputs import make_parents, remove_made
 
         run_dir = Path(run_dir)
         manifest = self.manifest(name)
@@ -217,7 +321,8 @@ class RemoteRun:
         final = root / name
         staging = tmp_dir(root, name, f"fetch{os.getpid()}")  # a leftover the next launch removes, as a save's
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        made = make_parents(root)
+        staging.mkdir()
         wanted = []
         for rel, entry in sorted(manifest["files"].items()):
             if not only(rel):
@@ -233,11 +338,14 @@ class RemoteRun:
             self.storage.get_files([(f"{CHECKPOINTS}/{name}/{rel}", target) for rel, target in wanted])
             for rel, target in wanted:
                 entry = manifest["files"][rel]
-                if target.stat().st_size != entry["size"] or hash_file(target) != entry["hash"]:
-                    raise RunError(f"{self.url}/{CHECKPOINTS}/{name}/{rel} does not match its manifest after download; "
-                                   "nothing was loaded.")
+                size = target.stat().st_size
+                if size != entry["size"]:
+                    raise self.survey().damage(name, rel, f"holds {size} bytes where its manifest says {entry['size']}")
+                if hash_file(target) != entry["hash"]:
+                    raise self.survey().damage(name, rel, "does not match its manifest's hash")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            remove_made(made)
             raise
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if history:
@@ -272,23 +380,41 @@ def split_target(text: str) -> tuple[str, str | None]:
     return text, None
 
 
-def choose(remote: RemoteRun, what: str | None) -> str:
-    """The committed checkpoint `what` names (None: `last`)."""
-    committed = remote.committed()
+def choose(remote: RemoteRun, what: str | None, found: Found | None = None) -> str:
+    """The committed checkpoint `what` names (None: the newest; `last` is only a hint). Raises Damaged when that
+    checkpoint's manifest is there but a file is not at its size."""
+    found = found or remote.survey()
     if what is None:
-        name = remote.last()
+        name = found.newest
     elif what == BEST:
-        name = remote.best()
+        name = found.best
         if name is None:
             raise UserError(f"{remote.url} keeps no best checkpoint (checkpoint.keep_best): pass URL:STEP.")
     else:
-        name = next((n for n in committed if step_of(n) == int(what)), None)
+        name = next((n for n in found.with_manifest() if step_of(n) == int(what)), None)
         if name is None:
             raise UserError(f"{remote.url} holds no committed checkpoint of step {int(what)} (committed: "
-                            f"{', '.join(committed) or 'none'}).")
+                            f"{', '.join(found.committed) or 'none'}).")
     if name is None:
         raise UserError(f"{remote.url} holds no committed checkpoint.")
+    if name in found.damaged:
+        raise found.damage(name)
     return name
+
+
+def _last_problem(found: Found) -> str | None:
+    """Why `checkpoints/last` is not to be followed (None: it names the newest committed checkpoint)."""
+    newest = found.committed[-1] if found.committed else None
+    if found.last == newest:
+        return None
+    then = f"; readers continue from {newest}, the newest committed checkpoint" if newest else ""
+    if found.last is None:
+        return f"{CHECKPOINTS}/{LAST} is missing or holds no checkpoint name{then}"
+    if found.last in found.damaged:
+        return f"{CHECKPOINTS}/{LAST} names {found.last}, which is damaged{then}"
+    if found.last not in found.committed:
+        return f"{CHECKPOINTS}/{LAST} names {found.last}, which is not committed (no manifest){then}"
+    return f"{CHECKPOINTS}/{LAST} names {found.last}, an older checkpoint{then}"
 
 
 UPLOAD_BATCH = 512 << 20  # bytes of files sent together: large enough to fill the pool, small enough to show progress

@@ -7,10 +7,10 @@ on and nothing more: `write_bytes` and `put_file` are atomic for readers (a read
 old, never part), `put_file` returns the content's checksum as the store records it and `checksum` gives the stored
 object's, computed on the store's side where it can (else read back), so that an upload is checked by comparing the
 two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list` names every key under a prefix
-(recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store;
-`put_files` may report the bytes it sends as they go (`sending`, for a progress display only); `cancel` stops the
-transfers in flight for good (the process is ending: nothing may keep it alive to finish
-sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
+(recursively), `sizes` / `objects` with each key's size / version (what changes when the object is replaced);
+`delete` removes keys that exist and ignores the others; `copy` copies an object within the store; `put_files` may
+report the bytes it sends as they go (`sending`, for a progress display only); `cancel` stops the transfers in flight
+for good (the process is ending: nothing may keep it alive to finish sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
 
 Conditional writes, for the writer's lease (process/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"): `read_version`
 gives a small object's content, its version (the store's ETag, or a hash of the content) and its age by the store's
@@ -48,6 +48,7 @@ class Storage(Protocol):
     def size(self, key: str) -> int | None: ...
     def list(self, prefix: str = "") -> list[str]: ...
     def sizes(self, prefix: str = "") -> dict[str, int]: ...
+    def objects(self, prefix: str = "") -> dict[str, dict]: ...
     def delete(self, keys: list[str]) -> None: ...
     def copy(self, src: str, dst: str) -> None: ...
     def cancel(self) -> None: ...
@@ -130,6 +131,14 @@ class LocalStorage:
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
         return {key: (self.root / key).stat().st_size for key in self.list(prefix)}
+
+    def objects(self, prefix: str = "") -> dict[str, dict]:
+        """{key: {"size", "etag"}}: a file's version is its size and modification time (a replaced file has another)."""
+        out = {}
+        for key in self.list(prefix):
+            st = (self.root / key).stat()
+            out[key] = {"size": st.st_size, "etag": f"{st.st_size}@{st.st_mtime_ns}"}
+        return out
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:

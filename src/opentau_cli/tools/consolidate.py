@@ -193,7 +193,11 @@ def consolidate(ckpt_dir: Path, *, dtype: str = "fp32", max_shard_size: str = "5
         for path in _stale_layout(single, written):
             path.unlink()
     else:  # a directory target: written whole into a hidden sibling, renamed into place
-        with publishing(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND) as staging:
+        from opentau_cli.tools.remote import remote_origin
+
+        origin = remote_origin(ckpt_dir)  # a cached copy of a checkpoint in remote storage is named by its URL
+        with publishing(Path(output), force=force, source=ckpt_dir, command=CONSOLIDATE_COMMAND,
+                        recorded=origin["address"] if origin else None) as staging:
             staging.mkdir()
             staged = _write_weights(staging / MODEL_WEIGHTS, shards, metadata, ckpt_dir, progress, total, shown=Path(output))
             written = [Path(output) / p.name for p in staged]

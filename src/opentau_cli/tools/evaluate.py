@@ -216,7 +216,8 @@ def evaluate(source: str | Path, *, overrides: dict | None = None, episodes: lis
     from opentau_cli.store.manifest import write_json_atomic
 
     shown = list(data.episodes)[:plot_episodes]
-    with publishing(output, force=force, source=path, command=COMMAND) as staging:
+    remote = (origin.get("checkpoint") or {}).get("url") and origin["checkpoint"]["path"]  # a cached remote copy's URL
+    with publishing(output, force=force, source=path, command=COMMAND, recorded=remote or None) as staging:
         staging.mkdir()
         write_json_atomic(staging / EVAL_JSON, report)
         if shown:

@@ -37,6 +37,7 @@ from opentau_cli.store.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.store.shard_reader import ShardFormatError
 from opentau_cli.store.zero import read_zero_checkpoint
 from opentau_cli.tools.consolidate import wants_ema, weights_kind
+from opentau_cli.tools.remote import remote_origin
 
 EXPORT_LAYOUTS = (OPENTAU, LEROBOT, OPENPI)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,7 +69,7 @@ class ExportResult:
     total_bytes: int
     weights: str = "live"  # ema | live: which of the checkpoint's weights were exported
     step: int | None = None  # the exported checkpoint's step
-    checkpoint: Path | None = None  # the checkpoint directory the target resolved to (e.g. RUN:best's)
+    checkpoint: Path | str | None = None  # the checkpoint directory the target resolved to (e.g. RUN:best's; its URL)
 
 
 # An exported model's record of where it came from: in model.safetensors' metadata (every layout) and under this key of
@@ -312,13 +313,15 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     if free < total:
         raise UserError(f"Not enough disk space for {output}: the model needs {total / 1e9:.2f} GB, {free / 1e9:.2f} GB are free.")
 
+    remote = remote_origin(saved.path)  # a cached copy of a checkpoint in remote storage is named by its URL
+    shown = remote["address"] if remote is not None else None
     metadata = {"format": "pt", "producer": f"opentau {COMMAND}", "layout": layout, "step": str(saved.step),
                 "dataset": member.label, "weights": saved.weights}
     config = model_config(layout, saved.config.policy, stats, dtype, cameras)
     if layout != LEROBOT:
         config[PROVENANCE_KEY] = {"weights": saved.weights, "step": saved.step}
     try:
-        with publishing(output, force=force, source=target, command=COMMAND) as staging:
+        with publishing(output, force=force, source=target, command=COMMAND, recorded=shown) as staging:
             staging.mkdir()
             done = [0]
 
@@ -342,7 +345,7 @@ def export(target: Path, output: Path, *, layout: str = OPENTAU, dtype: str = "f
     except OSError as exc:
         raise RunError(f"Writing the exported model to {output} failed ({exc.strerror or exc}); nothing was left behind.") from None
     return ExportResult(output, [output / f.relative_to(staging) for f in files], len(entries), total,
-                        saved.weights, saved.step, saved.path)
+                        saved.weights, saved.step, shown or saved.path)
 
 
 def _expert_lm_head(policy_cfg: PolicyConfig, dtype: torch.dtype, prefix: str = "") -> TensorEntry:

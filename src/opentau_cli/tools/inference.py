@@ -33,14 +33,20 @@ def from_checkpoint(path: Path, overrides: dict, dataset: str | None, weights: s
     ema | live | None (the EMA when the checkpoint holds one)."""
     from opentau_cli.store.runs import read_training_state
     from opentau_cli.tools.export import open_saved_policy
+    from opentau_cli.tools.remote import remote_origin
 
     saved = open_saved_policy(path, weights)
     cfg = load_config(saved.path / TRAIN_CONFIG, overrides)
     member = _run_member(cfg, overrides, dataset)
     policy, origin = _policy_of_checkpoint(saved, cfg)
     # Which weights of which checkpoint (RUN:best or a run directory resolve to one): docs/ARCHITECTURE.md, "EMA weights".
-    origin.update({"weights": saved.weights, "step": saved.step,
-                   "checkpoint": {"path": str(saved.path), "step": saved.step, "resolved_from": str(path)},
+    # A copy of a checkpoint in remote storage is named by its URL and step, never by the cache's path.
+    checkpoint = {"path": str(saved.path), "step": saved.step, "resolved_from": str(path)}
+    remote = remote_origin(saved.path)
+    if remote is not None:
+        checkpoint = {"path": remote["address"], "step": saved.step, "url": remote["url"],
+                      "resolved_from": f"{remote['url']}:{saved.step}"}
+    origin.update({"weights": saved.weights, "step": saved.step, "checkpoint": checkpoint,
                    "manifest_xxh3": _manifest_hash(saved.path)})
     if cfg.dataset.mixture is not None:  # the policy holds the first member's statistics, widened: serve this one's
         policy.set_stats(member_statistics(read_training_state(saved.path), member))

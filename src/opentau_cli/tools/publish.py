@@ -279,9 +279,12 @@ def _description(pushed: Pushed) -> str:
 
 
 def _run_name(ckpt: Path) -> str:
+    """The run's directory name; for a cached copy of a checkpoint in remote storage, the run's URL."""
     from opentau_cli.store.runs import run_dir_of
+    from opentau_cli.tools.remote import remote_origin
 
-    return run_dir_of(ckpt).name
+    remote = remote_origin(ckpt)
+    return remote["url"] if remote is not None else run_dir_of(ckpt).name
 
 
 def _card(ckpt: Path, digest: str, target: Target, layout: str, result, evaluated: Path | None, scratch: Path,

@@ -256,6 +256,8 @@ def load_served(source: str | Path, *, overrides: dict | None = None, dataset: s
     cameras, state_key = _observation_keys(cfg, member, features, given_slots="dataset.num_cameras" in overrides)
     for_inference(policy, dev)  # as eval samples: bf16 on CUDA, so the served chunk is eval's
     shown = f"{origin['hub']['repo_id']}@{origin['hub']['commit']}" if "hub" in origin else str(source)
+    if (origin.get("checkpoint") or {}).get("url"):  # a copy of a checkpoint in remote storage: its URL and step
+        shown = origin["checkpoint"]["resolved_from"]
     served = ServedPolicy(policy, cameras, state_key, shown, origin, seed, dev)
     if compiled:
         policy.compile_sampling()

@@ -280,9 +280,9 @@ def parts_from_store(acc, cfg, setup, run_dir: Path, leader_source: str | None, 
     if acc.process_index == leader:
         newest = read_last(run_dir / CHECKPOINTS)
         deadline = time.monotonic() + cfg.checkpoint.remote_drain_seconds
-        while newest and step_of(remote.last() or "-1") < step_of(newest) and time.monotonic() < deadline:
+        while newest and step_of(remote.newest_committed() or "-1") < step_of(newest) and time.monotonic() < deadline:
             time.sleep(1)  # the launcher's uploader commits the previous group's last save once every part is in
-        chosen = [remote.last() or (Path(leader_source).name if leader_source else None)]
+        chosen = [remote.newest_committed() or (Path(leader_source).name if leader_source else None)]
     name = broadcast_object_list(chosen, from_process=leader)[0]
     if name is None:
         return None
