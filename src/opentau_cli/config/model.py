@@ -327,6 +327,13 @@ class DistributedConfig(Section):
         description="Elastic machines: once MIN machines are there, how long a re-forming group waits for more "
                     "before it continues without them (the c10d rendezvous' last call).",
     )
+    lock_wait_seconds: float = Field(
+        330, ge=0,
+        description="--resume=auto: how long to wait for a live run that holds the run directory's lock (a requeued "
+                    "job that starts while the job it replaces still saves) before refusing; the default outlasts a "
+                    "lost node's lock, taken over 300 s after its last heartbeat.",
+    )
+
     @field_validator("machines", mode="before")
     @classmethod
     def _machine_range(cls, value):

@@ -36,6 +36,24 @@ def check_remote(cfg) -> list[str]:
             f"with `opentau resume {url}`."]
 
 
+def remote_last(url: str, options: dict) -> tuple[str, dict] | None:
+    """The checkpoint the remote's `last` names and its train_config.json, or None when nothing is committed there
+    (an empty store, or uploads that never finished); UserError when the store does not answer."""
+    from opentau_cli.store.layout import TRAIN_CONFIG
+
+    problem = check_storage(url, options)
+    if problem:
+        raise UserError(problem)
+    remote = RemoteRun(open_storage(url, options))
+    name = remote.last()
+    if name is None:
+        return None
+    try:
+        return name, remote.read_json(name, TRAIN_CONFIG)
+    except (FileNotFoundError, ValueError):
+        raise UserError(f"{url}: checkpoint {name} has no readable {TRAIN_CONFIG}.") from None
+
+
 def local_copy(target: str, output_dir: str | None, options: dict, echo: Callable[[str], None], *,
                rollback: bool = False) -> Path:
     """The local checkpoint `opentau resume URL[:STEP]` continues: the remote's `last` (or STEP), fetched (every file
