@@ -45,14 +45,15 @@ def missing_programs() -> list[str]:
 
 
 def _free_ports(count: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as s:
+    """`count` distinct loopback ports, free now: held open together while the system picks them."""
+    held = [socket.socket() for _ in range(count)]
+    try:
+        for s in held:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in ports:
-            ports.append(port)
-    return ports
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _sbin(name: str) -> str:
@@ -255,14 +256,10 @@ def _read_pid(path: Path) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a daemon whose parent has not reaped it is gone)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (a daemon whose parent has not reaped it) counts as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False

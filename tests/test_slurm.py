@@ -33,6 +33,8 @@ CPU_DDP = "configs/examples/accelerate_cpu_ddp_config.yaml"
 CPU_2NODES = "configs/examples/accelerate_cpu_2nodes_config.yaml"
 NO_GPUS = "--gpus-per-node=0"
 
+pytestmark = pytest.mark.slow  # minutes: starts first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -51,10 +53,14 @@ def cluster(tmp_path_factory):
         cluster.stop()
 
 
-def _free_port() -> int:
+def submit_2_nodes(cluster, clone, script: str, run: Path, *options: str) -> str:
+    """An example for 2 nodes, on the CPU config for 2 machines; machine 0's port picked free."""
+    root, env = clone
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    return cluster.sbatch(f"configs/examples/{script}", NO_GPUS, *options, cwd=root,
+                          env={**env, "OUTPUT_DIR": str(run), "ACCELERATE_CONFIG": CPU_2NODES, "MASTER_PORT": str(port)})
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +152,9 @@ def test_the_readme_weekend_job_saves_on_its_signal_and_continues_exactly_when_r
 
 
 def test_the_2_node_job_killed_outright_continues_from_its_last_published_checkpoint_when_requeued(cluster, clone, reference):
-    root, env = clone
+    root = clone[0]
     run = root / "two_nodes"
-    job = cluster.sbatch("configs/examples/slurm_2nodes_8gpus.sbatch", NO_GPUS, cwd=root,
-                         env={**env, "OUTPUT_DIR": str(run), "ACCELERATE_CONFIG": CPU_2NODES,
-                              "MASTER_PORT": str(_free_port())})
+    job = submit_2_nodes(cluster, clone, "slurm_2nodes_8gpus.sbatch", run)
     wait_for(lambda: published(run), "the first checkpoint")
     cluster.run("scancel", "--full", "--signal=KILL", job)
     cluster.wait(job, "FAILED", "CANCELLED", "COMPLETED")
@@ -163,21 +167,18 @@ def test_the_2_node_job_killed_outright_continues_from_its_last_published_checkp
 
 
 def test_the_elastic_2_node_job_runs_to_the_end(cluster, clone, reference):
-    root, env = clone
+    root = clone[0]
     run = root / "elastic"
-    job = cluster.sbatch("configs/examples/slurm_elastic_2nodes_8gpus.sbatch", NO_GPUS, cwd=root,
-                         env={**env, "OUTPUT_DIR": str(run), "ACCELERATE_CONFIG": CPU_2NODES,
-                              "MASTER_PORT": str(_free_port())})
+    job = submit_2_nodes(cluster, clone, "slurm_elastic_2nodes_8gpus.sbatch", run)
     info = cluster.wait(job, "COMPLETED")
     assert info["ExitCode"] == "0:0", output(root, job)[-3000:]
     assert train_losses(run) == reference
 
 
 def test_a_yaml_for_2_machines_in_a_1_node_job_is_refused_in_one_sentence(cluster, clone):
-    root, env = clone
+    root = clone[0]
     run = root / "mismatch"
-    job = cluster.sbatch("configs/examples/slurm_2nodes_8gpus.sbatch", NO_GPUS, "--nodes=1", cwd=root,
-                         env={**env, "OUTPUT_DIR": str(run), "ACCELERATE_CONFIG": CPU_2NODES})
+    job = submit_2_nodes(cluster, clone, "slurm_2nodes_8gpus.sbatch", run, "--nodes=1")
     info = cluster.wait(job, "FAILED")
     assert info["ExitCode"] == "2:0"
     errors = [line for line in output(root, job).splitlines() if line.startswith("Error:")]
