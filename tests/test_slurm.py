@@ -202,3 +202,27 @@ def test_the_spot_job_preempted_continues_from_the_store_on_an_empty_disk(cluste
     requeue_and_finish(cluster, job, 1)
     assert "Downloading checkpoint" in output(root, job)
     assert train_losses(run) == reference
+
+
+SUBMITTED = ("slurm_2nodes_8gpus.sbatch", "slurm_elastic_2nodes_8gpus.sbatch", "slurm_spot_remote.sbatch")
+
+
+def _arguments(code: str) -> list[str]:
+    import shlex
+
+    return shlex.split(code.replace("\\\n", " "), comments=True)
+
+
+def test_every_readme_block_marked_slurm_is_what_these_tests_submit():
+    """A `readme-test: slurm:` block is the weekend job (submitted above as it is), an `sbatch` of an example these
+    tests submit, or the command of one (the spot job's requeue snippet: its arguments all in the script's)."""
+    for block in (b for b in BLOCKS if b.slurm is not None):
+        if "#SBATCH" in block.code:
+            assert block.code == readme_weekend_job()
+            continue
+        words = _arguments(block.code)
+        if words[0] == "sbatch":
+            assert Path(words[1]).name in SUBMITTED and (REPO / words[1]).is_file(), block
+            continue
+        script = _arguments((EXAMPLES / "slurm_spot_remote.sbatch").read_text())
+        assert words[:2] == ["opentau", "train"] and set(words) <= set(script), block

@@ -408,7 +408,8 @@ def with_machine(setup: AccelerateSetup, flags: Mapping[str, object] | None = No
     job = slurm_job(environ)
     if job is not None:
         written = (setup.raw or {}).get("num_machines") if setup.path is not None else None
-        if sources.get("num_machines", "").startswith("SLURM_") and written is not None and int(written) != changes["num_machines"]:
+        from_slurm = sources.get("num_machines", "").startswith("SLURM_")
+        if from_slurm and written is not None and int(written) != changes["num_machines"]:
             raise UserError(f"Accelerate config '{setup.path}' says num_machines {written} and this SLURM job has "
                             f"{changes['num_machines']} node{'s' * (changes['num_machines'] != 1)} "
                             f"({sources['num_machines']}): submit it with --nodes={written}, or use a config whose "

@@ -130,8 +130,8 @@ def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dic
 
 # What names the run a checkpoint belongs to, beside the policy's shape: the data it learns from, the weights it
 # started from and its seed. A command whose config differs here is another run (--resume=auto refuses to continue it).
-RUN_FIELDS = ("seed", "dataset.repo_id", "dataset.root", "dataset.mixture", "policy.pretrained_path", "policy.lora.rank",
-              *(f"policy.{name}" for name in ARCHITECTURE_FIELDS))
+RUN_FIELDS = ("seed", "dataset.repo_id", "dataset.root", "dataset.mixture", "policy.pretrained_path",
+              "policy.lora.rank", *(f"policy.{name}" for name in ARCHITECTURE_FIELDS))
 
 
 def _field(config: dict, dotted: str):

@@ -227,9 +227,10 @@ def _plan_auto(cfg: TrainConfig, accelerate_config: Path | None, overrides: dict
     designates (the remote's, downloaded as `opentau resume URL` does, when it is there), continued exactly as
     `opentau resume` would (`_plan_resume`); refused when that checkpoint belongs to another run."""
     setup = with_machine(resolve_accelerate_config(accelerate_config), machines)
-    wait_until_free(cfg.output_dir, setup, break_lock, cfg.distributed.lock_wait_seconds, echo)  # a requeued job may start before the old one ended
+    # A requeued job may start while the job it replaces still saves.
+    wait_until_free(cfg.output_dir, setup, break_lock, cfg.distributed.lock_wait_seconds, echo)
     # ISSUE-49 (remote lease): a live holder of checkpoint.remote's lease is waited for here in the same way.
-    ckpt = _auto_checkpoint(cfg, echo) if setup.machine_rank == 0 else _local_checkpoint(cfg.output_dir)
+    ckpt = _auto_checkpoint(cfg, echo)  # every machine, as `opentau resume` runs on every machine
     if ckpt is None:
         branches = asked_revisions(cfg)
         return RunPlan(checked=check_launch(cfg, setup, machine), dataset_branches=branches,
@@ -260,7 +261,7 @@ def _auto_checkpoint(cfg: TrainConfig, echo: Callable[[str], None]) -> Path | No
     if url:
         last = remote_last(url, options)
         if last is not None:
-            name, saved = last
+            _, saved = last
             check_same_run(saved, cfg, f"checkpoint.remote {url}", url)
             return local_copy(url, str(cfg.output_dir), options, echo)
     ckpt = _local_checkpoint(cfg.output_dir)
@@ -382,7 +383,8 @@ def wait_until_free(run_dir: Path, setup: AccelerateSetup, break_lock: bool, wai
             return check_not_live(run_dir, setup, break_lock)
         except UserError as busy:
             if time.monotonic() >= deadline:
-                raise UserError(f"{str(busy).rstrip('.')}; waited {wait:g} s for it (distributed.lock_wait_seconds).") from None
+                raise UserError(f"{str(busy).rstrip('.')}; waited {wait:g} s for it "
+                                "(distributed.lock_wait_seconds).") from None
             if not said:
                 echo(f"{busy} Waiting up to {wait:g} s for it to end (--resume=auto).")
                 said = True
