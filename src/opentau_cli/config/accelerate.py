@@ -415,10 +415,8 @@ def with_machine(setup: AccelerateSetup, flags: Mapping[str, object] | None = No
                             f"({sources['num_machines']}): submit it with --nodes={written}, or use a config whose "
                             f"num_machines is {changes['num_machines']}.")
         machines = changes.get("num_machines", setup.num_machines)
-        address = None
         if machines > 1 and "main_process_ip" not in changes and not setup.main_process_ip and job.nodelist:
-            _, address = first_node_address(job.nodelist)
-            changes["main_process_ip"] = address
+            changes["main_process_ip"] = first_node_address(job.nodelist)[1]
         if (setup.raw is not None and "num_processes" not in setup.raw and setup.backend != "single"
                 and job.gpus_per_node):
             changes["num_processes"] = job.gpus_per_node * machines

@@ -362,7 +362,9 @@ class TrainConfig(BaseSettings):
 
     output_dir: Path = Field(Path("outputs/train/pi05"), description="Run directory: checkpoints/, logs/, metrics.jsonl.")
     overwrite: bool = Field(False, description="Allow an existing output_dir when not resuming (its contents are replaced).")
-    resume: bool = Field(False, description="Resume from the checkpoint this config was loaded from (or output_dir's newest).")
+    resume: bool = Field(False, description="Resume from the checkpoint this config was loaded from (or output_dir's newest). "
+                                            "`--resume=auto` on the command line: resume output_dir's (or "
+                                            "checkpoint.remote's) last checkpoint when there is one, else start.")
     config_path: Path | None = Field(None, description="Where this config was loaded from (set automatically).")
     seed: int = Field(1000, ge=0)
     steps: int = Field(30000, ge=1, description="Total optimizer steps of the run.")
