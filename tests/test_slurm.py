@@ -113,7 +113,9 @@ def output(root: Path, job: str) -> str:
 
 def requeue_and_finish(cluster, job: str, restarts: int) -> dict:
     cluster.run("scontrol", "requeue", job)
-    cluster.wait(job, "PENDING", "RUNNING", "COMPLETED", timeout=60)
+    # Requeued once the old instance is gone (COMPLETING while its processes end), then pending until its begin time.
+    wait_for(lambda: cluster.job(job).get("Restarts") == str(restarts) and cluster.state(job) == "PENDING",
+             "the requeued job to be pending", timeout=120)
     cluster.release(job)
     info = cluster.wait(job, "COMPLETED")
     assert info["Restarts"] == str(restarts), info
@@ -166,12 +168,14 @@ def test_the_2_node_job_killed_outright_continues_from_its_last_published_checkp
     assert train_losses(run) == reference
 
 
-def test_the_elastic_2_node_job_runs_to_the_end(cluster, clone, reference):
+def test_the_elastic_2_node_job_requeued_while_it_runs_continues_exactly(cluster, clone, reference):
+    """`scontrol requeue` of a running job: SIGTERM to every process of the job, SIGKILL after KillWait (5 s here);
+    the same script runs again and continues from whatever checkpoint was published last."""
     root = clone[0]
     run = root / "elastic"
     job = submit_2_nodes(cluster, clone, "slurm_elastic_2nodes_8gpus.sbatch", run)
-    info = cluster.wait(job, "COMPLETED")
-    assert info["ExitCode"] == "0:0", output(root, job)[-3000:]
+    wait_for(lambda: published(run), "the first checkpoint")
+    requeue_and_finish(cluster, job, 1)
     assert train_losses(run) == reference
 
 
