@@ -9,7 +9,8 @@ submitter). A test fixture, not product code; `scripts/setup_slurm.sh` installs 
     cluster.stop()                                # cancels jobs, shuts the daemons down, kills what is left
 
 Settings that make requeue and preemption quick (measured on a 2-core VM): KillWait=5, cred_expire=5,
-sched_interval=2; a requeued job waits for a begin time, which `release(job)` sets to now. Two partitions: `main`
+sched_interval=2, so that a requeued job runs again within about 10 s (its begin time is cred_expire + 1 s later:
+`scontrol update StartTime=now` before then makes slurmd refuse it, "Job N already killed"). Two partitions: `main`
 (the default, PriorityTier 1, preempted jobs requeued after GraceTime=10) and `urgent` (PriorityTier 10), whose jobs
 preempt main's; `preempt_send_user_signal` sends a job's --signal at preemption.
 """
@@ -202,10 +203,6 @@ PartitionName=urgent Nodes={",".join(NODES)} MaxTime=INFINITE State=UP PriorityT
             if state in final - set(states) or time.monotonic() > deadline:
                 raise AssertionError(f"job {job} is {state}, waited for {states}: {info}")
             time.sleep(0.5)
-
-    def release(self, job: str) -> None:
-        """Start a requeued job now instead of after its begin time (cred_expire + a scheduler pass)."""
-        self.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
 
     # Tear-down.
 

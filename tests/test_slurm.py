@@ -113,10 +113,9 @@ def output(root: Path, job: str) -> str:
 
 def requeue_and_finish(cluster, job: str, restarts: int) -> dict:
     cluster.run("scontrol", "requeue", job)
-    # Requeued once the old instance is gone (COMPLETING while its processes end), then pending until its begin time.
-    wait_for(lambda: cluster.job(job).get("Restarts") == str(restarts) and cluster.state(job) == "PENDING",
-             "the requeued job to be pending", timeout=120)
-    cluster.release(job)
+    # Requeued once the old instance is gone (COMPLETING while its processes end), then pending until its begin time
+    # (cred_expire + 1 s: slurmd refuses to launch a job id it killed more recently than that).
+    wait_for(lambda: cluster.job(job).get("Restarts") == str(restarts), "the requeue", timeout=120)
     info = cluster.wait(job, "COMPLETED")
     assert info["Restarts"] == str(restarts), info
     return info
