@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, REPO, run_cli
+from conftest import EXAMPLES, REPO, refused, run_cli
 from test_readme_commands import BLOCKS
 
 STEPS, SAVE = 40, 5
@@ -205,6 +205,13 @@ def test_the_spot_job_preempted_continues_from_the_store_on_an_empty_disk(cluste
     requeue_and_finish(cluster, job, 1)
     assert "Downloading checkpoint" in output(root, job)
     assert train_losses(run) == reference
+    # The same command for another run (another seed) is refused before anything is downloaded or written.
+    other = root / "other"
+    result = run_cli(["train", f"--config_path={TINY}", f"--output_dir={other}", f"--checkpoint.remote={remote}",
+                      "--seed=7", "--resume=auto"], cwd=root, env={**env, **s3_server.env})
+    refused(result, f"checkpoint.remote {remote} holds another run (seed 1000 there, 7 here)",
+            f"`opentau resume {remote}`")
+    assert not other.exists()
 
 
 SUBMITTED = ("slurm_2nodes_8gpus.sbatch", "slurm_elastic_2nodes_8gpus.sbatch", "slurm_spot_remote.sbatch")
