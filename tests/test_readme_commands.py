@@ -37,6 +37,8 @@ README = REPO / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip:?\s*(.*?)\s*-->")
 MAKES = re.compile(r"<!--\s*readme-test:\s*makes:\s*(.*?)\s*-->")
 PRINTS = re.compile(r"<!--\s*readme-test:\s*prints:\s*(.*?)\s*-->")
+# A block that runs as an sbatch script on the tests' SLURM cluster: tests/test_slurm.py runs it, not this module.
+SLURM = re.compile(r"<!--\s*readme-test:\s*slurm:\s*(.*?)\s*-->")
 TIMEOUT_S = 900  # per block
 
 
@@ -47,6 +49,7 @@ class Block:
     skip: str | None  # the reason, when marked; "" when marked without one
     makes: tuple[str, ...] = ()  # what it must leave behind (`makes:` marker)
     prints: str | None = None  # what its output must hold (`prints:` marker)
+    slurm: str | None = None  # run on the SLURM cluster by tests/test_slurm.py (`slurm:` marker, with why)
 
     def __str__(self) -> str:
         first = next((ln for ln in self.code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
@@ -67,8 +70,10 @@ def readme_blocks(text: str) -> list[Block]:
                 body.append(lines[i])
                 i += 1
             marker, makes, prints = SKIP.search(above), MAKES.search(above), PRINTS.search(above)
+            slurm = SLURM.search(above)
             blocks.append(Block(start + 1, "\n".join(body) + "\n", marker.group(1) if marker else None,
-                                tuple(makes.group(1).split()) if makes else (), prints.group(1) if prints else None))
+                                tuple(makes.group(1).split()) if makes else (), prints.group(1) if prints else None,
+                                slurm.group(1) if slurm else None))
         i += 1
     return blocks
 
@@ -80,7 +85,7 @@ def test_the_readme_has_command_blocks_and_each_skipped_one_says_why():
     assert len(BLOCKS) >= 5
     unexplained = [str(b) for b in BLOCKS if b.skip == ""]
     assert unexplained == [], "a <!-- readme-test: skip: ... --> marker without a reason"
-    runnable = [b for b in BLOCKS if b.skip is None]
+    runnable = [b for b in BLOCKS if b.skip is None and b.slurm is None]
     assert runnable, "no README block runs in CI"
     unchecked = [str(b) for b in runnable if not b.makes and not b.prints]
     assert unchecked == [], "a block that runs must say what it makes or prints (<!-- readme-test: makes: PATH ... -->)"
@@ -119,11 +124,11 @@ def _scratch(tmp: Path) -> tuple[Path, dict[str, str]]:
     return cwd, env
 
 
-@pytest.mark.skipif(not any(b.skip is None for b in BLOCKS), reason="no runnable README block")
+@pytest.mark.skipif(not any(b.skip is None and b.slurm is None for b in BLOCKS), reason="no runnable README block")
 def test_every_readme_block_that_needs_no_gpu_or_network_runs_as_written(tmp_path):
     cwd, env = _scratch(tmp_path)
     failed = []
-    for block in (b for b in BLOCKS if b.skip is None):  # every block, so one failure does not hide the next
+    for block in (b for b in BLOCKS if b.skip is None and b.slurm is None):  # every block, so one failure does not hide the next
         result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=cwd, env=env, capture_output=True,
                                 text=True, timeout=TIMEOUT_S)
         if result.returncode:

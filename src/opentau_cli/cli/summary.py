@@ -87,6 +87,7 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
         ("backend", accel.label),
         ("accelerate config", source),
         ("world size", f"{accel.world_size} ({accel.num_machines} machine{'s' if accel.num_machines > 1 else ''})"),
+        *([("scheduler", accel.scheduler)] if accel.scheduler else []),
         ("mixed precision", accel.mixed_precision),
         *fsdp_rows(accel),
         ("distributed", f"hang timeout {cfg.distributed.timeout_minutes:g} min (distributed.timeout_minutes)"),

@@ -95,6 +95,10 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
         opentau train --config_path=configs/examples/pi05_tiny_config.json --accelerate-config=configs/examples/accelerate_cpu_ddp_config.yaml --steps 40
 
         opentau-train --config_path=outputs/train/pi05/checkpoints/000040/train_config.json --resume=true --steps=100
+
+        opentau train --config_path=configs/examples/pi05_tiny_config.json --output_dir=outputs/train/tiny --resume=auto
+        (starts the run, or continues it from `last` when output_dir or checkpoint.remote holds one: what a
+        scheduler's requeue runs again)
     """
     from opentau_cli.plan.run_plan import plan_train
 
@@ -102,7 +106,8 @@ def train(ctx: typer.Context, config_path: ConfigPathOpt = None, accelerate_conf
     machines = machine_settings(machine_rank, num_machines, main_process_ip, main_process_port)
     _launch(plan_train(config_path, accelerate_config, _with_restarts(list(ctx.args), max_restarts), machines=machines,
                        reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
-                       break_lock=break_lock, dataset_changed=parse_bool_flag("--dataset-changed", dataset_changed)),
+                       break_lock=break_lock, dataset_changed=parse_bool_flag("--dataset-changed", dataset_changed),
+                       echo=lambda m: typer.echo(m, err=True)),
             break_lock)
 
 

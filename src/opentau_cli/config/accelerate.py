@@ -85,6 +85,7 @@ class AccelerateSetup:
     fsdp_activation_checkpointing: bool | None = None
     path: Path | None = None
     raw: dict | None = None  # the YAML as the user wrote it (None: the built-in default), passed on by the launcher
+    scheduler: str | None = None  # what the scheduler's environment said (with_machine), printed in the plan
 
     @property
     def machine_label(self) -> str:
@@ -110,6 +111,7 @@ class AccelerateSetup:
 def setup_from_dict(d: dict) -> AccelerateSetup:
     """The inverse of `AccelerateSetup.to_dict` (launch.json, a checkpoint's training_state.json)."""
     classes = d.get("fsdp_layer_classes")
+    d = {k: v for k, v in d.items() if k != "scheduler"}  # what a scheduler said then: with_machine says it again
     return AccelerateSetup(**{**d, "path": Path(d["path"]) if d.get("path") else None,
                               "fsdp_layer_classes": tuple(classes) if classes is not None else None})
 
@@ -380,9 +382,14 @@ _MACHINE_ENV = {
 def with_machine(setup: AccelerateSetup, flags: Mapping[str, object] | None = None,
                  environ: Mapping[str, str] | None = None) -> AccelerateSetup:
     """`setup` with the machine settings of `flags` (None: not given), else of the environment, else the YAML's;
-    so one YAML serves every node."""
+    so one YAML serves every node. In a SLURM job (config/scheduler.py) machine 0's address is the job's first node
+    when nothing else names it, the processes are the GPUs SLURM gave each node when the YAML does not say, and a
+    YAML whose num_machines differs from the job's nodes is refused."""
+    from opentau_cli.config.scheduler import first_node_address, slurm_job
+
     environ = os.environ if environ is None else environ
     changes: dict = {}
+    sources: dict = {}
     for key in MACHINE_SETTINGS:
         value, source = (flags or {}).get(key), f"--{key}"
         for var in _MACHINE_ENV[key]:
@@ -397,6 +404,23 @@ def with_machine(setup: AccelerateSetup, flags: Mapping[str, object] | None = No
             if key == "num_machines" and value < 1:
                 raise UserError(f"{source} must be 1 or more, got {value}.")
         changes[key] = value
+        sources[key] = source
+    job = slurm_job(environ)
+    if job is not None:
+        written = (setup.raw or {}).get("num_machines") if setup.path is not None else None
+        from_slurm = sources.get("num_machines", "").startswith("SLURM_")
+        if from_slurm and written is not None and int(written) != changes["num_machines"]:
+            raise UserError(f"Accelerate config '{setup.path}' says num_machines {written} and this SLURM job has "
+                            f"{changes['num_machines']} node{'s' * (changes['num_machines'] != 1)} "
+                            f"({sources['num_machines']}): submit it with --nodes={written}, or use a config whose "
+                            f"num_machines is {changes['num_machines']}.")
+        machines = changes.get("num_machines", setup.num_machines)
+        if machines > 1 and "main_process_ip" not in changes and not setup.main_process_ip and job.nodelist:
+            changes["main_process_ip"] = first_node_address(job.nodelist)[1]
+        if (setup.raw is not None and "num_processes" not in setup.raw and setup.backend != "single"
+                and job.gpus_per_node):
+            changes["num_processes"] = job.gpus_per_node * machines
+        changes["scheduler"] = job.describe(changes.get("main_process_ip") or setup.main_process_ip)
     return replace(setup, **changes) if changes else setup
 
 

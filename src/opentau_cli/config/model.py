@@ -336,6 +336,13 @@ class DistributedConfig(Section):
         description="Elastic machines: once MIN machines are there, how long a re-forming group waits for more "
                     "before it continues without them (the c10d rendezvous' last call).",
     )
+    lock_wait_seconds: float = Field(
+        330, ge=0,
+        description="--resume=auto: how long to wait for a live run that holds the run directory's lock (a requeued "
+                    "job that starts while the job it replaces still saves) before refusing; the default outlasts a "
+                    "lost node's lock, taken over 300 s after its last heartbeat.",
+    )
+
     @field_validator("machines", mode="before")
     @classmethod
     def _machine_range(cls, value):
@@ -364,7 +371,9 @@ class TrainConfig(BaseSettings):
 
     output_dir: Path = Field(Path("outputs/train/pi05"), description="Run directory: checkpoints/, logs/, metrics.jsonl.")
     overwrite: bool = Field(False, description="Allow an existing output_dir when not resuming (its contents are replaced).")
-    resume: bool = Field(False, description="Resume from the checkpoint this config was loaded from (or output_dir's newest).")
+    resume: bool = Field(False, description="Resume from the checkpoint this config was loaded from (or output_dir's newest). "
+                                            "`--resume=auto` on the command line: resume output_dir's (or "
+                                            "checkpoint.remote's) last checkpoint when there is one, else start.")
     config_path: Path | None = Field(None, description="Where this config was loaded from (set automatically).")
     seed: int = Field(1000, ge=0)
     steps: int = Field(30000, ge=1, description="Total optimizer steps of the run.")

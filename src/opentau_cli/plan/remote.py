@@ -48,6 +48,25 @@ def check_writer(url: str | None, options: dict, break_lock: bool = False) -> No
         lease.check_free(open_storage(url, options), break_lock=break_lock)
 
 
+def remote_last(url: str, options: dict) -> tuple[str, dict] | None:
+    """The remote's newest committed checkpoint (found from the manifests: `last` is only a hint) and its
+    train_config.json, or None when nothing is committed there (an empty store, or uploads that never finished);
+    UserError when the store does not answer."""
+    from opentau_cli.store.layout import TRAIN_CONFIG
+
+    problem = check_storage(url, options)
+    if problem:
+        raise UserError(problem)
+    remote = RemoteRun(open_storage(url, options))
+    name = remote.newest_committed()
+    if name is None:
+        return None
+    try:
+        return name, remote.read_json(name, TRAIN_CONFIG)
+    except (FileNotFoundError, ValueError):
+        raise UserError(f"{url}: checkpoint {name} has no readable {TRAIN_CONFIG}.") from None
+
+
 def local_copy(target: str, output_dir: str | None, options: dict, echo: Callable[[str], None], *,
                rollback: bool = False) -> Path:
     """The local checkpoint `opentau resume URL[:STEP]` continues: the remote's newest committed checkpoint (or STEP;

@@ -126,3 +126,27 @@ def check_resumable(ckpt_dir: Path, cfg, setup, *, reshard: bool = False) -> dic
             f"{TRAIN_CONFIG}, or start a new run with --policy.pretrained_path."
         )
     return state
+
+
+# What names the run a checkpoint belongs to, beside the policy's shape: the data it learns from, the weights it
+# started from and its seed. A command whose config differs here is another run (--resume=auto refuses to continue it).
+RUN_FIELDS = ("seed", "dataset.repo_id", "dataset.root", "dataset.mixture", "policy.pretrained_path",
+              "policy.lora.rank", *(f"policy.{name}" for name in ARCHITECTURE_FIELDS))
+
+
+def _field(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def check_same_run(saved: dict, cfg, where: str, continue_with: str) -> None:
+    """Refuse (UserError) to continue a checkpoint whose train_config.json (`saved`) is another run's than `cfg`'s:
+    it differs in a RUN_FIELDS value. Paths are compared as the config resolved them (absolute)."""
+    now = cfg.model_dump(mode="json")
+    diffs = [f"{name} {_field(saved, name)!r} there, {_field(now, name)!r} here" for name in RUN_FIELDS
+             if _field(saved, name) != _field(now, name)]
+    if diffs:
+        raise UserError(f"{where} holds another run ({'; '.join(diffs)}): pick another --output_dir"
+                        f"{' and --checkpoint.remote' if '://' in continue_with else ''}, or continue that run with "
+                        f"`opentau resume {continue_with}`.")

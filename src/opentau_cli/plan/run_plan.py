@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from opentau_cli.process.runtime import import_paused
 
@@ -28,11 +29,11 @@ from opentau_cli.data.fingerprint import CHANGED_FLAG, FINGERPRINTS, check_uncha
 from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
 from opentau_cli.data.remote import unpin
 from opentau_cli.errors import UserError
-from opentau_cli.plan.remote import check_remote, check_remote_history, check_writer
-from opentau_cli.plan.resume import RESHARD_FLAG, ROLLBACK_FLAG, check_in_run, check_resumable
+from opentau_cli.plan.remote import check_remote, check_remote_history, check_writer, local_copy, remote_last
+from opentau_cli.plan.resume import RESHARD_FLAG, ROLLBACK_FLAG, check_in_run, check_resumable, check_same_run
 from opentau_cli.process import runlock
 from opentau_cli.process.launch import RunPlan
-from opentau_cli.store.layout import LAUNCH_FILE, LOGS, TRAIN_CONFIG, holds_run, run_part
+from opentau_cli.store.layout import CHECKPOINTS, LAST, LAUNCH_FILE, LOGS, TRAIN_CONFIG, holds_run, run_part
 from opentau_cli.store.lineage import archive_of
 from opentau_cli.store.runs import find_checkpoint, is_checkpoint_dir, read_training_state, run_dir_of
 from opentau_cli.store.topology import describe_change, fit_global_batch, is_reshard, topology, topology_entry
@@ -177,18 +178,27 @@ def check_machines(cfg: TrainConfig, setup: AccelerateSetup) -> None:
 
 def plan_train(config_path: Path | None, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
                machines: dict | None = None, reshard: bool = False, rollback: bool = False,
-               break_lock: bool = False, dataset_changed: bool = False) -> RunPlan:
-    """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's newest).
+               break_lock: bool = False, dataset_changed: bool = False,
+               echo: Callable[[str], None] | None = None) -> RunPlan:
+    """`opentau train`: a fresh run, or with --resume=true the checkpoint the config came from (else output_dir's
+    newest), or with --resume=auto whichever of the two output_dir (or checkpoint.remote) calls for (`_plan_auto`).
 
     `machine` is the one the rules check for; by default this one. `machines`: the command line's machine settings
     (`config.with_machine`: they and the cluster's environment override the YAML). `reshard`: a resume may change
     the number of processes, the backend or the ZeRO stage (train/reshard.py). `rollback`: a resume from a
     checkpoint older than the run's newest moves the newer ones aside instead of being refused (lineage.py).
     `break_lock`: the launch will take over a lost node's run lock (process/runlock.py), so that lock refuses nothing here.
-    `dataset_changed`: a resume may read a local dataset whose files changed since the checkpoint (data/fingerprint.py)."""
+    `dataset_changed`: a resume may read a local dataset whose files changed since the checkpoint (data/fingerprint.py).
+    `echo`: where a download of checkpoint.remote's last checkpoint (--resume=auto) says what it does."""
     machine = machine or Machine.this()
     overrides = parse_overrides(args)
+    auto = str(overrides.get("resume", "")).strip().lower() == AUTO
+    if auto:  # --resume=auto: decided below from what output_dir (or checkpoint.remote) holds
+        overrides = {k: v for k, v in overrides.items() if k != "resume"}
     cfg = load_config(config_path, overrides)
+    if auto:
+        return _plan_auto(cfg, accelerate_config, overrides, machine, machines, reshard, rollback, break_lock,
+                          dataset_changed, echo or (lambda line: None))
     for flag, given in ((RESHARD_FLAG, reshard), (ROLLBACK_FLAG, rollback), (CHANGED_FLAG, dataset_changed)):
         if given and not cfg.resume:
             raise UserError(f"{flag} applies to a resume: pass it with --resume=true, or use `opentau resume RUN {flag}`.")
@@ -204,6 +214,60 @@ def plan_train(config_path: Path | None, accelerate_config: Path | None, args: l
         ckpt = find_checkpoint(cfg.output_dir)
     return _plan_resume(cfg, ckpt, accelerate_config, overrides, machine, machines, reshard, rollback, break_lock,
                         dataset_changed)
+
+
+AUTO = "auto"  # --resume=auto
+
+
+def _plan_auto(cfg: TrainConfig, accelerate_config: Path | None, overrides: dict, machine: Machine,
+               machines: dict | None, reshard: bool, rollback: bool, break_lock: bool, dataset_changed: bool,
+               echo: Callable[[str], None]) -> RunPlan:
+    """`opentau train ... --resume=auto`, the one command a scheduler's requeue runs again (docs/ARCHITECTURE.md,
+    "Schedulers"): a fresh run when output_dir and checkpoint.remote hold no checkpoint; else the checkpoint `last`
+    designates (the remote's, downloaded as `opentau resume URL` does, when it is there), continued exactly as
+    `opentau resume` would (`_plan_resume`); refused when that checkpoint belongs to another run."""
+    setup = with_machine(resolve_accelerate_config(accelerate_config), machines)
+    # A requeued job may start while the job it replaces still saves.
+    wait_until_free(cfg.output_dir, setup, break_lock, cfg.distributed.lock_wait_seconds, echo,
+                    cfg.checkpoint.remote, cfg.checkpoint.remote_options)
+    ckpt = _auto_checkpoint(cfg, echo)  # every machine, as `opentau resume` runs on every machine
+    if ckpt is None:
+        branches = asked_revisions(cfg)
+        return RunPlan(checked=check_launch(cfg, setup, machine), dataset_branches=branches,
+                       notes=[f"--resume=auto: {cfg.output_dir} holds no checkpoint: starting the run."])
+    cfg.resume = True
+    plan = _plan_resume(cfg, ckpt, accelerate_config, {**overrides, "output_dir": str(cfg.output_dir)}, machine,
+                        machines, reshard, rollback, break_lock, dataset_changed)
+    plan.notes.insert(0, f"--resume=auto: continuing from {ckpt}.")
+    return plan
+
+
+def _local_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a resume of `run_dir` continues from (find_checkpoint: `last`, else its newest sound ancestor;
+    a run whose every checkpoint is damaged is refused there), or None when the run has no checkpoint at all."""
+    from opentau_cli.store.runs import checkpoint_steps
+
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir() or not (checkpoint_steps(folder) or (folder / LAST).exists()):
+        return None
+    return find_checkpoint(Path(run_dir))
+
+
+def _auto_checkpoint(cfg: TrainConfig, echo: Callable[[str], None]) -> Path | None:
+    """--resume=auto's checkpoint: checkpoint.remote's `last` (its local copy, fetched unless a complete copy of it or
+    of a newer one of the same run is in output_dir), else output_dir's own, else None. Another run's checkpoint is
+    refused before anything is downloaded."""
+    url, options = cfg.checkpoint.remote, cfg.checkpoint.remote_options
+    if url:
+        last = remote_last(url, options)
+        if last is not None:
+            _, saved = last
+            check_same_run(saved, cfg, f"checkpoint.remote {url}", url)
+            return local_copy(url, str(cfg.output_dir), options, echo)
+    ckpt = _local_checkpoint(cfg.output_dir)
+    if ckpt is not None:
+        check_same_run(_read_train_config(ckpt), cfg, f"output_dir '{cfg.output_dir}'", str(cfg.output_dir))
+    return ckpt
 
 
 def plan_resume(target: Path, accelerate_config: Path | None, args: list[str], machine: Machine | None = None,
@@ -301,10 +365,33 @@ def check_not_live(run_dir: Path, setup: AccelerateSetup, break_lock: bool, remo
     what it is writing (a checkpoint being published, newer than `last` for a moment) must not be judged as a finished
     run's history (the history check would advise --rollback=true, which would move the live run's checkpoints), and
     nothing is printed before the refusal. Machine 0 takes the lock (and checkpoint.remote's lease: another launch
-writing there is refused the same way); the other machines of a run join it."""
+    writing there is refused the same way); the other machines of a run join it."""
     if setup.machine_rank == 0:
         runlock.check_free(run_dir, break_lock=break_lock)
         check_writer(remote, remote_options or {}, break_lock)
+
+
+def wait_until_free(run_dir: Path, setup: AccelerateSetup, break_lock: bool, wait: float,
+                    echo: Callable[[str], None], remote: str | None = None, remote_options: dict | None = None) -> None:
+    """check_not_live, after waiting up to `wait` seconds (distributed.lock_wait_seconds) for a live run to release
+    the run directory and checkpoint.remote's lease: a requeued job can start while the job it replaces still saves
+    (SLURM sends KillWait's SIGKILL after its SIGTERM), and a lost node's lock goes stale STALE_S after its last
+    heartbeat (process/runlock.py), its lease once it expires (process/lease.py)."""
+    import time
+
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            return check_not_live(run_dir, setup, break_lock, remote, remote_options)
+        except UserError as busy:
+            if time.monotonic() >= deadline:
+                raise UserError(f"{str(busy).rstrip('.')}; waited {wait:g} s for it "
+                                "(distributed.lock_wait_seconds).") from None
+            if not said:
+                echo(f"{busy} Waiting up to {wait:g} s for it to end (--resume=auto).")
+                said = True
+            time.sleep(1.0)
 
 
 def check_history(ckpt: Path, rollback: bool) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 from opentau_cli.process.runtime import die_with_parent, import_paused
 
@@ -21,6 +22,11 @@ TORCHRUN_ARGS = "OPENTAU_TORCHRUN_ARGS"
 
 def main() -> None:
     die_with_parent()  # with `opentau train` / `resume`; its ranks die with it in turn (runtime.run_rank)
+    # A scheduler that signals every process of a job (SLURM's job-step signal, `--signal=USR1@T` without B:) reaches
+    # this launcher too, whose default action on SIGUSR1 is to die, taking the ranks that are saving with it. The
+    # ranks take the notice themselves (docs/ARCHITECTURE.md, "Schedulers"); a handler, unlike SIG_IGN, is not
+    # inherited by what this launcher starts.
+    signal.signal(signal.SIGUSR1, lambda _signum, _frame: None)
     import_paused("accelerate.commands.launch")
     import accelerate.commands.launch as launch
 
