@@ -9,7 +9,8 @@ object's, computed on the store's side where it can (else read back), so that an
 two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list` names every key under a prefix
 (recursively); `delete` removes keys that exist and ignores the others; `copy` copies an object within the store;
 `put_files` may report the bytes it sends as they go (`sending`, for a progress display only); `cancel` stops the
-transfers in flight for good (the process is ending: nothing may keep it alive to finish sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
+transfers in flight for good (the process is ending: nothing may keep it alive to finish sending). `LocalStorage`
+is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
 
 Conditional writes, for the writer's lease (process/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"):
 `read_version` gives a small object's content, its version (the store's ETag, or a hash of the content) and its age
