@@ -112,7 +112,8 @@ def one_prefix(tmp_path_factory, s3_server):
     facts["after_fresh"] = remote_of(s3_server, url).committed()
     # Machine B rolls the store back to 2 and goes on to 4.
     b = tmp / "b" / "run"
-    facts["rollback"] = Launch(tmp / "b", s3_server, ["resume", f"{url}:2", "--rollback=true", f"--output_dir={b}"]).wait()
+    facts["rollback"] = Launch(tmp / "b", s3_server,
+                               ["resume", f"{url}:2", "--rollback=true", f"--output_dir={b}"]).wait()
     ok(facts["rollback"])
     facts["b"] = b
     facts["claims"] += [(b, c) for c in called_stored(facts["rollback"], b)]
@@ -144,7 +145,8 @@ def test_the_old_machine_resuming_after_a_rollback_elsewhere_is_refused_and_over
     a4 = json.loads((one_prefix["a"] / CHECKPOINTS / "000004" / MANIFEST).read_text())
     assert a4 != b4
     assert_still_stored(remote, [("000004", a4)])  # A's 4 set aside by B's explicit rollback, whole
-    assert read_last(one_prefix["a"] / CHECKPOINTS) == "000004" and not (one_prefix["a"] / CHECKPOINTS / "000006").exists()
+    assert read_last(one_prefix["a"] / CHECKPOINTS) == "000004"
+    assert not (one_prefix["a"] / CHECKPOINTS / "000006").exists()
 
 
 def test_two_resumes_of_the_store_at_once_one_is_refused(one_prefix, s3_server):
@@ -194,7 +196,8 @@ def test_a_writer_paused_past_its_lease_is_fenced_once_continued_and_says_so(pau
     a = paused["a"]
     assert a.returncode == 3, a.stderr[-3000:]
     assert "lost its lease" in a.stderr and paused["url"] in a.stderr
-    assert f"Checkpoints 000004, 000006 are local only (this launch may not write to {paused['url']} any more)" in a.stderr
+    said = f"Checkpoints 000004, 000006 are local only (this launch may not write to {paused['url']} any more)"
+    assert said in a.stderr
     assert "Traceback" not in a.stderr + a.stdout
     remote = remote_of(s3_server, paused["url"])
     b6 = json.loads((paused["b_dir"] / CHECKPOINTS / "000006" / MANIFEST).read_text())
@@ -243,7 +246,8 @@ def test_a_run_that_ends_with_checkpoints_local_only_exits_3_naming_them(store_g
     ended = store_gone["ended"]
     assert ended.returncode == 3, ended.stderr[-3000:]
     line = next(line for line in ended.stderr.splitlines() if "local only" in line)
-    assert "Checkpoints 000004, 000006 are local only" in line and f"opentau checkpoint push {store_gone['run']}" in line
+    assert "Checkpoints 000004, 000006 are local only" in line
+    assert f"opentau checkpoint push {store_gone['run']}" in line
     assert f"Waiting up to 4 s for checkpoint 000006 to be stored in {store_gone['url']}" in ended.stderr
     assert "Traceback" not in ended.stderr + ended.stdout and "CancelledError" not in ended.stderr + ended.stdout
 
@@ -257,7 +261,8 @@ def test_a_resume_with_nothing_to_train_uploads_what_is_local_only_once_the_stor
     assert "Checkpoint 000006 is stored in" in store_gone["pushed"].stderr
     assert "Nothing to do" in store_gone["pushed"].stderr
     ok(store_gone["again"])
-    assert f"Every checkpoint of {run} is in {store_gone['url']} already (newest: 000006)." in store_gone["again"].stderr
+    said = f"Every checkpoint of {run} is in {store_gone['url']} already (newest: 000006)."
+    assert said in store_gone["again"].stderr
     claims = called_stored(store_gone["ended"], run) + called_stored(store_gone["pushed"], run)
     assert {name for name, _ in claims} == {"000002", "000004", "000006"}
     assert all(store_gone["manifests"][name] == manifest for name, manifest in claims)

@@ -8,7 +8,9 @@ from typing import Optional
 
 import typer
 
-from opentau_cli.cli.common import BreakLockOpt, JsonOpt, WeightsOpt, handle_errors, local_source, make_app, progress_bar
+from opentau_cli.cli.common import (
+    BreakLockOpt, JsonOpt, WeightsOpt, handle_errors, local_source, make_app, progress_bar,
+)
 from opentau_cli.units import SIZE_HELP
 
 app = make_app("Consolidate, export, inspect, verify, list and push checkpoints.")

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.store.layout import BEST, CHECKPOINTS, LAST, LOGS, MANIFEST, TRAINING_STATE, UPLOADING, read_last, step_of
+from opentau_cli.store.layout import (
+    BEST, CHECKPOINTS, LAST, LOGS, MANIFEST, TRAINING_STATE, UPLOADING, read_last, step_of,
+)
 from opentau_cli.store.manifest import read_manifest, write_json_atomic
 from opentau_cli.store.remote_run import Fenced, RemoteRun, history_files
 

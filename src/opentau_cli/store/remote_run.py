@@ -219,9 +219,11 @@ class RemoteRun:
         """Put every file of checkpoint `name` (relative path -> local file), each checked against the manifest's
         hash before it is sent and from the store's side once stored. `done` (relative path -> checksum) carries
         what an earlier attempt stored and checked: a file the store still holds with that checksum is not sent
-        again. `progress(size)` after each file is stored and checked; `sending(n)` as bytes go (a display's). Files go in batches of about UPLOAD_BATCH bytes through the client's transfer pool. Returns False
-        when `cancelled` said stop (what is there stays, uncommitted). Raises RunError when a local file no longer
-        matches the manifest (the checkpoint changed on disk: it is not uploaded)."""
+        again. `progress(size)` after each file is stored and checked; `sending(n)` as bytes go (a display's).
+        Files go in batches of about UPLOAD_BATCH bytes through the client's transfer pool. Returns False when
+        `cancelled` said stop (what is there stays, uncommitted). Raises RunError when a local file no longer matches
+        the manifest (the checkpoint changed on disk: it is not uploaded), Fenced when the store holds a committed
+        checkpoint of that name (never written over) or `fence` refuses."""
         done = {} if done is None else done
         todo = []
         for rel, local in sorted(files.items()):

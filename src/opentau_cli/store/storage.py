@@ -10,12 +10,13 @@ two; `read_bytes` / `get_file` raise FileNotFoundError for a missing key; `list`
 (recursively), `sizes` / `objects` with each key's size / version (what changes when the object is replaced);
 `delete` removes keys that exist and ignores the others; `copy` copies an object within the store; `put_files` may
 report the bytes it sends as they go (`sending`, for a progress display only); `cancel` stops the transfers in flight
-for good (the process is ending: nothing may keep it alive to finish sending). `LocalStorage` is a directory on this machine; store/remote.py is an object store or any other fsspec URL.
+for good (the process is ending: nothing may keep it alive to finish sending). `LocalStorage` is a directory on this
+machine; store/remote.py is an object store or any other fsspec URL.
 
-Conditional writes, for the writer's lease (process/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"): `read_version`
-gives a small object's content, its version (the store's ETag, or a hash of the content) and its age by the store's
-own clock; `write_new` creates an object only where none is, `write_if` replaces one only while it is still the
-version given; both return the new version, or None when the condition failed (another writer was first).
+Conditional writes, for the writer's lease (process/lease.py; docs/ARCHITECTURE.md, "Remote checkpoints"):
+`read_version` gives a small object's content, its version (the store's ETag, or a hash of the content) and its age
+by the store's own clock; `write_new` creates an object only where none is, `write_if` replaces one only while it is
+still the version given; both return the new version, or None when the condition failed (another writer was first).
 `conditional` says whether the store makes that check and the write one atomic step (S3 and its compatible stores
 with `If-None-Match` / `If-Match`, a directory with an exclusive create and a lock) or checks, then writes (other
 fsspec stores: a window of one request).
