@@ -133,6 +133,58 @@ def test_a_bad_remote_is_refused_before_launch_writing_nothing(backends, s3_serv
     assert store.list("runs/fresh") == []
 
 
+def test_the_kubernetes_jobs_command_starts_on_an_empty_store_and_continues_from_it_on_a_fresh_disk(s3_server, tmp_path):
+    """configs/examples/k8s_job_remote.yaml's container command, run as written by bash with the tiny preset on one
+    CPU process substituted (and the step counts appended): the first pod starts the run, the next pod (a new
+    emptyDir) continues from the store's checkpoint (tests/test_slurm.py runs the SLURM examples)."""
+    import yaml
+
+    job = yaml.safe_load((EXAMPLES / "k8s_job_remote.yaml").read_text())
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    script = container["args"][0].replace("configs/examples/pi05_config.json", str(TINY))
+    script = script.replace("--accelerate-config=configs/examples/accelerate_ddp_config.yaml", "")
+    assert container["command"] == ["/bin/bash", "-c"] and "--resume=auto" in script
+    remote = s3_server.url("runs/k8s-job")
+    env = {**os.environ, **s3_server.env, "REMOTE": remote, "HF_HOME": str(tmp_path / "hf_home"),
+           "OPENTAU_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(opentau_bin()).parent}:{os.environ['PATH']}"}
+    pods = []
+    for pod, steps in (("pod-1", 2), ("pod-2", 4)):
+        disk = tmp_path / pod  # each pod's emptyDir
+        command = script.replace("/run/pi05", str(disk / "pi05")).rstrip() + f" --steps {steps} --save_freq 2 --log_freq 1"
+        pods.append(subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=900))
+        assert pods[-1].returncode == 0, pods[-1].stderr[-3000:]
+    assert "holds no checkpoint: starting the run" in pods[0].stdout + pods[0].stderr
+    assert "Resumed from" in pods[1].stdout + pods[1].stderr and "at step 2" in pods[1].stdout + pods[1].stderr
+    records = [json.loads(line) for line in (tmp_path / "pod-2" / "pi05" / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in records if record.get("kind") == "train"]
+    assert steps == [1, 2, 3, 4]  # the history came from the store; steps 3 and 4 logged once
+
+
+@pytest.mark.parametrize("case", ["scheme", "bucket", "credentials", "endpoint", "taken", "itself"])
+def test_a_bad_remote_is_refused_before_launch_writing_nothing(backends, s3_server, tmp_path, monkeypatch, case):
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    url = {"scheme": "nosuchscheme://bucket/run", "bucket": s3_server.url("x").replace(s3_server.bucket, "no-such-bucket"),
+           "credentials": s3_server.url("runs/fresh"), "endpoint": s3_server.url("runs/fresh"),
+           "taken": backends("single").url, "itself": out.as_uri()}[case]
+    store = backends("single").remote(s3_server).storage
+    before = store.list("")
+    if case == "credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-at-all")
+    if case == "endpoint":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    result = run_cli_in_process(["train", f"--config_path={TINY}", f"--output_dir={out}", "--steps", "2",
+                                 f"--checkpoint.remote={url}"])
+    needle = {"scheme": "nosuchscheme", "bucket": "no-such-bucket", "credentials": "credentials",
+              "endpoint": "127.0.0.1:9", "taken": "already holds a run", "itself": "own output_dir"}[case]
+    refused(result, needle)
+    assert not out.exists()
+    assert store.list("") == before  # the client made before the bad settings still reaches the store
+    assert store.list("runs/fresh") == []
+
+
 def test_the_requeue_examples_start_on_an_empty_store_and_resume_one_that_holds_a_checkpoint(backends, s3_server):
     """configs/examples/slurm_spot_remote.sbatch and k8s_job_remote.yaml choose between train and resume with the
     same test: run as written against the store."""
