@@ -38,7 +38,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tup
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # exact ends at 0 and n successes (the formula leaves a rounding error there)
+    return (0.0 if successes == 0 else max(0.0, centre - half)), (1.0 if successes == n else min(1.0, centre + half))
 
 
 def parse_camera_map(items: list[str] | None) -> dict[str, str]:
@@ -112,9 +113,11 @@ class _Running:
 
 def run_episodes(served, spec: EnvSpec | str, seeds: list[int], *, envs: int = 1, camera_map: dict | None = None,
                  image_size: tuple[int, int] | None = None, max_steps: int | None = None, videos: int = 0,
-                 record_steps: int = 0, fast_render: bool = True, progress=None, echo=None) -> list[Episode]:
+                 record_steps: int = 0, fast_render: bool = True, progress=None, echo=None,
+                 announce: str | None = None) -> list[Episode]:
     """Episodes from `seeds` driven by `served` (a tools.serve.ServedPolicy), `envs` at a time. `progress(done,
-    total, successes)` after each episode; the warnings of the policy-against-env check go to `echo`."""
+    total, successes)` after each episode; the warnings of the policy-against-env check, then `announce`, go to
+    `echo`."""
     import torch
 
     spec = parse_env(spec) if isinstance(spec, str) else spec
@@ -126,6 +129,8 @@ def run_episodes(served, spec: EnvSpec | str, seeds: list[int], *, envs: int = 1
         mapping, notes = check_policy_env(served, pool[0], camera_map or {})
         for note in notes:
             (echo or warnings.warn)(f"Warning: {note}")
+        if announce and echo:
+            echo(announce)
         pool += [make_env(spec, size, fast_render) for _ in range(min(envs, len(seeds)) - 1)]
         limit = max_steps or pool[0].max_steps
         pending = list(enumerate(seeds))
@@ -260,11 +265,11 @@ def evaluate_in_sim(source, env: str, *, rollouts: int = 50, seed: int = 0, outp
         import_av()
     served = load_policy(source, overrides=overrides, dataset=dataset, device=device, weights=weights)
     seeds = list(range(seed, seed + rollouts))
-    echo(f"Evaluating the {describe_weights(served.origin)} in {spec.name}: {rollouts} episodes from seed {seed}, "
-         f"{envs} env(s) at a time...")
+    announce = (f"Evaluating the {describe_weights(served.origin)} in {spec.name}: {rollouts} episodes from seed "
+                f"{seed}, {envs} env(s) at a time...")
     episodes = run_episodes(served, spec, seeds, envs=envs, camera_map=camera_map, image_size=image_size,
                             max_steps=max_steps, videos=videos, record_steps=record, fast_render=fast_render,
-                            progress=progress, echo=echo)
+                            progress=progress, echo=echo, announce=announce)
     info = {
         "env": spec.name, "source": str(source), "seed": seed, "rollouts": rollouts,
         "weights": served.origin.get("weights"), "step": served.origin.get("step"),
