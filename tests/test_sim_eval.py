@@ -138,3 +138,36 @@ def test_scripted_experts_exist_for_metaworld_only(tmp_path):
     done = run_cli_in_process(["dataset", "synth", str(tmp_path / "x"), "--env", "pusht", "--episodes", "1"])
     assert done.returncode == 2 and "MetaWorld only" in done.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_mapped_camera_passes_and_a_state_width_that_differs_is_refused(run_dir, tmp_path):
+    out = tmp_path / "never"
+    done = run_cli(["eval", str(run_dir), "--env", "aloha:insertion", "--rollouts", "1", "--output", str(out),
+                    "--camera-map", "observation.image=observation.images.top"])
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "4-dim state" in lines[0] and "14 dims" in lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("env", ["pusht", "aloha:transfer_cube", "metaworld:push-v3"])
+def test_each_simulator_gives_the_same_episode_from_the_same_seed(env):
+    _require_simulators()
+    from opentau_cli.sim.envs import make_env, parse_env
+
+    def episode(seed: int):
+        sim = make_env(parse_env(env), (32, 32))
+        try:
+            rng = np.random.default_rng(0)
+            steps = [sim.reset(seed)]
+            steps += [sim.step(rng.uniform(sim.action_low, sim.action_high).astype(np.float32)) for _ in range(3)]
+        finally:
+            sim.close()
+        return steps
+
+    first, again, other = episode(7), episode(7), episode(8)
+    for a, b in zip(first, again):
+        assert a.state.tolist() == b.state.tolist() and a.reward == b.reward
+        assert all(np.array_equal(a.pixels[k], b.pixels[k]) for k in a.pixels)
+    assert first[0].state.tolist() != other[0].state.tolist() or not np.array_equal(
+        next(iter(first[0].pixels.values())), next(iter(other[0].pixels.values())))

@@ -230,13 +230,14 @@ def load_policy(source, *, overrides: dict | None = None, dataset: str | None = 
 
 
 def record_steps(source, env: str, seeds: list[int], steps: int, *, camera_map: dict | None = None,
-                 image_size: tuple[int, int] | None = None, device: str | None = None, envs: int = 1) -> dict:
+                 image_size: tuple[int, int] | None = None, device: str | None = None, envs: int = 1,
+                 fast_render: bool = True) -> dict:
     """The first `steps` observations (as handed to the policy's preprocessing, LeRobot's keys) and actions (as sent
     to env.step) of the episodes from `seeds`: {"ep{i}/obs/<key>": ..., "ep{i}/action": ..., "ep{i}/seed": ...},
     the arrays steps.npz holds."""
     served = load_policy(source, device=device)
     episodes = run_episodes(served, env, seeds, envs=envs, camera_map=camera_map, image_size=image_size,
-                            max_steps=steps, record_steps=steps)
+                            max_steps=steps, record_steps=steps, fast_render=fast_render)
     return steps_arrays(episodes)
 
 
