@@ -131,9 +131,10 @@ def prepare_rendering(spec: EnvSpec) -> None:
     EGL library is one sentence before any simulator starts."""
     if spec.family not in ("metaworld", "aloha"):
         return
-    os.environ.setdefault("MUJOCO_GL", "egl")
-    os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"] if os.environ["MUJOCO_GL"] != "glfw" else "")
-    if os.environ["MUJOCO_GL"] == "egl" and ctypes.util.find_library("EGL") is None:
+    backend = os.environ.setdefault("MUJOCO_GL", "egl")
+    if backend in ("egl", "osmesa"):  # PyOpenGL must load the same library MuJoCo renders with
+        os.environ.setdefault("PYOPENGL_PLATFORM", backend)
+    if backend == "egl" and ctypes.util.find_library("EGL") is None:
         raise UserError("MuJoCo renders with EGL here and libEGL is missing: install the GL libraries "
                         "(scripts/setup_sim.sh, or `apt-get install libegl1 libgl1-mesa-dri`).")
 
@@ -248,10 +249,8 @@ class GymEnv(SimEnv):
             self.text, self.fps, self.cameras = PUSHT_TEXT, 10, [IMAGE_KEY]
         else:
             _import("gym_aloha")
-            kwargs = {"obs_type": "pixels_agent_pos"}
-            if image_size is not None:
-                kwargs.update(observation_height=image_size[0], observation_width=image_size[1])
-            self.env = gym.make(ALOHA_TASKS[spec.task], disable_env_checker=True, **kwargs)
+            # gym-aloha 0.1.5 renders its top camera at 480x640 whatever size it is asked for: the policy resizes.
+            self.env = gym.make(ALOHA_TASKS[spec.task], disable_env_checker=True, obs_type="pixels_agent_pos")
             self.text, self.fps, self.cameras = ALOHA_TEXT[spec.task], 50, ["observation.images.top"]
         self.spec = spec
         self.max_steps = int(self.env.spec.max_episode_steps or 300)
@@ -259,13 +258,13 @@ class GymEnv(SimEnv):
         self.action_dim = int(self.env.action_space.shape[0])
         self.action_low = self.env.action_space.low.astype(np.float32)
         self.action_high = self.env.action_space.high.astype(np.float32)
-        self.image_size = None
+        pixels = self.env.observation_space["pixels"]
+        self.image_size = tuple((pixels if spec.family == "pusht" else pixels["top"]).shape[:2])
 
     def _observe(self, obs, reward=0.0, info=None, terminated=False) -> Step:
         pixels = obs["pixels"]
         images = {IMAGE_KEY: pixels} if self.spec.family == "pusht" else {"observation.images.top": pixels["top"]}
         images = {k: np.ascontiguousarray(v) for k, v in images.items()}
-        self.image_size = tuple(next(iter(images.values())).shape[:2])
         success = bool((info or {}).get("is_success", False))
         return Step(images, np.asarray(obs["agent_pos"], np.float32), reward, success, bool(terminated))
 
