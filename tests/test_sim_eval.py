@@ -171,3 +171,16 @@ def test_each_simulator_gives_the_same_episode_from_the_same_seed(env):
         assert all(np.array_equal(a.pixels[k], b.pixels[k]) for k in a.pixels)
     assert first[0].state.tolist() != other[0].state.tolist() or not np.array_equal(
         next(iter(first[0].pixels.values())), next(iter(other[0].pixels.values())))
+
+
+def test_a_missing_simulator_package_is_one_sentence_naming_the_extra(tmp_path):
+    # An import path where `metaworld` fails to import as an absent package does (this venv has it installed).
+    hidden = tmp_path / "hide" / "metaworld"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'metaworld'\", name='metaworld')\n")
+    out = tmp_path / "never"
+    done = run_cli(["dataset", "synth", str(out), "--env", "metaworld:reach-v3", "--episodes", "1"],
+                   env={"PYTHONPATH": str(tmp_path / "hide")})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "pip install -e '.[sim]'" in done.stderr
+    assert not out.exists()
