@@ -95,10 +95,14 @@ def write_expert_dataset(out_dir, env: str, *, episodes: int, seed: int = 0, ima
 
 
 def _import_experts():
+    import warnings
+
     from opentau_cli.sim.envs import SIM_EXTRA_FIX
 
     try:
         import metaworld.policies as policies
     except ImportError:
         raise UserError(f"MetaWorld is not installed: {SIM_EXTRA_FIX}.") from None
+    # Its experts' gains go past [-1, 1] by design (the env clips; so do we, recording what the env executes).
+    warnings.filterwarnings("ignore", message=r"Constant\(s\) may be too high", category=UserWarning)
     return policies
