@@ -49,7 +49,8 @@ def eval_cmd(
                                                                 "each episode's recorded seed (no policy)."),
 ) -> None:
     """Sample action chunks on held-out episodes and report the action error (per joint and per chunk position)
-    against the recorded actions and against the mean-action baseline; writes eval.json and eval.png.
+    against the recorded actions and against the mean-action baseline; writes eval.json and eval.png. With --env,
+    roll the policy out in a simulator instead and report its success rate (eval_info.json, videos, steps.npz).
 
     Dotted overrides follow, e.g. --dataset.root=DIR (default: the run's dataset) or --policy.num_inference_steps=5.
 
@@ -62,6 +63,10 @@ def eval_cmd(
       opentau eval outputs/train/mixture --dataset reach_video
 
       opentau eval my-org/pi05-pick-bottle --dataset.root=data/my_robot   # a pushed export (its commit is printed)
+
+      opentau eval outputs/train/reach --env metaworld:reach-v3 --rollouts 50 --seed 1000 --envs 4 --videos 5
+
+      opentau eval --replay data/reach --env metaworld:reach-v3   # the dataset's actions from its seeds
     """
     if replay is not None or env is not None:
         return _in_simulator(ctx, source, env, replay, rollouts, seed, output, envs, videos, record_steps, camera_map,
