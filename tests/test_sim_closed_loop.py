@@ -1,5 +1,6 @@
 """The loop closes on a CPU, in a real simulator: a tiny policy trained on a MetaWorld expert's demonstration succeeds
-when rolled out from that episode's seed, where the same policy untrained does not. (The smaller version of
+when rolled out from that episode's seed, where the same policy untrained does not. (Seed 1: the untrained tiny
+policy's drift happens to reach seed 0's goal, not those of seeds 1-6.) (The smaller version of
 benchmarks/bench_closed_loop.py, which trains on many seeds and evaluates on others.)"""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _train(data, out, *extra: str) -> None:
 
 
 def _success(run_dir, out) -> dict:
-    done = run_cli(["eval", str(run_dir), "--env", "metaworld:reach-v3", "--rollouts", "1", "--seed", "0",
+    done = run_cli(["eval", str(run_dir), "--env", "metaworld:reach-v3", "--rollouts", "1", "--seed", "1",
                     "--max-steps", "80", "--output", str(out)])
     assert done.returncode == 0, done.stderr
     return json.loads((out / "eval_info.json").read_text())
@@ -31,7 +32,7 @@ def _success(run_dir, out) -> dict:
 def test_a_policy_trained_on_an_expert_episode_succeeds_from_its_seed_where_the_untrained_one_fails(tmp_path):
     _require_simulators()
     data = tmp_path / "reach"
-    done = run_cli(["dataset", "synth", str(data), "--env", "metaworld:reach-v3", "--episodes", "1", "--seed", "0",
+    done = run_cli(["dataset", "synth", str(data), "--env", "metaworld:reach-v3", "--episodes", "1", "--seed", "1",
                     "--image-size", "32"])
     assert done.returncode == 0, done.stderr
     _train(data, tmp_path / "trained", "--steps=300", "--save_freq=300")
