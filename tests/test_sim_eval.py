@@ -184,3 +184,11 @@ def test_a_missing_simulator_package_is_one_sentence_naming_the_extra(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "pip install -e '.[sim]'" in done.stderr
     assert not out.exists()
+
+
+def test_replaying_a_dataset_without_seeds_is_refused_in_one_sentence(tmp_path):
+    data = tmp_path / "points"
+    assert run_cli_in_process(["dataset", "synth", str(data), "--episodes", "2", "--steps-per-episode", "3",
+                               "--format", "v3.0"]).returncode == 0
+    done = run_cli_in_process(["eval", "--replay", str(data), "--env", "metaworld:reach-v3"])
+    assert done.returncode == 2 and "record no seed" in done.stderr and "Traceback" not in done.stderr
