@@ -14,7 +14,6 @@ first steps' observations and actions (steps.npz) (docs/ARCHITECTURE.md, "Closed
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from opentau_cli.errors import UserError
-from opentau_cli.sim.envs import ENV_FPS, STATE_KEY, EnvSpec, SimEnv, make_env, parse_env, policy_inputs
+from opentau_cli.sim.envs import ENV_FPS, EnvSpec, SimEnv, make_env, parse_env, policy_inputs
 
 EVAL_INFO = "eval_info.json"
 STEPS_FILE = "steps.npz"
@@ -300,10 +299,3 @@ def _even(frames: list[np.ndarray]) -> list[np.ndarray]:
     """H.264 in yuv420p needs even sides: drop a last odd row or column."""
     h, w = frames[0].shape[:2]
     return [f[: h - h % 2, : w - w % 2] for f in frames]
-
-
-def read_info(output: Path) -> dict:
-    return json.loads((Path(output) / EVAL_INFO).read_text())
-
-
-__all__ = ["STATE_KEY", "evaluate_in_sim", "record_steps", "run_episodes", "wilson_interval"]
