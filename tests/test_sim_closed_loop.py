@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from conftest import EXAMPLES, run_cli
-from test_sim_eval import _require_simulators
+from conftest import EXAMPLES, require_simulators, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +29,7 @@ def _success(run_dir, out) -> dict:
 
 
 def test_a_policy_trained_on_an_expert_episode_succeeds_from_its_seed_where_the_untrained_one_fails(tmp_path):
-    _require_simulators()
+    require_simulators()
     data = tmp_path / "reach"
     done = run_cli(["dataset", "synth", str(data), "--env", "metaworld:reach-v3", "--episodes", "1", "--seed", "1",
                     "--image-size", "32"])

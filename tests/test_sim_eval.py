@@ -4,32 +4,21 @@ demonstrations written reproducibly, replayed to success, a tiny policy trained 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
+from conftest import EXAMPLES, require_simulators, run_cli, run_cli_in_process
 
 pytestmark = pytest.mark.slow
-
-
-def _require_simulators() -> None:
-    missing = [m for m in ("metaworld", "gym_aloha", "av") if importlib.util.find_spec(m) is None]
-    if missing:
-        message = f"the simulators are not installed ({', '.join(missing)}): run scripts/setup_sim.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
 def experts(tmp_path_factory) -> Path:
     """Six reach-v3 expert episodes, seeds 0-5, 32 px."""
-    _require_simulators()
+    require_simulators()
     out = tmp_path_factory.mktemp("sim") / "reach"
     done = run_cli(["dataset", "synth", str(out), "--env", "metaworld:reach-v3", "--episodes", "6", "--seed", "0",
                     "--image-size", "32"])
@@ -152,7 +141,7 @@ def test_a_mapped_camera_passes_and_a_state_width_that_differs_is_refused(run_di
 
 @pytest.mark.parametrize("env", ["pusht", "aloha:transfer_cube", "metaworld:push-v3"])
 def test_each_simulator_gives_the_same_episode_from_the_same_seed(env):
-    _require_simulators()
+    require_simulators()
     from opentau_cli.sim.envs import make_env, parse_env
 
     def episode(seed: int):
