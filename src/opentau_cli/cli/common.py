@@ -96,9 +96,9 @@ def progress_bar(what: str, unit: str):
                   transient=True, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task(what, total=None, shown="")
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, total: int, note: str = "") -> None:
             shown = f"{done / scale:.1f} of {total / scale:.1f} MB" if unit == "MB" else f"{done} of {total} {unit}"
-            bar.update(task, completed=done, total=total, shown=shown)
+            bar.update(task, completed=done, total=total, shown=f"{shown}  {note}" if note else shown)
 
         yield progress
 

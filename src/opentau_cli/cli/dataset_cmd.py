@@ -24,11 +24,29 @@ def synth_cmd(
     seed: int = typer.Option(0, "--seed", help="Same seed and options give the same data."),
     video: bool = typer.Option(False, "--video", help="Store cameras as mp4 (H.264, needs PyAV) instead of PNG in parquet."),
     force: ForceOpt = False,
+    env: str = typer.Option(None, "--env", help="Record MetaWorld's scripted experts instead: metaworld:TASK[,TASK...] "
+                                                "(LeRobot v3.0, mp4, 80 fps; needs the [sim] extra)."),
+    image_size: int = typer.Option(64, "--image-size", help="--env: side of the recorded camera images."),
+    keep_failed: bool = typer.Option(False, "--keep-failed", help="--env: also keep the episodes the expert failed."),
 ) -> None:
-    """Write a small learnable LeRobot-format dataset (2-D point reaching), offline.
+    """Write a small learnable LeRobot-format dataset (2-D point reaching), offline; or, with --env, demonstrations
+    of MetaWorld's scripted experts (episode i of each task from seed SEED+i).
 
     Example: `opentau dataset synth /tmp/reach --episodes 20 --format v3.0`
+
+    Example: `opentau dataset synth /tmp/mw --env metaworld:reach-v3,push-v3 --episodes 20 --seed 0`
     """
+    if env is not None:
+        from opentau_cli.cli.common import progress_bar
+        from opentau_cli.sim.experts import write_expert_dataset
+
+        with progress_bar("recording", "episodes") as progress:
+            done = write_expert_dataset(out_dir, env, episodes=episodes, seed=seed, image_size=image_size,
+                                        keep_failed=keep_failed, force=force, progress=progress)
+        typer.echo(f"Wrote {done['kept']} expert episodes of {env} ({done['failed']} failed"
+                   f"{', kept' if keep_failed else ', left out'}; LeRobot v3.0, {image_size}x{image_size} mp4 at 80 fps) "
+                   f"to {done['path']}")
+        return
     from opentau_cli.data.synth import write_synth
 
     out = write_synth(out_dir, episodes=episodes, steps_per_episode=steps_per_episode, cameras=cameras, fmt=fmt, seed=seed, video=video, force=force)

@@ -220,17 +220,9 @@ def _write_into(out: Path, episodes: int, steps_per_episode: int, cameras: int, 
 
 def _write_mp4(path: Path, frames: list[np.ndarray]) -> None:
     """Frame i at t = i / FPS; near-lossless so tests can tell neighbouring frames apart."""
-    import av
+    from opentau_cli.data.video import write_mp4
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(VIDEO_CODEC, rate=FPS, options={"crf": "10", "g": "2", "bf": "0"})
-        stream.width, stream.height, stream.pix_fmt = IMAGE_SIZE, IMAGE_SIZE, "yuv420p"
-        for i, pixels in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            frame.pts = i
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
+    write_mp4(path, frames, FPS)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -277,3 +269,76 @@ def resolve_dataset_root(root: str | Path) -> Path:
     if str(root) == DEMO_DATASET:
         return ensure_demo()
     return Path(root).expanduser()
+
+
+# ------------------------------------------------------------------------------------------- recorded episodes
+def write_v3_episodes(out: Path, episodes: list[dict], *, fps: int, robot_type: str, state_names: list[str],
+                      action_names: list[str], extra_info: dict | None = None) -> None:
+    """Recorded episodes as a LeRobot v3.0 dataset in `out` (a new directory): one data file, one mp4 per camera
+    holding every episode (located by from_timestamp), the tasks in words, statistics; each episode's own fields
+    beyond the data (e.g. its seed) go into its row of meta/episodes. An episode: {"task": str, "state": (T, S),
+    "action": (T, A), "frames": {camera key: [T uint8 (H, W, 3)]}, "fields": {...}}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from opentau_cli.data.video import write_mp4
+
+    tasks = list(dict.fromkeys(ep["task"] for ep in episodes))
+    cameras = list(episodes[0]["frames"])
+    height, width = episodes[0]["frames"][cameras[0]][0].shape[:2]
+    total = sum(len(ep["state"]) for ep in episodes)
+    camera = {"dtype": "video", "shape": [height, width, 3], "names": ["height", "width", "channel"],
+              "info": {"video.fps": fps, "video.codec": VIDEO_CODEC, "video.pix_fmt": "yuv420p", "has_audio": False}}
+    features = {key: dict(camera) for key in cameras}
+    features["observation.state"] = {"dtype": "float32", "shape": [len(state_names)], "names": [state_names]}
+    features["action"] = {"dtype": "float32", "shape": [len(action_names)], "names": [action_names]}
+    for name, dtype in (("timestamp", "float32"), ("frame_index", "int64"), ("episode_index", "int64"),
+                        ("index", "int64"), ("task_index", "int64")):
+        features[name] = {"dtype": dtype, "shape": [1], "names": None}
+    info = {
+        "codebase_version": "v3.0", "robot_type": robot_type, "total_episodes": len(episodes), "total_frames": total,
+        "total_tasks": len(tasks), "total_videos": len(cameras), "total_chunks": 1, "chunks_size": 1000, "fps": fps,
+        "splits": {"train": f"0:{len(episodes)}"}, "features": features,
+        "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
+        "video_path": "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4",
+        "data_files_size_in_mb": 100, **(extra_info or {}),
+    }
+    tables, rows, start = [], [], 0
+    for ep_index, ep in enumerate(episodes):
+        n = len(ep["state"])
+        states, actions = np.asarray(ep["state"], np.float32), np.asarray(ep["action"], np.float32)
+        tables.append(pa.table({
+            "observation.state": pa.FixedSizeListArray.from_arrays(pa.array(states.reshape(-1)), states.shape[1]),
+            "action": pa.FixedSizeListArray.from_arrays(pa.array(actions.reshape(-1)), actions.shape[1]),
+            "timestamp": pa.array((np.arange(n) / fps).astype(np.float32)),
+            "frame_index": pa.array(np.arange(n, dtype=np.int64)),
+            "episode_index": pa.array(np.full(n, ep_index, dtype=np.int64)),
+            "index": pa.array(np.arange(start, start + n, dtype=np.int64)),
+            "task_index": pa.array(np.full(n, tasks.index(ep["task"]), dtype=np.int64)),
+        }))
+        row = {"episode_index": ep_index, "tasks": [ep["task"]], "length": n, "data/chunk_index": 0,
+               "data/file_index": 0, "dataset_from_index": start, "dataset_to_index": start + n,
+               "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0, **ep.get("fields", {})}
+        for key in cameras:
+            row.update({f"videos/{key}/chunk_index": 0, f"videos/{key}/file_index": 0,
+                        f"videos/{key}/from_timestamp": start / fps, f"videos/{key}/to_timestamp": (start + n) / fps})
+        for feat, values in (("observation.state", states), ("action", actions)):
+            for name, val in feature_stats(values).items():
+                row[f"stats/{feat}/{name}"] = [float(v) for v in val]
+        rows.append(row)
+        start += n
+    all_states = np.concatenate([np.asarray(ep["state"], np.float32) for ep in episodes])
+    all_actions = np.concatenate([np.asarray(ep["action"], np.float32) for ep in episodes])
+    stats = {"observation.state": feature_stats(all_states), "action": feature_stats(all_actions)}
+    (out / "meta" / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
+    (out / "meta" / "info.json").write_text(json.dumps(info, indent=4))
+    (out / "meta" / "stats.json").write_text(json.dumps(stats, indent=4))
+    data_path = out / info["data_path"].format(chunk_index=0, file_index=0)
+    data_path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.concat_tables(tables), data_path)
+    pq.write_table(pa.Table.from_pylist(rows), out / "meta" / "episodes" / "chunk-000" / "file-000.parquet")
+    pq.write_table(pa.table({"task_index": pa.array(range(len(tasks)), pa.int64()), "task": tasks}),
+                   out / "meta" / "tasks.parquet")
+    for key in cameras:
+        write_mp4(out / info["video_path"].format(video_key=key, chunk_index=0, file_index=0),
+                  [frame for ep in episodes for frame in ep["frames"][key]], fps)

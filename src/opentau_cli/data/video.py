@@ -47,6 +47,24 @@ def import_av():
     return av
 
 
+def write_mp4(path: Path, frames, fps: int, crf: int = 10, keyframe_every: int = 2) -> None:
+    """Frames (uint8 (H, W, 3), even sides) as an H.264 mp4, frame i at t = i / fps; a keyframe every
+    `keyframe_every` frames as LeRobot encodes. One encoder thread: the same frames give the same bytes."""
+    av = import_av()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"crf": str(crf), "g": str(keyframe_every), "bf": "0"})
+        stream.thread_count = 1
+        for i, pixels in enumerate(frames):
+            if i == 0:
+                stream.height, stream.width = pixels.shape[:2]
+                stream.pix_fmt = "yuv420p"
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
 class VideoFrames:
     """Per-process frame source. `get(path, t, fps, (h, w), files)` -> uint8 (h, w, 3) of the frame shown at time t;
     `files` reaches the file (data/remote.py: where it lies, or a cached copy of a dataset in object storage, held

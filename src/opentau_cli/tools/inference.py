@@ -197,10 +197,17 @@ def from_model(cfg: TrainConfig, source: str, dataset_stats: dict) -> tuple[torc
 
 
 # ------------------------------------------------------------------------------------------- the data
-def sample(policy, batch: dict, device, generator: torch.Generator) -> torch.Tensor:
+def sample(policy, batch: dict, device, generator: torch.Generator | list[torch.Generator]) -> torch.Tensor:
+    """One action chunk per sample (unnormalized, n_action_steps x the action width). The noise comes from
+    `generator`, or row i's from `generator[i]` (a closed-loop eval draws each episode's from its own seed, so an
+    episode's actions do not depend on which others share its batch)."""
     from opentau_cli.train.trainer import to_device
 
-    noise = torch.randn(len(batch["task"]), policy.cfg.chunk_size, policy.cfg.max_action_dim, generator=generator)
+    shape = (policy.cfg.chunk_size, policy.cfg.max_action_dim)
+    if isinstance(generator, torch.Generator):
+        noise = torch.randn(len(batch["task"]), *shape, generator=generator)
+    else:
+        noise = torch.stack([torch.randn(*shape, generator=g) for g in generator])
     return policy.sample_actions(to_device(batch, device), noise=noise.to(device)).cpu()
 
 

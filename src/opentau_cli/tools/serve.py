@@ -185,6 +185,18 @@ class ServedPolicy:
             actions = sample(self.policy, batch, self.device, torch.Generator().manual_seed(seed))
         return {"actions": actions[0].float().numpy()}
 
+    def infer_many(self, observations: list[dict], generators: list[torch.Generator]) -> np.ndarray:
+        """Action chunks for several observations in one forward: float32 (B, n_action_steps, action_dim), row i's
+        noise from generators[i] (opentau eval --env batches its envs through here)."""
+        from opentau_cli.tools.inference import sample
+
+        batches = [self.batch(obs) for obs in observations]
+        batch = {key: torch.cat([b[key] for b in batches]) if key != "task" else [t for b in batches for t in b[key]]
+                 for key in batches[0]}
+        with self._lock:
+            actions = sample(self.policy, batch, self.device, generators)
+        return actions.float().numpy()
+
 
 def _image_pixels(name: str, value) -> np.ndarray:
     """A camera image as uint8 (H, W, 3); floats must be in [0, 1] (as openpi's clients send them): a float image of

@@ -1,0 +1,183 @@
+"""Closed-loop evaluation in real simulators (MetaWorld, ALOHA; MuJoCo rendering on the CPU through EGL): expert
+demonstrations written reproducibly, replayed to success, a tiny policy trained on them and rolled out; the files
+`opentau eval --env` writes, and its refusals. Images are small (32 px) and episodes short to keep this quick."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import EXAMPLES, require_simulators, run_cli, run_cli_in_process
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory) -> Path:
+    """Six reach-v3 expert episodes, seeds 0-5, 32 px."""
+    require_simulators()
+    out = tmp_path_factory.mktemp("sim") / "reach"
+    done = run_cli(["dataset", "synth", str(out), "--env", "metaworld:reach-v3", "--episodes", "6", "--seed", "0",
+                    "--image-size", "32"])
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(experts, tmp_path_factory) -> Path:
+    """A tiny policy trained a few steps on the expert data (what it does is not the point here)."""
+    out = tmp_path_factory.mktemp("sim_run") / "run"
+    done = run_cli(["train", "--config_path", str(EXAMPLES / "pi05_tiny_config.json"), f"--dataset.root={experts}",
+                    f"--output_dir={out}", "--steps=2", "--save_freq=2", "--validation.val_split=0",
+                    "--validation.val_freq=0"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out
+
+
+def _eval(run_dir: Path, output: Path, *extra: str):
+    return run_cli(["eval", str(run_dir), "--env", "metaworld:reach-v3", "--rollouts", "3", "--envs", "2", "--seed",
+                    "100", "--max-steps", "12", "--output", str(output), *extra])
+
+
+def test_expert_demonstrations_are_the_same_bytes_twice_and_say_their_seeds(experts, tmp_path):
+    import pyarrow.parquet as pq
+
+    again = tmp_path / "again"
+    done = run_cli(["dataset", "synth", str(again), "--env", "metaworld:reach-v3", "--episodes", "6", "--seed", "0",
+                    "--image-size", "32"])
+    assert done.returncode == 0, done.stderr
+    files = sorted(p.relative_to(experts) for p in experts.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert any(str(f).endswith(".mp4") for f in files)
+    for name in files:
+        assert (experts / name).read_bytes() == (again / name).read_bytes(), name
+    rows = pq.read_table(experts / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
+    assert [r["seed"] for r in rows] == list(range(len(rows)))
+    assert all(r["success"] and r["env"] == "metaworld:reach-v3" and r["tasks"] == ["Reach a goal position"] for r in rows)
+    info = json.loads((experts / "meta" / "info.json").read_text())
+    assert info["fps"] == 80 and info["features"]["observation.image"]["shape"] == [32, 32, 3]
+    assert info["features"]["observation.state"]["shape"] == [4] and info["features"]["action"]["shape"] == [4]
+
+
+def test_replaying_the_expert_actions_from_their_seeds_succeeds(experts):
+    done = run_cli(["eval", "--replay", str(experts), "--env", "metaworld:reach-v3"])
+    assert done.returncode == 0, done.stderr
+    assert "success rate 100.0%" in done.stdout
+
+
+def test_the_same_seeds_give_the_same_eval_info_with_videos_named_by_seed_and_outcome(run_dir, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    done = _eval(run_dir, first, "--videos", "2", "--record-steps", "4")
+    assert done.returncode == 0, done.stderr
+    assert _eval(run_dir, second, "--videos", "2", "--record-steps", "4").returncode == 0
+    info = json.loads((first / "eval_info.json").read_text())
+    assert (first / "eval_info.json").read_bytes() == (second / "eval_info.json").read_bytes()
+    assert [e["seed"] for e in info["episodes"]] == [100, 101, 102]
+    assert all(e["steps"] == 12 or e["success"] for e in info["episodes"])
+    assert 0 <= info["success_rate_95"][0] <= info["success_rate"] <= info["success_rate_95"][1] <= 1
+    videos = sorted(p.name for p in (first / "videos").iterdir())
+    outcome = ["success" if e["success"] else "failure" for e in info["episodes"][:2]]
+    assert videos == [f"episode_000_seed100_{outcome[0]}.mp4", f"episode_001_seed101_{outcome[1]}.mp4"]
+    assert all((first / "videos" / v).stat().st_size > 0 for v in videos)
+    assert "Success rate" in done.stdout and "action space" in done.stdout
+
+
+def test_steps_npz_holds_the_first_observations_and_actions_of_every_episode(run_dir, tmp_path):
+    assert _eval(run_dir, tmp_path / "e", "--record-steps", "4").returncode == 0
+    steps = np.load(tmp_path / "e" / "steps.npz")
+    assert sorted(steps.files) == sorted(f"ep{i}/{k}" for i in range(3) for k in
+                                         ("obs/observation.image", "obs/observation.state", "action", "seed"))
+    for i in range(3):
+        image, state = steps[f"ep{i}/obs/observation.image"], steps[f"ep{i}/obs/observation.state"]
+        assert image.dtype == np.float32 and image.shape == (4, 3, 32, 32) and 0 <= image.min() <= image.max() <= 1
+        assert state.dtype == np.float32 and state.shape == (4, 4)
+        assert steps[f"ep{i}/action"].dtype == np.float32 and steps[f"ep{i}/action"].shape == (4, 4)
+        assert int(steps[f"ep{i}/seed"]) == 100 + i
+    # The image is MetaWorld's corner2 frame flipped on both axes, as rendered for the policy: pixels of 1/255 steps.
+    assert np.allclose(image * 255, np.round(image * 255), atol=1e-3)
+
+
+def test_a_camera_the_env_does_not_provide_is_refused_naming_the_mapping_option(run_dir, tmp_path):
+    out = tmp_path / "never"
+    done = run_cli(["eval", str(run_dir), "--env", "aloha:transfer_cube", "--rollouts", "1", "--output", str(out)])
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "observation.image" in lines[0] and "--camera-map observation.image=" in lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("env, said", [("metaworld:fly-v3", "MetaWorld has no task 'fly-v3'"),
+                                       ("gazebo", "unknown simulator"), ("aloha:cook", "ALOHA's tasks are")])
+def test_an_unknown_env_or_task_is_one_sentence_and_nothing_written(tmp_path, env, said):
+    out = tmp_path / "never"
+    done = run_cli_in_process(["eval", "some/run", "--env", env, "--output", str(out)])
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+def test_libero_without_its_assets_is_refused_in_one_sentence(tmp_path):
+    done = run_cli_in_process(["eval", "some/run", "--env", "libero:libero_spatial", "--output", str(tmp_path / "x")])
+    assert done.returncode == 2 and "LIBERO needs its assets" in done.stderr
+
+
+def test_scripted_experts_exist_for_metaworld_only(tmp_path):
+    done = run_cli_in_process(["dataset", "synth", str(tmp_path / "x"), "--env", "pusht", "--episodes", "1"])
+    assert done.returncode == 2 and "MetaWorld only" in done.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_mapped_camera_passes_and_a_state_width_that_differs_is_refused(run_dir, tmp_path):
+    out = tmp_path / "never"
+    done = run_cli(["eval", str(run_dir), "--env", "aloha:insertion", "--rollouts", "1", "--output", str(out),
+                    "--camera-map", "observation.image=observation.images.top"])
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "4-dim state" in lines[0] and "14 dims" in lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("env", ["pusht", "aloha:transfer_cube", "metaworld:push-v3"])
+def test_each_simulator_gives_the_same_episode_from_the_same_seed(env):
+    require_simulators()
+    from opentau_cli.sim.envs import make_env, parse_env
+
+    def episode(seed: int):
+        sim = make_env(parse_env(env), (32, 32))
+        try:
+            rng = np.random.default_rng(0)
+            steps = [sim.reset(seed)]
+            steps += [sim.step(rng.uniform(sim.action_low, sim.action_high).astype(np.float32)) for _ in range(3)]
+        finally:
+            sim.close()
+        return steps
+
+    first, again, other = episode(7), episode(7), episode(8)
+    for a, b in zip(first, again):
+        assert a.state.tolist() == b.state.tolist() and a.reward == b.reward
+        assert all(np.array_equal(a.pixels[k], b.pixels[k]) for k in a.pixels)
+    assert first[0].state.tolist() != other[0].state.tolist() or not np.array_equal(
+        next(iter(first[0].pixels.values())), next(iter(other[0].pixels.values())))
+
+
+def test_a_missing_simulator_package_is_one_sentence_naming_the_extra(tmp_path):
+    # An import path where `metaworld` fails to import as an absent package does (this venv has it installed).
+    hidden = tmp_path / "hide" / "metaworld"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'metaworld'\", name='metaworld')\n")
+    out = tmp_path / "never"
+    done = run_cli(["dataset", "synth", str(out), "--env", "metaworld:reach-v3", "--episodes", "1"],
+                   env={"PYTHONPATH": str(tmp_path / "hide")})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "pip install -e '.[sim]'" in done.stderr
+    assert not out.exists()
+
+
+def test_replaying_a_dataset_without_seeds_is_refused_in_one_sentence(tmp_path):
+    data = tmp_path / "points"
+    assert run_cli_in_process(["dataset", "synth", str(data), "--episodes", "2", "--steps-per-episode", "3",
+                               "--format", "v3.0"]).returncode == 0
+    done = run_cli_in_process(["eval", "--replay", str(data), "--env", "metaworld:reach-v3"])
+    assert done.returncode == 2 and "record no seed" in done.stderr and "Traceback" not in done.stderr
