@@ -3,8 +3,8 @@ env wrappers and eval pipeline acting with LeRobot's pi05 loaded from opentau's 
 
   python lerobot_eval_driver.py record EXPORT TOKENIZER_DIR SIZES.json ENV --seed S --episodes N --steps K [--task T]
                                        [--follow OURS.npz] --output STEPS.npz
-  python lerobot_eval_driver.py eval   EXPORT TOKENIZER_DIR SIZES.json ENV --seed S --episodes N --envs E [--max-steps M]
-                                       [--task T] --output INFO.json
+  python lerobot_eval_driver.py eval   EXPORT TOKENIZER_DIR SIZES.json ENV --seed S --episodes N --envs E
+                                       [--max-steps M] [--task T] --output INFO.json
 
 ENV: metaworld:TASK | pusht | aloha:transfer_cube | aloha:insertion, built by `lerobot.envs.factory.make_env` from
 LeRobot's own env configs (MetaworldEnv, PushtEnv, AlohaEnv with their defaults).
@@ -68,7 +68,7 @@ from lerobot.processor import PolicyProcessorPipeline
 from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
 from lerobot.scripts.lerobot_eval import eval_policy, rollout
 from lerobot.utils.constants import ACTION
-from peer_model_sizes import sized_classes
+from peer_model_sizes import size_lerobot_pi05
 
 ALOHA_TASKS = {"transfer_cube": "AlohaTransferCube-v0", "insertion": "AlohaInsertion-v0"}
 
@@ -89,16 +89,7 @@ def load_policy(export: str, tokenizer_dir: str, sizes_path: str):
     with open(sizes_path) as f:
         sizes = json.load(f)
 
-    def sized_gemma_config(variant: str):
-        s = sizes["gemma"][variant]
-        return modeling_pi05.GemmaConfig(width=s["width"], depth=s["depth"], mlp_dim=s["mlp_dim"], num_heads=s["num_heads"],
-                                         num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"])
-
-    sized_paligemma, sized_expert = sized_classes(modeling_pi05.PaliGemmaForConditionalGeneration,
-                                                 modeling_pi05.GemmaForCausalLM, sizes)
-    modeling_pi05.get_gemma_config = sized_gemma_config
-    modeling_pi05.PaliGemmaForConditionalGeneration = sized_paligemma
-    modeling_pi05.GemmaForCausalLM = sized_expert
+    size_lerobot_pi05(modeling_pi05, sizes)
     with contextlib.redirect_stdout(io.StringIO()):  # its loader's report; tests/test_peer_models.py checks the load
         policy = PI05Policy.from_pretrained(export)
     policy.eval()
@@ -106,7 +97,8 @@ def load_policy(export: str, tokenizer_dir: str, sizes_path: str):
     pre = PolicyProcessorPipeline.from_pretrained(export, config_filename="policy_preprocessor.json",
                                                   overrides={"tokenizer_processor": {"tokenizer": tokenizer}})
     post = PolicyProcessorPipeline.from_pretrained(export, config_filename="policy_postprocessor.json",
-                                                   to_transition=policy_action_to_transition, to_output=transition_to_policy_action)
+                                                   to_transition=policy_action_to_transition,
+                                                   to_output=transition_to_policy_action)
     return policy, pre, post
 
 
@@ -219,7 +211,8 @@ def evaluate(args, policy, pre, post, env_pre, env_post) -> None:
     vec_env.reset, vec_env.step = seeded_reset, counted_step
     start = time.perf_counter()
     with torch.no_grad():
-        info = eval_policy(vec_env, policy, env_pre, env_post, pre, post, n_episodes=args.episodes, start_seed=args.seed)
+        info = eval_policy(vec_env, policy, env_pre, env_post, pre, post, n_episodes=args.episodes,
+                           start_seed=args.seed)
     seconds = time.perf_counter() - start
     vec_env.close()
     with open(args.output, "w") as f:

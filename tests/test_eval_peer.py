@@ -21,7 +21,9 @@ PushT's actions are pixel targets up to 512, where fp32 itself is 3e-5 apart."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,10 +55,12 @@ ENVS = {
 def _stats(width: int, low: float, high: float, generator: torch.Generator) -> dict:
     q01 = low + torch.rand(width, generator=generator) * (high - low) * 0.2
     q99 = high - torch.rand(width, generator=generator) * (high - low) * 0.2
-    return {"q01": q01.tolist(), "q99": q99.tolist(), "mean": ((q01 + q99) / 2).tolist(), "std": ((q99 - q01) / 4).tolist()}
+    return {"q01": q01.tolist(), "q99": q99.tolist(), "mean": ((q01 + q99) / 2).tolist(),
+            "std": ((q99 - q01) / 4).tolist()}
 
 
-def sim_checkpoint(root: Path, env: str, tokenizer: Path, *, preset: str = "pi05_small", resolution: int = 64) -> tuple[Path, dict]:
+def sim_checkpoint(root: Path, env: str, tokenizer: Path, *, preset: str = "pi05_small",
+                   resolution: int = 64) -> tuple[Path, dict]:
     """A run holding one pi05 checkpoint for `env` (its state/action widths, camera `observation.image`) with drawn
     weights: the run directory (its checkpoint is checkpoints/000001) and the statistics it holds."""
     from safetensors.torch import save_file
@@ -91,17 +95,16 @@ def sim_checkpoint(root: Path, env: str, tokenizer: Path, *, preset: str = "pi05
 
 
 def lerobot_export(run: Path, output: Path) -> Path:
-    done = run_cli(["checkpoint", "export", str(run / "checkpoints" / "000001"), "--layout", "lerobot", "--output", str(output)])
+    done = run_cli(["checkpoint", "export", str(run / "checkpoints" / "000001"), "--layout", "lerobot",
+                    "--output", str(output)])
     assert done.returncode == 0, done.stderr[-3000:]
     return output
 
 
 def run_driver(python: str, mode: str, export: Path, tokenizer: Path, sizes: Path, env: str, output: Path, *args: str,
                timeout: float = 1500) -> None:
-    import os
-
-    proc = subprocess.run([python, str(HERE / "lerobot_eval_driver.py"), mode, str(export), str(tokenizer), str(sizes), env,
-                           *args, "--output", str(output)], capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([python, str(HERE / "lerobot_eval_driver.py"), mode, str(export), str(tokenizer), str(sizes),
+                           env, *args, "--output", str(output)], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "MUJOCO_GL": "egl"})
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
 
@@ -126,9 +129,9 @@ def _both_sides(common, env: str) -> tuple[dict, dict, np.ndarray]:
                     "--image-size", str(case["size"]), "--render", "shipped"], env={"MUJOCO_GL": "egl"}, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
     theirs = root / f"lerobot_{run.name}.npz"
-    run_driver(common["python"], "record", export, common["tokenizer"], common["sizes"], env, theirs, "--seed", str(SEED),
-               "--episodes", str(case["episodes"]), "--steps", str(STEPS), "--follow", str(ours_dir / "steps.npz"),
-               *(["--task", case["task"]] if case["task"] else []))
+    run_driver(common["python"], "record", export, common["tokenizer"], common["sizes"], env, theirs,
+               "--seed", str(SEED), "--episodes", str(case["episodes"]), "--steps", str(STEPS),
+               "--follow", str(ours_dir / "steps.npz"), *(["--task", case["task"]] if case["task"] else []))
     with np.load(ours_dir / "steps.npz") as ours, np.load(theirs) as lerobot:
         action_range = np.array(stats["action"]["q99"], np.float32) - np.array(stats["action"]["q01"], np.float32)
         return {k: ours[k] for k in ours.files}, {k: lerobot[k] for k in lerobot.files}, action_range
@@ -153,7 +156,8 @@ def _assert_same_episodes(ours: dict, theirs: dict, action_range: np.ndarray, ep
         for key in keys:
             assert ours[key].dtype == theirs[key].dtype == np.float32, key
             assert ours[key].shape == theirs[key].shape, key
-            assert np.array_equal(ours[key], theirs[key]), f"{key}: max abs difference {np.abs(ours[key] - theirs[key]).max():.3g}"
+            difference = np.abs(ours[key] - theirs[key]).max()
+            assert np.array_equal(ours[key], theirs[key]), f"{key}: max abs difference {difference:.3g}"
         action = f"ep{i}/action"
         assert ours[action].shape == theirs[action].shape == (STEPS, len(action_range))
         difference = float((np.abs(ours[action] - theirs[action]) / action_range).max())
@@ -162,12 +166,14 @@ def _assert_same_episodes(ours: dict, theirs: dict, action_range: np.ndarray, ep
         assert np.abs(theirs[action][1:] - theirs[action][:-1]).max() > 0  # a policy that acts, not a silent one
 
 
-def test_metaworld_push_episodes_give_the_policy_lerobots_observations_and_the_env_its_actions(metaworld, record_property):
+def test_metaworld_push_episodes_give_the_policy_lerobots_observations_and_the_env_its_actions(metaworld,
+                                                                                               record_property):
     ours, theirs, action_range = metaworld
     assert theirs["ep0/obs/observation.image"].shape == (STEPS, 3, 480, 480)  # corner2 at MetaWorld's render size
     assert theirs["ep0/obs/observation.state"].shape == (STEPS, 4)
     assert str(theirs["ep0/task"]) == "Push the puck to a goal"
-    _assert_same_episodes(ours, theirs, action_range, ENVS["metaworld:push-v3"]["episodes"], record_property, "metaworld push-v3")
+    _assert_same_episodes(ours, theirs, action_range, ENVS["metaworld:push-v3"]["episodes"], record_property,
+                          "metaworld push-v3")
 
 
 def test_pusht_episodes_give_the_policy_lerobots_observations_and_the_env_its_actions(pusht, record_property):
@@ -177,3 +183,19 @@ def test_pusht_episodes_give_the_policy_lerobots_observations_and_the_env_its_ac
     _assert_same_episodes(ours, theirs, action_range, ENVS["pusht"]["episodes"], record_property, "pusht")
     # Two seeds reach the simulator on both sides: two different first frames.
     assert not np.array_equal(theirs["ep0/obs/observation.image"][0], theirs["ep1/obs/observation.image"][0])
+
+
+def test_eval_benchmark_smoke_prints_both_sides_steps_per_second_memory_per_env_and_their_ratio(tmp_path):
+    results = tmp_path / "BENCHMARKS.md"
+    done = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "bench_eval.py"), "--smoke", "--results",
+                           str(results)], capture_output=True, text=True, timeout=1500, env={**os.environ, "MUJOCO_GL": "egl"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = results.read_text()
+    assert "## Simulator evaluation speed (" in text and "smoke run" in text
+    for row in ("| LeRobot eval_policy: env steps/s |", "| LeRobot eval_policy: peak RSS, per env |",
+                "| opentau eval --render fast: env steps/s |", "| opentau eval --render fast: peak RSS, per env |",
+                "| opentau eval --render fast: image difference vs LeRobot |",
+                "| env steps/s, opentau --render fast / LeRobot |"):
+        assert row in text, row
+    assert "| LeRobot eval_policy: env steps, wall s (episodes only) | 10, " in text  # 1 episode of 10 steps
+    assert "| opentau eval --render fast: env steps, wall s | 10, " in text
