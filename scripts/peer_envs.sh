@@ -58,6 +58,15 @@ PY
   echo "$dir/stubs" > "$site/opentau_stubs.pth"
 }
 
+copy_env() {  # copy_env FROM DIR: a copy of the venv FROM, not yet complete, its stand-ins path naming its own copy
+  # (its scripts' shebangs still name FROM: run pip as "$DIR/bin/python" -m pip); sets `site` to its site-packages.
+  rm -rf "$2"
+  cp -a "$1" "$2"
+  rm -f "$2/.complete"
+  site="$("$2/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$2/stubs" > "$site/opentau_stubs.pth.new" && mv "$site/opentau_stubs.pth.new" "$site/opentau_stubs.pth"
+}
+
 openpi_commit() {  # the openpi version a peer env is named after: the checkout's commit, the commit a pinned copy is
   # named after (openpi-<commit>), else a hash of its transformers_replace files
   local base replace="$OPENPI_SRC/src/openpi/models_pytorch/transformers_replace"
@@ -106,11 +115,7 @@ if want lerobot-openpi; then
       echo "peer env $dir: ready"
     else
       echo "peer env $dir: building (a copy of lerobot-$LEROBOT_VERSION + $replace)"
-      rm -rf "$dir"
-      cp -a "$PEERS_DIR/lerobot-$LEROBOT_VERSION" "$dir"
-      rm -f "$dir/.complete"
-      site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-      echo "$dir/stubs" > "$site/opentau_stubs.pth.new" && mv "$site/opentau_stubs.pth.new" "$site/opentau_stubs.pth"
+      copy_env "$PEERS_DIR/lerobot-$LEROBOT_VERSION" "$dir"
       cp -r "$replace"/. "$site/transformers/"
       # openpi's normalization (openpi.shared.normalize) reads norm_stats.json through pydantic + numpydantic, at
       # the versions of openpi's uv.lock.
@@ -137,12 +142,7 @@ if want lerobot-sim; then
       echo "peer env $dir: ready"
     else
       echo "peer env $dir: building (a copy of $from + the simulators)"
-      rm -rf "$dir"
-      cp -a "$from" "$dir"
-      rm -f "$dir/.complete"
-      site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-      echo "$dir/stubs" > "$site/opentau_stubs.pth.new" && mv "$site/opentau_stubs.pth.new" "$site/opentau_stubs.pth"
-      # The copied venv's scripts name the old directory in their shebangs: pip runs through this venv's python.
+      copy_env "$from" "$dir"
       "$dir/bin/python" -m pip install --quiet --disable-pip-version-check metaworld==3.1.1 mujoco==3.3.0 packaging==25.0 \
         gym-pusht==0.1.8 gym-aloha==0.1.5 dm-control==1.0.28
       "$dir/bin/python" -c "import metaworld, gym_pusht, gym_aloha"
