@@ -95,8 +95,10 @@ def main() -> None:
     parser.add_argument("--env", default=None, help="metaworld:push-v3 (default) or pusht")
     parser.add_argument("--episodes", type=int, default=None)
     parser.add_argument("--envs", type=int, default=None)
-    parser.add_argument("--max-steps", type=int, default=None, help="Steps per episode on both sides (default: 100; 10 with --smoke).")
-    parser.add_argument("--resolution", type=int, default=64, help="The policy's image size (the envs render their own).")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="Steps per episode on both sides (default: 100; 10 with --smoke).")
+    parser.add_argument("--resolution", type=int, default=64,
+                        help="The policy's image size (the envs render their own).")
     parser.add_argument("--lerobot-only", action="store_true", help="Measure LeRobot's side only (no opentau eval).")
     args = parser.parse_args()
     task = args.env or ("pusht" if args.smoke else "metaworld:push-v3")
@@ -115,8 +117,8 @@ def main() -> None:
     rows = [("env, episodes x steps, envs at once", f"{task}, {episodes} x {max_steps}, {envs}"),
             ("rendered / policy image size", f"{size} px / {args.resolution} px")]
     notes = ["LeRobot 0.4.4's make_env + eval_policy with its pi05 on our LeRobot export "
-             "(tests/lerobot_eval_driver.py, lerobot-sim venv of scripts/peer_envs.sh); a pi05_small checkpoint with drawn weights; both sides draw "
-             "each chunk's noise from a generator seeded with the episode's seed",
+             "(tests/lerobot_eval_driver.py, lerobot-sim venv of scripts/peer_envs.sh); a pi05_small checkpoint with "
+             "drawn weights; both sides draw each chunk's noise from a generator seeded with the episode's seed",
              "env steps/s: steps taken / wall time of the whole command, timed from outside (start-up and model load "
              "included); RSS: the peak of the process and its children, sampled every 0.1 s, per env = peak / envs",
              "render settings: LeRobot renders with the simulator's shipped scene (shadows, 4x multisampling, "
