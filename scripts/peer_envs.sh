@@ -6,7 +6,8 @@
 # rebuilt. Usage: scripts/peer_envs.sh [NAME ...]   (default: every peer below)
 # lerobot-openpi (LeRobot's env + openpi's transformers_replace files) is built from openpi's source (GitHub only: no
 # package registry has it): OPENPI_SRC, by default the pinned copy beside the checkout (../shared/peers/openpi-<commit>),
-# as lerobot-<version>-openpi-<openpi commit>.
+# as lerobot-<version>-openpi-<openpi commit>. lerobot-sim (a copy of lerobot-openpi plus the simulators LeRobot's env
+# wrappers import) is built as lerobot-sim-<version>-openpi-<openpi commit>.
 set -euo pipefail
 PEERS_DIR="${OPENTAU_PEERS_DIR:-$HOME/.cache/opentau/peers}"
 PY="${PYTHON:-python3}"
@@ -57,6 +58,25 @@ PY
   echo "$dir/stubs" > "$site/opentau_stubs.pth"
 }
 
+copy_env() {  # copy_env FROM DIR: a copy of the venv FROM, not yet complete, its stand-ins path naming its own copy
+  # (its scripts' shebangs still name FROM: run pip as "$DIR/bin/python" -m pip); sets `site` to its site-packages.
+  rm -rf "$2"
+  cp -a "$1" "$2"
+  rm -f "$2/.complete"
+  site="$("$2/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$2/stubs" > "$site/opentau_stubs.pth.new" && mv "$site/opentau_stubs.pth.new" "$site/opentau_stubs.pth"
+}
+
+openpi_commit() {  # the openpi version a peer env is named after: the checkout's commit, the commit a pinned copy is
+  # named after (openpi-<commit>), else a hash of its transformers_replace files
+  local base replace="$OPENPI_SRC/src/openpi/models_pytorch/transformers_replace"
+  base="$(basename "$OPENPI_SRC")"
+  if [ -e "$OPENPI_SRC/.git" ]; then git -C "$OPENPI_SRC" rev-parse --short=7 HEAD
+  elif [[ "$base" =~ ^openpi-([0-9a-f]{7,40})$ ]]; then echo "${BASH_REMATCH[1]:0:7}"
+  else echo "src-$(cd "$replace" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-7)"
+  fi
+}
+
 want() {  # is NAME asked for (no names = all)?
   [ "${#NAMES[@]}" -eq 0 ] && return 0
   local n
@@ -90,27 +110,42 @@ if want lerobot-openpi; then
     "$(dirname "$0")/peer_envs.sh" lerobot
     replace="$OPENPI_SRC/src/openpi/models_pytorch/transformers_replace"
     [ -d "$replace" ] || { echo "OPENPI_SRC=$OPENPI_SRC: no $replace (not a checkout of openpi's source)" >&2; exit 2; }
-    # The version: the checkout's commit, the commit a pinned copy is named after (openpi-<commit>), else a hash of the files.
-    base="$(basename "$OPENPI_SRC")"
-    if [ -e "$OPENPI_SRC/.git" ]; then commit="$(git -C "$OPENPI_SRC" rev-parse --short=7 HEAD)"
-    elif [[ "$base" =~ ^openpi-([0-9a-f]{7,40})$ ]]; then commit="${BASH_REMATCH[1]:0:7}"
-    else commit="src-$(cd "$replace" && find . -type f -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-7)"
-    fi
-    dir="$PEERS_DIR/lerobot-$LEROBOT_VERSION-openpi-$commit"
+    dir="$PEERS_DIR/lerobot-$LEROBOT_VERSION-openpi-$(openpi_commit)"
     if [ -f "$dir/.complete" ]; then
       echo "peer env $dir: ready"
     else
       echo "peer env $dir: building (a copy of lerobot-$LEROBOT_VERSION + $replace)"
-      rm -rf "$dir"
-      cp -a "$PEERS_DIR/lerobot-$LEROBOT_VERSION" "$dir"
-      rm -f "$dir/.complete"
-      site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-      echo "$dir/stubs" > "$site/opentau_stubs.pth.new" && mv "$site/opentau_stubs.pth.new" "$site/opentau_stubs.pth"
+      copy_env "$PEERS_DIR/lerobot-$LEROBOT_VERSION" "$dir"
       cp -r "$replace"/. "$site/transformers/"
       # openpi's normalization (openpi.shared.normalize) reads norm_stats.json through pydantic + numpydantic, at
       # the versions of openpi's uv.lock.
       "$dir/bin/python" -m pip install --quiet --disable-pip-version-check numpydantic==1.6.9 pydantic==2.11.5
       "$dir/bin/python" -c 'from transformers.models.siglip import check; assert check.check_whether_transformers_replace_is_installed_correctly()'
+      touch "$dir/.complete"
+    fi
+  fi
+fi
+# LeRobot's env wrappers and eval pipeline with its pi05 (tests/test_eval_peer.py, benchmarks/bench_eval.py): a copy of
+# the lerobot-openpi env plus the simulators `lerobot.envs` imports, at the versions that install together (MetaWorld
+# pins mujoco 3.3.0 and imports only with `packaging` beside it; gym-aloha takes dm_control 1.0.28 with that mujoco).
+# The lerobot-openpi env itself is left as it is.
+if want lerobot-sim; then
+  if [ -z "${OPENPI_SRC:-}" ]; then
+    echo "peer env lerobot-sim: not built: OPENPI_SRC is not set and $PINNED_OPENPI is missing (openpi's source, which its transformers_replace files come from, is on GitHub only)" >&2
+    if [ -n "${CI:-}" ]; then exit 1; fi
+  else
+    "$(dirname "$0")/peer_envs.sh" lerobot-openpi
+    commit="$(openpi_commit)"
+    from="$PEERS_DIR/lerobot-$LEROBOT_VERSION-openpi-$commit"
+    dir="$PEERS_DIR/lerobot-sim-$LEROBOT_VERSION-openpi-$commit"
+    if [ -f "$dir/.complete" ]; then
+      echo "peer env $dir: ready"
+    else
+      echo "peer env $dir: building (a copy of $from + the simulators)"
+      copy_env "$from" "$dir"
+      "$dir/bin/python" -m pip install --quiet --disable-pip-version-check metaworld==3.1.1 mujoco==3.3.0 packaging==25.0 \
+        gym-pusht==0.1.8 gym-aloha==0.1.5 dm-control==1.0.28
+      "$dir/bin/python" -c "import metaworld, gym_pusht, gym_aloha"
       touch "$dir/.complete"
     fi
   fi

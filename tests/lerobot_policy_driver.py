@@ -29,24 +29,14 @@ import lerobot.policies.pi05.modeling_pi05 as modeling_pi05
 from lerobot.policies.pi05.modeling_pi05 import PI05Policy
 from lerobot.processor import PolicyProcessorPipeline
 from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
-from peer_model_sizes import sized_classes
+from peer_model_sizes import size_lerobot_pi05
 
 exports, tokenizer_dir, sizes_path, in_path, out_path = sys.argv[1:6]
 with open(sizes_path) as f:
     sizes = json.load(f)
 
 
-def sized_gemma_config(variant: str):
-    s = sizes["gemma"][variant]
-    return modeling_pi05.GemmaConfig(width=s["width"], depth=s["depth"], mlp_dim=s["mlp_dim"], num_heads=s["num_heads"],
-                                     num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"])
-
-
-sized_paligemma, sized_expert = sized_classes(modeling_pi05.PaliGemmaForConditionalGeneration,
-                                             modeling_pi05.GemmaForCausalLM, sizes)
-modeling_pi05.get_gemma_config = sized_gemma_config
-modeling_pi05.PaliGemmaForConditionalGeneration = sized_paligemma
-modeling_pi05.GemmaForCausalLM = sized_expert
+size_lerobot_pi05(modeling_pi05, sizes)
 
 tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 with np.load(in_path) as data:

@@ -59,3 +59,47 @@ def openpi_source() -> tuple[Path, str]:
     lines = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(replace)}\n"
                     for p in sorted(replace.rglob("*.py"), key=lambda p: f"./{p.relative_to(replace)}"))
     return root, "src-" + hashlib.sha256(lines.encode()).hexdigest()[:7]
+
+
+def lerobot_sim_python() -> str:
+    """The Python of LeRobot 0.4.4 with openpi's transformers_replace files and the simulators (scripts/peer_envs.sh
+    lerobot-sim): LeRobot's env wrappers, eval pipeline and pi05."""
+    _, commit = openpi_source()
+    return peer_python("lerobot-sim", f"0.4.4-openpi-{commit}")
+
+
+def byte_level_tokenizer(directory: Path) -> Path:
+    """A byte-level Hugging Face tokenizer that puts BOS first (as PaliGemma's does), small enough for pi05_small's
+    vocabulary: opentau, LeRobot and openpi all tokenize the prompt with it in place of PaliGemma's (a download)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(specials + sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>").save_pretrained(directory)
+    config = directory / "tokenizer_config.json"  # the class name that the peers' transformers 4.53 knows too
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return directory
+
+
+def sizes_for_peers(preset: str) -> dict:
+    """The model's sizes for the peers' classes, which know only PaliGemma-3B's (their `gemma_2b` / `gemma_300m`)."""
+    from opentau_cli.policies.pi05.configuration import PRESETS
+
+    p = PRESETS[preset]
+    vlm, expert = p["vlm"], p["expert"]
+
+    def gemma(width, depth, mlp):
+        return {"width": width, "depth": depth, "mlp_dim": mlp, "num_heads": vlm["num_attention_heads"],
+                "num_kv_heads": vlm["num_key_value_heads"], "head_dim": vlm["head_dim"]}
+
+    return {"vocab_size": vlm["vocab_size"], "vlm": {"width": vlm["hidden_size"]}, "vision": dict(p["vision"]),
+            "gemma": {"gemma_2b": gemma(vlm["hidden_size"], vlm["num_hidden_layers"], vlm["intermediate_size"]),
+                      "gemma_300m": gemma(expert["hidden_size"], expert["num_hidden_layers"], expert["intermediate_size"])}}

@@ -20,3 +20,19 @@ def sized_classes(paligemma_class, expert_class, sizes: dict):
         return expert_class(config=config)
 
     return sized_paligemma, sized_expert
+
+
+def size_lerobot_pi05(modeling_pi05, sizes: dict) -> None:
+    """Build LeRobot's pi05 (`lerobot.policies.pi05.modeling_pi05`) at `sizes`: its Gemma configs and its two
+    transformers classes, before a policy is made."""
+
+    def sized_gemma_config(variant: str):
+        s = sizes["gemma"][variant]
+        return modeling_pi05.GemmaConfig(width=s["width"], depth=s["depth"], mlp_dim=s["mlp_dim"], num_heads=s["num_heads"],
+                                         num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"])
+
+    sized_paligemma, sized_expert = sized_classes(modeling_pi05.PaliGemmaForConditionalGeneration,
+                                                 modeling_pi05.GemmaForCausalLM, sizes)
+    modeling_pi05.get_gemma_config = sized_gemma_config
+    modeling_pi05.PaliGemmaForConditionalGeneration = sized_paligemma
+    modeling_pi05.GemmaForCausalLM = sized_expert

@@ -25,46 +25,11 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import EXAMPLES, run_cli
-from peer_envs import openpi_source, peer_python
+from peer_envs import byte_level_tokenizer, openpi_source, peer_python, sizes_for_peers
 
 HERE = Path(__file__).parent
 TOLERANCE = 1e-4  # fp32, two implementations of the same maths
 TOKEN = "hf_peer_models_write_token"
-
-
-def _tokenizer(directory: Path) -> Path:
-    """A byte-level Hugging Face tokenizer that puts BOS first (as PaliGemma's does), small enough for pi05_small's
-    vocabulary: opentau, LeRobot and openpi all tokenize the prompt with it in place of PaliGemma's (a download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<bos>", "<eos>"]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(specials + sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>").save_pretrained(directory)
-    config = directory / "tokenizer_config.json"  # the class name that the peers' transformers 4.53 knows too
-    config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return directory
-
-
-def _sizes(preset: str) -> dict:
-    """The model's sizes for the peers' classes, which know only PaliGemma-3B's (their `gemma_2b` / `gemma_300m`)."""
-    from opentau_cli.policies.pi05.configuration import PRESETS
-
-    p = PRESETS[preset]
-    vlm, expert = p["vlm"], p["expert"]
-
-    def gemma(width, depth, mlp):
-        return {"width": width, "depth": depth, "mlp_dim": mlp, "num_heads": vlm["num_attention_heads"],
-                "num_kv_heads": vlm["num_key_value_heads"], "head_dim": vlm["head_dim"]}
-
-    return {"vocab_size": vlm["vocab_size"], "vlm": {"width": vlm["hidden_size"]}, "vision": dict(p["vision"]),
-            "gemma": {"gemma_2b": gemma(vlm["hidden_size"], vlm["num_hidden_layers"], vlm["intermediate_size"]),
-                      "gemma_300m": gemma(expert["hidden_size"], expert["num_hidden_layers"], expert["intermediate_size"])}}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +49,7 @@ def case(tmp_path_factory):
     from opentau_cli.tools.serve import load_served
 
     root = tmp_path_factory.mktemp("peer_models")
-    tokenizer = _tokenizer(root / "tokenizer")
+    tokenizer = byte_level_tokenizer(root / "tokenizer")
     # openpi's model reads 224 px images from 3 cameras (fixed in its code); the demo data's one camera fills slot 0.
     cfg = load_config(str(EXAMPLES / "pi05_tiny_config.json"), [
         f"--output_dir={root / 'run'}", "--policy.preset=pi05_small", "--policy.image_resolution=[224,224]",
@@ -127,7 +92,7 @@ def case(tmp_path_factory):
     np.savez(given, images=images.numpy(), image_masks=np.array([True, False, False]), state=state.numpy(), task=np.array(task),
              noise=noise.numpy(), num_steps=np.array(cfg.policy.num_inference_steps))
     sizes = root / "sizes.json"
-    sizes.write_text(json.dumps(_sizes(cfg.policy.preset)))
+    sizes.write_text(json.dumps(sizes_for_peers(cfg.policy.preset)))
     return {"python": python, "openpi": openpi_root, "exports": exports, "tokenizer": tokenizer, "sizes": sizes, "given": given,
             "ours": ours, "served": served, "prompt": prompt, "root": root, "ckpt": ckpt}
 
