@@ -336,6 +336,8 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
     # While the ranks run, rank 0's progress line shows the uploads (process/uploader.py StatusView); the uploader's
     # own lines go to uploads.log.
     uploader = start_uploads(plan, log_dir) if plan.config.checkpoint.remote else None
+    # Machine 0 evaluates the published checkpoints in a process of its own (process/evaluator.py).
+    evaluator = start_evals(plan, log_dir) if plan.config.eval.enabled and first and worker == TRAIN_WORKER else None
     interrupted = False
     preempted: list[str] = []
     proc = None
@@ -375,6 +377,8 @@ def _run(plan: RunPlan, worker: Worker, echo) -> int:
         rc = proc.wait()
         if uploader is not None:
             finish_uploads(uploader, plan.config, echo)
+        if evaluator is not None:
+            finish_evals(evaluator, plan.config, echo, wait=rc == 0 and not interrupted and not preempted)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -456,3 +460,54 @@ def finish_uploads(uploader, cfg: TrainConfig, echo) -> None:
              f"local only (not yet in {uploader.remote.url} after waiting {cfg.checkpoint.remote_drain_seconds:g} s): "
              f"`opentau resume {cfg.output_dir}` on this machine uploads {'them' if len(local_only) > 1 else 'it'}; "
              f"`opentau resume {uploader.remote.url}` elsewhere continues from {uploader.remote_last() or 'nothing'}.")
+
+
+def start_evals(plan: RunPlan, log_dir: Path):
+    """The launcher's evaluations of the run's published checkpoints in eval.env (process/evaluator.py); its
+    processes write to evals.log."""
+    from opentau_cli.process.evaluator import Evaluator
+
+    cfg = plan.config
+
+    def note(line: str) -> None:
+        with open(log_dir / "evals.log", "a") as f:
+            f.write(time.strftime("%H:%M:%S ") + line + "\n")
+
+    return Evaluator(Path(cfg.output_dir), save_freq=cfg.save_freq, every=cfg.eval.every, total_steps=cfg.steps,
+                     log=log_dir / "evals.log", echo=note).start()
+
+
+def evaluate_owed(plan: RunPlan, echo) -> None:
+    """A finished run's evaluations that its launch did not finish (stopped by Ctrl-C, or a preemption at the end):
+    `opentau resume RUN` runs them, holding the run lock, and launches no rank."""
+    from opentau_cli.process.evaluator import Evaluator
+
+    cfg = plan.config
+    with runlock.held(cfg.output_dir):
+        probe = Evaluator(Path(cfg.output_dir), save_freq=cfg.save_freq, every=cfg.eval.every, total_steps=cfg.steps,
+                          log=Path(os.devnull))
+        if probe.owed():
+            finish_evals(start_evals(plan, new_log_dir(cfg.output_dir)), cfg, echo, wait=True)
+
+
+def finish_evals(evaluator, cfg: TrainConfig, echo, *, wait: bool) -> None:
+    """A run that reached its end waits for its owed evaluations, the final checkpoint's included (Ctrl-C stops
+    waiting); a preempted or failed one leaves them to the next launch. Says what is still owed and how to finish."""
+    from opentau_cli.store import evals
+
+    if wait and evaluator.pending():
+        echo(f"Evaluating the remaining checkpoints in {cfg.eval.env} (Ctrl-C leaves them for `opentau resume "
+             f"{cfg.output_dir}`)...")
+        left = evaluator.finish()
+    else:
+        evaluator.stop()
+        left = evaluator.pending()
+    if left:
+        echo(f"Checkpoint{'s' * (len(left) > 1)} {', '.join(left)} {'are' if len(left) > 1 else 'is'} not evaluated "
+             f"yet: `opentau resume {cfg.output_dir}` evaluates {'them' if len(left) > 1 else 'it'} first.")
+    done = {n: r for n, r in evals.records(cfg.output_dir).items() if r.get("status") == evals.DONE}
+    if done:
+        last = max(done, key=int)
+        best = max(done, key=lambda n: (done[n]["success_rate"], int(n)))
+        echo(f"Success rate in {cfg.eval.env}: {done[last]['success_rate']:.1%} at checkpoint {last} (the last "
+             f"evaluated); the best is checkpoint {best} with {done[best]['success_rate']:.1%}.")
