@@ -137,7 +137,10 @@ class Evaluator:
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", EVAL_MODULE, str(self.run_dir), str(ckpt)],
                                          stdout=log, stderr=log)
-            rc = self.proc.wait()
+            while self.proc.poll() is None:  # still following what is published: a checkpoint it skips is said
+                self._follow()
+                self._stop.wait(self.poll_seconds)
+            rc = self.proc.returncode
         if self._stop.is_set():
             return  # stopped by the launcher: left in the queue, redone by the next launch
         if rc != 0:
