@@ -130,3 +130,19 @@ def test_bad_evaluation_settings_are_refused_before_launch_and_nothing_is_writte
         assert done.returncode == 2, done.stdout + done.stderr
         assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert not out.exists()
+
+
+def test_the_model_card_reports_the_checkpoints_success_rate_with_env_seeds_and_episodes(run):
+    from opentau_cli.config.load import load_config
+    from opentau_cli.tools.model_card import CardFacts, render
+
+    out, _ = run
+    ckpt = out / "checkpoints" / "000006"
+    record = _records(out)["000006"]
+    card = render(CardFacts(repo_id="bob/reach", branch="main", layout="lerobot",
+                            config=load_config(str(ckpt / "train_config.json"), {}),
+                            state=json.loads((ckpt / "training_state.json").read_text()), run="run",
+                            checkpoint="000006", manifest_xxh3="d" * 32, weights="live", dataset="reach",
+                            simulator=record, files=["model.safetensors"]))
+    assert (f"Success rate **{record['success_rate']:.1%}** ({record['successes']} of 2 episodes; " in card
+            and f"in `{ENV}`, episodes from seeds 0 to 1, evaluated during training at step 6" in card)
