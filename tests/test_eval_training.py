@@ -146,3 +146,16 @@ def test_the_model_card_reports_the_checkpoints_success_rate_with_env_seeds_and_
                             simulator=record, files=["model.safetensors"]))
     assert (f"Success rate **{record['success_rate']:.1%}** ({record['successes']} of 2 episodes; " in card
             and f"in `{ENV}`, episodes from seeds 0 to 1, evaluated during training at step 6" in card)
+
+
+@pytest.mark.parametrize("accelerate", ["accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_zero3_config.yaml"])
+def test_a_sharded_or_replicated_run_has_its_checkpoint_evaluated_from_the_published_files(experts, tmp_path, accelerate):
+    out = tmp_path / "run"
+    args = _args(experts, out)
+    args = [a for a in args if not a.startswith(("--steps=", "--save_freq="))] + ["--steps=2", "--save_freq=2"]
+    done = run_cli(["train", *args, "--accelerate-config", str(EXAMPLES / accelerate)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = _records(out)["000002"]
+    assert record["status"] == "done" and record["episodes_run"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/success_rate"] for r in rows if r.get("kind") == "eval"] == [record["success_rate"]]

@@ -65,6 +65,10 @@ class Evaluator:
         self._thread.start()
         return self
 
+    def unseen(self) -> bool:
+        """Whether `last` names a checkpoint the thread has not taken up yet (published a moment ago)."""
+        return self._newest() is not None
+
     def pending(self) -> list[str]:
         return [n for n in [self.running, *self.backlog, self.waiting] if n]
 

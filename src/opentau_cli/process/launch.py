@@ -495,9 +495,10 @@ def finish_evals(evaluator, cfg: TrainConfig, echo, *, wait: bool) -> None:
     waiting); a preempted or failed one leaves them to the next launch. Says what is still owed and how to finish."""
     from opentau_cli.store import evals
 
-    if wait and evaluator.pending():
-        echo(f"Evaluating the remaining checkpoints in {cfg.eval.env} (Ctrl-C leaves them for `opentau resume "
-             f"{cfg.output_dir}`)...")
+    if wait:
+        if evaluator.pending() or evaluator.unseen():
+            echo(f"Evaluating the remaining checkpoints in {cfg.eval.env} (Ctrl-C leaves them for `opentau resume "
+                 f"{cfg.output_dir}`)...")
         left = evaluator.finish()
     else:
         evaluator.stop()
