@@ -159,3 +159,17 @@ def test_a_sharded_or_replicated_run_has_its_checkpoint_evaluated_from_the_publi
     assert record["status"] == "done" and record["episodes_run"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval/success_rate"] for r in rows if r.get("kind") == "eval"] == [record["success_rate"]]
+
+
+def test_a_rollback_moves_the_newer_checkpoints_records_aside_and_their_new_saves_are_evaluated(run, tmp_path):
+    out, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, symlinks=True)
+    done = run_cli(["resume", str(copy / "checkpoints" / "000002"), "--rollback"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    aside = next((copy / "rolled_back").iterdir())
+    assert sorted(p.name for p in (aside / "evals").iterdir()) == ["000004.json", "000006.json"]
+    records = _records(copy)
+    assert records["000002"] == _records(out)["000002"]  # kept: its checkpoint is the resume point
+    assert records["000006"]["status"] == "done"
+    assert records["000004"]["status"] in ("done", "skipped")

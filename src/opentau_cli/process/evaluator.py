@@ -43,6 +43,7 @@ class Evaluator:
         self.backlog: list[str] = []  # owed from before this launch, oldest first
         self.waiting: str | None = None  # published during this launch, waiting for its turn
         self.running: str | None = None
+        self.later: list[str] = []  # killed evaluations: left to the next launch (queue.json names them)
         self.proc: subprocess.Popen | None = None
         self._seen: set[str] = set()
         self._stop = threading.Event()
@@ -70,7 +71,7 @@ class Evaluator:
         return self._newest() is not None
 
     def pending(self) -> list[str]:
-        return [n for n in [self.running, *self.backlog, self.waiting] if n]
+        return [n for n in [self.running, *self.backlog, self.waiting, *self.later] if n]
 
     def finish(self) -> list[str]:
         """Wait until every owed evaluation is done (the run's final checkpoint's included); returns what is left
@@ -147,13 +148,16 @@ class Evaluator:
             rc = self.proc.returncode
         if self._stop.is_set():
             return  # stopped by the launcher: left in the queue, redone by the next launch
-        if rc != 0:
+        if rc < 0:  # killed by a signal (a preemption reaching the whole job, the OOM killer): owed, not failed
+            self.later.append(name)
+            self.echo(f"The evaluation of checkpoint {name} was killed (signal {-rc}); the next launch redoes it.")
+        elif rc != 0:
             evals.write_record(self.run_dir, name, {"status": "failed", "step": step_of(name),
                                                     "reason": f"exit code {rc}; see {self.log}"})
             self.echo(f"The evaluation of checkpoint {name} failed (exit code {rc}); see {self.log}. Training goes on.")
 
     def _write_queue(self) -> None:
-        waiting = [n for n in [*self.backlog, self.waiting] if n]
+        waiting = [n for n in [*self.backlog, self.waiting, *self.later] if n]
         try:
             evals.write_queue(self.run_dir, self.running, waiting)
         except OSError:

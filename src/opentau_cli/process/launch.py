@@ -31,7 +31,7 @@ from opentau_cli.process import runlock
 from opentau_cli.process.accelerate_launcher import TORCHRUN_ARGS
 from opentau_cli.process.restarts import STOPPED, failure_of_attempt, is_knock_on, last_attempt, read_restarts, record_final
 from opentau_cli.process.runtime import ATTEMPT_MARK, PREEMPT_SIGNALS, PREEMPTED_FILE, read_user_error
-from opentau_cli.store.layout import CHECKPOINTS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
+from opentau_cli.store.layout import CHECKPOINTS, EVALS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
 from opentau_cli.store.lineage import ROLLED_BACK, roll_back, span
 from opentau_cli.store.runs import checkpoint_steps, clean_leftovers, latest, run_dir_of
 
@@ -179,7 +179,7 @@ def prepare_output_dir(plan: RunPlan, echo=print) -> None:
     run's. A resume with --rollback moves the checkpoints newer than its source aside (lineage.py)."""
     cfg = plan.config
     if cfg.overwrite and not cfg.resume and cfg.output_dir.is_dir():
-        doomed = [cfg.output_dir / name for name in (CHECKPOINTS, METRICS, TENSORBOARD, ROLLED_BACK)
+        doomed = [cfg.output_dir / name for name in (CHECKPOINTS, METRICS, TENSORBOARD, ROLLED_BACK, EVALS)
                   if (cfg.output_dir / name).exists() or (cfg.output_dir / name).is_symlink()]
         if doomed:
             echo(f"--overwrite=true: removing {describe_removal(doomed)} of the earlier run in {cfg.output_dir}.")
@@ -189,7 +189,7 @@ def prepare_output_dir(plan: RunPlan, echo=print) -> None:
             else:
                 p.unlink()
     elif not cfg.resume and cfg.output_dir.is_dir():
-        results = [cfg.output_dir / name for name in (METRICS, TENSORBOARD) if (cfg.output_dir / name).exists()]
+        results = [cfg.output_dir / name for name in (METRICS, TENSORBOARD, EVALS) if (cfg.output_dir / name).exists()]
         if results:
             logs = [p for p in (cfg.output_dir / LOGS).glob("*") if p.is_dir()]
             failed_start = max(logs, key=lambda d: d.stat().st_mtime) if logs else cfg.output_dir / LOGS / "earlier"

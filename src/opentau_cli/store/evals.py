@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from opentau_cli.store.layout import EVALS
 from opentau_cli.store.manifest import write_json_atomic
 
-EVALS = "evals"
 QUEUE = "queue.json"
 DONE, SKIPPED = "done", "skipped"
 SUCCESS_KEY = "eval/success_rate"  # metrics.jsonl's key, and checkpoint.best_metric's name for it

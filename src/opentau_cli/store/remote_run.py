@@ -24,9 +24,8 @@ from typing import Callable
 
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.store.layout import (
-    BEST, CHECKPOINTS, LAST, LAUNCH_FILE, LOGS, MANIFEST, METRICS, ROLLED_BACK, TENSORBOARD, step_of,
+    BEST, CHECKPOINTS, EVALS, LAST, LAUNCH_FILE, LOGS, MANIFEST, METRICS, ROLLED_BACK, TENSORBOARD, step_of,
 )
-from opentau_cli.store.evals import EVALS
 from opentau_cli.store.manifest import hash_file
 from opentau_cli.store.storage import Storage
 
