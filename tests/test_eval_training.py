@@ -165,7 +165,7 @@ def test_a_rollback_moves_the_newer_checkpoints_records_aside_and_their_new_save
     out, _ = run
     copy = tmp_path / "run"
     shutil.copytree(out, copy, symlinks=True)
-    done = run_cli(["resume", str(copy / "checkpoints" / "000002"), "--rollback"])
+    done = run_cli(["resume", str(copy / "checkpoints" / "000002"), "--rollback=true"])
     assert done.returncode == 0, done.stdout + done.stderr
     aside = next((copy / "rolled_back").iterdir())
     assert sorted(p.name for p in (aside / "evals").iterdir()) == ["000004.json", "000006.json"]
