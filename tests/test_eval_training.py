@@ -148,7 +148,8 @@ def test_the_model_card_reports_the_checkpoints_success_rate_with_env_seeds_and_
             and f"in `{ENV}`, episodes from seeds 0 to 1, evaluated during training at step 6" in card)
 
 
-@pytest.mark.parametrize("accelerate", ["accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_zero3_config.yaml"])
+@pytest.mark.parametrize("accelerate", ["accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_zero3_config.yaml",
+                                        "accelerate_cpu_fsdp2_config.yaml"])
 def test_a_sharded_or_replicated_run_has_its_checkpoint_evaluated_from_the_published_files(experts, tmp_path, accelerate):
     out = tmp_path / "run"
     args = _args(experts, out)
