@@ -161,8 +161,8 @@ def inspect_cmd(checkpoint_dir: str = typer.Argument(..., help="A checkpoint dir
                                                                "remote storage: URL (its checkpoints) or URL:STEP."),
                 as_json: JsonOpt = False,
                 plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE.png", help=(
-                    "Also draw the run's loss (training and validation) and learning-rate curves by step into this "
-                    "new PNG, from its metrics.jsonl (no TensorBoard needed)."))) -> None:
+                    "Also draw the run's loss (training and validation), success rate (eval.env) and learning-rate "
+                    "curves by step into this new PNG, from its metrics.jsonl (no TensorBoard needed)."))) -> None:
     """Show step, backend, world size, preset, parameters, dtypes and files of a checkpoint; of a run directory, its
     checkpoints, what `last` designates, the branch it is on (what `opentau resume RUN` continues) and rollbacks.
 
@@ -209,6 +209,12 @@ def inspect_cmd(checkpoint_dir: str = typer.Argument(..., help="A checkpoint dir
         ("saved", info.time), ("size", human(info.total_bytes)),
         ("designated by", ", ".join(f"checkpoints/{link}" for link in info.links) or None),
     ]
+    if info.evaluation:
+        e = info.evaluation
+        lines.append(("success rate", f"{e['success_rate']:.1%} ({e['successes']} of {e['episodes_run']} episodes from "
+                                      f"seed {e['seed']} in {e['env']}; mean return {e['mean_return']:.3g}, mean "
+                                      f"length {e['mean_steps']:.1f} steps)" if e.get("status") == "done" else
+                      f"{e['status']}" + (f": {e['reason']}" if e.get("reason") else "")))
     if info.lineage is not None:
         parent = (info.lineage.get("parent") or {}).get("name")
         lines.append(("continues", f"{parent or 'nothing (the run started here)'}, written by launch {info.lineage.get('launch')}"))
@@ -255,6 +261,12 @@ def _print_run(run, as_json: bool) -> None:
         lines.append(("remote", f"{run.remote.get('url')}: stored {_names(by_state['remote'])}; uploading "
                                 f"{_names(by_state['uploading'])}; local only {_names(by_state['local'])}"
                                 + (f" (last upload error: {run.remote['error']})" if run.remote.get("error") else "")))
+    if run.evaluations:
+        from opentau_cli.tools.info import describe_evaluation
+
+        envs = {e["env"] for e in run.evaluations.values() if e.get("env")}
+        lines.append(("success rate", ", ".join(f"{n} {describe_evaluation(e)}" for n, e in run.evaluations.items())
+                      + (f" (in {', '.join(sorted(envs))})" if envs else "")))
     if run.interrupted:
         lines.append(("interrupted", f"{_names(run.interrupted)} (not checkpoints; the next run removes them)"))
     for r in run.restarts:
@@ -346,23 +358,29 @@ def list_cmd(
 
 
 def _print_list(run_dir: Path, rows, verify: bool) -> None:
+    from opentau_cli.tools.info import describe_evaluation
+
     if not rows:
         typer.echo(f"No checkpoints in {run_dir}.")
         return
     head = "verified" if verify else "sizes ok"
     width = max(24, *(len(r.name) + 2 for r in rows))
+    success = any(r.evaluation for r in rows)  # a run evaluated in a simulator (eval.env): its success rates
     typer.echo(f"{'':2}{'checkpoint':<{width}}{'step':>8}  {'saved':<26}{'size':>11}  {head:<9}{'consolidated':<13}"
-               f"{'is':<10}{'branch':<9}{'parent':<8}")
+               f"{'is':<10}{'branch':<9}{'parent':<8}" + (f"{'success':<9}" if success else ""))
     for r in rows:
         cons = {None: "n/a", True: "yes", False: "no"}[r.consolidated]
         branch = "current" if r.branch else ("rolled" if r.rolled_back else "-")
         links = "+".join(name for name, on in (("last", r.last), ("best", r.best)) if on) or "-"
         typer.echo(f"{'->' if r.last else '':2}{r.name:<{width}}{r.step if r.step is not None else '-':>8}  {str(r.time):<26}"
                    f"{human(r.bytes):>11}  {'yes' if r.complete else 'NO':<9}{cons:<13}{links:<10}{branch:<9}"
-                   f"{r.parent or '-':<8}{r.note}")
+                   f"{r.parent or '-':<8}" + (f"{describe_evaluation(r.evaluation):<9}" if success else "") + r.note)
     typer.echo("(-> and is last = checkpoints/last points at it; is best = checkpoints/best (checkpoint.keep_best); branch "
                "current = on last's branch, which `opentau resume RUN` continues; rolled = moved aside by a rollback, "
                "kept under rolled_back/)")
+    if success:
+        typer.echo("(success = its success rate in the simulator, eval.env; skipped = a newer checkpoint was published "
+                   "before its turn; waiting / running = not evaluated yet)")
     if verify:
         typer.echo("Every file re-hashed against its checkpoint's manifest.")
     else:

@@ -57,6 +57,7 @@ def validate_cmd(
     """
     from opentau_cli.cli.summary import summarize
     from opentau_cli.plan.run_plan import plan_train
+    from opentau_cli.sim.watch import check_eval_setting
 
     from opentau_cli.plan.memory import parse_size, set_card_memory
 
@@ -66,6 +67,7 @@ def validate_cmd(
     plan = plan_train(config, accelerate_config, list(ctx.args), machine, machines=machines,
                       reshard=parse_bool_flag("--reshard", reshard), rollback=parse_bool_flag("--rollback", rollback),
                       dataset_changed=parse_bool_flag("--dataset-changed", dataset_changed))
+    check_eval_setting(plan.config)  # the checks `opentau eval --env` makes, as train makes them before launch
     for w in plan.checked.warnings:
         warn(w)
     for note in plan.notes:

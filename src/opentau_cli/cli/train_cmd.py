@@ -56,7 +56,9 @@ def _stopped_before_training(plan_and_launch):
 def _launch(plan, break_lock: bool = False) -> None:
     from opentau_cli.cli.summary import summarize
     from opentau_cli.process import launch
+    from opentau_cli.sim.watch import check_eval_setting
 
+    check_eval_setting(plan.config)  # the checks `opentau eval --env` makes (config validate makes them too)
     first = plan.setup.machine_rank == 0  # machine 0 prints the plan and the progress; the others where their logs go
     for note in plan.checked.warnings:
         warn(note)
@@ -68,6 +70,8 @@ def _launch(plan, break_lock: bool = False) -> None:
 
             push(plan.config.output_dir, plan.config.checkpoint.model_dump(), break_lock=break_lock,
                  echo=lambda m: typer.echo(m, err=True))
+        if first and plan.config.eval.enabled:  # its owed evaluations, if its end was interrupted
+            launch.evaluate_owed(plan, echo=lambda m: typer.echo(m, err=True))
         return
 
     def announce() -> None:

@@ -215,7 +215,8 @@ class CheckpointConfig(Section):
     best_metric: str | None = Field(
         None,
         description="Validation key that ranks checkpoints: val_loss, val_mse_loss, ... (the trained weights) or, with "
-                    "ema.decay > 0, ema_val_loss, ... (the EMA weights). Default (null): the loss of the weights "
+                    "ema.decay > 0, ema_val_loss, ... (the EMA weights), or eval/success_rate (with eval.env and "
+                    "best_mode max: the success rate in the simulator). Default (null): the loss of the weights "
                     "export, eval and serve use by default (ema_val_loss with the EMA, else val_loss), resolved when "
                     "the run starts and recorded in train_config.json.",
     )
@@ -277,6 +278,32 @@ class LoggingConfig(Section):
     def uses_tensorboard(self) -> bool:
         return self.tensorboard and "tensorboard" in self.trackers
     progress_bar: Literal["auto", "rich", "plain"] = Field("auto", description="'auto': rich on a TTY, plain lines otherwise.")
+
+
+EVAL_SUCCESS = "eval/success_rate"  # checkpoint.best_metric that ranks by the evaluation in a simulator
+
+
+class EvalConfig(Section):
+    """Closed-loop evaluation of the run's published checkpoints in a simulator, by a process of the launcher's
+    (docs/ARCHITECTURE.md, "Evaluation during training")."""
+
+    env: str | None = Field(None, description="Evaluate published checkpoints in this simulator, as `opentau eval --env` "
+                                              "takes it (metaworld:TASK, pusht, aloha:transfer_cube, ...); null = off.")
+    every: int = Field(1, ge=1, description="Evaluate every Nth published checkpoint (by step / save_freq; the final "
+                                            "checkpoint always).")
+    rollouts: int = Field(10, ge=1, description="Episodes per evaluation, from seeds seed, seed+1, ...")
+    seed: int = Field(0, ge=0, description="Seed of the first episode (the same seeds at every checkpoint).")
+    envs: int = Field(1, ge=1, description="Envs stepped at once, their inference batched.")
+    device: str = Field("cpu", description="Where the evaluation's policy runs: cpu, cuda, cuda:N.")
+    max_steps: int | None = Field(None, ge=1, description="Steps per episode (default: the env's).")
+    camera_map: dict[str, str] = Field(default_factory=dict, description="{policy camera: env camera}, as "
+                                                                         "`opentau eval --camera-map` takes them.")
+    cpus: list[int] | None = Field(None, description="CPU cores the evaluation process is pinned to "
+                                                     "(os.sched_setaffinity); null = wherever the OS puts it.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None
 
 
 class ValidationConfig(Section):
@@ -392,6 +419,7 @@ class TrainConfig(BaseSettings):
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _fill_micro_batch(self) -> "TrainConfig":

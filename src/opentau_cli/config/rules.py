@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from opentau_cli.config.accelerate import FSDP_LAYER_CLASSES, AccelerateSetup, reshard_after_forward
-from opentau_cli.config.model import DEMO_DATASET, LOSS_TERMS, TrainConfig
+from opentau_cli.config.model import DEMO_DATASET, EVAL_SUCCESS, LOSS_TERMS, TrainConfig
 from opentau_cli.config.paths import looks_like_url
 from opentau_cli.errors import UserError
 
@@ -133,7 +133,15 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
         # Recorded resolved in train_config.json, so a resumed run keeps ranking as it started (an older run's
         # recorded val_loss included).
         keep_best.best_metric = cfg.default_best_metric
-    if keep_best.keep_best and not cfg.validation.val_freq:
+    by_success = keep_best.best_metric == EVAL_SUCCESS
+    if by_success and not cfg.eval.enabled:
+        errors.append(f"checkpoint.best_metric {EVAL_SUCCESS} ranks checkpoints by their evaluation in a simulator: "
+                      "set eval.env (e.g. metaworld:push-v3).")
+    elif by_success and keep_best.best_mode != "max":
+        errors.append(f"checkpoint.best_metric {EVAL_SUCCESS} is better when larger: set checkpoint.best_mode max.")
+    elif by_success:
+        pass
+    elif keep_best.keep_best and not cfg.validation.val_freq:
         errors.append(f"checkpoint.keep_best ranks checkpoints by their validation {keep_best.best_metric}: set "
                       "validation.val_freq (and validation.val_split).")
     elif keep_best.keep_best and cfg.save_freq % cfg.validation.val_freq:
@@ -141,7 +149,7 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
                         f"({cfg.validation.val_freq}): only checkpoints saved at a validation step can be kept as best.")
     # best_metric must be a key each validation of this config reports (TrainConfig.validation_keys).
     metric, reported = keep_best.best_metric, cfg.validation_keys()
-    if metric is not None and metric not in reported:
+    if metric is not None and metric not in reported and not by_success:
         if metric.startswith("ema_") and metric.removeprefix("ema_") in reported:
             errors.append(f"checkpoint.best_metric '{metric}' is reported only with the EMA of the weights "
                           f"(ema.decay > 0): set ema.decay, or rank by {metric.removeprefix('ema_')}.")
@@ -149,7 +157,7 @@ def validate(cfg: TrainConfig, accel: AccelerateSetup, machine: Machine, checks:
             close = difflib.get_close_matches(metric, reported, n=1, cutoff=0.5)
             errors.append(f"checkpoint.best_metric '{metric}' is not a validation key of this run: "
                           f"{f'did you mean {close[0]!r}? ' if close else ''}(validation reports {', '.join(reported)}).")
-    elif keep_best.keep_best and cfg.ema.enabled and not metric.startswith("ema_"):
+    elif keep_best.keep_best and cfg.ema.enabled and not metric.startswith("ema_") and not by_success:
         # Kept as chosen (or as an older run recorded it): said, since RUN:best then holds the best live weights.
         warnings.append(f"checkpoint.best_metric={metric} ranks checkpoints by the trained (live) weights, while export, "
                         "eval and serve use the EMA weights by default: pass them --weights live for RUN:best, or rank "

@@ -32,7 +32,7 @@ from opentau_cli.process import runlock
 from opentau_cli.process.accelerate_launcher import TORCHRUN_ARGS
 from opentau_cli.process.restarts import STOPPED, failure_of_attempt, is_knock_on, last_attempt, read_restarts, record_final
 from opentau_cli.process.runtime import ATTEMPT_MARK, PREEMPT_SIGNALS, PREEMPTED_FILE, read_user_error
-from opentau_cli.store.layout import CHECKPOINTS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
+from opentau_cli.store.layout import CHECKPOINTS, EVALS, LAUNCH_FILE, LAUNCHER_LOG, LOGS, METRICS, TENSORBOARD, TRAIN_CONFIG
 from opentau_cli.store.lineage import ROLLED_BACK, roll_back, span
 from opentau_cli.store.runs import checkpoint_steps, clean_leftovers, latest, run_dir_of
 
@@ -181,7 +181,7 @@ def prepare_output_dir(plan: RunPlan, echo=print) -> None:
     run's. A resume with --rollback moves the checkpoints newer than its source aside (lineage.py)."""
     cfg = plan.config
     if cfg.overwrite and not cfg.resume and cfg.output_dir.is_dir():
-        doomed = [cfg.output_dir / name for name in (CHECKPOINTS, METRICS, TENSORBOARD, ROLLED_BACK)
+        doomed = [cfg.output_dir / name for name in (CHECKPOINTS, METRICS, TENSORBOARD, ROLLED_BACK, EVALS)
                   if (cfg.output_dir / name).exists() or (cfg.output_dir / name).is_symlink()]
         if doomed:
             echo(f"--overwrite=true: removing {describe_removal(doomed)} of the earlier run in {cfg.output_dir}.")
@@ -191,7 +191,7 @@ def prepare_output_dir(plan: RunPlan, echo=print) -> None:
             else:
                 p.unlink()
     elif not cfg.resume and cfg.output_dir.is_dir():
-        results = [cfg.output_dir / name for name in (METRICS, TENSORBOARD) if (cfg.output_dir / name).exists()]
+        results = [cfg.output_dir / name for name in (METRICS, TENSORBOARD, EVALS) if (cfg.output_dir / name).exists()]
         if results:
             logs = [p for p in (cfg.output_dir / LOGS).glob("*") if p.is_dir()]
             failed_start = max(logs, key=lambda d: d.stat().st_mtime) if logs else cfg.output_dir / LOGS / "earlier"
@@ -375,6 +375,8 @@ def _run(plan: RunPlan, worker: Worker, echo, lease=None) -> int:
     uploader = start_uploads(plan, log_dir, lease) if plan.config.checkpoint.remote else None
     if lease is not None and uploader is not None:
         lease.on_lost = uploader.give_up  # said once, by the uploader (uploads.log, the progress line)
+    # Machine 0 evaluates the published checkpoints in a process of its own (process/evaluator.py).
+    evaluator = start_evals(plan, log_dir) if plan.config.eval.enabled and first and worker == TRAIN_WORKER else None
     interrupted = False
     preempted: list[str] = []
     proc = None
@@ -413,6 +415,8 @@ def _run(plan: RunPlan, worker: Worker, echo, lease=None) -> int:
                                     stdout=None if worker.console and first else launcher_log, stderr=launcher_log)
         rc = proc.wait()
         local_only = finish_uploads(uploader, plan.config, echo) if uploader is not None else []
+        if evaluator is not None:
+            finish_evals(evaluator, plan.config, echo, wait=rc == 0 and not interrupted and not preempted)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -534,3 +538,55 @@ def finish_uploads(uploader, cfg: TrainConfig, echo) -> list[str]:
                  f"{cfg.output_dir}` uploads {'them' if many else 'it'} once the store answers; `opentau resume "
                  f"{uploader.remote.url}` elsewhere continues from {uploader.remote_last() or 'nothing'}.")
     return local_only
+
+
+def start_evals(plan: RunPlan, log_dir: Path):
+    """The launcher's evaluations of the run's published checkpoints in eval.env (process/evaluator.py); its
+    processes write to evals.log."""
+    from opentau_cli.process.evaluator import Evaluator
+
+    cfg = plan.config
+
+    def note(line: str) -> None:
+        with open(log_dir / "evals.log", "a") as f:
+            f.write(time.strftime("%H:%M:%S ") + line + "\n")
+
+    return Evaluator(Path(cfg.output_dir), save_freq=cfg.save_freq, every=cfg.eval.every, total_steps=cfg.steps,
+                     log=log_dir / "evals.log", echo=note).start()
+
+
+def evaluate_owed(plan: RunPlan, echo) -> None:
+    """A finished run's evaluations that its launch did not finish (stopped by Ctrl-C, or a preemption at the end):
+    `opentau resume RUN` runs them, holding the run lock, and launches no rank."""
+    from opentau_cli.process.evaluator import Evaluator
+
+    cfg = plan.config
+    with runlock.held(cfg.output_dir):
+        probe = Evaluator(Path(cfg.output_dir), save_freq=cfg.save_freq, every=cfg.eval.every, total_steps=cfg.steps,
+                          log=Path(os.devnull))
+        if probe.owed():
+            finish_evals(start_evals(plan, new_log_dir(cfg.output_dir)), cfg, echo, wait=True)
+
+
+def finish_evals(evaluator, cfg: TrainConfig, echo, *, wait: bool) -> None:
+    """A run that reached its end waits for its owed evaluations, the final checkpoint's included (Ctrl-C stops
+    waiting); a preempted or failed one leaves them to the next launch. Says what is still owed and how to finish."""
+    from opentau_cli.store import evals
+
+    if wait:
+        if evaluator.pending() or evaluator.unseen():
+            echo(f"Evaluating the remaining checkpoints in {cfg.eval.env} (Ctrl-C leaves them for `opentau resume "
+                 f"{cfg.output_dir}`)...")
+        left = evaluator.finish()
+    else:
+        evaluator.stop()
+        left = evaluator.pending()
+    if left:
+        echo(f"Checkpoint{'s' * (len(left) > 1)} {', '.join(left)} {'are' if len(left) > 1 else 'is'} not evaluated "
+             f"yet: `opentau resume {cfg.output_dir}` evaluates {'them' if len(left) > 1 else 'it'} first.")
+    done = {n: r for n, r in evals.records(cfg.output_dir).items() if r.get("status") == evals.DONE}
+    if done:
+        last = max(done, key=int)
+        best = max(done, key=lambda n: (done[n]["success_rate"], int(n)))
+        echo(f"Success rate in {cfg.eval.env}: {done[last]['success_rate']:.1%} at checkpoint {last} (the last "
+             f"evaluated); the best is checkpoint {best} with {done[best]['success_rate']:.1%}.")

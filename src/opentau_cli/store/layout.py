@@ -3,7 +3,8 @@
 docs/ARCHITECTURE.md, "Checkpoint contract". A run directory holds:
 
     metrics.jsonl, tensorboard/train/, logs/<time>/, logs/run.lock (while a run lives)
-    rolled_back/<time>/                 checkpoints/ and metrics.jsonl a rollback moved aside (lineage.py)
+    rolled_back/<time>/                 checkpoints/, metrics.jsonl and evals/ a rollback moved aside (lineage.py)
+    evals/<step>.json, evals/queue.json the evaluations in a simulator with eval.env (evals.py)
     checkpoints/<step>/                 published checkpoints, the step zero-padded (step_dir_name)
     checkpoints/last                    the newest published one (point_last writes it, read_last reads it)
     checkpoints/best                    with checkpoint.keep_best: the best by checkpoint.best_metric
@@ -32,6 +33,7 @@ RUN_LOCK = "run.lock"  # logs/run.lock: held by the live run (opentau_cli.proces
 LAUNCHER_LOG = "launcher.log"  # logs/<time>/launcher.log: Accelerate's launcher and torch's elastic agent write here
 LAUNCH_FILE = "launch.json"  # logs/<run id>/launch.json: what process/launch.py hands its ranks, read back by a later resume
 UPLOADING = ".uploading"  # .uploading/<name>/: links to a checkpoint's files while it uploads (process/uploader.py)
+EVALS = "evals"  # evals/<step>.json, evals/queue.json: the evaluations in a simulator (store/evals.py)
 ROLLED_BACK = "rolled_back"  # rolled_back/<time>/checkpoints/<step>/ and rolled_back/<time>/metrics.jsonl (lineage.py)
 
 # What opentau adds to a checkpoint.

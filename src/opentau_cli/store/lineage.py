@@ -18,6 +18,7 @@ from pathlib import Path
 
 from opentau_cli.store.layout import (CHECKPOINTS, MANIFEST, METRICS, ROLLED_BACK, TRAINING_STATE, is_run_dir,
                                            point_last, read_last, step_of)
+from opentau_cli.store import evals
 from opentau_cli.store.manifest import hash_file, is_complete
 
 LINEAGE = "lineage"
@@ -225,6 +226,11 @@ def roll_back(run_dir: Path, ckpt_dir: Path, stamp: str | None = None) -> Rollba
         os.replace(path, target)
         moved.append(target)
     point_last(run_dir / CHECKPOINTS, ckpt_dir.name)
+    for path in newer:  # their evaluations' records (store/evals.py) go with them: a new save of that step is owed one
+        record = evals.record_path(run_dir, path.name)
+        if record.is_file():
+            evals.record_path(into, path.name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(record, evals.record_path(into, path.name))
     records = _move_metrics(run_dir / METRICS, into / METRICS, step)
     return Rollback(to=ckpt_dir, moved=sorted(moved), records=records, into=into)
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.store.layout import (
-    BEST, CHECKPOINTS, LAST, LAUNCH_FILE, LOGS, MANIFEST, METRICS, ROLLED_BACK, TENSORBOARD, step_of,
+    BEST, CHECKPOINTS, EVALS, LAST, LAUNCH_FILE, LOGS, MANIFEST, METRICS, ROLLED_BACK, TENSORBOARD, step_of,
 )
 from opentau_cli.store.manifest import hash_file
 from opentau_cli.store.storage import Storage
@@ -456,6 +456,8 @@ def history_files(run_dir: Path) -> dict[str, Path]:
     found = {METRICS: run_dir / METRICS, RESTARTS_FILE: run_dir / RESTARTS_FILE}
     # Each launch's launch.json: a resume reads the dataset branches its checkpoint's launch recorded.
     found.update({p.relative_to(run_dir).as_posix(): p for p in sorted((run_dir / LOGS).glob(f"*/{LAUNCH_FILE}"))})
+    # The evaluations' records (store/evals.py): those present at the commit; a later one goes with the next commit.
+    found.update({p.relative_to(run_dir).as_posix(): p for p in sorted((run_dir / EVALS).glob("*.json"))})
     tb = run_dir / TENSORBOARD
     if tb.is_dir():
         found.update({p.relative_to(run_dir).as_posix(): p for p in sorted(tb.rglob("*")) if p.is_file()})

@@ -87,6 +87,9 @@ def _why_no_best(run: Path) -> str:
     if not checkpoint.get("keep_best"):
         return ("this run keeps no best checkpoint (set checkpoint.keep_best and validation.val_freq); pass a "
                 "checkpoint directory instead.")
+    if checkpoint.get("best_metric") == "eval/success_rate":  # config/model.py EVAL_SUCCESS
+        return ("no checkpoint of this run has a success rate in its simulator yet (its evaluations are in evals/; "
+                "`opentau resume RUN` finishes those still owed); pass a checkpoint directory instead.")
     return (f"no checkpoint of this run was saved at a validation step with {checkpoint.get('best_metric') or 'its best_metric'} "
             "(make save_freq a multiple of validation.val_freq); pass a checkpoint directory instead.")
 

@@ -1,5 +1,5 @@
-"""A run's training curves without TensorBoard: the loss (training and validation) and the learning rate by step,
-read from its metrics.jsonl and drawn to a PNG (`opentau checkpoint inspect RUN --plot FILE.png`)."""
+"""A run's training curves without TensorBoard: the loss (training and validation), the success rate in the
+simulator (eval.env) and the learning rate by step, read from its metrics.jsonl and drawn to a PNG (`opentau checkpoint inspect RUN --plot FILE.png`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from opentau_cli.store.outputs import publishing
 
 COMMAND = "checkpoint inspect --plot"
 VALIDATION_KEYS = ("val_loss", "ema_val_loss")
+SUCCESS = "eval/success_rate"  # store/evals.py SUCCESS_KEY: the launcher's evaluation's rows (kind "eval")
 
 
 def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """{"loss" | "lr" | "val_loss" | "ema_val_loss": [(step, value), ...]} from the run's metrics.jsonl (a line cut
     short by a kill is skipped)."""
-    curves: dict[str, list[tuple[int, float]]] = {"loss": [], "lr": [], **{k: [] for k in VALIDATION_KEYS}}
+    curves: dict[str, list[tuple[int, float]]] = {"loss": [], "lr": [], SUCCESS: [], **{k: [] for k in VALIDATION_KEYS}}
     try:
         lines = (Path(run_dir) / METRICS).read_text().splitlines()
     except OSError:
@@ -27,7 +28,8 @@ def read_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             record = json.loads(line)
         except ValueError:
             continue
-        keys = ("loss", "lr") if record.get("kind") == "train" else VALIDATION_KEYS if record.get("kind") == "val" else ()
+        kind = record.get("kind")
+        keys = ("loss", "lr") if kind == "train" else VALIDATION_KEYS if kind == "val" else (SUCCESS,) if kind == "eval" else ()
         for key in keys:
             if isinstance(record.get(key), (int, float)):
                 curves[key].append((int(record["step"]), float(record[key])))
@@ -54,7 +56,13 @@ def plot_curves(run_dir: Path, output: Path) -> Path:
         if curves[key]:
             loss_ax.plot(*zip(*curves[key]), "o-", label=key.replace("_", " "), markersize=3)
     loss_ax.set_ylabel("loss")
-    loss_ax.legend()
+    loss_ax.legend(loc="upper left")
+    if curves[SUCCESS]:  # beside the loss, on its own axis: the success rate rises as the loss falls (or does not)
+        success_ax = loss_ax.twinx()
+        success_ax.plot(*zip(*sorted(curves[SUCCESS])), "s-", color="tab:red", label="success rate", markersize=4)
+        success_ax.set_ylim(-0.02, 1.02)
+        success_ax.set_ylabel("success rate")
+        success_ax.legend(loc="upper right")
     loss_ax.grid(alpha=0.3)
     lr_ax.plot(*zip(*curves["lr"]), color="tab:green", label="learning rate", marker=dots)
     lr_ax.set_ylabel("learning rate")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opentau_cli.errors import UserError
-from opentau_cli.store import manifest as mf
+from opentau_cli.store import evals, manifest as mf
 from opentau_cli.store.dcp import is_dcp_checkpoint, summary as dcp_summary
 from opentau_cli.store.format import check_readable
 from opentau_cli.store.layout import (
@@ -85,9 +85,31 @@ class CheckpointInfo:
     lora: dict | None = None  # a LoRA checkpoint: rank, alpha and the base it does not copy ({"source", "files"|"seed"})
     lineage: dict | None = None  # the checkpoint it continues and the launch that wrote it (store/lineage.py)
     links: list[str] = field(default_factory=list)  # which of its run's checkpoints/last and checkpoints/best point at it
+    evaluation: dict | None = None  # its evaluation in eval.env (evaluation_of), None when the run evaluates none
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def evaluation_of(run_dir: Path, name: str) -> dict | None:
+    """A checkpoint's evaluation in the simulator (eval.env, store/evals.py) without its episodes: the record (status
+    done, skipped or failed), or {"status": "running" | "waiting"} while the launcher owes it; None otherwise."""
+    record = evals.read_record(run_dir, name)
+    if record is not None:
+        return {k: v for k, v in record.items() if k != "episodes"}
+    queue = evals.read_queue(run_dir)
+    if queue["running"] == name:
+        return {"status": "running"}
+    return {"status": "waiting"} if name in queue["waiting"] else None
+
+
+def describe_evaluation(evaluation: dict | None) -> str:
+    """'62.5%', 'skipped', 'running', ... ('-': none)."""
+    if not evaluation:
+        return "-"
+    if evaluation.get("status") == evals.DONE:
+        return f"{evaluation['success_rate']:.1%}"
+    return evaluation.get("status", "-")
 
 
 def _weights_index(ckpt_dir: Path) -> list[Path]:
@@ -129,6 +151,8 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
     info.total_bytes = sum(info.files.values())
     info.complete = mf.is_complete(ckpt_dir)
     info.links = links_to(ckpt_dir)
+    if ckpt_dir.resolve().parent.name == CHECKPOINTS:
+        info.evaluation = evaluation_of(ckpt_dir.resolve().parent.parent, ckpt_dir.resolve().name)
 
     ds = _deepspeed_summary(ckpt_dir)
     weights = _weights_index(ckpt_dir)
@@ -279,6 +303,7 @@ class ListedCheckpoint:
     parent: str | None = None  # the checkpoint it continues, from its lineage record
     rolled_back: str | None = None  # the rollback (rolled_back/<time>) that moved it aside
     best: bool = False  # checkpoints/best (checkpoint.keep_best) points at it
+    evaluation: dict | None = None  # its evaluation in eval.env (evaluation_of)
 
 
 def list_run(run_dir: Path, *, verify: bool = False) -> list[ListedCheckpoint]:
@@ -301,6 +326,7 @@ def list_run(run_dir: Path, *, verify: bool = False) -> list[ListedCheckpoint]:
         row = _listed(d, d.name, verify, leftover=leftover)
         row.last, row.best = not leftover and d.name == last, not leftover and d.name == best
         row.branch = not leftover and d.name in branch
+        row.evaluation = None if leftover else evaluation_of(run, d.name)
         rows.append(row)
     for stamp, d in rolled_back(run):
         row = _listed(d, d.relative_to(run).as_posix(), verify, leftover=None)
@@ -350,6 +376,7 @@ class RunInfo:
     # checkpoint.remote: {"url", "checkpoints": {name: "remote" | "uploading" | "local"}, ...} as the launcher's
     # uploads left it (process/uploader.py)
     remote: dict | None = None
+    evaluations: dict[str, dict] = field(default_factory=dict)  # checkpoint name -> its evaluation (evaluation_of)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -390,4 +417,6 @@ def inspect_run(run_dir: Path) -> RunInfo:
     from opentau_cli.process.uploader import read_status
 
     info.remote = read_status(run)
+    names = sorted(set(evals.records(run)) | evals.busy(run), key=int)
+    info.evaluations = {n: e for n in names if (e := evaluation_of(run, n)) is not None}
     return info

@@ -50,6 +50,7 @@ class CardFacts:
     base: BaseModel | None = None
     eval: dict | None = None  # the eval.json of `opentau eval` on this checkpoint
     eval_plot: str | None = None  # its plot's path in the repo
+    simulator: dict | None = None  # its evaluation in a simulator during training (store/evals.py, eval.env)
     asset: str | None = None  # openpi: assets/<asset>/norm_stats.json
     files: list[str] = field(default_factory=list)
 
@@ -193,6 +194,21 @@ def _recipe(f: CardFacts) -> str:
 
 
 def _evaluation(f: CardFacts) -> str:
+    return _offline(f) + _in_simulator(f.simulator)
+
+
+def _in_simulator(s: dict | None) -> str:
+    if s is None:
+        return ""
+    low, high = s["success_rate_95"]
+    return (f"\n### In a simulator\n\nSuccess rate **{s['success_rate']:.1%}** ({s['successes']} of {s['episodes_run']} "
+            f"episodes; 95% interval {low:.1%}-{high:.1%}) in `{s['env']}`, episodes from seeds {s['seed']} to "
+            f"{s['seed'] + s['rollouts'] - 1}, evaluated during training at step {s['step']} "
+            f"({s['weights'] or 'the'} weights); mean return {s['mean_return']:.3g}, mean episode length "
+            f"{s['mean_steps']:.1f} steps.\n")
+
+
+def _offline(f: CardFacts) -> str:
     e = f.eval
     if e is None:
         return ("## Evaluation\n\nNo `opentau eval` result of this checkpoint was found when it was pushed "

@@ -308,11 +308,21 @@ def _card(ckpt: Path, digest: str, target: Target, layout: str, result, evaluate
         run=_run_name(ckpt), checkpoint=ckpt.name, manifest_xxh3=digest, weights=result.weights,
         dataset=metadata.get("dataset") or select_member(config, None).label, base=base_model(config.policy.pretrained_path),
         eval=_eval_report(evaluated) if evaluated is not None else None, eval_plot=EVAL_PLOT if extra else None,
+        simulator=_simulator_record(ckpt),
         asset=next((p.split("/")[1] for p in upload if p.startswith("assets/")), None),
         files=sorted([*upload, *extra, CARD]))
     card = scratch / CARD
     card.write_text(render(facts))
     return {CARD: card, **extra}
+
+
+def _simulator_record(ckpt: Path) -> dict | None:
+    """The checkpoint's evaluation in eval.env during training (store/evals.py), when it has a done one."""
+    from opentau_cli.store import evals
+    from opentau_cli.store.runs import run_dir_of
+
+    record = evals.read_record(run_dir_of(ckpt), ckpt.name)
+    return record if record and record.get("status") == evals.DONE else None
 
 
 def _export_metadata(output: Path) -> dict:

@@ -21,6 +21,7 @@ from typing import Callable
 
 from opentau_cli.config.paths import record_paths
 from opentau_cli.errors import RunError
+from opentau_cli.store import evals
 from opentau_cli.store.faults import fault_point
 from opentau_cli.store.format import skip_zip_crcs, stamp
 from opentau_cli.store.layout import (
@@ -424,7 +425,9 @@ class CheckpointManager:
             point_last(self.root, best[0].name, BEST)
         if not self.keep_last:
             return
-        kept = set(branch[-self.keep_last:]) | set(best) | {self.root / n for n in [read_last(self.root)] if n}
+        # The launcher's evaluation (eval.env) keeps the checkpoint it evaluates and those waiting for it.
+        kept = (set(branch[-self.keep_last:]) | set(best) | {self.root / n for n in [read_last(self.root)] if n}
+                | {self.root / n for n in evals.busy(self.run_dir)})
         for path in branch:
             if path in kept or (self.protect is not None and path.resolve() == self.protect):
                 continue
@@ -445,6 +448,8 @@ class BestCheckpoints:
     mode: str = "min"
 
     def score(self, ckpt: Path) -> float | None:
+        if self.metric == evals.SUCCESS_KEY:  # recorded by the launcher's evaluation, after the checkpoint's publish
+            return evals.success_rate(ckpt.parent.parent, ckpt.name)
         try:
             value = json.loads((ckpt / TRAINING_STATE).read_text()).get("validation", {}).get(self.metric)
         except (OSError, ValueError, AttributeError):

@@ -1,0 +1,176 @@
+"""Training that evaluates its own checkpoints in a simulator (eval.env): a tiny policy trained on MetaWorld reach-v3
+expert data, each published checkpoint rolled out by the launcher's evaluation process; its records beside the
+checkpoints, its rows in metrics.jsonl, `checkpoint list` / `inspect`, checkpoints/best by success rate, an owed
+evaluation finished by a resume, and the refusals before launch. One launch serves every assertion on it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLES, run_cli, run_cli_in_process
+from test_sim_eval import _require_simulators
+
+pytestmark = pytest.mark.slow
+
+ENV = "metaworld:reach-v3"
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory) -> Path:
+    _require_simulators()
+    out = tmp_path_factory.mktemp("sim") / "reach"
+    done = run_cli(["dataset", "synth", str(out), "--env", ENV, "--episodes", "3", "--seed", "0", "--image-size", "32"])
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _args(experts: Path, out: Path, *extra: str, env: str | None = ENV) -> list[str]:
+    return ["--config_path", str(EXAMPLES / "pi05_tiny_config.json"), f"--dataset.root={experts}",
+            f"--output_dir={out}", "--steps=6", "--save_freq=2", "--validation.val_split=0", "--validation.val_freq=0",
+            *([f"--eval.env={env}"] if env else []), "--eval.rollouts=2", "--eval.max_steps=6", *extra]
+
+
+@pytest.fixture(scope="module")
+def run(experts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_run") / "run"
+    done = run_cli(["train", *_args(experts, out, "--checkpoint.keep_best=1",
+                                    "--checkpoint.best_metric=eval/success_rate", "--checkpoint.best_mode=max")])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out, done
+
+
+def _records(out: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((out / "evals").glob("0*.json"))}
+
+
+def test_every_published_checkpoint_is_evaluated_or_recorded_as_skipped_and_the_final_one_evaluated(run):
+    out, _ = run
+    records = _records(out)
+    assert sorted(records) == ["000002", "000004", "000006"]
+    assert {r["status"] for r in records.values()} <= {"done", "skipped"}
+    assert records["000002"]["status"] == "done" and records["000006"]["status"] == "done"
+    final = records["000006"]
+    assert final["env"] == ENV and final["rollouts"] == 2 and final["seed"] == 0 and final["episodes_run"] == 2
+    assert [e["seed"] for e in final["episodes"]] == [0, 1]
+    assert all(e["steps"] <= 6 for e in final["episodes"])
+    assert json.loads((out / "evals" / "queue.json").read_text()) == {"running": None, "waiting": []}
+    for name in ("000002", "000006"):  # the checkpoints' own files untouched: their manifests still vouch for them
+        if (out / "checkpoints" / name).is_dir():
+            assert run_cli_in_process(["checkpoint", "verify", str(out / "checkpoints" / name)]).returncode == 0
+
+
+def test_each_result_is_one_metrics_row_at_its_checkpoints_step(run):
+    out, _ = run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in rows if r.get("kind") == "eval"]
+    done = {int(n): r for n, r in _records(out).items() if r["status"] == "done"}
+    assert sorted(r["step"] for r in evaluated) == sorted(done)
+    for row in evaluated:
+        record = done[row["step"]]
+        assert row["eval/success_rate"] == record["success_rate"]
+        assert row["eval/mean_return"] == record["mean_return"]
+        assert row["eval/episode_length"] == record["mean_steps"]
+    assert any(p.name.endswith(".eval") for p in (out / "tensorboard").rglob("*"))
+
+
+def test_best_is_the_checkpoint_with_the_highest_success_rate_and_the_summary_names_it(run):
+    out, done = run
+    records = {n: r for n, r in _records(out).items() if r["status"] == "done"}
+    best = max(records, key=lambda n: (records[n]["success_rate"], int(n)))
+    assert (out / "checkpoints" / "best").resolve().name == best
+    assert f"the best is checkpoint {best}" in done.stderr
+    assert f"at checkpoint 000006 (the last evaluated)" in done.stderr
+
+
+def test_checkpoint_list_and_inspect_show_the_success_rates(run, tmp_path):
+    out, _ = run
+    listed = run_cli_in_process(["checkpoint", "list", str(out)])
+    assert listed.returncode == 0, listed.stderr
+    rate = f"{_records(out)['000006']['success_rate']:.1%}"
+    line = next(line for line in listed.stdout.splitlines() if "000006" in line)
+    assert rate in line
+    shown = run_cli_in_process(["checkpoint", "inspect", str(out / "checkpoints" / "000006")])
+    assert f"success rate:    {rate} (" in shown.stdout and ENV in shown.stdout
+    plot = tmp_path / "curves.png"
+    drawn = run_cli_in_process(["checkpoint", "inspect", str(out), "--plot", str(plot)])
+    assert drawn.returncode == 0, drawn.stderr
+    assert plot.stat().st_size > 0 and "success rate:" in drawn.stdout
+
+
+def test_a_resume_finishes_an_evaluation_a_killed_launcher_left_running(run, tmp_path):
+    out, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, symlinks=True)
+    before = _records(copy)["000006"]
+    (copy / "evals" / "000006.json").unlink()  # killed before its record was written
+    (copy / "evals" / "queue.json").write_text(json.dumps({"running": "000006", "waiting": []}))
+    done = run_cli(["resume", str(copy)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    again = _records(copy)["000006"]
+    assert again["status"] == "done" and again["episodes"] == before["episodes"]
+    rows = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "eval"].count(6) == 1  # its row logged once
+
+
+@pytest.mark.parametrize("env, extra, said", [
+    ("metaworld:no-such-task-v3", [], "no-such-task-v3"),
+    ("aloha:transfer_cube", [], "camera"),
+    (None, ["--checkpoint.keep_best=1", "--checkpoint.best_metric=eval/success_rate", "--checkpoint.best_mode=max"],
+     "set eval.env"),
+])
+def test_bad_evaluation_settings_are_refused_before_launch_and_nothing_is_written(experts, tmp_path, env, extra, said):
+    out = tmp_path / "run"
+    args = _args(experts, out, *extra, env=env)
+    for command in (["config", "validate", *args[1:]], ["train", *args]):  # validate takes the config as its argument
+        done = run_cli_in_process(command)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert not out.exists()
+
+
+def test_the_model_card_reports_the_checkpoints_success_rate_with_env_seeds_and_episodes(run):
+    from opentau_cli.config.load import load_config
+    from opentau_cli.tools.model_card import CardFacts, render
+
+    out, _ = run
+    ckpt = out / "checkpoints" / "000006"
+    record = _records(out)["000006"]
+    card = render(CardFacts(repo_id="bob/reach", branch="main", layout="lerobot",
+                            config=load_config(str(ckpt / "train_config.json"), {}),
+                            state=json.loads((ckpt / "training_state.json").read_text()), run="run",
+                            checkpoint="000006", manifest_xxh3="d" * 32, weights="live", dataset="reach",
+                            simulator=record, files=["model.safetensors"]))
+    assert (f"Success rate **{record['success_rate']:.1%}** ({record['successes']} of 2 episodes; " in card
+            and f"in `{ENV}`, episodes from seeds 0 to 1, evaluated during training at step 6" in card)
+
+
+@pytest.mark.parametrize("accelerate", ["accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_zero3_config.yaml",
+                                        "accelerate_cpu_fsdp2_config.yaml"])
+def test_a_sharded_or_replicated_run_has_its_checkpoint_evaluated_from_the_published_files(experts, tmp_path, accelerate):
+    out = tmp_path / "run"
+    args = _args(experts, out)
+    args = [a for a in args if not a.startswith(("--steps=", "--save_freq="))] + ["--steps=2", "--save_freq=2"]
+    done = run_cli(["train", *args, "--accelerate-config", str(EXAMPLES / accelerate)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = _records(out)["000002"]
+    assert record["status"] == "done" and record["episodes_run"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/success_rate"] for r in rows if r.get("kind") == "eval"] == [record["success_rate"]]
+
+
+def test_a_rollback_moves_the_newer_checkpoints_records_aside_and_their_new_saves_are_evaluated(run, tmp_path):
+    out, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy, symlinks=True)
+    done = run_cli(["resume", str(copy / "checkpoints" / "000002"), "--rollback=true"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    aside = next((copy / "rolled_back").iterdir())
+    assert sorted(p.name for p in (aside / "evals").iterdir()) == ["000004.json", "000006.json"]
+    records = _records(copy)
+    assert records["000002"] == _records(out)["000002"]  # kept: its checkpoint is the resume point
+    assert records["000006"]["status"] == "done"
+    assert records["000004"]["status"] in ("done", "skipped")
