@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 echo "load before: $(cat /proc/loadavg 2>/dev/null || uptime) on $(nproc) cores"
 setup_start=$SECONDS
 ./scripts/setup.sh
+./scripts/setup_sim.sh    # the simulators of `opentau eval --env` (the [sim] extra) and the GL libraries they render with
+./scripts/setup_slurm.sh  # Debian's SLURM and munge: tests/slurm_cluster.py starts a real cluster
 echo "set-up: $((SECONDS - setup_start)) s"
 export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"
 ./scripts/peer_envs.sh  # the peers' own packages the tests check against (built once, cached)
