@@ -55,15 +55,15 @@ def env() -> dict:
     return e
 
 
-def run(args: list[str], *, timeout: float = 3600, check: bool = True,
-        extra_env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+def run(args: list[str], *, timeout: float = 3600, check: bool = True, extra_env: dict | None = None,
+        ok: tuple[int, ...] = (0,)) -> tuple[subprocess.CompletedProcess, float]:
     """Run a command (usually the installed CLI), with `extra_env` on top of this process's variables; returns the
-    result and its wall time in seconds."""
+    result and its wall time in seconds. `ok`: the exit codes that count as success when `check`."""
     start = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, env={**env(), **(extra_env or {})}, cwd=REPO,
                           timeout=timeout)
     wall = time.perf_counter() - start
-    if check and proc.returncode != 0:
+    if check and proc.returncode not in ok:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(args)}")
     return proc, wall

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
-from test_sim_eval import _require_simulators
+from conftest import EXAMPLES, require_simulators, run_cli, run_cli_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +20,7 @@ ENV = "metaworld:reach-v3"
 
 @pytest.fixture(scope="module")
 def experts(tmp_path_factory) -> Path:
-    _require_simulators()
+    require_simulators()
     out = tmp_path_factory.mktemp("sim") / "reach"
     done = run_cli(["dataset", "synth", str(out), "--env", ENV, "--episodes", "3", "--seed", "0", "--image-size", "32"])
     assert done.returncode == 0, done.stderr
@@ -83,7 +82,7 @@ def test_best_is_the_checkpoint_with_the_highest_success_rate_and_the_summary_na
     best = max(records, key=lambda n: (records[n]["success_rate"], int(n)))
     assert (out / "checkpoints" / "best").resolve().name == best
     assert f"the best is checkpoint {best}" in done.stderr
-    assert f"at checkpoint 000006 (the last evaluated)" in done.stderr
+    assert "at checkpoint 000006 (the last evaluated)" in done.stderr
 
 
 def test_checkpoint_list_and_inspect_show_the_success_rates(run, tmp_path):

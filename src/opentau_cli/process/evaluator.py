@@ -103,16 +103,26 @@ class Evaluator:
         name = self._newest()
         if name is None:
             return
+        due = [*self._missed(name), *([name] if self.due(name) else [])]  # oldest first
         self._seen.add(name)
-        if not self.due(name):
+        if not due:
             return
-        if self.waiting is not None:
-            evals.write_record(self.run_dir, self.waiting, {
-                "status": evals.SKIPPED, "step": step_of(self.waiting),
-                "reason": f"checkpoint {name} was published before its turn (one evaluation at a time; the newest "
+        for older in [n for n in [self.waiting, *due[:-1]] if n]:
+            evals.write_record(self.run_dir, older, {
+                "status": evals.SKIPPED, "step": step_of(older),
+                "reason": f"checkpoint {due[-1]} was published before its turn (one evaluation at a time; the newest "
                           "waiting one goes next)"})
-        self.waiting = name
+        self.waiting = due[-1]
         self._write_queue()
+
+    def _missed(self, name: str) -> list[str]:
+        """The due checkpoints saved since the newest one this thread saw that `last` never named while it looked
+        (the run saved twice between two looks): overtaken like a waiting one, so recorded as skipped too."""
+        step, width = step_of(name), len(name)
+        seen = [s for s in map(step_of, self._seen) if s is not None and s < step]
+        recorded = evals.records(self.run_dir)
+        between = (str(s).zfill(width) for s in range(max(seen, default=0) + 1, step))
+        return [n for n in between if self.due(n) and n not in recorded and n not in self.pending()]
 
     def _loop(self) -> None:
         while not self._stop.is_set():
