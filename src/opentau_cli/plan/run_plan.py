@@ -139,10 +139,12 @@ LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir, check_trackers, 
 def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:
     """Every rule a launch must pass on `machine` (resume checks aside): raises one UserError naming every problem."""
     from opentau_cli.plan.memory import check_memory
+    from opentau_cli.plan.save_time import check_save_grace
 
     checked = validate(cfg, setup, machine, LAUNCH_CHECKS)
     check_machines(checked.config, setup)
     check_memory(checked.config, setup, machine)  # a run that will not fit the card is refused before launch
+    checked.warnings.extend(check_save_grace(checked.config, setup))  # a save the stop signal's grace may cut short
     return checked
 
 
