@@ -79,3 +79,22 @@ def test_a_save_that_fits_the_grace_says_nothing(isolated_env):
                                  "--checkpoint.save_grace_seconds=60"])
     assert result.returncode == 0, result.stderr
     assert "A checkpoint of" not in result.stderr
+
+
+def test_a_resume_counts_the_bytes_of_the_checkpoint_it_continues(tmp_path):
+    from opentau_cli.config import resolve_accelerate_config
+    from opentau_cli.plan.save_time import check_save_grace
+
+    ckpt = tmp_path / "run" / "checkpoints" / "000100"
+    (ckpt / "model").mkdir(parents=True)
+    with open(ckpt / "model" / "model.safetensors", "wb") as f:  # sparse: 3.4 GB apparent, nothing on disk
+        f.truncate(3_400_000_000)
+    (ckpt / "training_state.json").write_text("{}")  # 2 bytes
+    cfg = load_config(TINY, ["--checkpoint.save_grace_seconds=10"], environ={})
+    setup = resolve_accelerate_config(DDP)
+    nbytes = 3_400_000_002
+    assert check_save_grace(cfg, setup, ckpt) == [
+        f"A checkpoint of 3.4 GB (as 000100, which this resumes) may take ~{nbytes / WRITE:.0f} s to save (at 170 MB/s "
+        "to disk), more than the 10 s checkpoint.save_grace_seconds gives before the job is killed: give the job a "
+        "longer grace (and checkpoint.save_grace_seconds with it)."]
+    assert check_save_grace(cfg, setup) == []  # the tiny preset's own checkpoint saves well within 10 s

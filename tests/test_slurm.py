@@ -239,8 +239,6 @@ SUBMITTED = ("slurm_2nodes_8gpus.sbatch", "slurm_elastic_2nodes_8gpus.sbatch", "
 
 
 def _arguments(code: str) -> list[str]:
-    import shlex
-
     return shlex.split(code.replace("\\\n", " "), comments=True)
 
 

@@ -5,6 +5,7 @@ conservative write and upload rates, against `checkpoint.save_grace_seconds` or 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Mapping
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
@@ -51,15 +52,21 @@ def save_seconds(cfg: TrainConfig, nbytes: int) -> float:
     return seconds
 
 
-def check_save_grace(cfg: TrainConfig, setup: AccelerateSetup, environ: Mapping[str, str] | None = None) -> list[str]:
-    """One warning when the save a stop signal starts may outlast the grace it leaves, naming both numbers."""
+def check_save_grace(cfg: TrainConfig, setup: AccelerateSetup, resume_from: Path | None = None,
+                     environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning when the save a stop signal starts may outlast the grace it leaves, naming both numbers. A resume
+    counts the bytes of the checkpoint it continues (what this run's saves write), a fresh run the plan's estimate."""
+    from opentau_cli.train.manager import dir_bytes
+
     if not cfg.checkpoint.save_on_preemption:
         return []
     given = grace(cfg, environ)
     if given is None:
         return []
     seconds, source = given
-    nbytes = checkpoint_bytes(cfg, setup)
+    measured = dir_bytes(resume_from) if resume_from is not None else 0
+    nbytes = measured or checkpoint_bytes(cfg, setup)
+    size = f"{nbytes / 1e9:.1f} GB" + (f" (as {resume_from.name}, which this resumes)" if measured else "")
     needed = save_seconds(cfg, nbytes)
     if needed <= seconds:
         return []
@@ -75,5 +82,5 @@ def check_save_grace(cfg: TrainConfig, setup: AccelerateSetup, environ: Mapping[
     if cfg.checkpoint.remote and cfg.checkpoint.remote_drain_seconds < nbytes / UPLOAD_BYTES_PER_SECOND:
         fix += (f", and checkpoint.remote_drain_seconds={cfg.checkpoint.remote_drain_seconds:g} above the upload's "
                 f"~{nbytes / UPLOAD_BYTES_PER_SECOND:.0f} s")
-    return [f"A checkpoint of {nbytes / 1e9:.1f} GB may take ~{needed:.0f} s to {what} (at {rates}), more than the "
+    return [f"A checkpoint of {size} may take ~{needed:.0f} s to {what} (at {rates}), more than the "
             f"{seconds:g} s {source} gives before the job is killed: {fix}."]
