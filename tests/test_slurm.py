@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -178,6 +179,26 @@ def test_the_elastic_2_node_job_requeued_while_it_runs_continues_exactly(cluster
     assert train_losses(run) == reference
 
 
+def test_a_save_longer_than_the_jobs_signal_time_is_a_warning_naming_both_numbers(cluster, clone):
+    """SLURM gives a job's --signal time neither in its environment nor in `scontrol show job`: the plan reads it from
+    the batch script and warns when the checkpoint may take longer to save (plan/save_time.py)."""
+    from test_save_grace import BIG, WRITE, big_checkpoint_bytes
+
+    root, env = clone
+    script = root / "validate.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --signal=B:USR1@5\n#SBATCH --output=slurm-%j.out\n"
+                      f"opentau config validate {TINY} {shlex.join(BIG[1:])} --output_dir=validate-run\n")
+    job = cluster.sbatch(script, NO_GPUS, cwd=root, env=env)
+    cluster.wait(job, "COMPLETED")
+    nbytes = big_checkpoint_bytes()
+    needed = nbytes / WRITE
+    warnings = [line for line in output(root, job).splitlines() if line.startswith("Warning: A checkpoint of")]
+    assert warnings == [f"Warning: A checkpoint of {nbytes / 1e9:.1f} GB may take ~{needed:.0f} s to save (at 170 MB/s "
+                        "to disk), more than the 5 s SLURM's --signal=B:USR1@5 gives before the job is killed: raise it "
+                        f"(--signal=B:USR1@{int(needed * 1.5) + 30})."]
+    assert not (root / "validate-run").exists()
+
+
 def test_a_yaml_for_2_machines_in_a_1_node_job_is_refused_in_one_sentence(cluster, clone):
     root = clone[0]
     run = root / "mismatch"
@@ -218,8 +239,6 @@ SUBMITTED = ("slurm_2nodes_8gpus.sbatch", "slurm_elastic_2nodes_8gpus.sbatch", "
 
 
 def _arguments(code: str) -> list[str]:
-    import shlex
-
     return shlex.split(code.replace("\\\n", " "), comments=True)
 
 

@@ -245,6 +245,13 @@ class CheckpointConfig(Section):
         description="When a launch ends (finished, preempted or failed), how long it waits for its pending uploads "
                     "before it exits and names the checkpoints that are local only.",
     )
+    save_grace_seconds: float | None = Field(
+        None, gt=0,
+        description="The seconds a stop signal leaves before the job is killed (Kubernetes' "
+                    "terminationGracePeriodSeconds, a scheduler's grace): the plan warns when a save (and, with "
+                    "remote, its upload) may take longer. Default: in a SLURM job, its --signal time (SBATCH_SIGNAL "
+                    "or the batch script's #SBATCH --signal); elsewhere no check.",
+    )
     remote_lease_seconds: float = Field(
         120.0, ge=2,
         description="The launch writing to checkpoint.remote holds the store's lease (one writer per prefix), renewed "

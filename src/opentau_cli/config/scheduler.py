@@ -84,3 +84,55 @@ def first_node_address(nodelist: str) -> tuple[str, str]:
         raise UserError(f"`scontrol show hostnames {nodelist}` names no host: set MASTER_ADDR to machine 0's address.")
     found = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", "-o", hosts[0]))
     return hosts[0], found.group(1) if found else hosts[0]
+
+
+# sbatch's --signal: [{R|B}:]SIG[@SECONDS], SECONDS before the time limit; 60 when left out (sbatch(1)).
+SIGNAL_DEFAULT_SECONDS = 60
+_SIGNAL = re.compile(r"(?:[RB]+:)?(?:SIG)?(\w*)(?:@(\d+))?", re.IGNORECASE)
+# `#SBATCH --signal=B:USR1@300` or `#SBATCH --signal B:USR1@300`
+_SBATCH_SIGNAL = re.compile(r"#SBATCH\s.*?--signal(?:=|\s+)(\S+)")
+
+
+def signal_seconds(text: str) -> int | None:
+    """The seconds before the time limit that an sbatch `--signal` value gives (`B:USR1@300` -> 300, `USR1` -> 60);
+    None when it is not one."""
+    found = _SIGNAL.fullmatch(text.strip())
+    if not found or not (found.group(1) or found.group(2)):
+        return None
+    return int(found.group(2)) if found.group(2) else SIGNAL_DEFAULT_SECONDS
+
+
+def script_signal(script: str) -> str | None:
+    """The `--signal` value of a batch script's `#SBATCH` lines (the last one; sbatch stops reading them at the first
+    command), or None."""
+    value = None
+    for line in script.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        found = _SBATCH_SIGNAL.match(line)
+        if found:
+            value = found.group(1)
+    return value
+
+
+def signal_grace(environ: Mapping[str, str]) -> tuple[int, str] | None:
+    """(seconds, where they were read) of the job's `--signal`: SBATCH_SIGNAL when the submitter set it (it wins over
+    the script, as sbatch takes it), else the job's batch script as `scontrol write batch_script` gives it back (SLURM
+    puts the time neither in the job's environment nor in `scontrol show job`). None outside SLURM, for a job without
+    --signal, or when scontrol cannot say (an interactive allocation has no batch script)."""
+    job_id = environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    given = environ.get("SBATCH_SIGNAL")
+    if given and signal_seconds(given) is not None:
+        return signal_seconds(given), f"SBATCH_SIGNAL={given}"
+    try:
+        result = subprocess.run(["scontrol", "write", "batch_script", job_id, "-"], capture_output=True, text=True,
+                                timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    value = script_signal(result.stdout) if result.returncode == 0 else None
+    if value is None or signal_seconds(value) is None:
+        return None
+    return signal_seconds(value), f"SLURM's --signal={value}"

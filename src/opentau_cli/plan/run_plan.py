@@ -136,13 +136,17 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
 LAUNCH_CHECKS = (check_dataset, check_policy, check_output_dir, check_trackers, check_remote)
 
 
-def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine) -> Validated:
-    """Every rule a launch must pass on `machine` (resume checks aside): raises one UserError naming every problem."""
+def check_launch(cfg: TrainConfig, setup: AccelerateSetup, machine: Machine, resume_from: Path | None = None) -> Validated:
+    """Every rule a launch must pass on `machine` (resume checks aside): raises one UserError naming every problem.
+    `resume_from`: the checkpoint a resume continues (its size is what a save of this run writes)."""
     from opentau_cli.plan.memory import check_memory
+    from opentau_cli.plan.save_time import check_save_grace
 
     checked = validate(cfg, setup, machine, LAUNCH_CHECKS)
     check_machines(checked.config, setup)
     check_memory(checked.config, setup, machine)  # a run that will not fit the card is refused before launch
+    # A save that the stop signal's grace may cut short: a warning, the rates being estimates.
+    checked.warnings.extend(check_save_grace(checked.config, setup, resume_from))
     return checked
 
 
@@ -316,7 +320,7 @@ def _plan_resume(cfg: TrainConfig, ckpt: Path, accelerate_config: Path | None, o
     branches = asked_revisions(cfg) if told_revision(overrides) else started_on
     notes.extend(pin_for_resume(ckpt, cfg, saved, overrides, started_on))
     unpin(cfg)  # a dataset in object storage: what its store holds now is pinned, then compared with the checkpoint's
-    checked = check_launch(cfg, setup, machine)
+    checked = check_launch(cfg, setup, machine, ckpt)
     # A local dataset rewritten under the same root since the checkpoint, or one in object storage whose files
     # changed: refused as another Hub commit would be, unless the command line says so (the flag, or naming it).
     notes.extend(check_unchanged(ckpt, checked.config.dataset.members(), saved.get(FINGERPRINTS) or {},
