@@ -141,9 +141,10 @@ MODULE_SECONDS_LAST_CI = {  # the 15 slowest of a whole-suite run here (2026-12-
     "test_gpu_check.py": 126, "test_async_save.py": 117, "test_faults_edges.py": 115, "test_data_remote_e2e.py": 105,
     "test_readme_commands.py": 92, "test_history_e2e.py": 84, "test_elastic_machines.py": 80, "test_ema_e2e.py": 78,
     "test_consolidate.py": 77, "test_checkpoint_faults.py": 70, "test_process_lifetime.py": 67,
-    # measured alone, by hand, on a loaded machine (#49-#52): their first whole-suite run replaces these
-    "test_slurm.py": 420, "test_resume_auto.py": 90, "test_sim_eval.py": 300, "test_sim_closed_loop.py": 300,
-    "test_eval_training.py": 300, "test_remote_writers.py": 250, "test_eval_peer.py": 200, "test_remote_readers.py": 130,
+    # the new modules of #49-#52: the first three from a whole-suite run here (2026-12-06 07:57), the rest measured
+    # alone on a loaded machine
+    "test_slurm.py": 218, "test_eval_peer.py": 169, "test_remote_writers.py": 122, "test_resume_auto.py": 90,
+    "test_sim_eval.py": 300, "test_sim_closed_loop.py": 300, "test_eval_training.py": 120, "test_remote_readers.py": 130,
 }
 
 
