@@ -32,6 +32,15 @@ HOOK = str(REPO / "tests" / "upload_hook")
 TORCH_EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
 
 
+def wait_for(condition, what: str, proc, seconds: float = 180) -> None:
+    """Until `condition()` holds, while the launch `proc` is still running, for at most `seconds` (a guard, no timing)."""
+    deadline = time.time() + seconds
+    while not condition():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) while waiting for {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     out = {}
     for line in (run_dir / METRICS).read_text().splitlines():

@@ -17,17 +17,9 @@ import pytest
 from conftest import SINGLE_PROCESS_ENV, opentau_bin
 from opentau_cli.process.uploader import read_status
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, read_last, step_of
-from remote_runs import HOOK, TINY, losses
+from remote_runs import HOOK, TINY, losses, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
-
-
-def wait_for(condition, what: str, proc, seconds: float = 180) -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) while waiting for {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from conftest import SINGLE_PROCESS_ENV, opentau_bin, refused
-from opentau_cli.store.layout import CHECKPOINTS, MANIFEST, METRICS, read_last
+from opentau_cli.store.layout import CHECKPOINTS, MANIFEST, read_last
 from opentau_cli.store.remote_run import RemoteRun
 from opentau_cli.store.storage import open_storage
-from remote_runs import HOOK, TINY, losses, ok
+from remote_runs import HOOK, TINY, losses, ok, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
@@ -179,13 +179,13 @@ def paused(tmp_path_factory, s3_server):
                                       "6", *COMMON, f"--checkpoint.remote={url}", lease,
                                       "--checkpoint.remote_drain_seconds=5"],
                TEST_UPLOAD_HOLD="#2", TEST_UPLOAD_PACE="000002")
-    deadline = time.time() + 300
-    while not (tmp / "a" / "held").exists():
-        assert a.proc.poll() is None and time.time() < deadline, (tmp / "a" / "stderr").read_text()[-3000:]
-        time.sleep(0.2)
+    wait_for((tmp / "a" / "held").exists, "its upload of 000002 to be held", a.proc, 300)
     os.killpg(a.proc.pid, signal.SIGSTOP)
     time.sleep(5)  # past its lease's 3 s without a heartbeat
-    b = Launch(tmp / "b", s3_server, ["resume", url, f"--output_dir={tmp / 'b' / 'run'}", "--steps", "6", lease]).wait()
+    # B's save of 6 waits until its 4 is committed: a fast run could otherwise publish 6 before the uploader takes up 4,
+    # which then (rightly, newest next) stays local only
+    b = Launch(tmp / "b", s3_server, ["resume", url, f"--output_dir={tmp / 'b' / 'run'}", "--steps", "6", lease],
+               TEST_UPLOAD_PACE="000004").wait()
     os.killpg(a.proc.pid, signal.SIGCONT)
     (tmp / "a" / "release").touch()
     return {"url": url, "a": a.wait(), "b": b, "a_dir": tmp / "a" / "run", "b_dir": tmp / "b" / "run"}
@@ -224,10 +224,7 @@ def store_gone(tmp_path_factory):
         a = Launch(tmp / "a", server, ["train", f"--config_path={TINY}", f"--output_dir={run}", "--steps", "6",
                                        *COMMON, f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=4"],
                    TEST_UPLOAD_HOLD="#2", TEST_UPLOAD_PACE="000002")
-        deadline = time.time() + 300
-        while not (tmp / "a" / "held").exists():
-            assert a.proc.poll() is None and time.time() < deadline, (tmp / "a" / "stderr").read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for((tmp / "a" / "held").exists, "its upload of 000002 to be held", a.proc, 300)
         server.kill()  # mid-upload, as a crashed store
         (tmp / "a" / "release").touch()
         ended = a.wait()
