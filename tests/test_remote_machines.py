@@ -139,3 +139,15 @@ def test_the_group_re_forms_alone_from_the_store_then_with_the_machine_that_came
     assert (second["regroup"], second["world_before"], second["world"]) == ("machines joined: 2 processes now, 1 before", 1, 2)
     assert second["resumed_from"] == f"{LEAVES_AT:06d}"
     assert "Downloading checkpoint" in machines["back_err"]
+
+
+def test_a_machine_joining_a_group_of_the_same_world_downloads_the_ema_its_ranks_load(ddp_reference):
+    """The same world re-formed (machine 1 back before the smaller group saved): machine 1's rank loads the DDP run's
+    whole EMA, which rank 0 wrote, so it is among the files machine 1 downloads; rank 0's RNG state is not."""
+    from opentau_cli.store.remote_run import files_for
+
+    manifest = json.loads((ddp_reference / CHECKPOINTS / f"{SAVE:06d}" / MANIFEST).read_text())
+    chosen = {rel for rel in manifest["files"] if files_for(manifest, {1})(rel)}
+    assert "ema.safetensors" in manifest["files"]
+    assert "ema.safetensors" in chosen
+    assert "random_states_1.pkl" in chosen and "random_states_0.pkl" not in chosen

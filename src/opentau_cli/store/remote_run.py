@@ -29,7 +29,8 @@ from typing import Callable
 
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.store.layout import (
-    BEST, CHECKPOINTS, EVALS, LAST, LAUNCH_FILE, LOGS, MANIFEST, METRICS, ROLLED_BACK, TENSORBOARD, step_of,
+    BEST, CHECKPOINTS, EMA_WEIGHTS, EVALS, LAST, LAUNCH_FILE, LOGS, MANIFEST, METRICS, ROLLED_BACK, TENSORBOARD,
+    step_of,
 )
 from opentau_cli.store.manifest import hash_file
 from opentau_cli.store.storage import Storage
@@ -443,10 +444,12 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def files_for(manifest: dict, ranks: set[int] | None) -> Callable[[str], bool]:
     """Which files of a checkpoint the ranks `ranks` load when it continues on the same world: every file that is no
-    rank's own, and those ranks' own (the manifest's rank_files); None: every file (another world reads them all)."""
+    rank's own, and those ranks' own (the manifest's rank_files); None: every file (another world reads them all).
+    A single / DDP run's whole EMA is rank 0's file (rank 0 writes it) but every rank loads it (train/ema.py)."""
     if ranks is None:
         return lambda rel: True
-    owned = {rel: int(rank) for rank, rels in (manifest.get("rank_files") or {}).items() for rel in rels}
+    owned = {rel: int(rank) for rank, rels in (manifest.get("rank_files") or {}).items() for rel in rels
+             if rel != EMA_WEIGHTS}
     return lambda rel: rel not in owned or owned[rel] in ranks
 
 
