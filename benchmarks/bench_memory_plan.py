@@ -1,5 +1,5 @@
 """Benchmark: the memory plan (opentau_cli.plan.memory) against the peak of real training processes, and the plan of
-the example pi05 config on 8 GPUs (the README's table).
+the example pi05 config on 8 GPUs (docs/memory.md's table).
 
 Part 1, checked: pi05_small at 224x224, 16 per device, launched for real by `opentau train` on CPU under single
 process, DDP x2, ZeRO-2 x2, ZeRO-3 x2 (DeepSpeed's default sizes, and a deepspeed_config_file with "auto" buckets and a
@@ -9,7 +9,7 @@ Each rank's peak is read by the kernel (tests/memory_hook: VmHWM after the last 
 policy is built) and set beside the plan for a CPU launch of the same run (`plan_memory(..., device="cpu")`: AdamW's
 per-tensor step, buffers resident only where written, glibc's retention instead of CUDA's context, NCCL and
 fragmentation). Target: the plan within 10% of the largest rank's peak in every row.
-Part 2, computed: the example pi05 config on 8 GPUs for each launch the README lists, with the parts of its plan.
+Part 2, computed: the example pi05 config on 8 GPUs for each launch docs/memory.md lists, with the parts of its plan.
 
     python benchmarks/bench_memory_plan.py            # 12 real launches (minutes) + the full pi05's plan
     python benchmarks/bench_memory_plan.py --smoke    # pi05_tiny, one real launch (CI)

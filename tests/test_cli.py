@@ -43,7 +43,7 @@ def test_help_lists_every_command_group():
 
 @pytest.fixture(scope="module")
 def example_datasets(tmp_path_factory):
-    """The datasets the mixture example reads, made as the README makes them (paths relative to the working dir)."""
+    """The datasets the mixture example reads, made as docs/data.md makes them (paths relative to the working dir)."""
     from opentau_cli.data import write_synth
 
     cwd = tmp_path_factory.mktemp("examples")

@@ -1,19 +1,21 @@
-"""The README's commands work on a fresh clone as written.
+"""The commands of the README and of the reference pages in docs/ work on a fresh clone as written.
 
-Every ```bash block of README.md runs, in README order, in one scratch directory that holds a copy of the repository's
-configs/ (the blocks' relative paths), with the installed CLI first on PATH, offline, on one OpenMP thread per process
-and without the user's Accelerate default config. A command that trains for its config's own number of steps (no
-`--steps` on its line) is shortened by `OPENTAU_STEPS` (the documented environment override, which a command-line
-`--steps` beats), so the whole test stays within minutes. A block that needs what CI does not have (a GPU, the network,
-a cluster) is marked just above it with `<!-- readme-test: skip: <why> -->`; the reason is required. Blocks are found
-when the test runs, so a block added to the README is tested (or must say why not) without touching this file. A block
-that runs says what it makes with `<!-- readme-test: makes: PATH ... -->` just above it: each path (relative to the
-scratch directory) must exist afterwards and hold something, so a command that exits 0 without doing its job fails too;
-a block that makes no file says what it prints instead (`<!-- readme-test: prints: TEXT -->`).
+Every ```bash block of README.md and of docs/*.md runs, the README's first, then each page in the order the README
+first links it (a page it does not link after those, by name), in one scratch directory that holds a copy of the
+repository's configs/ (the blocks' relative paths), with the installed CLI first on PATH, offline, on one OpenMP thread
+per process and without the user's Accelerate default config. A command that trains for its config's own number of
+steps (no `--steps` on its line) is shortened by `OPENTAU_STEPS` (the documented environment override, which a
+command-line `--steps` beats), so the whole test stays within minutes. A block that needs what CI does not have (a GPU,
+the network, a cluster) is marked just above it with `<!-- readme-test: skip: <why> -->`; the reason is required.
+Blocks are found when the test runs, so a block added to the README or to a page of docs/ is tested (or must say why
+not) without touching this file. A block that runs says what it makes with `<!-- readme-test: makes: PATH ... -->` just
+above it: each path (relative to the scratch directory) must exist afterwards and hold something, so a command that
+exits 0 without doing its job fails too; a block that makes no file says what it prints instead
+(`<!-- readme-test: prints: TEXT -->`).
 
-The full pi05 preset starts from weights and a tokenizer on the Hub, so its blocks are skipped; the README says how its
-`config validate` examples run offline (`OFFLINE_FLAGS`), and every such example, skipped block or not, is run so,
-expecting what the README shows: success, or the refusal its `# Error:` comment quotes.
+The full pi05 preset starts from weights and a tokenizer on the Hub, so its blocks are skipped; docs/configuration.md
+says how its `config validate` examples run offline (`OFFLINE_FLAGS`), and every such example, skipped block or not,
+is run so, expecting what its page shows: success, or the refusal its `# Error:` comment quotes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from conftest import REPO, run_cli_in_process
 pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip:?\s*(.*?)\s*-->")
 MAKES = re.compile(r"<!--\s*readme-test:\s*makes:\s*(.*?)\s*-->")
 PRINTS = re.compile(r"<!--\s*readme-test:\s*prints:\s*(.*?)\s*-->")
@@ -44,6 +47,7 @@ TIMEOUT_S = 900  # per block
 
 @dataclass
 class Block:
+    page: str  # the file, relative to the repository: README.md, docs/training.md, ...
     line: int  # of the opening fence, 1-based
     code: str
     skip: str | None  # the reason, when marked; "" when marked without one
@@ -53,11 +57,19 @@ class Block:
 
     def __str__(self) -> str:
         first = next((ln for ln in self.code.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
-        return f"README.md:{self.line} ({first.strip()[:70]})"
+        return f"{self.page}:{self.line} ({first.strip()[:70]})"
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """Every ```bash block with the skip marker, if any, on the last non-blank line above its fence."""
+def pages() -> list[Path]:
+    """README.md, then the pages of docs/ in the order the README first links them, then any page it does not link (by
+    name): a reader's order, so a page's block may use what an earlier page's block made (the README's tiny run)."""
+    linked = [DOCS / name for name in re.findall(r"\]\(docs/([\w.-]+\.md)", README.read_text())]
+    rest = sorted(set(DOCS.glob("*.md")) - set(linked))
+    return [README, *dict.fromkeys(p for p in linked if p.is_file()), *rest]
+
+
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
+    """Every ```bash block of one page, with the marker, if any, on the last non-blank line above its fence."""
     lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -71,14 +83,14 @@ def readme_blocks(text: str) -> list[Block]:
                 i += 1
             marker, makes, prints = SKIP.search(above), MAKES.search(above), PRINTS.search(above)
             slurm = SLURM.search(above)
-            blocks.append(Block(start + 1, "\n".join(body) + "\n", marker.group(1) if marker else None,
+            blocks.append(Block(page, start + 1, "\n".join(body) + "\n", marker.group(1) if marker else None,
                                 tuple(makes.group(1).split()) if makes else (), prints.group(1) if prints else None,
                                 slurm.group(1) if slurm else None))
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [block for path in pages() for block in readme_blocks(path.read_text(), str(path.relative_to(REPO)))]
 
 
 def test_the_readme_has_command_blocks_and_each_skipped_one_says_why():
@@ -86,7 +98,7 @@ def test_the_readme_has_command_blocks_and_each_skipped_one_says_why():
     unexplained = [str(b) for b in BLOCKS if b.skip == ""]
     assert unexplained == [], "a <!-- readme-test: skip: ... --> marker without a reason"
     runnable = [b for b in BLOCKS if b.skip is None and b.slurm is None]
-    assert runnable, "no README block runs in CI"
+    assert runnable, "no block of the README or docs/ runs in CI"
     unchecked = [str(b) for b in runnable if not b.makes and not b.prints]
     assert unchecked == [], "a block that runs must say what it makes or prints (<!-- readme-test: makes: PATH ... -->)"
 
@@ -124,7 +136,7 @@ def _scratch(tmp: Path) -> tuple[Path, dict[str, str]]:
     return cwd, env
 
 
-@pytest.mark.skipif(not any(b.skip is None and b.slurm is None for b in BLOCKS), reason="no runnable README block")
+@pytest.mark.skipif(not any(b.skip is None and b.slurm is None for b in BLOCKS), reason="no runnable block")
 def test_every_readme_block_that_needs_no_gpu_or_network_runs_as_written(tmp_path):
     cwd, env = _scratch(tmp_path)
     failed = []
@@ -143,7 +155,7 @@ def test_every_readme_block_that_needs_no_gpu_or_network_runs_as_written(tmp_pat
     assert not failed, "\n\n".join(failed)
 
 
-# What the README tells a user without the Hub to add to a full-pi05 `config validate` (README "Configuration").
+# What docs/configuration.md tells a user without the Hub to add to a full-pi05 `config validate`.
 OFFLINE_FLAGS = ("--policy.pretrained_path=null", "--policy.tokenizer_path=null")
 FULL_PI05 = ["opentau", "config", "validate", "configs/examples/pi05_config.json"]
 
@@ -152,11 +164,11 @@ FULL_PI05 = ["opentau", "config", "validate", "configs/examples/pi05_config.json
 class Example:
     block: Block
     argv: list[str]
-    error: str | None  # the refusal the README shows under it (`# Error: ...`), else None: it passes
+    error: str | None  # the refusal the page shows under it (`# Error: ...`), else None: it passes
 
 
 def full_pi05_validates(blocks: list[Block]) -> list[Example]:
-    """Every `opentau config validate configs/examples/pi05_config.json ...` command of the README's blocks (lines
+    """Every `opentau config validate configs/examples/pi05_config.json ...` command of the blocks (lines
     continued with a backslash joined, trailing comments dropped), with the `# Error:` comment that follows it."""
     found = []
     for block in blocks:
@@ -175,15 +187,15 @@ def full_pi05_validates(blocks: list[Block]) -> list[Example]:
 
 
 def test_the_readme_says_how_full_pi05_examples_validate_offline():
-    text = README.read_text()
-    assert full_pi05_validates(BLOCKS), "no full-pi05 `config validate` example left in the README"
-    assert " ".join(OFFLINE_FLAGS) in text, f"the README must say to add `{' '.join(OFFLINE_FLAGS)}` offline"
+    text = "\n".join(path.read_text() for path in pages())
+    assert full_pi05_validates(BLOCKS), "no full-pi05 `config validate` example left in the README or docs/"
+    assert " ".join(OFFLINE_FLAGS) in text, f"the README or docs/ must say to add `{' '.join(OFFLINE_FLAGS)}` offline"
 
 
 def test_every_full_pi05_validate_example_runs_offline_with_the_readmes_flags(tmp_path, monkeypatch):
-    """In-process (`config validate` launches nothing; the installed script running such a line from bash is the
-    README's runnable full-pi05 `config validate` block, in the test above): in the scratch directory, with the
-    environment `_scratch` gives a shell."""
+    """In-process (`config validate` launches nothing; the installed script running such a line from bash is
+    docs/configuration.md's runnable full-pi05 `config validate` block, in the test above): in the scratch directory,
+    with the environment `_scratch` gives a shell."""
     from huggingface_hub import constants
 
     cwd, env = _scratch(tmp_path)
@@ -200,10 +212,10 @@ def test_every_full_pi05_validate_example_runs_offline_with_the_readmes_flags(tm
         errors = [ln for ln in lines if ln.startswith("Error:")]
         if example.error is None:
             ok = result.returncode == 0
-        else:  # the refusal as the README quotes it, up to its first number (the plan's numbers are the plan's)
+        else:  # the refusal as the page quotes it, up to its first number (the plan's numbers are the plan's)
             words = re.split(r"\d", example.error, maxsplit=1)[0]
             ok = result.returncode == 2 and len(errors) == 1 and errors[0].startswith(words)
         if not ok:
-            failed.append(f"{example.block}: {shlex.join(argv)} exited {result.returncode}, README expects "
+            failed.append(f"{example.block}: {shlex.join(argv)} exited {result.returncode}, the page expects "
                           f"{example.error or 'success'}\n{result.stderr[-2000:]}")
     assert not failed, "\n\n".join(failed)

@@ -1,5 +1,5 @@
 """The SLURM examples, submitted as written to a real SLURM cluster (tests/slurm_cluster.py: slurmctld and two slurmd
-on this host): the README's weekend job, configs/examples/slurm_2nodes_8gpus.sbatch,
+on this host): docs/clusters.md's weekend job, configs/examples/slurm_2nodes_8gpus.sbatch,
 slurm_elastic_2nodes_8gpus.sbatch and slurm_spot_remote.sbatch (against the local S3 server), driven with sbatch,
 squeue/scontrol, `scancel --signal` and `scontrol requeue` as a user would.
 
@@ -128,7 +128,7 @@ def test_the_cluster_has_two_idle_nodes_as_sinfo_shows_them(cluster):
 
 def readme_weekend_job() -> str:
     blocks = [b for b in BLOCKS if b.slurm is not None and "#SBATCH" in b.code]
-    assert len(blocks) == 1, "the README's weekend job: one sbatch block marked `readme-test: slurm:`"
+    assert len(blocks) == 1, "docs/clusters.md's weekend job: one sbatch block marked `readme-test: slurm:`"
     return blocks[0].code
 
 

@@ -145,11 +145,11 @@ BreakLockOpt = Annotated[bool, typer.Option("--break-lock", "--break_lock", help
     "to be dead (a lost node)."))]
 ReshardOpt = Annotated[str, typer.Option("--reshard", metavar="BOOL", help=(
     "true: resume on another number of processes or machines, or under another backend / ZeRO stage; the global "
-    "batch, model, optimizer and data position carry over exactly (README, \"Elastic resume\")."))]
+    "batch, model, optimizer and data position carry over exactly (docs/resume.md, \"Elastic resume\")."))]
 
 RollbackOpt = Annotated[str, typer.Option("--rollback", metavar="BOOL", help=(
     "true: resume from a checkpoint older than the run's newest; the newer checkpoints and their metrics move into "
-    "RUN/rolled_back/<time>/ (nothing is deleted) and the run continues from the one given (README, \"Resume\")."))]
+    "RUN/rolled_back/<time>/ (nothing is deleted) and the run continues from the one given (docs/resume.md, \"One history per run\")."))]
 
 
 DatasetChangedOpt = Annotated[str, typer.Option("--dataset-changed", "--dataset_changed", metavar="BOOL", help=(

@@ -47,7 +47,7 @@ class Worker:
 
 
 TRAIN_WORKER = Worker("opentau_cli.train.worker", "Training")
-LOCAL_ONLY_EXIT = 3  # the launch ended as it should, but checkpoints are on this machine only: README "Exit codes"
+LOCAL_ONLY_EXIT = 3  # the launch ended as it should, but checkpoints are on this machine only: docs/configuration.md, "Exit codes"
 
 
 @dataclass
