@@ -199,9 +199,9 @@ def record_section(section: str, headline: Headline, path: Path | None = None, *
     title, date = run_heading(section)
     preamble, runs = split_runs(path.read_text() if path.exists() else HEADER)
     older = [run for run in runs if run_heading(run)[0] == title]
-    newer = [d for d in (run_heading(run)[1] for run in older) if d != "not recorded" and d > date]
+    newer = [d for d in (run_heading(run)[1] for run in older) if d != "not recorded" and d >= date]
     if newer:
-        raise ValueError(f"{path.name} holds a newer run of {title!r} ({newer[0]} UTC) than this one ({date} UTC)")
+        raise ValueError(f"{path.name} already holds a run of {title!r} as new as this one ({newer[0]} UTC)")
     if older:  # the history first: if the second write fails, the run is in both files, never in neither
         history = history_path(path)
         old_preamble, old_runs = split_runs(history.read_text() if history.exists()
