@@ -171,8 +171,8 @@ def table_row(section: str, headline: Headline, commit_of_run: str | None = None
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
 
 
-def with_row(preamble: str, title: str, row: str) -> str:
-    """The header with `row` atop the table, in place of the row `title` had."""
+def with_row(preamble: str, titles: set[str], row: str) -> str:
+    """The header with `row` atop the table, in place of the rows of `titles`."""
     lines = preamble.rstrip("\n").split("\n")
     if TABLE_HEAD[0] not in lines:
         lines += ["", *TABLE_HEAD]
@@ -180,7 +180,7 @@ def with_row(preamble: str, title: str, row: str) -> str:
     end = start
     while end < len(lines) and lines[end].startswith("| "):
         end += 1
-    others = [line for line in lines[start:end] if line.split(" | ", 1)[0] != f"| {title}"]
+    others = [line for line in lines[start:end] if line.split(" | ", 1)[0].removeprefix("| ") not in titles]
     return "\n".join([*lines[:start], row, *others, *lines[end:]]) + "\n"
 
 
@@ -191,14 +191,16 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def record_section(section: str, headline: Headline, path: Path | None = None, *,
-                   commit_of_run: str | None = None) -> Path:
+                   commit_of_run: str | None = None, replaces: tuple[str, ...] = ()) -> Path:
     """Record the run `section` ("## TITLE (DATE UTC)" and its lines) in the results file `path`: on top of the runs,
     the earlier run of TITLE moved verbatim to the top of the history file, TITLE's row of the table rewritten.
-    `commit_of_run` fills the row's commit where the section records none."""
+    `commit_of_run` fills the row's commit where the section records none; `replaces`: earlier titles of the
+    benchmark, whose runs and rows go the same way."""
     path = path or BENCHMARKS_MD
     title, date = run_heading(section)
+    titles = {title, *replaces}
     preamble, runs = split_runs(path.read_text() if path.exists() else HEADER)
-    older = [run for run in runs if run_heading(run)[0] == title]
+    older = [run for run in runs if run_heading(run)[0] in titles]
     newer = [d for d in (run_heading(run)[1] for run in older) if d != "not recorded" and d >= date]
     if newer:
         raise ValueError(f"{path.name} already holds a run of {title!r} as new as this one ({newer[0]} UTC)")
@@ -207,9 +209,9 @@ def record_section(section: str, headline: Headline, path: Path | None = None, *
         old_preamble, old_runs = split_runs(history.read_text() if history.exists()
                                             else HISTORY_HEADER.format(latest=path.name))
         write_atomically(history, join_runs(old_preamble, [*older, *old_runs]))
-    kept = [run for run in runs if run_heading(run)[0] != title]
+    kept = [run for run in runs if run_heading(run)[0] not in titles]
     row = table_row(section, headline, commit_of_run)
-    write_atomically(path, join_runs(with_row(preamble, title, row), [section.rstrip("\n") + "\n", *kept]))
+    write_atomically(path, join_runs(with_row(preamble, titles, row), [section.rstrip("\n") + "\n", *kept]))
     return path
 
 

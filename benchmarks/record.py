@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--target", default="none", help='What the figure is held to, e.g. "<= 0.25x" (default: none).')
     parser.add_argument("--meets", choices=("yes", "no", "n/a"), default="n/a", help="Whether the run met the target.")
     parser.add_argument("--commit", help="The commit the run measured, for the table when the section names none.")
+    parser.add_argument("--replaces", action="append", default=[], metavar="TITLE",
+                        help="An earlier title of this benchmark: its run moves to the history and its row goes too.")
     parser.add_argument("--results", type=Path, default=BENCHMARKS_MD, help="The results file (default: BENCHMARKS.md).")
     args = parser.parse_args()
     try:
@@ -49,7 +51,8 @@ def main() -> None:
         fail(f"The heading of {title!r} in {args.file} has no date: it must end with (YYYY-MM-DD HH:MM UTC).")
     meets = {"yes": True, "no": False, "n/a": None}[args.meets]
     try:
-        record_section(section, Headline(args.headline, args.target, meets), args.results, commit_of_run=args.commit)
+        record_section(section, Headline(args.headline, args.target, meets), args.results, commit_of_run=args.commit,
+                       replaces=tuple(args.replaces))
     except ValueError as e:
         fail(f"{e}: nothing recorded.")
     print(f"recorded {title!r} ({date} UTC) in {args.results}")

@@ -139,6 +139,20 @@ def test_record_py_adds_a_section_written_elsewhere_as_a_script_records_its_own(
     assert history == HISTORY_HEAD + "\n" + LOADING + "\n" + OLDEST_SAVING
 
 
+def test_record_py_retires_an_earlier_title_of_the_benchmark_with_replaces(results, tmp_path):
+    renamed = LOADING.replace("## Loading (2026-12-01 09:00", "## Loading, cold and warm (2026-12-06 08:00")
+    elsewhere = tmp_path / "renamed.md"
+    elsewhere.write_text(renamed)
+    done = record_by_hand(str(elsewhere), "--headline", "3.00 s per load", "--replaces", "Loading", "--results", str(results))
+    assert done.returncode == 0, done.stderr
+    text = results.read_text()
+    assert sections(text) == [renamed, SAVING]
+    row = "| Loading, cold and warm | 3.00 s per load | none | n/a | 2026-12-06 08:00 | not recorded | 2 CPUs, no GPU, load 2.0 |"
+    assert text == HEAD + TABLE.replace(TABLE.splitlines()[3] + "\n", "").replace("| --- |\n", f"| --- |\n{row}\n", 1) + \
+        "\n" + renamed + "\n" + SAVING
+    assert (tmp_path / "BENCHMARKS_HISTORY.md").read_text() == HISTORY_HEAD + "\n" + LOADING + "\n" + OLDEST_SAVING
+
+
 @pytest.mark.parametrize("args, says", [
     (["--headline", "x"], "holds 2 benchmarks (Loading; Saving): pick one with --title"),
     (["--title", "Serving", "--headline", "x"], "holds no section titled 'Serving'"),
