@@ -249,7 +249,8 @@ def base_parser(doc: str):
 
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="A few steps on the tiny preset: checks the script works (CI).")
-    parser.add_argument("--results", type=Path, default=BENCHMARKS_MD, help="Markdown file the run is recorded in (its earlier run of this benchmark moves to <name>_HISTORY.md).")
+    parser.add_argument("--results", type=Path, default=BENCHMARKS_MD,
+                        help="Markdown file the run is recorded in (the benchmark's earlier run moves to <name>_HISTORY.md).")
     parser.add_argument("--config", type=Path, help="Training config (default: benchmarks/pi05_small_bench.json; tiny with --smoke).")
     parser.add_argument("--no-append", action="store_true", help="Print only; record nothing.")
     return parser

@@ -239,7 +239,7 @@ def main() -> None:
                   "load; opentau's own per-step work shows in data, zero-grad + scheduler, sync and other"]
     longest = ratios("opentau", max(lengths))
     report(args, "Framework overhead: opentau train vs hand-written Accelerate loop", rows, notes, ratio_headline(
-        f"steps/s, opentau / hand-written, {max(lengths)} steps (median of {len(longest)} pairs)",
+        f"steps/s, opentau / hand-written, {max(lengths)} steps (median of {len(longest)} pair{'s' * (len(longest) > 1)})",
         statistics.median(longest), TARGET, digits=3))
 
 
