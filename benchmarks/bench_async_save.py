@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, report, verdict  # noqa: E402
+from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, combined, print_rows, ratio_headline, report, verdict  # noqa: E402
 
 TARGETS = {"quiet": 0.25, "niced": 0.75, "loaded": 0.75}
 CEILING = 1.0  # in any round, under any load: never worse than not being asynchronous
@@ -243,6 +243,7 @@ def main() -> None:
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}{batch}), 1 process, {args.threads} torch "
                        f"thread{'s' if args.threads > 1 else ''}, segments of {args.every} steps, {rounds} rounds per "
                        f"load ({', '.join(args.modes)})")]
+    headlines = []
     for mode in args.modes:
         seg = result["segments"][mode]
         prefix = "" if mode == "quiet" else f"{mode}: "
@@ -258,6 +259,8 @@ def main() -> None:
         ratio = lost["async"] / lost["sync"] if lost["sync"] > 0 else float("nan")
         worst = max(per_round)
         swung = swung_rounds(seg, lost["sync"])
+        headlines.append(ratio_headline(f"{prefix}async / sync, training time lost per save", ratio, target,
+                                        higher_is_better=False))
         rows += [
             *[(f"{prefix}segment, {label} (median s)", f"{median(kind):.2f} (runs: {runs(kind)})")
               for kind, label in (("none", "no save"), ("sync", "starts with a sync save"),
@@ -293,7 +296,7 @@ def main() -> None:
             "both managers keep_last=1; the sync peak is taken before the first async save, which makes the host copy "
             "that the process then keeps; the writer process's memory is not in the RSS",
             "niced / loaded: one `while True: pass` process per core, at nice +10 / at the benchmark's priority, through "
-            "all of that load's rounds"])
+            "all of that load's rounds"], combined(*headlines))
 
 
 def uptime() -> str:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, profile, report  # noqa: E402
+from _common import SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, print_rows, profile, report  # noqa: E402
 
 SIDES = {"without": [], "with": ["--dataset.augment=openpi"]}
 
@@ -59,10 +59,11 @@ def main() -> None:
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), 1 process, {args.cameras} camera slot(s), "
                        f"{args.warmup} warm-up + {args.steps} measured steps, {args.rounds} alternating round(s)")]
     rows += compare_rows(reports)
+    step_ratio = dict(rows)["step time with / without"]
     print_rows("The cost of openpi's image augmentation on the device (1 process)", rows)
     report(args, "The cost of openpi's image augmentation: without and with dataset.augment=openpi", rows,
            [f"both sides took {wall:.0f} s", "the augmentation runs in the data phase, after the batch reaches the "
-            "device; on CPU the device is the CPU"])
+            "device; on CPU the device is the CPU"], Headline(f"{step_ratio} step time with / without dataset.augment=openpi"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
+from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, opentau_bin, print_rows, report, run  # noqa: E402
 
 CONFIGS = [EXAMPLES / f"accelerate_cpu_{name}_config.yaml" for name in ("ddp", "deepspeed", "deepspeed_zero3")]
 
@@ -31,19 +31,18 @@ def main() -> None:
         out = Path(tmp) / "compare.json"
         proc, wall = run([opentau_bin(), "profile", f"--config_path={config}", "--compare", ",".join(map(str, CONFIGS)),
                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--json", str(out)])
-        report = json.loads(out.read_text())
+        compared = json.loads(out.read_text())
     print(proc.stdout)
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), 2 CPU processes, {args.warmup} warm-up + "
-                       f"{args.steps} measured steps per backend, batch {report['reports'][0]['global_batch_size']} global")]
-    for r in report["rows"]:
+                       f"{args.steps} measured steps per backend, batch {compared['reports'][0]['global_batch_size']} global")]
+    for r in compared["rows"]:
         rows.append((r["backend"], f"{r['samples_per_s']:.2f} samples/s, {r['step_time_s'] * 1000:.0f} ms/step, "
                                    f"peak RSS/rank {r['peak_memory_bytes'] / (1 << 20):.0f} MiB, {r['speedup']:.2f}x vs DDP"))
     print_rows("Benchmark 3: DDP vs ZeRO-2 vs ZeRO-3 (2 CPU processes)", rows)
-    if not args.no_append:
-        notes = [f"whole comparison took {wall:.0f} s", "peak RSS is each worker process's own peak (DataLoader workers not included)"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("Backends on 2 CPU processes: DDP vs ZeRO-2 vs ZeRO-3 (opentau profile --compare)", rows, notes, path=args.results)
+    speedups = ", ".join(f"{r['backend'].removeprefix('DeepSpeed ')} {r['speedup']:.2f}x" for r in compared["rows"][1:])
+    report(args, "Backends on 2 CPU processes: DDP vs ZeRO-2 vs ZeRO-3 (opentau profile --compare)", rows,
+           [f"whole comparison took {wall:.0f} s", "peak RSS is each worker process's own peak (DataLoader workers not included)"],
+           Headline(f"samples/s vs DDP: {speedups}"))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, env, opentau_bin, print_rows, verdict  # noqa: E402
+from _common import REPO, SMALL_CONFIG, TINY_CONFIG, base_parser, combined, env, opentau_bin, print_rows, ratio_headline, report, verdict  # noqa: E402
 from opentau_cli.store.layout import METRICS  # noqa: E402
 
 CHUNK = 16 << 20
@@ -138,15 +138,12 @@ def main() -> None:
         ("resume / fresh", f"{launch_ratio:.2f}x (target <= 1.2x: {verdict(launch_ratio, 1.2, higher_is_better=False)})"),
     ]
     print_rows("Benchmark 2: checkpoint save and resume", rows)
-    if not args.no_append:
-        notes = [
-            "the publish includes save_state, both JSON records, the manifest (xxhash of every file, read back) and the atomic rename",
-            "the publish fsyncs every file (while hashing it) and every directory before the manifest is written; the kernel "
-            "has usually started writing save_state's files back by then, which is why it can beat the write+fsync anchor",
-        ]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("Checkpoint save bandwidth and launch-to-first-step on resume", rows, notes, path=args.results)
+    report(args, "Checkpoint save bandwidth and launch-to-first-step on resume", rows, [
+        "the publish includes save_state, both JSON records, the manifest (xxhash of every file, read back) and the atomic rename",
+        "the publish fsyncs every file (while hashing it) and every directory before the manifest is written; the kernel "
+        "has usually started writing save_state's files back by then, which is why it can beat the write+fsync anchor",
+    ], combined(ratio_headline("save bandwidth / plain write + fsync", bandwidth_ratio, 0.8),
+                ratio_headline("launch to first step, resume / fresh", launch_ratio, 1.2, higher_is_better=False)))
 
 
 if __name__ == "__main__":

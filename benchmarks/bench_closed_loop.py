@@ -20,7 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from _common import TINY_CONFIG, base_parser, opentau_bin, print_rows, report, run, verdict
+from _common import TINY_CONFIG, Headline, base_parser, combined, opentau_bin, print_rows, report, run, verdict
 
 TARGETS = {"reach-v3": 0.8, "push-v3": 0.5}
 UNTRAINED_TARGET = 0.1
@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.tasks, args.episodes, args.steps, args.rollouts, args.max_steps = "reach-v3", 3, 2, 2, 10
-    rows, notes = [], []
+    rows, notes, headlines = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_closed_loop_") as tmp:
         tmp = Path(tmp)
         for task in args.tasks.split(","):
@@ -74,6 +74,9 @@ def main() -> None:
             untrained, _ = evaluate(tmp / f"{task}_untrained", task, tmp / f"{task}_eval0", args.rollouts, args.envs,
                                     args.max_steps)
             target = TARGETS.get(task)
+            headlines.append(Headline(f"{task} trained {trained['success_rate']:.0%} (untrained {untrained['success_rate']:.0%})",
+                                      f">= {target:.0%}" if target else "none",
+                                      trained["success_rate"] >= target if target else None))
             rows += [
                 (f"{task}: trained success", rate(trained) + (f", {verdict(trained['success_rate'], target)} ({target:.0%})" if target else "")),
                 (f"{task}: untrained success", rate(untrained) + f", {verdict(untrained['success_rate'], UNTRAINED_TARGET, higher_is_better=False)} ({UNTRAINED_TARGET:.0%})"),
@@ -87,7 +90,7 @@ def main() -> None:
               "untrained = the same preset and data statistics after one step at lr 1e-12",
               "wall times on a shared 2-core machine with other work running"]
     print_rows("closed loop (MetaWorld expert data -> train -> eval)", rows)
-    report(args, "Closed loop: expert data, train, eval in MetaWorld", rows, notes)
+    report(args, "Closed loop: expert data, train, eval in MetaWorld", rows, notes, combined(*headlines))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # ds_ckpt_helper builds the checkpoints
 
-from _common import append_result, base_parser, env, opentau_bin, print_rows, verdict  # noqa: E402
+from _common import Headline, base_parser, env, opentau_bin, print_rows, report, verdict  # noqa: E402
 from opentau_cli.store.layout import DS_LATEST, MODEL_WEIGHTS, ZERO_TO_FP32  # noqa: E402
 
 # safetensors needs separate tensors where the state dict names one storage twice (the tied weight).
@@ -244,18 +244,18 @@ def main() -> None:
         ]
         title = "Streaming consolidation vs zero_to_fp32 (direct and two-step), ZeRO-3 at two sizes"
         print_rows(title, rows)
-        if not args.no_append:
-            notes = [f"medians of {rounds} round(s); each round runs every path on every size (direct and opentau "
-                     f"alternate which goes first); {took:.0f} s in all",
-                     "Every path reads the checkpoint from the page cache (read before each command); dirty pages are "
-                     "flushed before each command. Peak RSS is ru_maxrss of each process (the baseline of a Python "
-                     "process with torch imported is included in all).",
-                     "The upstream path writes without fsync; the direct path's `sync` and opentau fsync the output "
-                     "file and its directory."]
-            if args.smoke:
-                notes.append("Smoke run: tiny models, ratios are not meaningful.")
-            path = append_result(title, rows, notes, path=args.results)
-            print(f"appended to {path}")
+        wall, memory = ([values[s, "opentau"] / values[s, "direct"] for s in stacks] for values in (med, peak))
+        headline = Headline(f"vs direct, {label}: wall {' / '.join(f'{x:.2f}x' for x in wall)}, RSS "
+                            f"{' / '.join(f'{x:.2f}x' for x in memory)}", "wall <= 1.0x, RSS <= 0.3x",
+                            max(wall) <= 1.0 and max(memory) <= 0.3)
+        report(args, title, rows, [
+            f"medians of {rounds} round(s); each round runs every path on every size (direct and opentau alternate "
+            f"which goes first); {took:.0f} s in all",
+            "Every path reads the checkpoint from the page cache (read before each command); dirty pages are "
+            "flushed before each command. Peak RSS is ru_maxrss of each process (the baseline of a Python "
+            "process with torch imported is included in all).",
+            "The upstream path writes without fsync; the direct path's `sync` and opentau fsync the output "
+            "file and its directory."], headline)
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

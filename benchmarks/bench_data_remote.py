@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _common import REPO, base_parser, print_rows, report, verdict  # noqa: E402
+from _common import REPO, base_parser, combined, print_rows, ratio_headline, report, verdict  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 from test_data_remote import on_disk, upload  # noqa: E402 (the tests' own walk of a folder and plain upload)
 
@@ -97,7 +97,7 @@ def main() -> None:
         args.rounds, args.resolution = 1, 32
     from opentau_cli.data import write_synth
 
-    rows, notes = [], []
+    rows, notes, headlines = [], [], []
     with tempfile.TemporaryDirectory(prefix="opentau-bench-data-") as tmp:
         work = Path(tmp)
         server = S3Server(work / "s3", nice=19).start()  # as in bench_remote.py: it stands for another machine
@@ -134,6 +134,7 @@ def main() -> None:
                     target = {"store, cold cache": COLD_TARGET, "store, warm cache": WARM_TARGET}.get(side)
                     shown = f"{statistics.median(rate[side]):.1f} samples/s"
                     if target:
+                        headlines.append(ratio_headline(f"{name}, {side.removeprefix('store, ')} / local", ratio, target))
                         shown += (f" ({ratio:.2f}x local, per round {', '.join(f'{x:.2f}' for x in ratios)}; target "
                                   f">= {target}x: {verdict(ratio, target)})")
                     check = statistics.median(m["check_s"] for m in sides[side])
@@ -154,7 +155,7 @@ def main() -> None:
               "is not the training's, as in bench_remote.py): a real store adds network latency per file fetched",
               "the cold cache is emptied before each round; the warm epoch reads the files the cold one fetched",
               "the machine is shared with other work: the load average above says how busy it was"]
-    report(args, TITLE, rows, notes)
+    report(args, TITLE, rows, notes, combined(*headlines[-2:]))  # the last dataset's: g1, a real one, where present
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
+from _common import REPO, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, opentau_bin, print_rows, report, run  # noqa: E402
 
 G1 = REPO.parent / "shared" / "data" / "g1_pick_bottle_v21"
 
@@ -72,13 +72,11 @@ def main() -> None:
         ("data phase of a training step", f"mean {waits['mean_s'] * 1000:.1f} ms ({waits['mean_s'] / train['step_time_s']:.1%} of the step)"),
     ]
     print_rows("Benchmark: video mixture decode ceiling vs pi05_small training", rows)
-    if not args.no_append:
-        notes = [f"dataloader-only took {data_wall:.0f} s, training profile {train_wall:.0f} s (both include start-up)",
-                 "the measured batches fall in the first epoch: frames are decoded, not served from the frame cache",
-                 "the machine is shared with other work: the load average above says how busy it was"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("Video mixture: decode ceiling vs pi05_small training consumption", rows, notes, path=args.results)
+    report(args, "Video mixture: decode ceiling vs pi05_small training consumption", rows, [
+        f"dataloader-only took {data_wall:.0f} s, training profile {train_wall:.0f} s (both include start-up)",
+        "the measured batches fall in the first epoch: frames are decoded, not served from the frame cache",
+        "the machine is shared with other work: the load average above says how busy it was"],
+           Headline(f"{ceiling / consumed:.1f}x decode ceiling / training consumption"))
 
 
 if __name__ == "__main__":

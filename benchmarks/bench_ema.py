@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, profile, report  # noqa: E402
+from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, print_rows, profile, report  # noqa: E402
 
 BACKENDS = {"DDP": EXAMPLES / "accelerate_cpu_ddp_config.yaml", "ZeRO-3": EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"}
 DECAY = 0.99  # openpi's default
@@ -57,10 +57,13 @@ def main() -> None:
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), 2 CPU processes, {args.warmup} warm-up + "
                        f"{args.steps} measured steps per backend and side, ema.decay={DECAY}")]
     rows += compare_rows(sides["without"], sides["with"])
+    ratios = ", ".join(f"{name} {on['step_time_s'] / off['step_time_s']:.3f}x"
+                       for name, off, on in zip(backends, sides["without"], sides["with"]))
     print_rows("The cost of the EMA of the weights (2 CPU processes)", rows)
     report(args, "The cost of the EMA of the weights: DDP and ZeRO-3, without and with ema.decay", rows,
            [f"both sides took {sum(walls):.0f} s", "peak RSS is each worker process's own peak (DataLoader workers "
-            "not included); the EMA is one fp32 copy of what the rank averages"])
+            "not included); the EMA is one fp32 copy of what the rank averages"],
+           Headline(f"step time with / without EMA: {ratios}"))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import REPO, base_parser, env, opentau_bin, print_rows, report, verdict
+from _common import REPO, Headline, base_parser, combined, env, opentau_bin, print_rows, ratio_headline, report, verdict
 
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -125,6 +125,7 @@ def main() -> None:
              "reflections); opentau eval's default `--render fast` turns those off, `--render shipped` keeps them; "
              "the image difference is the mean absolute difference of the first steps' images of the same seeded "
              "episode against LeRobot's, its env stepped with our actions"]
+    headlines = []
     with tempfile.TemporaryDirectory(prefix="bench_eval_") as tmp:
         root = Path(tmp)
         tokenizer = byte_level_tokenizer(root / "tokenizer")
@@ -155,6 +156,7 @@ def main() -> None:
                                             str(max_steps), "--output", str(ours_dir)], sim_env, 7200)
             ours_steps = sum(e["steps"] for e in json.loads((ours_dir / "eval_info.json").read_text())["episodes"])
             ratio = (ours_steps / ours_wall) / lerobot_rate
+            headlines.append(ratio_headline(f"env steps/s, --render {render} / LeRobot", ratio, TARGET))
             # The same seeded episode's first steps on both sides, LeRobot's env stepped with our actions (the
             # driver's --follow): the images differ by the render settings only.
             rec, theirs_rec = root / f"ours_rec_{render}", root / f"lerobot_rec_{render}.npz"
@@ -173,7 +175,8 @@ def main() -> None:
                      (f"env steps/s, opentau --render {render} / LeRobot",
                       f"{ratio:.2f}x (target >= {TARGET}x: {verdict(ratio, TARGET)})")]
     print_rows("opentau eval vs LeRobot 0.4.4 eval_policy", rows)
-    report(args, "Simulator evaluation speed", rows, notes)
+    report(args, "Simulator evaluation speed", rows, notes,
+           combined(*headlines) if headlines else Headline("LeRobot's side only (--lerobot-only)"))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY_CONFIG, base_parser, opentau_bin, print_rows, report, run, verdict  # noqa: E402
+from _common import TINY_CONFIG, base_parser, opentau_bin, print_rows, ratio_headline, report, run, verdict  # noqa: E402
 
 ENV = "metaworld:reach-v3"
 
@@ -83,7 +83,8 @@ def main() -> None:
     print_rows(title, rows)
     report(args, title, rows, [f"{args.steps} steps, save_freq {args.save_every}, {args.rollouts} rollouts of "
                                f"{ENV} per evaluation, {args.pairs} pair(s) of launches (medians); tiny preset unless "
-                               "--config"])
+                               "--config"],
+           ratio_headline(f"training steps/s, eval.env on / off ({where})", on / off, 0.95, digits=3))
 
 
 if __name__ == "__main__":

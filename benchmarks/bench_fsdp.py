@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
+from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, opentau_bin, print_rows, report, run  # noqa: E402
 from opentau_cli.store.layout import CHECKPOINTS  # noqa: E402
 
 BACKENDS = {
@@ -89,26 +89,25 @@ def main() -> None:
         out = workdir / "compare.json"
         proc, wall = run([opentau_bin(), "profile", f"--config_path={config}", "--compare", ",".join(map(str, yamls.values())),
                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--json", str(out)])
-        report = json.loads(out.read_text())
+        compared = json.loads(out.read_text())
         saves = {name: checkpoint_times(config, yaml, workdir, 2) for name, yaml in yamls.items()}
     print(proc.stdout)
     rows = [("config", f"{config.name} ({'smoke' if args.smoke else 'full'}), fp32, 2 CPU processes, {args.warmup} "
-                       f"warm-up + {args.steps} measured steps per backend, batch {report['reports'][0]['global_batch_size']} global")]
-    for name, r in zip(BACKENDS, report["rows"]):
+                       f"warm-up + {args.steps} measured steps per backend, batch {compared['reports'][0]['global_batch_size']} global")]
+    for name, r in zip(BACKENDS, compared["rows"]):
         s = saves[name]
         rows.append((name, f"{r['samples_per_s']:.2f} samples/s, {r['step_time_s'] * 1000:.0f} ms/step, peak RSS/rank "
                            f"{r['peak_memory_bytes'] / (1 << 20):.0f} MiB, {r['speedup']:.2f}x vs DDP; checkpoint "
                            f"{s['bytes'] / (1 << 20):.1f} MiB, saved in {s['save_s']:.2f} s, loaded in "
                            f"{s['load_s']:.2f} s"))
     print_rows("FSDP2 vs ZeRO-3 vs DDP (2 CPU processes)", rows)
-    if not args.no_append:
-        notes = [f"profile comparison took {wall:.0f} s", "peak RSS is each worker process's own peak",
-                 "save: the slowest rank's seconds in the synchronous checkpoint save after the last step (training waits for "
-                 "it); load: the slowest rank's seconds restoring that checkpoint in `opentau resume` (model, optimizer, "
-                 "scheduler, RNG), both timed around the product's calls by benchmarks/timing_hook"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("FSDP2 vs ZeRO-3 vs DDP on 2 CPU processes", rows, notes, path=args.results)
+    speedups = ", ".join(f"{name} {r['speedup']:.2f}x" for name, r in zip(BACKENDS, compared["rows"]) if name != "DDP")
+    report(args, "FSDP2 vs ZeRO-3 vs DDP on 2 CPU processes", rows, [
+        f"profile comparison took {wall:.0f} s", "peak RSS is each worker process's own peak",
+        "save: the slowest rank's seconds in the synchronous checkpoint save after the last step (training waits for "
+        "it); load: the slowest rank's seconds restoring that checkpoint in `opentau resume` (model, optimizer, "
+        "scheduler, RNG), both timed around the product's calls by benchmarks/timing_hook"],
+        Headline(f"samples/s vs DDP: {speedups}"))
 
 
 if __name__ == "__main__":

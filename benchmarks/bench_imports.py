@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import base_parser, env, print_rows, report  # noqa: E402
+from _common import Headline, base_parser, env, print_rows, report  # noqa: E402
 
 from opentau_cli.process.runtime import RANK_IMPORTS as MODULES  # noqa: E402
 
@@ -90,7 +90,8 @@ def main() -> None:
     title = "Start-up imports: collector running vs paused"
     print_rows(title, rows)
     report(args, title, rows, ["every side's rounds (wall / CPU s): " + "; ".join(
-        f"{side}: " + ", ".join(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in rounds_) for side, rounds_ in runs.items())])
+        f"{side}: " + ", ".join(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in rounds_) for side, rounds_ in runs.items())],
+           Headline(f"{dict(rows)['paused / running: wall time']} wall time, collector paused / running"))
 
 
 if __name__ == "__main__":

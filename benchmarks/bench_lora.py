@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, opentau_bin, print_rows, run  # noqa: E402
+from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, opentau_bin, print_rows, report, run  # noqa: E402
 
 BACKENDS = {"DDP": EXAMPLES / "accelerate_cpu_ddp_config.yaml", "ZeRO-2": EXAMPLES / "accelerate_cpu_deepspeed_config.yaml"}
 MIB = 1 << 20
@@ -86,15 +86,12 @@ def main() -> None:
                  (f"{backend} LoRA rank {args.rank}", describe(adapted)),
                  (f"{backend} LoRA / full", f"peak memory {memory:.3f}x, samples/s {speed:.3f}x")]
     print_rows(f"LoRA rank {args.rank} vs full fine-tuning (2 CPU processes)", rows)
-    if not args.no_append:
-        notes = ["peak memory: each worker process's peak RSS (opentau profile; DataLoader workers not included); the "
-                 "memory ratio compares the larger rank's peak of each side, and RSS includes what both sides share "
-                 "(the interpreter, torch, the frozen base weights)",
-                 "ratios of the medians over each side's runs"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result(f"LoRA rank {args.rank} vs full fine-tuning on 2 CPU processes (opentau profile)", rows, notes,
-                      path=args.results)
+    report(args, f"LoRA rank {args.rank} vs full fine-tuning on 2 CPU processes (opentau profile)", rows, [
+        "peak memory: each worker process's peak RSS (opentau profile; DataLoader workers not included); the "
+        "memory ratio compares the larger rank's peak of each side, and RSS includes what both sides share "
+        "(the interpreter, torch, the frozen base weights)",
+        "ratios of the medians over each side's runs"],
+        Headline("LoRA / full: " + "; ".join(f"{backend} {dict(rows)[f'{backend} LoRA / full']}" for backend in backends)))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ Part 2, computed: the example pi05 config on 8 GPUs for each launch docs/memory.
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "memory_hook"))
-from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, print_rows  # noqa: E402
+from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, print_rows, report  # noqa: E402
 
 CARD = 80 * 2**30  # a card sold as 80 GB: 81920 MiB in nvidia-smi
 LAUNCHES = [  # (row, Accelerate YAML, overrides) of the example config on 8 GPUs
@@ -145,20 +146,23 @@ def main() -> None:
     rows += [("config", f"configs/examples/pi05_config.json{' with pi05_tiny (smoke)' if args.smoke else ''}, 8 GPUs")]
     rows += example_rows(args.smoke)
     print_rows("Memory plan: real CPU peaks and the example pi05 config on 8 GPUs", rows)
-    if not args.no_append:
-        notes = ["CPU rows: pi05_small, 224x224, 16 per device, 3 steps; real `opentau train` launches, the largest "
-                 "rank's VmHWM after the last step less its VmRSS just before the policy is built (tests/memory_hook), "
-                 "with MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed blocks at once: what tensors hold, as "
-                 "max_memory_allocated counts on a GPU) next to the plan's allocated bytes for a CPU launch: AdamW's "
-                 "per-tensor step (2 fp32 copies of the largest tensor, not CUDA's foreach copy of all), DeepSpeed "
-                 "buffers resident only where written, no CUDA context, NCCL buffers or caching-allocator "
-                 "fragmentation; 'glibc defaults' rows: the same launch as users run it, glibc keeping freed blocks "
-                 "under its dynamic mmap threshold (up to 32 MiB) in its heaps",
-                 "example rows: computed, not measured (parameter counts + a fake-tensor step per shape), GiB as "
-                 "nvidia-smi counts (an 80 GB card has 80 GiB)"]
-        if args.smoke:
-            notes.insert(0, "smoke run: numbers only show the script works")
-        append_result("Memory plan: real CPU peaks and the example pi05 config on 8 GPUs", rows, notes, path=args.results)
+    notes = ["CPU rows: pi05_small, 224x224, 16 per device, 3 steps; real `opentau train` launches, the largest "
+             "rank's VmHWM after the last step less its VmRSS just before the policy is built (tests/memory_hook), "
+             "with MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed blocks at once: what tensors hold, as "
+             "max_memory_allocated counts on a GPU) next to the plan's allocated bytes for a CPU launch: AdamW's "
+             "per-tensor step (2 fp32 copies of the largest tensor, not CUDA's foreach copy of all), DeepSpeed "
+             "buffers resident only where written, no CUDA context, NCCL buffers or caching-allocator "
+             "fragmentation; 'glibc defaults' rows: the same launch as users run it, glibc keeping freed blocks "
+             "under its dynamic mmap threshold (up to 32 MiB) in its heaps",
+             "example rows: computed, not measured (parameter counts + a fake-tensor step per shape), GiB as "
+             "nvidia-smi counts (an 80 GB card has 80 GiB)"]
+    # Each real row's "plan / real" (the plan's target: within 10% of the largest rank's peak).
+    ratios = [float(m[1]) for _, value in rows if (m := re.search(r"plan / real (\d+\.\d+)", value))]
+    headline = Headline("no launch checked against its plan (--no-real or --glibc default)")
+    if ratios:
+        headline = Headline(f"plan / real peak {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} CPU "
+                            f"launch{'es' * (len(ratios) > 1)}", "within 10%", all(abs(r - 1) <= 0.10 for r in ratios))
+    report(args, "Memory plan: real CPU peaks and the example pi05 config on 8 GPUs", rows, notes, headline)
 
 
 if __name__ == "__main__":

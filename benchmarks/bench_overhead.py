@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, SMALL_CONFIG, TINY_CONFIG, append_result, base_parser, env, opentau_bin, print_rows, run, verdict  # noqa: E402
+from _common import REPO, SMALL_CONFIG, TINY_CONFIG, base_parser, env, opentau_bin, print_rows, ratio_headline, report, run, verdict  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TARGET = 0.97
@@ -225,22 +225,22 @@ def main() -> None:
                          f"opentau {a:.1f} ({ours_phase['share']:.1%}), hand-written {b:.1f} ({anchor_phase['share']:.1%}), "
                          f"difference {a - b:+.1f}"))
     print_rows("Benchmark 1: framework overhead", rows)
-    if not args.no_append:
-        notes = [f"each pair runs opentau train and the hand-written loop at the same time, taking turns one loop iteration "
-                 f"each (benchmarks/turns_hook), the side that goes first alternating; steps/s per pair is one over the "
-                 f"side's median iteration over the first N measured (the typical step: a burst of other load lengthens "
-                 f"a few iterations of either side, not the median); each ratio is opentau's over its partner's at the "
-                 f"same run length; the whole-window row divides the sums instead; whole benchmark took "
-                 f"{time.perf_counter() - started:.0f} s"]
-        if not args.no_phases:
-            notes += ["phase rows: one `opentau profile` run and one `handwritten_loop.py --phases` run, each phase's "
-                      "median over the measured steps (a device sync at both ends of every phase on both sides); the share "
-                      "(of the mean step) holds still when a load slows a whole run",
-                      "forward, backward and the optimizer run the same code on both sides, so their difference is the "
-                      "load; opentau's own per-step work shows in data, zero-grad + scheduler, sync and other"]
-        if args.smoke:
-            notes.append("smoke run: numbers only show the script works")
-        append_result("Framework overhead: opentau train vs hand-written Accelerate loop", rows, notes, path=args.results)
+    notes = [f"each pair runs opentau train and the hand-written loop at the same time, taking turns one loop iteration "
+             f"each (benchmarks/turns_hook), the side that goes first alternating; steps/s per pair is one over the "
+             f"side's median iteration over the first N measured (the typical step: a burst of other load lengthens "
+             f"a few iterations of either side, not the median); each ratio is opentau's over its partner's at the "
+             f"same run length; the whole-window row divides the sums instead; whole benchmark took "
+             f"{time.perf_counter() - started:.0f} s"]
+    if not args.no_phases:
+        notes += ["phase rows: one `opentau profile` run and one `handwritten_loop.py --phases` run, each phase's "
+                  "median over the measured steps (a device sync at both ends of every phase on both sides); the share "
+                  "(of the mean step) holds still when a load slows a whole run",
+                  "forward, backward and the optimizer run the same code on both sides, so their difference is the "
+                  "load; opentau's own per-step work shows in data, zero-grad + scheduler, sync and other"]
+    longest = ratios("opentau", max(lengths))
+    report(args, "Framework overhead: opentau train vs hand-written Accelerate loop", rows, notes, ratio_headline(
+        f"steps/s, opentau / hand-written, {max(lengths)} steps (median of {len(longest)} pair{'s' * (len(longest) > 1)})",
+        statistics.median(longest), TARGET, digits=3))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, print_rows, report, run, verdict  # noqa: E402
+from _common import SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, combined, print_rows, ratio_headline, report, run, verdict  # noqa: E402
 from _common import opentau_bin  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
@@ -201,6 +201,7 @@ def main() -> None:
     os.environ.update(server.env)
     train = [opentau_bin(), "train", f"--config_path={config}", "--log_freq", "1", "--logging.progress_bar=plain"]
     rows, notes = [], []
+    headlines = {}  # part -> its headline; training: the last variant measured (split, a GPU node's host, where run)
     try:
         # The run that makes the checkpoint uploads it too (the resume below starts from it).
         made = work / "made"
@@ -218,6 +219,7 @@ def main() -> None:
             (big / "manifest.json").unlink()
             write_manifest(big)
             large = upload_rounds(server, big, args.rounds, "big")
+            headlines["upload"] = ratio_headline("upload throughput, opentau / boto3", small["ratio"], 0.9)
             for name, r in (("checkpoint", small), ("large checkpoint", large)):
                 rows.append((f"upload, {name} ({r['bytes'] / 1e9:.2f} GB): opentau / boto3",
                              f"{r['ratio']:.2f}x ({r['ours_mbs']:.1f} vs {r['plain_mbs']:.1f} MB/s; rounds "
@@ -240,6 +242,8 @@ def main() -> None:
             Plain(server).download(keys, f"bench/made/checkpoints/{last}", plain_dir / "checkpoints" / last)
             run([opentau_bin(), "resume", str(plain_dir / "checkpoints" / last), *more, "--checkpoint.remote=null"])
             plain_wall = time.perf_counter() - started
+            headlines["resume"] = ratio_headline("resume from the store, opentau / boto3 + resume", ours_wall / plain_wall,
+                                                 1.1, higher_is_better=False)
             rows.append(("resume on an empty disk: opentau resume URL / boto3 download + resume",
                          f"{ours_wall / plain_wall:.2f}x ({ours_wall:.1f} vs {plain_wall:.1f} s; target <= 1.1x, "
                          f"{verdict(ours_wall / plain_wall, 1.1, higher_is_better=False)})"))
@@ -268,6 +272,8 @@ def main() -> None:
                         committed.append(len(RemoteRun(open_storage(url)).committed()))
                     shutil.rmtree(work / ("train-" + tag), ignore_errors=True)
                 on, off = statistics.median(walls["on"]), statistics.median(walls["off"])
+                headlines["training"] = ratio_headline(f"training wall, remote on / off ({label})", on / off, 1.05,
+                                                       higher_is_better=False, digits=3)
                 rows.append((f"training wall, checkpoint.remote on / off, {label}",
                              f"{on / off:.3f}x ({on:.1f} vs {off:.1f} s, {args.steps} steps, {saves} saves, committed "
                              f"in the store at the end: {' and '.join(map(str, committed))} of {saves}; target <= "
@@ -277,6 +283,7 @@ def main() -> None:
 
         if "interference" in parts and not args.smoke and (os.cpu_count() or 1) >= 2:  # 5. (quiet: before 4.)
             rows += interference(server, ckpt, 8)
+            headlines["interference"] = Headline(f"one-thread matmul while core 1 uploads: {rows[-1][1].split(' (')[0]}")
 
         if "bytes" in parts:  # 4. Bytes per checkpoint (full fine-tuning: the checkpoint of step 1 above).
             full = RemoteRun(open_storage(server.url("bench/made")))
@@ -307,7 +314,8 @@ def main() -> None:
                  f"19, its data in {store_dir} (it stands for another machine); parts of {PART >> 20} MiB, {CONCURRENCY} in flight; "
                  f"{args.rounds} upload rounds alternated; parts measured: {args.parts}")
     print_rows(title, rows)
-    report(args, title, rows, notes)
+    report(args, title, rows, notes,
+           combined(*headlines.values()) if headlines else Headline("bytes uploaded per checkpoint only"))
 
 
 if __name__ == "__main__":

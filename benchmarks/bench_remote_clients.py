@@ -33,7 +33,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _common import base_parser, print_rows, report  # noqa: E402
+from _common import Headline, base_parser, combined, print_rows, ratio_headline, report  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
 MB = 1 << 20
@@ -279,6 +279,7 @@ def main() -> None:
                 for name in names:
                     rows.append((f"{label} {direction}: {name}",
                                  f"{speed[name]:.1f} MB/s = {speed[name] / best:.2f}x the fastest"))
+        headlines = []
         if "opentau" in names and len(names) > 1:  # opentau's seam against the fastest plain client, round by round
             for label in sets:
                 for direction, index in (("upload", 0), ("download", 1)):
@@ -287,11 +288,13 @@ def main() -> None:
                     ratios = [p[index] / o[index] for o, p in zip(results[("opentau", label)], results[(plain, label)])]
                     rows.append((f"{label} {direction}: opentau / {plain}", f"{statistics.median(ratios):.2f}x (per "
                                  f"round: {', '.join(f'{r:.2f}' for r in ratios)}; target >= 0.9x)"))
+                    headlines.append(ratio_headline(f"{label} {direction}, opentau / {plain}", statistics.median(ratios), 0.9))
         print_rows("Object-storage clients against a local SeaweedFS (median of rounds)", rows)
         report(args, "Object-storage clients: boto3 vs s3fs vs obstore against a local SeaweedFS", rows,
                ["MB = MiB; each client's median over the rounds; every transfer verified (size, xxh3_128) outside the "
                 "timing", "checksums as each client would be used: boto3 full-object CRC64NVME, s3fs CRC32 per "
-                "request, obstore none (obstore-sha256: SHA-256 per part)"])
+                "request, obstore none (obstore-sha256: SHA-256 per part)"],
+               combined(*headlines) if headlines else Headline("opentau not compared (--clients)"))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, base_parser, env, opentau_bin, print_rows, report  # noqa: E402
+from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, env, opentau_bin, print_rows, report  # noqa: E402
 
 FAULT_HOOK = REPO / "tests" / "fault_hook"
 KILL_STEP = 6
@@ -86,7 +86,8 @@ def main() -> None:
     report(args, title, rows, [
         f"rank 1 SIGKILLs itself at the start of step {KILL_STEP}; the group restarts from checkpoint 4",
         "detection is the elastic agent's monitor interval (1 s) plus its teardown of the other rank; start-up and "
-        "restore includes verifying the checkpoint's hashes"])
+        "restore includes verifying the checkpoint's hashes"],
+           Headline(f"{parts['total']:.2f} s from a rank's death to the first step after it"))
 
 
 if __name__ == "__main__":

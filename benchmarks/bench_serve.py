@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from _common import SMALL_CONFIG, TINY_CONFIG, base_parser, p99, print_rows, report
+from _common import SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, p99, print_rows, report
 
 CAMERA, STATE = "observation.images.top", "observation.state"
 
@@ -158,7 +158,8 @@ def main() -> None:
     print_rows("Benchmark: opentau serve vs in-process inference", rows)
     report(args, "opentau serve: requests/s and latency vs in-process", rows,
            ["requests include packing the observation (msgpack) and the loopback round trip; the server samples one "
-            "chunk at a time, so 4 clients queue (their latency includes the wait)"])
+            "chunk at a time, so 4 clients queue (their latency includes the wait)"],
+           Headline(f"{dict(rows)['serve 1 client / in-process throughput']} throughput, serve 1 client / in-process"))
 
 
 if __name__ == "__main__":

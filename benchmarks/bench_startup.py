@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import base_parser, env, print_rows, report  # noqa: E402
+from _common import Headline, base_parser, env, print_rows, report  # noqa: E402
 
 SIDES = ("build + load", "no init", "no init, no draws")
 POLICY = {"small": dict(preset="pi05_small", chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8,
@@ -119,13 +119,16 @@ def main() -> None:
                 runs[side].append(measure(side, preset, checkpoint))
     rows = [("policy", f"pi05_{preset} from a local model.safetensors, fp32, {rounds} round(s) per side in fresh "
                        "processes, best of each")] + compare_rows(runs)
+    table = dict(rows)
     print_rows("Starting from pretrained weights: build + load vs no init", rows)
     report(args, "Starting from pretrained weights: build + load vs no init", rows,
            ["peak RSS: the kernel's peak resident set (VmHWM) of the child, reset once imports are done, minus its RSS "
             "at that point; it counts file pages a memory-mapped read touches",
             "every side's rounds: " + "; ".join(f"{side}: " + ", ".join(f"{r['peak_above_base'] / MIB:.0f} MiB / "
                                                                            f"{r['wall_s']:.2f} s" for r in rounds_)
-                                              for side, rounds_ in runs.items())])
+                                              for side, rounds_ in runs.items())],
+           Headline(f"no init, no draws / build + load: {table['no init, no draws / build + load: peak RSS']} peak RSS, "
+                    f"{table['no init, no draws / build + load: wall time']} wall time"))
 
 
 if __name__ == "__main__":

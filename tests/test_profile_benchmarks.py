@@ -1,4 +1,5 @@
-"""Each benchmark's --smoke mode runs end to end and appends a dated section to the results file it is given."""
+"""Each benchmark's --smoke mode runs end to end and records a dated section in the results file it is given
+(how a run is recorded: tests/test_benchmarks_record.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def run_benchmark(script: str, results, timeout: float = 600) -> str:
     assert text.startswith("# Benchmarks")
     assert re.search(r"^## .+ \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)$", text, re.M)
     assert "- machine: " in text and "CPUs" in text and "- command: `" in text and "--smoke" in text
+    assert re.search(r"^- commit: ([0-9a-f]{7,}(\+dirty)?|not recorded)$", text, re.M)  # not recorded: no git checkout
     return proc.stdout
 
 
@@ -78,21 +80,6 @@ def test_dataloader_benchmark_smoke_sets_a_video_mixtures_decode_ceiling_against
     ratio = float(re.search(r"ceiling / consumption\s+(\d+\.\d)x", out).group(1))
     assert ceiling > 0 and consumed > 0 and ratio == pytest.approx(ceiling / consumed, abs=0.06 + 0.01 * ratio)
     assert "reach_v21_video" in out and "reach_v30_video" in out
-
-
-def test_results_are_appended_never_rewritten(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from _common import append_result
-    finally:
-        sys.path.pop(0)
-    path = tmp_path / "B.md"
-    append_result("first", [("a", "1")], ["note"], path=path)
-    append_result("second", [("b", "2")], [], path=path)
-    text = path.read_text()
-    assert text.count("# Benchmarks") == 1
-    assert text.index("## first") < text.index("## second")
-    assert "| a | 1 |" in text and "| b | 2 |" in text
 
 
 def test_lora_benchmark_smoke_tabulates_both_sides_and_their_ratios(tmp_path):

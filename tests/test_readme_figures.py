@@ -1,6 +1,6 @@
-"""Every measured figure in README.md is the one of the latest run of its benchmark recorded in BENCHMARKS.md (the
-scripts in benchmarks/ append a dated section per run, never rewriting the earlier ones), and the README quotes no
-ratio or per-unit cost that this table does not tie to a benchmark."""
+"""Every measured figure in README.md and the docs/ pages is the one of the latest run of its benchmark, the section
+in BENCHMARKS.md (which holds one run per benchmark; the earlier runs are in BENCHMARKS_HISTORY.md, never read here),
+and those pages quote no ratio or per-unit cost that this table does not tie to a benchmark."""
 
 from __future__ import annotations
 
@@ -10,12 +10,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The README and the user's reference pages in docs/ (the figures moved there with their text); the design notes
-# (ARCHITECTURE.md, PUBLISHED_MEMORY.md) cite the measurements behind decisions and others' published figures.
-NOTES = ("ARCHITECTURE.md", "PUBLISHED_MEMORY.md")
-README = "\n".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-                   if path.name not in NOTES)
+# The pages a user reads: the README and the reference pages in docs/, less two that are not the user's reference:
+# ARCHITECTURE.md (design notes: options measured and not taken, as ranges) and PUBLISHED_MEMORY.md (others'
+# published figures, checked by benchmarks/bench_published_memory.py).
+NOT_USER_PAGES = ("ARCHITECTURE.md", "PUBLISHED_MEMORY.md")
+PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in NOT_USER_PAGES)]
+PAGES_TEXT = "\n\n".join(p.read_text() for p in PAGES)
+# The same with every run of white space one space: a figure's sentence may be wrapped anywhere on any page.
+PROSE = " ".join(PAGES_TEXT.split())
 BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
+HISTORY = (REPO / "BENCHMARKS_HISTORY.md").read_text()
 
 ASYNC = "Asynchronous checkpoints: training time lost per save, sync vs async_save"
 CONSOLIDATE_ZERO3 = "Streaming consolidation vs zero_to_fp32 (direct and two-step), ZeRO-3 at two sizes"
@@ -34,8 +38,8 @@ REMOTE_INTERFERENCE = "Remote checkpoints, interference only"
 SPLIT = "rank on core 0, uploader and store on core 1 (a GPU node's host)"
 
 
-# README figure -> where it comes from: (a pattern of README.md whose group is the figure, the benchmark's section
-# title, the row of its table, a pattern of that row's value whose group is the measured number[, a conversion]).
+# A page's figure -> where it comes from: (a pattern of the pages' prose whose group is the figure, the benchmark's
+# section title, the row of its table, a pattern of that row's value whose group is the measured number[, a conversion]).
 FIGURES = [
     (r"pi05_small, ([\d.]+) samples/s against [\d.]+ for FSDP2", FSDP, "DDP", r"^([\d.]+) samples/s"),
     (r"samples/s against ([\d.]+) for FSDP2", FSDP, "FSDP2", r"^([\d.]+) samples/s"),
@@ -114,13 +118,17 @@ FIGURES = [
 MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x(?!\w)|\d+(?:\.\d+)? (?:s|CPU-seconds) per \w+|\d+(?:\.\d+)? s against")
 
 
+def sections(text: str, title: str) -> list[str]:
+    """The sections of a results file called `title` (each heading is the title followed by its date)."""
+    return [s for s in re.split(r"^## ", text, flags=re.M)
+            if re.match(re.escape(title) + r" \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)\n", s)]
+
+
 def latest_table(title: str) -> dict[str, str]:
-    """The measure -> value table of the newest BENCHMARKS.md section called `title` (sections are appended in time
-    order; each heading is the title followed by its date)."""
-    sections = re.split(r"^## ", BENCHMARKS, flags=re.M)
-    matching = [s for s in sections if re.match(re.escape(title) + r" \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)\n", s)]
-    assert matching, f"BENCHMARKS.md has no section {title!r}"
-    rows = re.findall(r"^\| (.+?) \| (.+?) \|$", matching[-1], flags=re.M)
+    """The measure -> value table of the latest run of the benchmark `title`: its one section in BENCHMARKS.md."""
+    matching = sections(BENCHMARKS, title)
+    assert len(matching) == 1, f"BENCHMARKS.md has {len(matching)} sections {title!r}; it holds one run per benchmark"
+    rows = re.findall(r"^\| (.+?) \| (.+?) \|$", matching[0], flags=re.M)
     return {measure: value for measure, value in rows if measure not in ("measure", "---")}
 
 
@@ -130,9 +138,9 @@ def _decimals(figure: str) -> int:
 
 @pytest.mark.parametrize("figure", FIGURES, ids=[f[0] for f in FIGURES])
 def test_readme_figure_is_the_latest_benchmark_run(figure):
-    readme_pattern, title, row, value_pattern, *convert = figure
-    found = re.findall(readme_pattern, README)
-    assert len(found) == 1, f"README.md: {readme_pattern!r} found {len(found)} times"
+    page_pattern, title, row, value_pattern, *convert = figure
+    found = re.findall(page_pattern, PROSE)
+    assert len(found) == 1, f"README.md and docs/: {page_pattern!r} found {len(found)} times"
     table = latest_table(title)
     assert row in table, f"{title}: no row {row!r} in its latest table"
     measured = re.search(value_pattern, table[row])
@@ -141,21 +149,26 @@ def test_readme_figure_is_the_latest_benchmark_run(figure):
     for fn in convert:
         number = fn(number)
     assert float(found[0]) == round(number, _decimals(found[0])), (
-        f"README.md says {found[0]} where the latest {title!r} run measured {number} ({row})")
+        f"README.md / docs/ say {found[0]} where the latest {title!r} run measured {number} ({row})")
 
 
-def test_every_measured_figure_in_the_readme_is_tied_to_a_benchmark():
-    covered = [m.span(1) for pattern, *_ in FIGURES for m in re.finditer(pattern, README)]
-    untied = [m.group(0) for m in MEASURED.finditer(README)
+def test_every_measured_figure_in_the_readme_and_docs_is_tied_to_a_benchmark():
+    covered = [m.span(1) for pattern, *_ in FIGURES for m in re.finditer(pattern, PROSE)]
+    untied = [m.group(0) for m in MEASURED.finditer(PROSE)
               if not any(start <= m.start() < end for start, end in covered)]
-    assert not untied, f"README.md quotes measurements no benchmark in FIGURES backs: {untied}"
+    assert not untied, f"README.md / docs/ quote measurements no benchmark in FIGURES backs: {untied}"
 
 
-def test_latest_table_reads_the_newest_section_of_a_benchmark():
-    # Three consolidation benchmarks ran before the current title; the README's figures come from the current one.
+def test_latest_table_reads_the_run_in_benchmarks_md_never_the_history():
+    # The README's figures come from the current consolidation title; three older titles' runs are in the history.
     assert latest_table(CONSOLIDATE_ZERO3)[UPSTREAM].startswith("0.23x / 0.20x")
-    assert latest_table(ASYNC)["async / sync"].startswith("0.12x")  # the tenth of ten runs
+    assert latest_table(ASYNC)["async / sync"].startswith("0.12x")  # the tenth of ten runs, the nine others in the history
     assert latest_table(ASYNC)["loaded: async / sync"].startswith("0.19x")
+    older = sections(HISTORY, ASYNC)
+    assert len(older) == 9 and sections(BENCHMARKS, ASYNC)[0] not in older
+    dates = [re.match(r".+ \((.+) UTC\)\n", s)[1] for s in older]
+    assert dates == sorted(dates, reverse=True) and dates[0] == "2026-12-01 20:46"  # newest first
+    assert re.search(r"^\| async / sync \| (\S+)", older[0], re.M)[1] == "0.10x"
 
 
 # The README's "what fits where" table, row by row: the launch's Accelerate YAML.
@@ -173,7 +186,7 @@ def test_the_what_fits_where_table_is_a_fresh_plan_of_the_example_config(one_thr
     from opentau_cli.plan.memory import plan_memory
 
     monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
-    rows = TABLE_ROW.findall(README)
+    rows = TABLE_ROW.findall(PAGES_TEXT)
     assert len(rows) == 5, rows
     card = 80 * 2**30  # a card sold as 80 GB: 81920 MiB in nvidia-smi
     examples = REPO / "configs" / "examples"
