@@ -18,6 +18,8 @@ from opentau_cli.config import load_config, read_accelerate_config
 from opentau_cli.errors import UserError
 from opentau_cli.process.launch import accelerate_yaml, build_command, failed_log, worker_env
 
+pytestmark = pytest.mark.quick
+
 TINY = EXAMPLES / "pi05_tiny_config.json"
 
 

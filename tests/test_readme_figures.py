@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
