@@ -5,7 +5,9 @@ collector running as usual vs paused during the imports (`opentau_cli.runtime.im
 Each side imports the same modules in the same order in a fresh interpreter: what every rank imports before it
 builds anything (`runtime.RANK_IMPORTS`: opentau's config, torch, accelerate, DeepSpeed, opentau_cli.policies with
 transformers' Gemma and PaliGemma). "collector running" imports them with plain `importlib.import_module`, as before
-the change; "collector paused" through `import_paused`. Each child reports the wall time and the process's CPU time (user + system) of the
+the change; "collector paused" through `import_paused` with every module its libraries import at their own import
+(as before MLflow was kept out of DeepSpeed's); "MLflow kept out" through `import_paused` as the ranks now do
+(`runtime.UNUSED_IMPORTS`: DeepSpeed's autotuner imports MLflow whenever it is installed). Each child reports the wall time and the process's CPU time (user + system) of the
 imports, and the full collections the collector made meanwhile. Sides alternate, so a change in the machine's load
 hits both alike; the table gives each side's median and the ratios.
 
@@ -26,7 +28,7 @@ from _common import Headline, base_parser, env, print_rows, report  # noqa: E402
 
 from opentau_cli.process.runtime import RANK_IMPORTS as MODULES  # noqa: E402
 
-SIDES = ("collector running", "collector paused")
+SIDES = ("collector running", "collector paused", "MLflow kept out")
 
 
 def child(side: str) -> None:
@@ -41,9 +43,11 @@ def child(side: str) -> None:
         for name in MODULES:
             importlib.import_module(name)
     else:
-        from opentau_cli.process.runtime import import_paused
+        from opentau_cli.process import runtime
 
-        import_paused(*MODULES)
+        if side == SIDES[1]:
+            runtime.UNUSED_IMPORTS = {}
+        runtime.import_paused(*MODULES)
     wall, after = time.perf_counter() - start, os.times()
     print(json.dumps({"wall_s": wall, "cpu_s": after.user + after.system - cpu.user - cpu.system,
                       "full_collections": gc.get_stats()[2]["collections"]}))
@@ -62,7 +66,7 @@ def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
     median = {side: {k: statistics.median(r[k] for r in rounds) for k in ("wall_s", "cpu_s", "full_collections")}
               for side, rounds in runs.items()}
     rows = []
-    for side in SIDES:
+    for side in median:
         m = median[side]
         rows.append((f"{side}: wall time", f"{m['wall_s']:.2f} s"))
         rows.append((f"{side}: CPU time", f"{m['cpu_s']:.2f} s"))
@@ -70,6 +74,10 @@ def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
     old, new = median[SIDES[0]], median[SIDES[1]]
     rows.append(("paused / running: wall time", f"{new['wall_s'] / old['wall_s']:.2f}x"))
     rows.append(("paused / running: CPU time", f"{new['cpu_s'] / old['cpu_s']:.2f}x"))
+    if SIDES[2] in median:
+        out = median[SIDES[2]]
+        rows.append(("MLflow kept out / paused: wall time", f"{out['wall_s'] / new['wall_s']:.2f}x"))
+        rows.append(("MLflow kept out / paused: CPU time", f"{out['cpu_s'] / new['cpu_s']:.2f}x"))
     return rows
 
 
@@ -87,7 +95,7 @@ def main() -> None:
             runs[side].append(measure(side))
     rows = [("imports", f"{', '.join(MODULES)}; {rounds} round(s) per side in fresh processes, median")]
     rows += compare_rows(runs)
-    title = "Start-up imports: collector running vs paused"
+    title = "Start-up imports: collector running vs paused, and MLflow kept out"
     print_rows(title, rows)
     report(args, title, rows, ["every side's rounds (wall / CPU s): " + "; ".join(
         f"{side}: " + ", ".join(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in rounds_) for side, rounds_ in runs.items())],

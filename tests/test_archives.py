@@ -21,6 +21,8 @@ from conftest import EXAMPLES, run_cli, run_cli_in_process, refused, tree
 from opentau_cli.store.layout import CHECKPOINTS, LAST, MANIFEST, METRICS, MODEL_WEIGHTS, ROLLED_BACK, TRAIN_CONFIG
 from opentau_cli.store.lineage import roll_back
 
+pytestmark = pytest.mark.full
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints" / "v2"
 STAMP = "20261203-090000"

@@ -30,7 +30,7 @@ from opentau_cli.store.runs import latest
 from opentau_cli.train.async_save import HostStaging, snapshot
 from opentau_cli.train.manager import CheckpointManager
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
 
 
 class Parts:

@@ -14,6 +14,8 @@ from opentau_cli.config.model import PolicyConfig
 from opentau_cli.policies import build_policy
 from opentau_cli.policies.pi05.modeling import _attend, attention_kernels
 
+pytestmark = pytest.mark.full
+
 STATS = {
     "state": {"q01": [-1.0] * 4, "q99": [1.0] * 4, "mean": [0.0] * 4, "std": [1.0] * 4},
     "action": {"q01": [-1.0] * 3, "q99": [1.0] * 3, "mean": [0.0] * 3, "std": [1.0] * 3},

@@ -21,6 +21,8 @@ from opentau_cli.data.sampler import BatchStream, ResumableSampler
 from opentau_cli.train import augment
 from opentau_cli.train.augment import ImageAugment, apply, color, crop_and_resize, draws, rotate
 
+pytestmark = pytest.mark.full
+
 H, W = 40, 48
 
 

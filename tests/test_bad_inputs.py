@@ -23,6 +23,8 @@ import yaml
 
 from conftest import EXAMPLES, run_cli, run_cli_in_process, refused, tree
 
+pytestmark = pytest.mark.full
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 CPU_DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
 

@@ -6,10 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_augment  # noqa: E402
+
+pytestmark = pytest.mark.full
 
 
 def report(step_s: float, data_s: float) -> dict:

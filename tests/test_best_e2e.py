@@ -15,7 +15,7 @@ from safetensors import safe_open
 from conftest import EXAMPLES, SINGLE_PROCESS_ENV, run_cli, run_cli_in_process
 from opentau_cli.store.layout import BEST, CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.usefixtures("one_thread_module")]
 
 STEPS = 6
 

@@ -21,7 +21,7 @@ from opentau_cli.store.runs import latest
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_save_driver import MOMENTS  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # a minute or more: starts first (tests/conftest.py)
 
 
 @pytest.fixture(scope="module", params=["sync", "async"])

@@ -31,7 +31,7 @@ from opentau_cli.tools.consolidate import consolidate
 from opentau_cli.tools.export import export
 from opentau_cli.tools.info import verify_path
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]  # slow: starts first (conftest.py)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 VERSIONS = sorted(int(p.name[1:]) for p in FIXTURES.glob("v*") if p.is_dir())

@@ -6,6 +6,8 @@ import json
 import os
 
 from safetensors.torch import save_file
+import pytest
+
 import torch
 from typer.testing import CliRunner
 
@@ -14,6 +16,8 @@ from opentau_cli.store.layout import (
     BEST, CHECKPOINTS, LAST, MANIFEST, MODEL_WEIGHTS, OPTIMIZER, TRAIN_CONFIG, TRAINING_STATE, rank_state_file, tmp_dir,
 )
 from opentau_cli.store.manifest import write_manifest
+
+pytestmark = pytest.mark.quick
 
 runner = CliRunner()
 

@@ -7,7 +7,11 @@ from pathlib import Path
 
 from accelerate.utils import constants
 
+import pytest
+
 from opentau_cli.store import layout
+
+pytestmark = pytest.mark.quick
 
 
 def test_the_names_of_save_state_files_are_accelerates_own():

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from opentau_cli.store.layout import DS_MODEL_STATES, DS_TAG, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, tmp_dir
 from opentau_cli.store.manifest import add_to_manifest, is_complete, verify_manifest, write_manifest
+
+pytestmark = pytest.mark.quick
 
 SHARD = f"{DS_TAG}/global_step2/{DS_MODEL_STATES}"
 

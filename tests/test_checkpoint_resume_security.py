@@ -12,6 +12,8 @@ import torch
 
 from opentau_cli.store.pickle_scan import UnsafePickleError, scan_checkpoint_pickles, scan_pickle_file
 
+pytestmark = pytest.mark.full
+
 
 class _Evil:
     def __init__(self, marker):

@@ -15,7 +15,7 @@ from conftest import EXAMPLES, run_cli
 
 runner = CliRunner()
 # pi05_config.json starts from lerobot/pi05_base and PaliGemma's tokenizer: offline, from a cache laid out for it.
-pytestmark = pytest.mark.usefixtures("published_pi05_hub")
+pytestmark = [pytest.mark.quick, pytest.mark.usefixtures("published_pi05_hub")]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 FULL = str(EXAMPLES / "pi05_config.json")

@@ -11,6 +11,8 @@ from opentau_cli.config import TrainConfig, load_config, parse_overrides
 from opentau_cli.errors import UserError
 from conftest import EXAMPLES
 
+pytestmark = pytest.mark.quick
+
 
 def write_json(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data))

@@ -27,7 +27,7 @@ from opentau_cli.store.layout import (
 sys.path.insert(0, str(Path(__file__).parent))
 import ds_ckpt_helper  # noqa: E402
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # a minute or more: starts first (tests/conftest.py)
 
 # name -> (zero stage, ranks, mixed precision)
 CASES = {"z2r1": (2, 1, "no"), "z2r2": (2, 2, "bf16"), "z3r1": (3, 1, "no"), "z3r2": (3, 2, "bf16")}

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 
 from opentau_cli.store.safetensors_writer import FileSpan, TensorEntry, write_safetensors
 
+pytestmark = pytest.mark.quick
+
 SHM = Path("/dev/shm")  # tmpfs: another filesystem than the test's tmp_path, so copy_file_range refuses (EXDEV)
 
 

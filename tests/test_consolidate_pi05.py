@@ -28,7 +28,7 @@ from opentau_cli.store.layout import (
 sys.path.insert(0, str(Path(__file__).parent))
 import ds_ckpt_helper  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

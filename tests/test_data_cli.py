@@ -13,7 +13,7 @@ from opentau_cli.data import LeRobotDataset, write_synth
 from opentau_cli.data.meta import read_meta
 from opentau_cli.data.synth import DEMO_SETTINGS, DEMO_VERSION
 
-pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+pytestmark = [pytest.mark.full, pytest.mark.timeout(300)]  # a hung data worker fails the test instead of stalling CI
 
 
 def test_synth_then_info_describe_the_written_v30_dataset(tmp_path):

@@ -14,7 +14,7 @@ from opentau_cli.config.load import load_config
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, check_dataset, write_synth
 from opentau_cli.errors import UserError
 
-pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+pytestmark = [pytest.mark.full, pytest.mark.timeout(300)]  # a hung data worker fails the test instead of stalling CI
 
 KW = dict(chunk_size=4, image_resolution=(16, 16), num_cameras=1)
 TINY = str(EXAMPLES / "pi05_tiny_config.json")

@@ -18,7 +18,7 @@ from opentau_cli.data.check import check_dataset
 from opentau_cli.data.hub import pin_for_resume
 from opentau_cli.errors import UserError
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.full, pytest.mark.timeout(300)]
 
 TOP, FRONT = "observation.images.top", "observation.images.front"
 V21, V30 = "org/reach_v21", "org/reach_v30"

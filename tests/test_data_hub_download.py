@@ -15,7 +15,7 @@ from conftest import EXAMPLES, run_cli
 from hub_server import HubServer
 from opentau_cli.data import write_synth
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 REPO_ID = "org/reach"
 TOP, FRONT = "observation.images.top", "observation.images.front"

@@ -15,7 +15,7 @@ import pytest
 from conftest import EXAMPLES, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS, TENSORBOARD
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")

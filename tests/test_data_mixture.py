@@ -17,7 +17,7 @@ from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, buil
 from opentau_cli.data.mixture import MixtureSampler, draw_counts
 from opentau_cli.data.normalization import IDENTITY, normalize, unnormalize
 
-pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+pytestmark = [pytest.mark.full, pytest.mark.timeout(300)]  # a hung data worker fails the test instead of stalling CI
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 STATE_SCALE = 50.0

@@ -12,7 +12,7 @@ from opentau_cli.config.load import load_config
 from opentau_cli.data import build_data, write_synth
 from opentau_cli.policies import build_policy
 
-pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+pytestmark = [pytest.mark.full, pytest.mark.timeout(300)]  # a hung data worker fails the test instead of stalling CI
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 

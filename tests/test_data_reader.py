@@ -13,7 +13,7 @@ from opentau_cli.config.load import load_config
 from opentau_cli.data import LeRobotDataset, build_data, write_synth
 from opentau_cli.data.meta import read_meta
 
-pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+pytestmark = [pytest.mark.quick, pytest.mark.timeout(300)]  # a hung data worker fails the test instead of stalling CI
 
 KW = dict(chunk_size=6, image_resolution=(32, 48), num_cameras=3)
 

@@ -41,7 +41,7 @@ from opentau_cli.data.synth import DEMO_SETTINGS
 from opentau_cli.data.video import VideoFrames
 from opentau_cli.errors import UserError
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.full, pytest.mark.timeout(600)]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 TOP, FRONT = "observation.images.top", "observation.images.front"

@@ -26,7 +26,7 @@ from test_data_remote import on_disk, upload
 from opentau_cli.data import write_synth
 from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")

@@ -7,7 +7,7 @@ import torch
 
 from opentau_cli.data import BatchStream, LeRobotDataset, ResumableSampler, split_episodes, write_synth
 
-pytestmark = pytest.mark.timeout(300)  # a hung data worker fails the test instead of stalling CI
+pytestmark = [pytest.mark.quick, pytest.mark.timeout(300)]  # a hung data worker fails the test instead of stalling CI
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS, TRAINING_STATE
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 LEAVES_AT = 5  # machine 1 leaves as step 5 starts: the group re-forms alone from checkpoint 3
 FAULT_HOOK = Path(__file__).parent / "fault_hook"
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 
 def train_losses(run_dir: Path) -> list[tuple[int, float]]:

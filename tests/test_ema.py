@@ -11,6 +11,8 @@ from opentau_cli.store.manifest import rank_files
 from opentau_cli.train import ema as ema_module
 from opentau_cli.train.ema import WeightEMA, ema_update_
 
+pytestmark = pytest.mark.quick
+
 
 def openpi_ema(ema: torch.Tensor, w: torch.Tensor, decay: float) -> torch.Tensor:
     return decay * ema + (1 - decay) * w  # openpi's expression, in fp32

@@ -28,7 +28,7 @@ from opentau_cli.store.layout import (
     CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, ema_rank_file,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 YAML = {"ddp": str(EXAMPLES / "accelerate_cpu_ddp_config.yaml"),
         "zero3": str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")}

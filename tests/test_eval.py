@@ -19,7 +19,7 @@ from opentau_cli.policies.layouts import LEROBOT
 from published import write_published
 from test_policy_learning import STEPS, learning, train
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 runner = CliRunner()

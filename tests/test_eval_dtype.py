@@ -12,6 +12,8 @@ from opentau_cli.config.model import PolicyConfig
 from opentau_cli.policies import build_policy
 from opentau_cli.tools.inference import inference_dtype
 
+pytestmark = pytest.mark.quick
+
 STATS = {
     "state": {"q01": [-1.0] * 4, "q99": [1.0] * 4, "mean": [0.0] * 4, "std": [1.0] * 4},
     "action": {"q01": [-2.0] * 3, "q99": [2.0] * 3, "mean": [0.0] * 3, "std": [1.0] * 3},

@@ -33,7 +33,7 @@ import torch
 from conftest import EXAMPLES, run_cli
 from peer_envs import byte_level_tokenizer, lerobot_sim_python, sizes_for_peers
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.full, pytest.mark.timeout(1800)]
 
 HERE = Path(__file__).parent
 TOLERANCE = 1e-5

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import EXAMPLES, require_simulators, run_cli, run_cli_in_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.full, pytest.mark.slow]
 
 ENV = "metaworld:reach-v3"
 

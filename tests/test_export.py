@@ -24,7 +24,7 @@ from opentau_cli.policies.layouts import LEROBOT, LEROBOT_NORMALIZER, OPENPI, OP
 from opentau_cli.store.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS, TRAIN_CONFIG
 from published import write_published
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 ZERO3 = str(EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml")

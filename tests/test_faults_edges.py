@@ -27,7 +27,7 @@ from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, refused, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, read_last
 from opentau_cli.store.manifest import read_manifest, verify_manifest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"

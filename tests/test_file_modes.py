@@ -15,7 +15,7 @@ import pytest
 from conftest import REFERENCE_UMASK, run_cli
 from opentau_cli.store.layout import CHECKPOINTS
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.full, pytest.mark.e2e]
 
 WANTED = 0o666 & ~REFERENCE_UMASK
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from conftest import EXAMPLES, REPO, opentau_bin, refused, run_cli, run_cli_in_process, tree
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, TRAINING_STATE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
 FSDP2 = REPO / "configs" / "examples" / "accelerate_cpu_fsdp2_config.yaml"

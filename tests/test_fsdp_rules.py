@@ -9,6 +9,8 @@ import pytest
 
 from conftest import EXAMPLES, REPO, refused, run_cli_in_process, tree
 
+pytestmark = pytest.mark.full
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 CPU_FSDP2 = REPO / "configs" / "examples" / "accelerate_cpu_fsdp2_config.yaml"
 GPU_FSDP2 = REPO / "configs" / "examples" / "accelerate_fsdp2_config.yaml"

@@ -26,7 +26,7 @@ import xxhash
 from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.store.layout import CHECKPOINTS, LAST, LOGS, MANIFEST, METRICS, TENSORBOARD, TRAIN_CONFIG, TRAINING_STATE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")

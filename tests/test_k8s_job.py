@@ -13,6 +13,8 @@ import yaml
 
 from conftest import EXAMPLES
 
+pytestmark = pytest.mark.full
+
 MANIFEST = EXAMPLES / "k8s_job_remote.yaml"
 
 

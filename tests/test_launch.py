@@ -18,6 +18,8 @@ from opentau_cli.config import load_config, read_accelerate_config
 from opentau_cli.errors import UserError
 from opentau_cli.process.launch import accelerate_yaml, build_command, failed_log, worker_env
 
+pytestmark = pytest.mark.quick
+
 TINY = EXAMPLES / "pi05_tiny_config.json"
 
 
@@ -178,6 +180,25 @@ print(json.dumps(out))
     out = json.loads(proc.stdout)
     assert out["collected_while_importing"] == 0 and out["enabled"] and out["frozen"] > 0
     assert out["error"] == "broken on purpose" and out["enabled_after_error"] and out["still_disabled"]
+
+
+def test_a_ranks_imports_leave_mlflow_to_the_run_that_logs_to_it():
+    """DeepSpeed's autotuner imports MLflow whenever it is installed (a second of CPU in every rank); the ranks import
+    DeepSpeed without it (runtime.UNUSED_IMPORTS), and MLflow still imports afterwards (docs/ARCHITECTURE.md "Start-up")."""
+    script = """
+import json, sys
+from opentau_cli.process.runtime import import_paused
+import_paused("torch", "deepspeed")
+out = {"after_deepspeed": sorted(m for m in sys.modules if m.split(".")[0] == "mlflow")}
+import deepspeed.autotuning.autotuner as autotuner
+import mlflow
+out.update(autotuner_has_mlflow=autotuner.has_mlflow, mlflow_imports=hasattr(mlflow, "log_metric"))
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"after_deepspeed": [], "autotuner_has_mlflow": False, "mlflow_imports": True}
 
 
 def test_failed_log_names_the_rank_that_failed_first_not_the_one_that_lost_its_peer(tmp_path):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "opentau_cli"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"

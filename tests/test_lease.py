@@ -14,6 +14,8 @@ from opentau_cli.process import lease
 from opentau_cli.store.remote_run import RemoteRun
 from opentau_cli.store.storage import LocalStorage, open_storage
 
+pytestmark = pytest.mark.quick
+
 
 def race(n: int, write) -> list:
     """`write(i)` from n threads released at once; their results in thread order."""

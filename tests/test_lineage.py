@@ -23,6 +23,8 @@ from opentau_cli.train.manager import CheckpointManager
 
 from test_train_checkpoint_manager import FakeAccelerator
 
+pytestmark = pytest.mark.full
+
 
 def manager(run: Path, run_id: str, parent: Path | None = None) -> CheckpointManager:
     return CheckpointManager(FakeAccelerator(), run, total_steps=100, run_id=run_id, parent=parent)

@@ -20,6 +20,8 @@ from opentau_cli.policies.lora import (
     BASE_KEY, apply_lora, base_reference, check_resume, checkpoint_keys, is_adapter, merge_adapter,
 )
 
+pytestmark = pytest.mark.quick
+
 
 def tiny(**lora) -> PolicyConfig:
     return PolicyConfig(preset="pi05_tiny", chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8,

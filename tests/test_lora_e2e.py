@@ -25,7 +25,7 @@ from opentau_cli.store.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAINI
 from opentau_cli.store.manifest import hash_file
 from opentau_cli.store.zero import read_zero_checkpoint
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
 KILL_HOOK = Path(__file__).parent / "kill_hook"

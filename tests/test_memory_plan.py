@@ -17,6 +17,8 @@ from opentau_cli.plan.memory import (CPU_RETENTION, CUDA_CONTEXT, CUDA_FRAGMENTA
                                      plan_memory)
 from conftest import EXAMPLES
 
+pytestmark = pytest.mark.quick
+
 GIB = 2**30
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import EXAMPLES, run_cli_in_process
 
+pytestmark = pytest.mark.full
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 
 

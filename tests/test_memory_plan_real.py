@@ -27,7 +27,7 @@ from conftest import EXAMPLES, REPO
 sys.path.insert(0, str(Path(__file__).parent / "memory_hook"))
 from real_peak import launch, zero3_auto_yaml  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.e2e]
 
 CONFIG = REPO / "benchmarks" / "pi05_small_bench.json"  # pi05_small: weights and AdamW state about a GB
 # Two steps (the second holds AdamW's state), 8 per device at 112x112: activations about half the peak.

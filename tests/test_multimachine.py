@@ -94,7 +94,7 @@ def runs(tmp_path_factory, ddp_reference):
             "after_kill": after_kill, "resume": resumed, "resumed": losses(two), "resumed_records": records(two)}
 
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_two_machines_train_with_the_losses_of_one_machine_with_two_processes(runs):

@@ -18,6 +18,8 @@ from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
 from opentau_cli.store.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
 from opentau_cli.store.outputs import MARKER
 
+pytestmark = pytest.mark.full
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 GPU_YAMLS = ["accelerate_ddp_config.yaml", "accelerate_deepspeed_config.yaml", "accelerate_deepspeed_zero3_config.yaml"]
 CPU_YAMLS = ["accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_config.yaml", "accelerate_cpu_deepspeed_zero3_config.yaml"]

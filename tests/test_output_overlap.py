@@ -20,6 +20,8 @@ import pytest
 from conftest import run_cli_in_process, refused, tree
 from opentau_cli.store.layout import CHECKPOINTS, LAST, MODEL_WEIGHTS
 
+pytestmark = pytest.mark.full
+
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints" / "v2"
 STEP = "000002"
 MARKER = ".opentau-output.json"  # what opentau_cli/store/outputs.py puts into each directory it publishes

@@ -27,6 +27,8 @@ from safetensors.torch import save_file
 from conftest import EXAMPLES, run_cli
 from peer_envs import byte_level_tokenizer, openpi_source, peer_python, sizes_for_peers
 
+pytestmark = pytest.mark.full
+
 HERE = Path(__file__).parent
 TOLERANCE = 1e-4  # fp32, two implementations of the same maths
 TOKEN = "hf_peer_models_write_token"

@@ -11,6 +11,8 @@ from opentau_cli.config.load import load_config
 from opentau_cli.data import build_data
 from opentau_cli.policies import build_policy
 
+pytestmark = pytest.mark.full
+
 STEPS = 250
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # a minute or more: starts first (tests/conftest.py)
 
 SCRIPT = r"""
 import json

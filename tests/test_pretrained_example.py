@@ -23,6 +23,8 @@ from opentau_cli.process import launch
 from opentau_cli.store.hub import hub_reachable
 from published import hub_cache_header_only, published_keys
 
+pytestmark = pytest.mark.full
+
 FULL = str(EXAMPLES / "pi05_config.json")
 EIGHT_GPUS = Machine(cuda=True, gpus=8)
 

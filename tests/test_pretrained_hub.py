@@ -16,6 +16,8 @@ from opentau_cli.policies.layouts import LEROBOT, Layout
 from opentau_cli.store.hub import parse_repo_id
 from published import hub_cache, save_word_tokenizer, write_published
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture
 def offline_cache(tmp_path, monkeypatch) -> Path:

@@ -13,6 +13,8 @@ from opentau_cli.policies import build_policy, check_pretrained, layouts, load_p
 from opentau_cli.policies.layouts import LEROBOT, NATIVE, OPENPI, OPENTAU, Layout, detect_layout, our_name, published_names
 from published import GEMMA, published_keys, spec_published_names, stats_of, write_header_only, write_published
 
+pytestmark = pytest.mark.full
+
 # ------------------------------------------------------------------------------------ the published key lists
 # published_keys (tests/published.py): every published pi05 / pi0 tensor with its shape at the real dimensions.
 OPENTAU_EXTRAS = {  # inside OpenTau's weights: its normalization buffers and its discrete-action head

@@ -22,6 +22,8 @@ from opentau_cli.policies import build_policy, check_pretrained, load_pretrained
 from opentau_cli.policies.layouts import LEROBOT, OPENPI, OPENTAU
 from published import stats_of, write_header_only, write_published
 
+pytestmark = pytest.mark.full
+
 STATS = {
     "state": {"mean": [0.5, -1.0, 2.0, 0.0], "std": [2.0, 0.5, 1.0, 3.0], "q01": [-1.5, -2.0, 0.0, -6.0], "q99": [2.5, 0.0, 4.0, 6.0]},
     "action": {"mean": [1.0, 0.0, -2.0], "std": [0.5, 2.0, 1.0], "q01": [0.0, -4.0, -4.0], "q99": [2.0, 4.0, 0.0]},

@@ -16,6 +16,8 @@ from opentau_cli.config import TrainConfig
 from opentau_cli.config.accelerate import AccelerateSetup
 from opentau_cli.train.trainer import process_group_kwargs
 
+pytestmark = pytest.mark.full
+
 DRIVER = Path(__file__).with_name("pg_timeout_driver.py")
 
 

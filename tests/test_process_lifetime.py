@@ -20,7 +20,7 @@ import pytest
 from conftest import EXAMPLES, opentau_bin, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, read_last
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.quick, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def _processes_of(run) -> list[psutil.Process]:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # a minute or more: starts first (tests/conftest.py)
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # see test_profile_cli.py: busy 2-core CI boxes
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import EXAMPLES, run_cli, run_cli_in_process
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # a minute or more: starts first (tests/conftest.py)
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 # One thread per worker: on a busy 2-core CI box, two spinning OpenMP threads per process slow a step down 5-10x.

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from opentau_cli.profiling.flops import FlopCountingTimer
+
+pytestmark = pytest.mark.quick
 
 
 def _train_step(timer, model, x):

@@ -9,6 +9,8 @@ import pytest
 from opentau_cli.profiling.phases import PhaseTimer
 from opentau_cli.train.timing import PHASES
 
+pytestmark = pytest.mark.quick
+
 
 def test_phases_are_recorded_per_step_and_add_up_to_the_step_total():
     timer = PhaseTimer()

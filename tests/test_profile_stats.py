@@ -21,6 +21,8 @@ from opentau_cli.profiling.stats import (
 )
 from opentau_cli.train.timing import PHASES
 
+pytestmark = pytest.mark.quick
+
 
 def _step(total: float, **phases: float) -> dict:
     return {**{p: 0.0 for p in PHASES}, **phases, "total": total}

@@ -27,7 +27,7 @@ import yaml
 
 from conftest import opentau_bin, refused, run_cli, run_cli_in_process
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.usefixtures("one_thread_module")]
 
 TOKEN = "hf_publish_test_write_token_5c1f09"
 REPO = "alice/pi05-tiny-demo"

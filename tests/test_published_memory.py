@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, run_cli_in_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.full, pytest.mark.slow]
 
 DOC = (REPO / "docs" / "PUBLISHED_MEMORY.md").read_text()
 ROW = re.compile(r"^\| ([GIOL]\d) \| (.+?) \| ([\d.]+) GiB( \(refused\))? \| (.+?) \| (.+?) \| ([\d.]+) GiB \| (.+?) \|$", re.M)

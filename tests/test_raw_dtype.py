@@ -17,6 +17,8 @@ from opentau_cli.policies import build_policy
 from opentau_cli.policies.pi05.modeling import flow_matching_pair
 from opentau_cli.train.trainer import to_device
 
+pytestmark = pytest.mark.full
+
 STATE_DIM, ACTION_DIM, CHUNK = 4, 3, 6
 # Statistics of a robot whose raw readings are near 1000 (joint encoders in ticks, positions in mm): bf16 keeps 8
 # significant bits, so a reading there moves by up to 4 when cast.

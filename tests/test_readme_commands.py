@@ -33,7 +33,7 @@ import pytest
 
 from conftest import REPO, run_cli_in_process
 
-pytestmark = pytest.mark.slow  # a minute or more: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # a minute or more: starts first (tests/conftest.py)
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"

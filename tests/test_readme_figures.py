@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full
+
 REPO = Path(__file__).resolve().parents[1]
 # The pages a user reads: the README and the reference pages in docs/, less two that are not the user's reference:
 # ARCHITECTURE.md (design notes: options measured and not taken, as ranges) and PUBLISHED_MEMORY.md (others'

@@ -10,7 +10,7 @@ import pytest
 from conftest import refused, run_cli_in_process
 from remote_runs import backend_runs, ok
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 
 @pytest.fixture(scope="module")

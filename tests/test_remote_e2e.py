@@ -23,7 +23,7 @@ from conftest import EXAMPLES, opentau_bin, refused, run_cli_in_process
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST
 from remote_runs import TINY, backend_runs, ok
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 @pytest.fixture(scope="module")
 def backends(tmp_path_factory, s3_server):

@@ -19,7 +19,7 @@ from opentau_cli.process.uploader import read_status
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, read_last, step_of
 from remote_runs import HOOK, TINY, losses, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from opentau_cli.store.layout import CHECKPOINTS, LOGS, MANIFEST
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 LEAVES_AT = 5
 FAULT_HOOK = Path(__file__).parent / "fault_hook"
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 
 def machine_env(root: Path, server) -> dict:

@@ -24,7 +24,7 @@ from conftest import SINGLE_PROCESS_ENV, refused, run_cli, run_cli_in_process, s
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST
 from remote_runs import HOOK, TINY, ok
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 
 @pytest.fixture(scope="module")

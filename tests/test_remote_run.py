@@ -19,6 +19,8 @@ from opentau_cli.store.manifest import verify_manifest, write_manifest
 from opentau_cli.store.remote_run import RemoteRun, choose, history_files, split_target
 from opentau_cli.store.storage import open_storage
 
+pytestmark = pytest.mark.quick
+
 
 def make_checkpoint(run: Path, step: int, seed: int = 0) -> Path:
     """A published checkpoint of `step` with two files of random bytes and a manifest, `last` pointing at it."""

@@ -28,7 +28,7 @@ from opentau_cli.store.remote_run import RemoteRun
 from opentau_cli.store.storage import open_storage
 from remote_runs import HOOK, TINY, losses, ok, wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 COMMON = ["--save_freq", "2", "--log_freq", "1", "--batch_size", "8", "--scheduler.warmup_steps", "2",
           "--logging.progress_bar=plain"]

@@ -15,7 +15,7 @@ import torch
 
 import reshard_driver
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 TRANSITIONS = [("ddpr2", "zero2r2"), ("zero2r2", "zero3r2"), ("zero3r2", "ddpr2"), ("zero3r2", "zero1r2"),
                ("zero2r2", "ddpr1"), ("ddpr1", "zero3r2"), ("ddpr1", "zero2bf16r2"), ("zero2bf16r2", "ddpr2")]

@@ -9,6 +9,8 @@ import torch
 from opentau_cli.data import BatchStream, ResumableSampler
 from opentau_cli.data.mixture import MixtureSampler
 
+pytestmark = pytest.mark.full
+
 
 class Indices(torch.utils.data.Dataset):
     def __init__(self, n: int):

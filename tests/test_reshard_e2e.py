@@ -20,7 +20,7 @@ import torch
 from conftest import EXAMPLES, run_cli, run_cli_in_process
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")

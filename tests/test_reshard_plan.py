@@ -8,6 +8,8 @@ from opentau_cli.errors import UserError
 from opentau_cli.store.topology import describe_change, fit_global_batch, topologies, with_topology
 from opentau_cli.train.reshard import sampler_position
 
+pytestmark = pytest.mark.quick
+
 
 def saved(batch, accum=1, micro=None):
     return {"batch_size": batch, "gradient_accumulation_steps": accum, "per_device_batch_size": micro or batch // accum}

@@ -17,6 +17,8 @@ from opentau_cli.errors import RunError, UserError
 from opentau_cli.store.layout import MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TRAINING_STATE
 from opentau_cli.train.reshard import apply_canonical, check_applied, read_canonical
 
+pytestmark = pytest.mark.full
+
 
 class WithIdle(nn.Module):
     """`idle` is trainable but outside the forward: it never receives a gradient, so AdamW never makes its state."""

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from conftest import EXAMPLES, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, METRICS
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 FAULT_HOOK = Path(__file__).parent / "fault_hook"
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, refused, run_cli, tree
 
+pytestmark = pytest.mark.full
+
 TINY = EXAMPLES / "pi05_tiny_config.json"
 # decay_steps fixes the schedule, so that the 3-step launch and the 6-step one follow the uninterrupted run's rates.
 COMMON = ["--save_freq", "3", "--log_freq", "1", "--scheduler.warmup_steps", "2", "--scheduler.decay_steps", "6",

@@ -17,6 +17,8 @@ from opentau_cli.store.layout import CHECKPOINTS, LAST, LOGS, METRICS, TENSORBOA
 from opentau_cli.store.layout import holds_run
 from conftest import EXAMPLES
 
+pytestmark = pytest.mark.quick
+
 ZERO3 = EXAMPLES / "accelerate_deepspeed_zero3_config.yaml"
 ZERO2 = EXAMPLES / "accelerate_deepspeed_config.yaml"
 CPU = Machine(cuda=False, gpus=0)

@@ -18,6 +18,8 @@ from opentau_cli.errors import UserError
 from opentau_cli.process import runlock
 from opentau_cli.store.layout import METRICS
 
+pytestmark = pytest.mark.quick
+
 
 def test_a_live_runs_lock_refuses_a_second_launch_naming_host_and_pid(tmp_path):
     mine = runlock.acquire(tmp_path)

@@ -10,6 +10,8 @@ from conftest import EXAMPLES, run_cli_in_process
 from opentau_cli.config import load_config
 from opentau_cli.config.scheduler import script_signal, signal_seconds
 
+pytestmark = pytest.mark.quick
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_ddp_config.yaml")
 # The tiny preset's data and tokenizer with pi05's full architecture (random weights): a checkpoint of tens of GB,

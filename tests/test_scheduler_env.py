@@ -10,6 +10,8 @@ import pytest
 from opentau_cli.config import read_accelerate_config, with_machine
 from opentau_cli.errors import UserError
 
+pytestmark = pytest.mark.quick
+
 JOB = {"SLURM_JOB_ID": "4711", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[01-02]",
        "MASTER_ADDR": "gpu01"}
 

@@ -20,6 +20,8 @@ import torch
 from conftest import EXAMPLES, opentau_bin, run_cli
 from peer_envs import peer_python
 
+pytestmark = pytest.mark.full
+
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 CLIENT = ("openpi-client", "0.1.2")
 DRIVER = os.path.join(os.path.dirname(__file__), "openpi_client_driver.py")

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import EXAMPLES, require_simulators, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.full, pytest.mark.slow]
 
 
 def _train(data, out, *extra: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import EXAMPLES, require_simulators, run_cli, run_cli_in_process
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.quick, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ CPU_DDP = "configs/examples/accelerate_cpu_ddp_config.yaml"
 CPU_2NODES = "configs/examples/accelerate_cpu_2nodes_config.yaml"
 NO_GPUS = "--gpus-per-node=0"
 
-pytestmark = pytest.mark.slow  # minutes: starts first (tests/conftest.py)
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # minutes: starts first (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from opentau_cli.policies.layouts import LEROBOT, OPENPI, OPENTAU
 from opentau_cli.policies.lora import apply_lora
 from test_pretrained_load import DATASET_STATS, LM_NORM, STATS, edit_weights, published, tiny_cfg
 
+pytestmark = pytest.mark.full
+
 LORA = LoraConfig(rank=4, alpha=8, full_modules=["action_out_proj"])
 
 

@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_trainer import make_trainer  # noqa: F401  (the fixture: trainers over a real single-process Accelerator)
 
+pytestmark = pytest.mark.full
+
 
 class DeviceReads(TorchDispatchMode):
     """Counts the reads of a tensor's value into Python (aten._local_scalar_dense), except of AdamW's step counters,

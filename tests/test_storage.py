@@ -8,6 +8,8 @@ import pytest
 
 from opentau_cli.store.storage import LocalStorage
 
+pytestmark = pytest.mark.quick
+
 
 def test_a_local_storage_puts_gets_lists_sizes_and_deletes_keys(tmp_path):
     store = LocalStorage(tmp_path / "remote")

@@ -22,6 +22,8 @@ from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
 from opentau_cli.errors import UserError
 from opentau_cli.store.remote import RemoteError, open_remote, preflight
 
+pytestmark = pytest.mark.full
+
 MB = 1 << 20
 
 

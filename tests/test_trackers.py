@@ -16,7 +16,7 @@ from opentau_cli.config.load import load_config
 from opentau_cli.train import trackers as trackers_mod
 from opentau_cli.train.trackers import Trackers, check_trackers
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.full, pytest.mark.timeout(300)]
 
 
 @pytest.fixture

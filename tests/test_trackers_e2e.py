@@ -19,7 +19,7 @@ from opentau_cli.store.layout import CHECKPOINTS, METRICS, TRAIN_CONFIG, TRAININ
 from test_data_hub import FRONT, TOP, lay_out, unselected
 from test_trackers import mlflow_metric, wandb_runs
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 KILL_HOOK = Path(__file__).parent / "kill_hook"
 REPO = "org/reach_v30"

@@ -20,6 +20,8 @@ from opentau_cli.store.manifest import is_complete, verify_manifest
 from opentau_cli.store.runs import clean_leftovers, find_checkpoint, latest
 from opentau_cli.train.manager import CheckpointManager
 
+pytestmark = pytest.mark.quick
+
 
 class FakeAccelerator:
     """Stands in for accelerate.Accelerator on one process; save_state writes a weights file like the real one."""

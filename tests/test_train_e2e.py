@@ -28,7 +28,7 @@ from opentau_cli.store.layout import (
 )
 from opentau_cli.store.lineage import ROLLED_BACK
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
+pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 YAML = {

@@ -17,6 +17,8 @@ from opentau_cli.train.metrics import Progress, truncate_metrics
 from opentau_cli.train.timing import PHASES
 from opentau_cli.train.trainer import Trainer, lr_lambda, make_accelerator
 
+pytestmark = pytest.mark.quick
+
 TINY = EXAMPLES / "pi05_tiny_config.json"
 
 

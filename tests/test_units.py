@@ -10,6 +10,8 @@ from opentau_cli.errors import UserError
 from opentau_cli.profiling.run import parse_memory_limit
 from opentau_cli.units import SIZE_HELP, parse_size
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.mark.parametrize(
     "text, size",

@@ -18,6 +18,8 @@ from opentau_cli.store.manifest import write_manifest
 from opentau_cli.store.remote_run import RemoteRun
 from opentau_cli.store.storage import LocalStorage
 
+pytestmark = pytest.mark.quick
+
 
 def publish(run: Path, step: int) -> Path:
     ckpt = run / CHECKPOINTS / f"{step:06d}"

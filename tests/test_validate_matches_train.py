@@ -29,7 +29,7 @@ DDP8 = str(EXAMPLES / "accelerate_ddp_config.yaml")
 NO_GPU = Machine(cuda=False, gpus=0)
 TWO_GPUS = Machine(cuda=True, gpus=2)
 # pi05_config.json starts from lerobot/pi05_base and PaliGemma's tokenizer: offline, from a cache laid out for it.
-pytestmark = pytest.mark.usefixtures("published_pi05_hub")
+pytestmark = [pytest.mark.full, pytest.mark.usefixtures("published_pi05_hub")]
 
 YAMLS = {
     "fsdp.yaml": "distributed_type: FSDP\nnum_processes: 2\n",

@@ -27,6 +27,10 @@ MACHINE_MARK = "opentau-machine: "  # the next line: the machine (its --machine_
 # What every rank imports before it builds anything, in this order. DeepSpeed on every backend: Accelerate's
 # unwrap_model imports it whenever it is installed.
 RANK_IMPORTS = ("opentau_cli.config", "torch", "accelerate", "deepspeed", "opentau_cli.policies")
+# What a library imports at its own import only for a feature opentau never uses, kept out while it imports
+# (docs/ARCHITECTURE.md, "Start-up"): DeepSpeed's autotuner imports MLflow whenever it is installed, a second of CPU in
+# every rank. A run that logs to MLflow imports it later as usual (train/trackers.py).
+UNUSED_IMPORTS = {"deepspeed": ("mlflow",)}
 
 
 def die_with_parent() -> None:
@@ -132,7 +136,14 @@ def import_paused(*modules: str) -> None:
     gc.disable()
     try:
         for name in modules:
-            importlib.import_module(name)
+            hidden = [m for m in UNUSED_IMPORTS.get(name, ()) if m not in sys.modules]
+            sys.modules.update(dict.fromkeys(hidden))  # None: `import mlflow` raises ImportError, which DeepSpeed takes
+            try:
+                importlib.import_module(name)
+            finally:
+                for m in hidden:
+                    if sys.modules.get(m, "") is None:
+                        del sys.modules[m]
     finally:
         gc.freeze()
         if enabled:
