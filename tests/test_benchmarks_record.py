@@ -12,6 +12,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.quick
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 try:
     import _common
