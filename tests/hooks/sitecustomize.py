@@ -252,7 +252,8 @@ def hold_upload(directory: str) -> None:
 
         def paced_save(self, step, *args, **kwargs):
             deadline = time.time() + 300
-            while step > int(pace) and time.time() < deadline and not (commits.exists() and f'"{pace}"' in commits.read_text()):
+            while step > int(pace) and time.time() < deadline and not (commits.exists()
+                                                                       and f'"{pace}"' in commits.read_text()):
                 time.sleep(0.1)
             return save(self, step, *args, **kwargs)
 
