@@ -3,7 +3,7 @@
 The evaluation runs in a process of its own started by the launcher (process/evaluator.py), never on the ranks; the
 question is what it costs the training loop when it shares the machine. Runs are launched in pairs (off, on, off,
 on) on the same synthetic MetaWorld expert data; steps/s is read from each run's metrics.jsonl (the training rows'
-samples_per_s, which counts training steps' time only; the first interval dropped as warm-up). With 2 cores or more the cores are split as on a GPU node's host (tests/hooks' BENCH_RANK_CPUS): the
+samples_per_s, which counts training steps' time only; the first interval dropped as warm-up). With 2 cores or more the cores are split as on a GPU node's host (tests/hooks): the
 rank and its data workers on core 0, the launcher and the evaluation on core 1 (also eval.cpus=[1], which the
 evaluation process applies with os.sched_setaffinity). Target: >= 0.95x when the evaluation has a core of its own.
 """

@@ -5,7 +5,7 @@ Part 1, checked: pi05_small at 224x224, 16 per device, launched for real by `ope
 process, DDP x2, ZeRO-2 x2, ZeRO-3 x2 (DeepSpeed's default sizes, and a deepspeed_config_file with "auto" buckets and a
 small stage3_max_live_parameters) and FSDP2 x2, with gradient checkpointing off and on, with `ema.decay` and with
 LoRA.
-Each rank's peak is read by the kernel (tests/hooks' TEST_MEMORY_RECORD: VmHWM after the last step less VmRSS just before the
+Each rank's peak is read by the kernel (tests/hooks: VmHWM after the last step less VmRSS just before the
 policy is built) and set beside the plan for a CPU launch of the same run (`plan_memory(..., device="cpu")`: AdamW's
 per-tensor step, buffers resident only where written, glibc's retention instead of CUDA's context, NCCL and
 fragmentation). Target: the plan within 10% of the largest rank's peak in every row.
@@ -147,7 +147,7 @@ def main() -> None:
     print_rows("Memory plan: real CPU peaks and the example pi05 config on 8 GPUs", rows)
     if not args.no_append:
         notes = ["CPU rows: pi05_small, 224x224, 16 per device, 3 steps; real `opentau train` launches, the largest "
-                 "rank's VmHWM after the last step less its VmRSS just before the policy is built (tests/hooks' TEST_MEMORY_RECORD), "
+                 "rank's VmHWM after the last step less its VmRSS just before the policy is built (tests/hooks), "
                  "with MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed blocks at once: what tensors hold, as "
                  "max_memory_allocated counts on a GPU) next to the plan's allocated bytes for a CPU launch: AdamW's "
                  "per-tensor step (2 fp32 copies of the largest tensor, not CUDA's foreach copy of all), DeepSpeed "

@@ -1,7 +1,7 @@
 """Benchmark 1, framework overhead: `opentau train` steps/s vs a minimal hand-written Accelerate loop.
 
 Same model (pi05_small), batch and data, one process each, the same thread count. The two sides run at the same time
-and take turns, one loop iteration each (tests/hooks' BENCH_TURNS, benchmarks/turns.py): while one steps, the other waits in a blocking read,
+and take turns, one loop iteration each (tests/hooks): while one steps, the other waits in a blocking read,
 using no CPU, so whatever else loads the machine falls on both alike, iteration by iteration (a shared machine's load
 moves from minute to minute; run one after the other, the two sides met different loads and the ratio measured the
 load). Each side's iteration is timed from the start of its step to the start of its next: opentau's whole loop (the
@@ -227,7 +227,7 @@ def main() -> None:
     print_rows("Benchmark 1: framework overhead", rows)
     if not args.no_append:
         notes = [f"each pair runs opentau train and the hand-written loop at the same time, taking turns one loop iteration "
-                 f"each (tests/hooks' BENCH_TURNS), the side that goes first alternating; steps/s per pair is one over the "
+                 f"each (tests/hooks), the side that goes first alternating; steps/s per pair is one over the "
                  f"side's median iteration over the first N measured (the typical step: a burst of other load lengthens "
                  f"a few iterations of either side, not the median); each ratio is opentau's over its partner's at the "
                  f"same run length; the whole-window row divides the sums instead; whole benchmark took "

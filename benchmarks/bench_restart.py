@@ -1,7 +1,7 @@
 """Benchmark: how long an automatic restart takes, from a rank's death to the first step after it, in parts.
 
 A real 2-process DDP launch of `opentau train --max-restarts=1` on pi05_small (the tiny preset with --smoke); rank 1
-SIGKILLs itself at the start of step 6 (after checkpoint 4; tests/hooks' TEST_FAULT, which notes the wall-clock time of each
+SIGKILLs itself at the start of step 6 (after checkpoint 4; tests/hooks, which notes the wall-clock time of each
 moment in rank 1). The parts, each from two timestamps taken outside the product's own accounting:
 
 - detection: the death -> torch's elastic agent logs the failure (its own timestamp in launcher.log);

@@ -269,7 +269,7 @@ SINGLE_PROCESS_ENV = {"OMP_NUM_THREADS": "1"}
 # Two uninterrupted 2-process runs of pi05_tiny on the demo data, each launched once per session and shared by every
 # module that compares with such a run or reads what it wrote: DDP (train end to end, several machines, the EMA) and
 # ZeRO-3 (train end to end, the EMA). Both keep an EMA of the weights and validate at each save (neither changes a
-# training loss: validation forks the random stream) and record their weights at every step (tests/hooks' TEST_RECORD_WEIGHTS).
+# training loss: validation forks the random stream) and record their weights at every step (tests/hooks).
 REFERENCE_STEPS, REFERENCE_SAVE, REFERENCE_EMA_DECAY = 6, 3, 0.9
 # The shared runs are written under this umask (not the usual 022, so a mode that merely happens to be 0644 does not
 # pass): test_file_modes checks every file they hold against it.

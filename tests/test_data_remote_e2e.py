@@ -2,11 +2,11 @@
 2-rank DDP runs of the tiny preset on a video dataset held in the store and the same files on local disk.
 
 Four launches, shared by every assertion (module-scoped): the uninterrupted run from local disk; the run from the
-store, with the cache capped below the dataset, during which the store goes away twice (tests/hooks' TEST_OUTAGE_DIR picks the
+store, with the cache capped below the dataset, during which the store goes away twice (tests/hooks picks the
 moment a rank or data worker fetches a file, this test stops the server): for 5 s (training waits, then continues),
 and two steps later until the run gives up (dataset.remote_wait_seconds: one sentence, a checkpoint, exit 1); its resume on 2 ranks
 once the store is back; and a resume of the same checkpoint on 1 process (--reshard=true). Every launch records the
-frames it reads (tests/hooks' TEST_RECORD_SAMPLES). A fifth launch reads the real g1 dataset from the store with one video cut short.
+frames it reads (tests/hooks). A fifth launch reads the real g1 dataset from the store with one video cut short.
 """
 
 from __future__ import annotations

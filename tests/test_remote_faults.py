@@ -1,6 +1,6 @@
 """Remote checkpoints when the store goes away (docs/ARCHITECTURE.md, "Remote checkpoints"): one real launch of the
 installed CLI against the test S3 server. The server is stopped while checkpoint 4 uploads (held after its first
-file by tests/hooks' TEST_UPLOAD_HOLD) and training goes on; started again, the upload resumes and the store's `last` moves only
+file by tests/hooks) and training goes on; started again, the upload resumes and the store's `last` moves only
 once a newer checkpoint is complete; stopped again, a SIGTERM makes the run save, wait checkpoint.remote_drain_seconds
 for the upload, exit 3 (checkpoints left on this machine only) and name the checkpoints that stay local only."""
 

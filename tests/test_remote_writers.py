@@ -170,7 +170,7 @@ def test_every_checkpoint_called_stored_on_the_shared_prefix_is_still_there(one_
 
 @pytest.fixture(scope="module")
 def paused(tmp_path_factory, s3_server):
-    """Writer A holds the upload of its 4 (tests/hooks' TEST_UPLOAD_HOLD) and is SIGSTOPped past its lease's expiry (3 s); B
+    """Writer A holds the upload of its 4 (tests/hooks) and is SIGSTOPped past its lease's expiry (3 s); B
     resumes the store (taking the expired lease) and runs to 6; then A is continued and let go."""
     tmp = tmp_path_factory.mktemp("paused")
     url = s3_server.url("runs/paused")

@@ -3,7 +3,7 @@ step-3 checkpoint on 2 processes under ZeRO-2 (a backend change alone, --reshard
 checkpoint that launch wrote on 1 process.
 
 Four launches (the uninterrupted reference, a refusal, two resumes), shared by every assertion (module-scoped). Each
-launch records the training frames it reads (tests/hooks' TEST_RECORD_SAMPLES), so the samples before plus after each resume are
+launch records the training frames it reads (tests/hooks), so the samples before plus after each resume are
 compared with the uninterrupted run's, step by step.
 """
 

@@ -1,7 +1,7 @@
 """Runs restart themselves (docs/ARCHITECTURE.md, "Restarts"): with distributed.max_restarts, torch's elastic agent
 restarts the ranks when one dies or hangs, and they continue from the run's `last` checkpoint with no person involved.
 
-Real 2-process launches of the installed CLI; tests/hooks (TEST_FAULT) makes rank 1 fail at an exact step of an exact attempt
+Real 2-process launches of the installed CLI; tests/hooks makes rank 1 fail at an exact step of an exact attempt
 (SIGKILL itself, SIGSTOP itself, raise, or raise a UserError), so the restarts resume from known checkpoints. The
 references are the same runs without a fault, compared by their metrics.jsonl and their saved weights (read with
 safetensors / torch.load, not with the product).
