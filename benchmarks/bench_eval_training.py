@@ -3,7 +3,7 @@
 The evaluation runs in a process of its own started by the launcher (process/evaluator.py), never on the ranks; the
 question is what it costs the training loop when it shares the machine. Runs are launched in pairs (off, on, off,
 on) on the same synthetic MetaWorld expert data; steps/s is read from each run's metrics.jsonl (the training rows'
-samples_per_s, which counts training steps' time only; the first interval dropped as warm-up). With 2 cores or more the cores are split as on a GPU node's host (benchmarks/cores_hook): the
+samples_per_s, which counts training steps' time only; the first interval dropped as warm-up). With 2 cores or more the cores are split as on a GPU node's host (tests/hooks): the
 rank and its data workers on core 0, the launcher and the evaluation on core 1 (also eval.cpus=[1], which the
 evaluation process applies with os.sched_setaffinity). Target: >= 0.95x when the evaluation has a core of its own.
 """
@@ -54,7 +54,7 @@ def main() -> None:
               "--dataset.num_workers=0"]
     split = (os.cpu_count() or 1) >= 2
     variables = {"OMP_NUM_THREADS": "1", "BENCH_RANK_CPUS": "0", "BENCH_OTHER_CPUS": "1",
-                 "PYTHONPATH": str(Path(__file__).resolve().parent / "cores_hook")} if split else {}
+                 "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "tests" / "hooks")} if split else {}
     on_flags = [f"--eval.env={ENV}", f"--eval.rollouts={args.rollouts}", "--eval.max_steps=50",
                 *(["--eval.cpus=[1]"] if split else [])]
     rates: dict[str, list[float]] = {"off": [], "on": []}

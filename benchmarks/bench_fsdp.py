@@ -3,7 +3,7 @@
 Training: `opentau profile --compare` of the three Accelerate configs (samples/s, step time, peak RSS per rank, the
 speedup vs DDP). Checkpoints, per backend: one `opentau train` that saves at its last step, then an `opentau resume` of
 that checkpoint: the save's and the load's seconds (the slowest rank's, timed around the product's calls by
-benchmarks/timing_hook) and the checkpoint's size.
+tests/hooks' BENCH_TIMING_RECORD) and the checkpoint's size.
 
     python benchmarks/bench_fsdp.py            # pi05_small, 2 warm-up + 6 measured steps per backend
     python benchmarks/bench_fsdp.py --smoke    # tiny preset, 1 + 2 steps (shows the script works)
@@ -37,18 +37,18 @@ def fp32_yaml(name: str, yaml: Path, workdir: Path) -> Path:
     return out
 
 
-TIMING_HOOK = REPO / "benchmarks" / "timing_hook"
+HOOKS = REPO / "tests" / "hooks"  # the fault-injection helper: BENCH_TIMING_RECORD times saves and restores
 
 
 def timed_launch(cmd: list[str], record: Path) -> dict:
-    """Run `cmd` with benchmarks/timing_hook on PYTHONPATH; the slowest rank's seconds in each checkpoint save and
+    """Run `cmd` with tests/hooks' BENCH_TIMING_RECORD; the slowest rank's seconds in each checkpoint save and
     restore (every rank waits for the slowest: the save and the load end in collectives)."""
     import subprocess
 
     from _common import env
 
     record.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, env={**env(), "PYTHONPATH": str(TIMING_HOOK), "BENCH_TIMING_RECORD": str(record)},
+    proc = subprocess.run(cmd, env={**env(), "PYTHONPATH": str(HOOKS), "BENCH_TIMING_RECORD": str(record)},
                           cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -106,7 +106,7 @@ def main() -> None:
         f"profile comparison took {wall:.0f} s", "peak RSS is each worker process's own peak",
         "save: the slowest rank's seconds in the synchronous checkpoint save after the last step (training waits for "
         "it); load: the slowest rank's seconds restoring that checkpoint in `opentau resume` (model, optimizer, "
-        "scheduler, RNG), both timed around the product's calls by benchmarks/timing_hook"],
+        "scheduler, RNG), both timed around the product's calls by tests/hooks' BENCH_TIMING_RECORD"],
         Headline(f"samples/s vs DDP: {speedups}"))
 
 

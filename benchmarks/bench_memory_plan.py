@@ -5,7 +5,7 @@ Part 1, checked: pi05_small at 224x224, 16 per device, launched for real by `ope
 process, DDP x2, ZeRO-2 x2, ZeRO-3 x2 (DeepSpeed's default sizes, and a deepspeed_config_file with "auto" buckets and a
 small stage3_max_live_parameters) and FSDP2 x2, with gradient checkpointing off and on, with `ema.decay` and with
 LoRA.
-Each rank's peak is read by the kernel (tests/memory_hook: VmHWM after the last step less VmRSS just before the
+Each rank's peak is read by the kernel (tests/hooks: VmHWM after the last step less VmRSS just before the
 policy is built) and set beside the plan for a CPU launch of the same run (`plan_memory(..., device="cpu")`: AdamW's
 per-tensor step, buffers resident only where written, glibc's retention instead of CUDA's context, NCCL and
 fragmentation). Target: the plan within 10% of the largest rank's peak in every row.
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "memory_hook"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # real_peak
 from _common import EXAMPLES, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, print_rows, report  # noqa: E402
 
 CARD = 80 * 2**30  # a card sold as 80 GB: 81920 MiB in nvidia-smi
@@ -44,7 +44,7 @@ REAL = [  # (row, Accelerate YAML or None, overrides) of pi05_small launched on 
     ("DDP x2, LoRA rank 16", DDP, ["--policy.lora.rank=16"]),
     ("ZeRO-2 x2", ZERO2, []),
     ("ZeRO-3 x2", ZERO3, []),
-    ("ZeRO-3 x2, auto buckets, max live 2e7, no reuse", "zero3 auto", []),  # tests/memory_hook/real_peak.py ZERO3_AUTO
+    ("ZeRO-3 x2, auto buckets, max live 2e7, no reuse", "zero3 auto", []),  # tests/real_peak.py ZERO3_AUTO
     ("ZeRO-2 x2, gradient checkpointing", ZERO2, ["--policy.gradient_checkpointing=true"]),  # refused under ZeRO-3
     ("FSDP2 x2 (bf16)", FSDP2, []),
     ("FSDP2 x2 (bf16), gradient checkpointing", FSDP2, ["--policy.gradient_checkpointing=true"]),
@@ -55,7 +55,7 @@ TINY = ["--steps=2", "--batch_size=4", "--save_freq=1000", "--log_freq=1", "--va
 
 
 def yaml_path(yaml: str | None) -> Path | None:
-    """An example YAML, or for "zero3 auto" the ZeRO-3 config of tests/memory_hook/real_peak.py (written once)."""
+    """An example YAML, or for "zero3 auto" the ZeRO-3 config of tests/real_peak.py (written once)."""
     if yaml != "zero3 auto":
         return EXAMPLES / yaml if yaml else None
     from real_peak import zero3_auto_yaml
@@ -73,7 +73,7 @@ def cpu_plan(config: Path, yaml: Path | None, overrides: list[str]):
 
 
 def real_peaks(config: Path, yaml: Path | None, overrides: list[str], work: Path, returning: bool) -> list[int]:
-    """Each rank's peak of a real launch (tests/memory_hook/real_peak.py)."""
+    """Each rank's peak of a real launch (tests/real_peak.py)."""
     from real_peak import launch
 
     accel = [f"--accelerate-config={yaml}"] if yaml else []
@@ -147,7 +147,7 @@ def main() -> None:
     rows += example_rows(args.smoke)
     print_rows("Memory plan: real CPU peaks and the example pi05 config on 8 GPUs", rows)
     notes = ["CPU rows: pi05_small, 224x224, 16 per device, 3 steps; real `opentau train` launches, the largest "
-             "rank's VmHWM after the last step less its VmRSS just before the policy is built (tests/memory_hook), "
+             "rank's VmHWM after the last step less its VmRSS just before the policy is built (tests/hooks), "
              "with MALLOC_MMAP_THRESHOLD_=131072 (glibc returns freed blocks at once: what tensors hold, as "
              "max_memory_allocated counts on a GPU) next to the plan's allocated bytes for a CPU launch: AdamW's "
              "per-tensor step (2 fp32 copies of the largest tensor, not CUDA's foreach copy of all), DeepSpeed "

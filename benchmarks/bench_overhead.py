@@ -1,7 +1,7 @@
 """Benchmark 1, framework overhead: `opentau train` steps/s vs a minimal hand-written Accelerate loop.
 
 Same model (pi05_small), batch and data, one process each, the same thread count. The two sides run at the same time
-and take turns, one loop iteration each (benchmarks/turns_hook): while one steps, the other waits in a blocking read,
+and take turns, one loop iteration each (tests/hooks): while one steps, the other waits in a blocking read,
 using no CPU, so whatever else loads the machine falls on both alike, iteration by iteration (a shared machine's load
 moves from minute to minute; run one after the other, the two sides met different loads and the ratio measured the
 load). Each side's iteration is timed from the start of its step to the start of its next: opentau's whole loop (the
@@ -69,7 +69,7 @@ def lockstep(config: Path, warmup: int, lengths: list[int], workdir: Path, extra
             "opentau": subprocess.Popen(
                 [opentau_bin(), "train", *train_args(config, warmup), f"--output_dir={workdir / 'run'}", "--overwrite=true",
                  f"--steps={steps}", f"--save_freq={10**9}", *extra],
-                env={**env(), "PYTHONPATH": str(HERE / "turns_hook"), "BENCH_TURNS": f"{turns}:opentau:hand:{record}"},
+                env={**env(), "PYTHONPATH": str(HERE.parent / "tests" / "hooks"), "BENCH_TURNS": f"{turns}:opentau:hand:{record}"},
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT),
             "hand-written": subprocess.Popen(
                 [sys.executable, str(HERE / "handwritten_loop.py"), "--config", str(config), "--steps", str(max(lengths) + 1),
@@ -226,7 +226,7 @@ def main() -> None:
                          f"difference {a - b:+.1f}"))
     print_rows("Benchmark 1: framework overhead", rows)
     notes = [f"each pair runs opentau train and the hand-written loop at the same time, taking turns one loop iteration "
-             f"each (benchmarks/turns_hook), the side that goes first alternating; steps/s per pair is one over the "
+             f"each (tests/hooks), the side that goes first alternating; steps/s per pair is one over the "
              f"side's median iteration over the first N measured (the typical step: a burst of other load lengthens "
              f"a few iterations of either side, not the median); each ratio is opentau's over its partner's at the "
              f"same run length; the whole-window row divides the sums instead; whole benchmark took "

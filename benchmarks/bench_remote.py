@@ -13,7 +13,7 @@ Side by side in one run, against a local SeaweedFS (tests/s3_server.py, one serv
    and the walls' ratio (target <= 1.05x). Three ways: training on every core (CPU-bound training: the upload's hashing
    and sending can only take CPU from it), training on one thread (OMP_NUM_THREADS=1), a core left free as a
    GPU-bound rank leaves its host's CPU, and the cores split as on a GPU node's host: the rank and its data workers
-   pinned to core 0, the launcher (whose thread uploads) and the store to core 1 (benchmarks/cores_hook): a GPU
+   pinned to core 0, the launcher (whose thread uploads) and the store to core 1 (tests/hooks' BENCH_RANK_CPUS): a GPU
    node's host has idle cores for the upload, and the store stands for another machine. The store
    runs at nice 19 throughout. Each row says how many of the launch's saves were committed in the store when it
    ended (uploads are not skipped to save time: an upload still running is left, as with remote_drain_seconds=0).
@@ -254,7 +254,7 @@ def main() -> None:
             variants = (("all", {}, "training on every core"),
                         ("one", {"OMP_NUM_THREADS": "1"}, "training on one thread"),
                         ("split", {"OMP_NUM_THREADS": "1", "BENCH_RANK_CPUS": "0", "BENCH_OTHER_CPUS": "1",
-                                   "PYTHONPATH": str(Path(__file__).resolve().parent / "cores_hook")},
+                                   "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "tests" / "hooks")},
                          "rank on core 0, uploader and store on core 1 (a GPU node's host)"))
             for name, variables, label in variants:
                 if name not in args.training_variants.split(",") or (name == "split" and (os.cpu_count() or 1) < 2):

@@ -1,7 +1,7 @@
 """Benchmark: how long an automatic restart takes, from a rank's death to the first step after it, in parts.
 
 A real 2-process DDP launch of `opentau train --max-restarts=1` on pi05_small (the tiny preset with --smoke); rank 1
-SIGKILLs itself at the start of step 6 (after checkpoint 4; tests/fault_hook, which notes the wall-clock time of each
+SIGKILLs itself at the start of step 6 (after checkpoint 4; tests/hooks, which notes the wall-clock time of each
 moment in rank 1). The parts, each from two timestamps taken outside the product's own accounting:
 
 - detection: the death -> torch's elastic agent logs the failure (its own timestamp in launcher.log);
@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import EXAMPLES, REPO, SMALL_CONFIG, TINY_CONFIG, Headline, base_parser, env, opentau_bin, print_rows, report  # noqa: E402
 
-FAULT_HOOK = REPO / "tests" / "fault_hook"
+HOOKS = REPO / "tests" / "hooks"  # the fault-injection helper: TEST_FAULT kills rank 1
 KILL_STEP = 6
 # The agent's log prefix (glog style, local time): "E1203 14:08:12.123000 <pid> <file>:<line>] failed (exitcode: ..."
 AGENT_FAILED = re.compile(r"^E(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+) .*\] failed \(exitcode", re.M)
@@ -51,7 +51,7 @@ def agent_failure_time(launcher_log: Path) -> float:
 def measure(config: Path, steps: int, workdir: Path) -> dict[str, float]:
     run_dir = workdir / "run"
     times = workdir / "times.jsonl"
-    e = {**env(), "PYTHONPATH": str(FAULT_HOOK), "TEST_FAULT": f"kill@{KILL_STEP}:0", "TEST_FAULT_RANK": "1",
+    e = {**env(), "PYTHONPATH": str(HOOKS), "TEST_FAULT": f"kill@{KILL_STEP}:0", "TEST_FAULT_RANK": "1",
          "TEST_FAULT_TIMES": str(times), "HF_HOME": str(workdir / "hf_home")}
     args = [opentau_bin(), "train", f"--config_path={config}", f"--output_dir={run_dir}",
             f"--accelerate-config={EXAMPLES / 'accelerate_cpu_ddp_config.yaml'}", f"--steps={steps}", "--save_freq=4",

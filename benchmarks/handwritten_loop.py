@@ -8,7 +8,7 @@ N given (one run measures several run lengths, as bench_overhead.py times openta
 With --phases, each phase of a step (data, forward, backward, optimizer, zero-grad + scheduler, the loss read) is
 timed the way `opentau profile` times opentau's step (perf_counter, a device sync at both ends of every phase), and
 the JSON line also holds their statistics (opentau's phase_stats), comparable phase for phase with `profile --json`.
-With --turns, it takes turns with another process, one step each (benchmarks/turns_hook/turns.py), and the JSON line
+With --turns, it takes turns with another process, one step each (benchmarks/turns.py), and the JSON line
 also holds when it held each turn (`spans`).
 
     python benchmarks/handwritten_loop.py --config benchmarks/pi05_small_bench.json --steps 20 --warmup 3 [--phases]
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true", help="Time each phase of a step, as `opentau profile` does.")
     parser.add_argument("--windows", default="", help="Comma-separated N: also report steps/s over the first N measured steps.")
     parser.add_argument("--turns", default="", help="DIR:ME:OTHER: take turns with another process, one step each "
-                                                     "(turns_hook/turns.py); report when it held each.")
+                                                     "(turns.py); report when it held each.")
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
 
@@ -91,8 +91,7 @@ def main() -> None:
 
     turns = None
     if args.turns:
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "turns_hook"))
-        from turns import Turns
+        from turns import Turns  # this script's folder is on sys.path
 
         turns = Turns(*args.turns.split(":"))
     timer = Phases(False)

@@ -269,7 +269,7 @@ SINGLE_PROCESS_ENV = {"OMP_NUM_THREADS": "1"}
 # Two uninterrupted 2-process runs of pi05_tiny on the demo data, each launched once per session and shared by every
 # module that compares with such a run or reads what it wrote: DDP (train end to end, several machines, the EMA) and
 # ZeRO-3 (train end to end, the EMA). Both keep an EMA of the weights and validate at each save (neither changes a
-# training loss: validation forks the random stream) and record their weights at every step (tests/ema_hook).
+# training loss: validation forks the random stream) and record their weights at every step (tests/hooks).
 REFERENCE_STEPS, REFERENCE_SAVE, REFERENCE_EMA_DECAY = 6, 3, 0.9
 # The shared runs are written under this umask (not the usual 022, so a mode that merely happens to be 0644 does not
 # pass): test_file_modes checks every file they hold against it.
@@ -287,7 +287,7 @@ def _reference_args(accelerate_config: str, *extra: str) -> list[str]:
 DDP_REFERENCE_ARGS = _reference_args("accelerate_cpu_ddp_config.yaml")
 # ZeRO-3 saves asynchronously: its EMA partitions are copied into host memory with the rest while training goes on.
 ZERO3_REFERENCE_ARGS = _reference_args("accelerate_cpu_deepspeed_zero3_config.yaml", "--checkpoint.async_save=true")
-EMA_HOOK = Path(__file__).parent / "ema_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 
 
 def recorded_weights(reference: Path) -> Path:
@@ -316,7 +316,7 @@ def _reference(tmp_path_factory, name: str, args: list[str]) -> Path:
 def _make_reference(home: Path, args: list[str]) -> None:
     run = home / "run"
     recorded_weights(run).mkdir()
-    env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(EMA_HOOK),
+    env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(HOOKS),
            "TEST_RECORD_WEIGHTS": str(recorded_weights(run))}
     result = run_cli(["train", *args, f"--output_dir={run}"], env=env, umask=REFERENCE_UMASK)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-5000:]}"

@@ -26,7 +26,7 @@ YAML = {
     "fsdp2": str(EXAMPLES / "accelerate_cpu_fsdp2_config.yaml"),
 }
 COMMON = ["--steps", "4", "--save_freq", "2", "--log_freq", "1", "--scheduler.warmup_steps", "2"]
-HOOK = str(REPO / "tests" / "upload_hook")
+HOOKS = str(REPO / "tests" / "hooks")  # the fault-injection helper: TEST_UPLOAD_DIR holds and records uploads
 # DeepSpeed's CPU op, built once for every machine: a new HOME would rebuild it (30-60 s) at each launch, which is
 # not what these tests are about.
 TORCH_EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
@@ -63,7 +63,7 @@ class Machine:
         for part in ("home", "work", "cache"):
             (root / part).mkdir(parents=True, exist_ok=True)
         self.env = {"HOME": str(root / "home"), "HF_HOME": str(root / "home" / "hf"), "OPENTAU_CACHE_DIR": str(root / "cache"),
-                    **server.env, "PYTHONPATH": HOOK, "TEST_UPLOAD_DIR": str(root), "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS}
+                    **server.env, "PYTHONPATH": HOOKS, "TEST_UPLOAD_DIR": str(root), "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS}
         if single:
             self.env.update(SINGLE_PROCESS_ENV)
 

@@ -1,7 +1,7 @@
 """Moments of a checkpoint save at which fault tests kill a run, each struck at one of the save's named fault points
 (opentau_cli.store.faults), never by patching a function or matching a file name.
 
-Used in-process by tests/ckpt_save_driver.py (single process, kills itself) and by tests/kill_hook (a real
+Used in-process by tests/ckpt_save_driver.py (single process, kills itself) and by tests/hooks' TEST_KILL_AT (a real
 multi-rank `opentau train`, kills the whole launch).
 """
 

@@ -294,7 +294,7 @@ def test_the_report_names_the_host_memory_once_and_each_published_checkpoint(par
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 ZERO2 = str(EXAMPLES / "accelerate_cpu_deepspeed_config.yaml")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")
-KILL_HOOK = Path(__file__).parent / "kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 STEPS = 6
 ZERO2_STEPS = 3
 
@@ -320,7 +320,7 @@ def step_dirs(ckpts: Path) -> list[str]:
 
 def launch(args: list[str], env: dict, **hook: str) -> subprocess.CompletedProcess:
     """The CLI as its own session (the kill hook finds the launcher by that), with the hook's variables if any."""
-    full = {**os.environ, **env, **({"PYTHONPATH": str(KILL_HOOK), **hook} if hook else {})}
+    full = {**os.environ, **env, **({"PYTHONPATH": str(HOOKS), **hook} if hook else {})}
     full.pop("OPENTAU_DEBUG", None)
     return subprocess.run([opentau_bin(), *args], env=full, capture_output=True, text=True, timeout=900,
                           start_new_session=True)

@@ -34,13 +34,13 @@ pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, isolated_env_module):
     """Train with a save every step; SIGKILL every process of the run while rank 0 writes its optimizer shard in the
-    save of step 3 (tests/kill_hook makes the moment exact)."""
+    save of step 3 (tests/hooks' TEST_KILL_AT makes the moment exact)."""
     run = tmp_path_factory.mktemp("z3") / "run"
     cmd = [opentau_bin(), "train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}",
            f"--accelerate-config={EXAMPLES / 'accelerate_cpu_deepspeed_zero3_config.yaml'}",
            f"--output_dir={run}", "--steps=4", "--save_freq=1", "--log_freq=1", "--validation.val_freq=1000"]
     env = {k: v for k, v in os.environ.items() if k != "OPENTAU_DEBUG"}
-    env.update(isolated_env_module, PYTHONPATH=str(Path(__file__).parent / "kill_hook"), TEST_KILL_AT="mid_file@3")
+    env.update(isolated_env_module, PYTHONPATH=str(Path(__file__).parent / "hooks"), TEST_KILL_AT="mid_file@3")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert proc.returncode == -signal.SIGKILL, f"the run was not killed in the save of step 3:\n{proc.stderr[-3000:]}"
     return run

@@ -2,11 +2,11 @@
 2-rank DDP runs of the tiny preset on a video dataset held in the store and the same files on local disk.
 
 Four launches, shared by every assertion (module-scoped): the uninterrupted run from local disk; the run from the
-store, with the cache capped below the dataset, during which the store goes away twice (tests/outage_hook picks the
+store, with the cache capped below the dataset, during which the store goes away twice (tests/hooks picks the
 moment a rank or data worker fetches a file, this test stops the server): for 5 s (training waits, then continues),
 and two steps later until the run gives up (dataset.remote_wait_seconds: one sentence, a checkpoint, exit 1); its resume on 2 ranks
 once the store is back; and a resume of the same checkpoint on 1 process (--reshard=true). Every launch records the
-frames it reads (tests/sample_hook). A fifth launch reads the real g1 dataset from the store with one video cut short.
+frames it reads (tests/hooks). A fifth launch reads the real g1 dataset from the store with one video cut short.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.t
 
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")
-HOOKS = [Path(__file__).parent / "outage_hook"]  # it also installs tests/sample_hook
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 STEPS, PER_DEVICE, RANKS = 12, 4, 2
 WAIT = 15  # dataset.remote_wait_seconds of the run from the store
 CAP_GB = 0.0003  # its meta/ and about half of the data and video files: files are evicted and fetched again
@@ -90,7 +90,7 @@ class Runs:
         out = self.tmp / "samples" / record
         out.mkdir(parents=True)
         return {**self.server.env, "OPENTAU_CACHE_DIR": str(self.cache), "HF_HOME": str(self.tmp / "hf_home"),
-                "PYTHONPATH": os.pathsep.join([*map(str, HOOKS), os.environ.get("PYTHONPATH", "")]),
+                "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
                 "TEST_RECORD_SAMPLES": str(out), "TEST_OUTAGE_DIR": str(outage or "")}
 
     def cli(self, args: list[str], record: str, env: dict | None = None):

@@ -19,7 +19,7 @@ from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS, TRAINING_STATE
 
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 LEAVES_AT = 5  # machine 1 leaves as step 5 starts: the group re-forms alone from checkpoint 3
-FAULT_HOOK = Path(__file__).parent / "fault_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -45,7 +45,7 @@ def elastic(tmp_path_factory, ddp_reference):
                 "--num_machines=2", "--main_process_ip=127.0.0.1", f"--main_process_port={free_port()}"]
     train = ["train", f"--output_dir={run}", *DDP_REFERENCE_ARGS, *machines]
     # Machine 0 holds step 5 of its second group (alone) until the agent stops it to admit machine 1.
-    hook = {"PYTHONPATH": str(FAULT_HOOK), "TEST_FAULT_RANK": "any"}
+    hook = {"PYTHONPATH": str(HOOKS), "TEST_FAULT_RANK": "any"}
     machine0 = start([*train, "--machine_rank=0"], {**env, **hook, "TEST_FAULT": f"hold@{LEAVES_AT}:1"}, tmp / "machine0")
     time.sleep(1)  # machine 0 first: it hosts the rendezvous
     machine1 = start([*train, "--machine_rank=1"], {**env, **hook, "TEST_FAULT": f"machine@{LEAVES_AT}:0"}, tmp / "machine1")

@@ -1,7 +1,7 @@
 """The EMA of the weights (`ema.decay`) in real 2-process launches: the session's shared DDP and ZeRO-3 reference runs
 (conftest.ddp_reference, conftest.zero3_reference: pi05_tiny, 6 steps, a save and a validation every 3).
 
-A test hook (tests/ema_hook) records the live trainable weights before the first step and after each step
+A test hook (tests/hooks) records the live trainable weights before the first step and after each step
 (DeepSpeed's own gather of its fp32 master weights under ZeRO-3); the test computes openpi's EMA from them and
 compares it, exactly, with the EMA the checkpoints hold: DDP's ema.safetensors, and ZeRO-3's per-rank partitions
 consolidated by `opentau checkpoint consolidate --weights ema`. A resume's losses and EMA tensors equal the
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
-    EMA_HOOK, EXAMPLES, REFERENCE_EMA_DECAY, REFERENCE_SAVE, REFERENCE_STEPS, recorded_weights, run_cli, run_cli_in_process,
+    EXAMPLES, HOOKS, REFERENCE_EMA_DECAY, REFERENCE_SAVE, REFERENCE_STEPS, recorded_weights, run_cli, run_cli_in_process,
 )
 from opentau_cli.store.layout import (
     CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, ema_rank_file,
@@ -56,7 +56,7 @@ class EmaRun:
 
     def __init__(self, reference: Path, tmp: Path):
         self.dir, self.recorded = reference, recorded_weights(reference)
-        self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(EMA_HOOK)}
+        self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(HOOKS)}
 
     def ckpt(self, step: int) -> Path:
         return self.dir / CHECKPOINTS / f"{step:06d}"

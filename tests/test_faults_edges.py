@@ -31,8 +31,7 @@ pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.t
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
-FAULT_HOOK = Path(__file__).parent / "fault_hook"
-TOOL_KILL_HOOK = Path(__file__).parent / "tool_kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 
 
 def train_args(run: Path, *extra: str) -> list[str]:
@@ -158,7 +157,7 @@ def run_in_terminal(args: list[str], env: dict | None = None, timeout: float = 3
 
 
 def consolidate_killed(ckpt: Path, point: str, tmp: Path):
-    return run_cli(["checkpoint", "consolidate", str(ckpt)], env={"PYTHONPATH": str(TOOL_KILL_HOOK),
+    return run_cli(["checkpoint", "consolidate", str(ckpt)], env={"PYTHONPATH": str(HOOKS),
                                                                    "TEST_KILL_POINT": point, "HF_HOME": str(tmp / "hf")})
 
 
@@ -229,7 +228,7 @@ def test_a_consolidation_killed_after_the_manifest_vouched_is_restored_by_resume
 def test_a_killed_export_leaves_a_leftover_that_the_next_run_of_the_command_removes(ddp_reference, tmp_path):
     out = tmp_path / "exported" / "pi05"
     killed = run_cli(["checkpoint", "export", str(ddp_reference), "--output", str(out)],
-                     env={"PYTHONPATH": str(TOOL_KILL_HOOK), "TEST_KILL_POINT": "tensor_written"})
+                     env={"PYTHONPATH": str(HOOKS), "TEST_KILL_POINT": "tensor_written"})
     assert killed.returncode == -signal.SIGKILL
     left = hidden(out.parent)
     assert len(left) == 1 and left[0].startswith(".pi05.tmp-") and not out.exists(), left
@@ -242,7 +241,7 @@ def test_a_killed_export_leaves_a_leftover_that_the_next_run_of_the_command_remo
 
 def test_a_preemption_notice_during_an_automatic_restart_stops_the_run_with_exit_0_and_records_the_restart(tmp_path):
     run, times = tmp_path / "run", tmp_path / "fault_times.jsonl"
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": str(FAULT_HOOK), "TEST_FAULT": "kill@3:0",
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": str(HOOKS), "TEST_FAULT": "kill@3:0",
            "TEST_FAULT_RANK": "1", "TEST_FAULT_TIMES": str(times)}
     env.pop("OPENTAU_DEBUG", None)
     proc = subprocess.Popen([opentau_bin(), *train_args(run, f"--accelerate-config={DDP}", "--steps=400", "--save_freq=2",
@@ -272,7 +271,7 @@ def test_when_restarts_run_out_the_error_names_the_rank_that_died_and_every_end_
     run = tmp_path / "run"
     result = run_cli(train_args(run, f"--accelerate-config={DDP}", "--steps=4", "--save_freq=1", "--log_freq=1",
                                 "--max-restarts=1"),
-                     env={"HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": str(FAULT_HOOK),
+                     env={"HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": str(HOOKS),
                           "TEST_FAULT": "kill@2:0,kill@3:1", "TEST_FAULT_RANK": "1"})
     assert result.returncode == 1, result.stderr[-3000:]
     lines = error_lines(result.stderr)

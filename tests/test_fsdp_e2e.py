@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 TINY = EXAMPLES / "pi05_tiny_config.json"
 FSDP2 = REPO / "configs" / "examples" / "accelerate_cpu_fsdp2_config.yaml"
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
-KILL_HOOK = Path(__file__).parent / "kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 STEPS, SAVE = 6, 3
 COMMON = ["--config_path", str(TINY), "--steps", str(STEPS), "--save_freq", str(SAVE), "--log_freq", "1",
           "--batch_size", "4", "--scheduler.warmup_steps", "1"]
@@ -213,7 +213,7 @@ def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_los
     step is saved: each checkpoint's EMA is decay * the previous one's + (1 - decay) * its weights, in fp32."""
     run = home / "sigterm"
     env = {**os.environ, **env_for(home), "TEST_KILL_AT": "before_metadata@1", "TEST_KILL_SIGNAL": "SIGTERM",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(KILL_HOOK), os.environ.get("PYTHONPATH")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p)}
     env.pop("OPENTAU_DEBUG", None)
     proc = subprocess.run([opentau_bin(), "train", *COMMON, *bf16_args, "--save_freq=1", f"--output_dir={run}"], env=env,
                           capture_output=True, text=True, timeout=600, start_new_session=True)
@@ -418,7 +418,7 @@ def lora_killed(home, lora_base) -> tuple[Path, dict[int, float]]:
     it logged up to then."""
     run = home / "lora"
     env = {**os.environ, **env_for(home), "TEST_KILL_AT": f"before_metadata@{LORA_STEPS}",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(KILL_HOOK), os.environ.get("PYTHONPATH")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p)}
     env.pop("OPENTAU_DEBUG", None)
     command = [opentau_bin(), "train", "--config_path", str(TINY), "--steps", str(LORA_STEPS), "--save_freq",
                str(LORA_SAVE), "--log_freq", "1", "--batch_size", "4", "--scheduler.warmup_steps", "1",

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")
 ZERO2 = str(EXAMPLES / "accelerate_cpu_deepspeed_config.yaml")
-KILL_HOOK = Path(__file__).parent / "kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 LR, WARMUP, DECAY_LR = 1e-3, 1, 1e-4  # pi05_tiny_config.json's lr and decay_lr; warm-up set below
 
 
@@ -132,7 +132,7 @@ def ddp(tmp_path_factory):
     # Ctrl-C reaches the launcher (which leads its own session, as in a terminal) once step 10 is published.
     h.interrupted = subprocess.run(
         [opentau_bin(), "resume", "../moved/r", "--dataset.root=../moved/reach", "--steps=12"], cwd=h.cwd["third"],
-        env={**os.environ, **h.env, "PYTHONPATH": str(KILL_HOOK), "TEST_KILL_AT": "before_last@10",
+        env={**os.environ, **h.env, "PYTHONPATH": str(HOOKS), "TEST_KILL_AT": "before_last@10",
              "TEST_KILL_SIGNAL": "SIGINT"}, capture_output=True, text=True, timeout=600, start_new_session=True)
     return h
 

@@ -28,7 +28,7 @@ from opentau_cli.store.zero import read_zero_checkpoint
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
 TINY = EXAMPLES / "pi05_tiny_config.json"
-KILL_HOOK = Path(__file__).parent / "kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 YAML = {"single": None, "ddp": EXAMPLES / "accelerate_cpu_ddp_config.yaml",
         "zero2": EXAMPLES / "accelerate_cpu_deepspeed_config.yaml", "zero3": EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"}
 STEPS, SAVE, RANK, ALPHA = 4, 2, 4, 8
@@ -200,7 +200,7 @@ def test_sigterm_saves_a_resumable_lora_checkpoint_and_retention_keeps_the_resum
     # The scheduler's SIGTERM reaches the launcher while rank 0 writes the save of step 1 (the kill hook, at a named
     # moment: a signal sent when the first loss appears can come after a tiny run has finished); a later step then
     # saves and stops, and keep_last=1 leaves only that checkpoint.
-    env = {**os.environ, **env_for(home), "PYTHONPATH": str(KILL_HOOK), "TEST_KILL_AT": "before_metadata@1",
+    env = {**os.environ, **env_for(home), "PYTHONPATH": str(HOOKS), "TEST_KILL_AT": "before_metadata@1",
            "TEST_KILL_SIGNAL": "SIGTERM"}
     env.pop("OPENTAU_DEBUG", None)
     args = train_args("ddp", out, base, "--save_freq", "1", "--checkpoint.keep_last", "1")

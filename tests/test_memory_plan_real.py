@@ -1,7 +1,7 @@
 """The memory plan against real training processes: `opentau train` launched on CPU under single process, DDP x2,
 ZeRO-3 x2 (DeepSpeed's default sizes, and a deepspeed_config_file with Accelerate's "auto" bucket sizes and a small
 stage3_max_live_parameters / stage3_max_reuse_distance, which ZeRO-3's buffers follow) and FSDP2 x2 (bf16), each
-rank's peak resident memory read by the kernel (tests/memory_hook: VmHWM after the last step less VmRSS just before the
+rank's peak resident memory read by the kernel (tests/hooks: VmHWM after the last step less VmRSS just before the
 policy is built), and what the plan allocates for a CPU launch of the same run within 10% of every rank's. Under FSDP2
 the build's own peak too (every rank builds the whole model, then shards it: VmHWM once sharded less the same VmRSS)
 against the plan's build.
@@ -17,15 +17,12 @@ batch, with glibc's defaults too, and records it in BENCHMARKS.md.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import EXAMPLES, REPO
-
-sys.path.insert(0, str(Path(__file__).parent / "memory_hook"))
-from real_peak import launch, zero3_auto_yaml  # noqa: E402
+from real_peak import launch, zero3_auto_yaml
 
 pytestmark = [pytest.mark.full, pytest.mark.slow, pytest.mark.e2e]
 

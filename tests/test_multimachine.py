@@ -28,7 +28,7 @@ STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 # 2-process reference run (conftest.ddp_reference) ran the same.
 COMMON = DDP_REFERENCE_ARGS
 STALE = -1.0  # no real loss: marks the records the killed launch left past the checkpoint resumed from
-KILL_HOOK = Path(__file__).parent / "kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -79,7 +79,7 @@ def runs(tmp_path_factory, ddp_reference):
     which runs to the end."""
     tmp = tmp_path_factory.mktemp("multimachine")
     two = tmp / "two_machines"
-    kill = {"PYTHONPATH": str(KILL_HOOK), "TEST_KILL_AT": f"before_metadata@{STEPS}", "TEST_KILL_RANK": "1"}
+    kill = {"PYTHONPATH": str(HOOKS), "TEST_KILL_AT": f"before_metadata@{STEPS}", "TEST_KILL_RANK": "1"}
     killed = two_machines(["train", f"--output_dir={two}", *COMMON], tmp, env1=kill)
     ckpts = two / CHECKPOINTS
     after_kill = {"published": sorted(p.name for p in ckpts.iterdir() if step_of(p.name) is not None),

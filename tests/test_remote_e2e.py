@@ -5,7 +5,7 @@ working directory and cache) continues with losses == the uninterrupted run's, u
 
 Each backend trains 4 steps saving at 2 and 4 (run A: the uninterrupted reference); a second launch on an empty
 disk resumes the remote's step 2 and logs steps 3 and 4 again. The single-process run A is SIGKILLed while its
-launcher holds the upload of checkpoint 4 after its first file (tests/upload_hook), so its resume takes the last
+launcher holds the upload of checkpoint 4 after its first file (tests/hooks), so its resume takes the last
 committed checkpoint (2) by itself; the others roll the remote back to 2 (`URL:2 --rollback=true`).
 """
 

@@ -1,6 +1,6 @@
 """Remote checkpoints when the store goes away (docs/ARCHITECTURE.md, "Remote checkpoints"): one real launch of the
 installed CLI against the test S3 server. The server is stopped while checkpoint 4 uploads (held after its first
-file by tests/upload_hook) and training goes on; started again, the upload resumes and the store's `last` moves only
+file by tests/hooks) and training goes on; started again, the upload resumes and the store's `last` moves only
 once a newer checkpoint is complete; stopped again, a SIGTERM makes the run save, wait checkpoint.remote_drain_seconds
 for the upload, exit 3 (checkpoints left on this machine only) and name the checkpoints that stay local only."""
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import SINGLE_PROCESS_ENV, opentau_bin
 from opentau_cli.process.uploader import read_status
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, read_last, step_of
-from remote_runs import HOOK, TINY, losses, wait_for
+from remote_runs import HOOKS, TINY, losses, wait_for
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
@@ -28,7 +28,7 @@ def outage(tmp_path_factory, s3_server):
     run = root / "run"
     url = s3_server.url("runs/outage")
     env = {**os.environ, **SINGLE_PROCESS_ENV, **s3_server.env, "HOME": str(root / "home"), "HF_HOME": str(root / "hf"),
-           "PYTHONPATH": HOOK, "TEST_UPLOAD_DIR": str(root), "TEST_UPLOAD_HOLD": "#2"}
+           "PYTHONPATH": HOOKS, "TEST_UPLOAD_DIR": str(root), "TEST_UPLOAD_HOLD": "#2"}
     env.pop("OPENTAU_DEBUG", None)
     args = ["train", f"--config_path={TINY}", f"--output_dir={run}", "--steps", "400", "--save_freq", "2",
             "--log_freq", "1", "--batch_size", "8", f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=3",

@@ -29,7 +29,7 @@ from opentau_cli.store.layout import CHECKPOINTS, LOGS, MANIFEST
 
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
 LEAVES_AT = 5
-FAULT_HOOK = Path(__file__).parent / "fault_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -54,7 +54,7 @@ def machines(tmp_path_factory, ddp_reference, s3_server):
     settings = ["--distributed.machines=1:2", "--max-restarts=1", "--distributed.machine_wait_seconds=2",
                 "--num_machines=2", "--main_process_ip=127.0.0.1", f"--main_process_port={free_port()}",
                 f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=60"]
-    hook = {"PYTHONPATH": str(FAULT_HOOK), "TEST_FAULT_RANK": "any"}
+    hook = {"PYTHONPATH": str(HOOKS), "TEST_FAULT_RANK": "any"}
     env0 = machine_env(disk0, s3_server)
     os.environ.update(s3_server.env)  # this process reads the store too (the variables are the session server's)
     machine0 = start(["train", f"--output_dir={run0}", *DDP_REFERENCE_ARGS, *settings, "--machine_rank=0"],

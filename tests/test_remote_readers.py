@@ -22,7 +22,7 @@ import yaml
 
 from conftest import SINGLE_PROCESS_ENV, refused, run_cli, run_cli_in_process, start_s3_server
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST
-from remote_runs import HOOK, TINY, ok
+from remote_runs import HOOKS, TINY, ok
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
@@ -64,12 +64,12 @@ def delete(server, key: str) -> None:
 @pytest.fixture(scope="module")
 def run(store, tmp_path_factory):
     """`opentau train` of the tiny preset, 4 steps saving at 2 and 4, into checkpoint.remote (its save of 4 waits
-    until 2 is committed, tests/upload_hook): the store holds 000002 and 000004 with `last` on 000004."""
+    until 2 is committed, tests/hooks' TEST_UPLOAD_PACE): the store holds 000002 and 000004 with `last` on 000004."""
     root = tmp_path_factory.mktemp("readers")
     out = root / "run"
     url = store.url("runs/base")
     env = {**SINGLE_PROCESS_ENV, **store.env, "HOME": str(root / "home"), "HF_HOME": str(root / "hf"),
-           "OPENTAU_CACHE_DIR": str(root / "cache"), "PYTHONPATH": HOOK, "TEST_UPLOAD_DIR": str(root),
+           "OPENTAU_CACHE_DIR": str(root / "cache"), "PYTHONPATH": HOOKS, "TEST_UPLOAD_DIR": str(root),
            "TEST_UPLOAD_PACE": "000002"}
     result = run_cli(["train", f"--config_path={TINY}", f"--output_dir={out}", "--steps", "4", "--save_freq", "2",
                       "--log_freq", "1", "--batch_size", "8", "--scheduler.warmup_steps", "2",

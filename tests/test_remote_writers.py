@@ -26,7 +26,7 @@ from conftest import SINGLE_PROCESS_ENV, opentau_bin, refused
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST, read_last
 from opentau_cli.store.remote_run import RemoteRun
 from opentau_cli.store.storage import open_storage
-from remote_runs import HOOK, TINY, losses, ok, wait_for
+from remote_runs import HOOKS, TINY, losses, ok, wait_for
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("one_thread_module")]
 
@@ -42,7 +42,7 @@ class Launch:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         full = {**os.environ, **SINGLE_PROCESS_ENV, **server.env, "HOME": str(root / "home"),
-                "HF_HOME": str(root / "hf"), "PYTHONPATH": HOOK, "TEST_UPLOAD_DIR": str(root), **env}
+                "HF_HOME": str(root / "hf"), "PYTHONPATH": HOOKS, "TEST_UPLOAD_DIR": str(root), **env}
         full.pop("OPENTAU_DEBUG", None)
         self.out, self.err = open(root / "stdout", "w"), open(root / "stderr", "w")
         self.proc = subprocess.Popen([opentau_bin(), *args], cwd=root, env=full, stdout=self.out, stderr=self.err,
@@ -170,7 +170,7 @@ def test_every_checkpoint_called_stored_on_the_shared_prefix_is_still_there(one_
 
 @pytest.fixture(scope="module")
 def paused(tmp_path_factory, s3_server):
-    """Writer A holds the upload of its 4 (tests/upload_hook) and is SIGSTOPped past its lease's expiry (3 s); B
+    """Writer A holds the upload of its 4 (tests/hooks) and is SIGSTOPped past its lease's expiry (3 s); B
     resumes the store (taking the expired lease) and runs to 6; then A is continued and let go."""
     tmp = tmp_path_factory.mktemp("paused")
     url = s3_server.url("runs/paused")

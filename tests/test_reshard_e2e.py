@@ -3,7 +3,7 @@ step-3 checkpoint on 2 processes under ZeRO-2 (a backend change alone, --reshard
 checkpoint that launch wrote on 1 process.
 
 Four launches (the uninterrupted reference, a refusal, two resumes), shared by every assertion (module-scoped). Each
-launch records the training frames it reads (tests/sample_hook), so the samples before plus after each resume are
+launch records the training frames it reads (tests/hooks), so the samples before plus after each resume are
 compared with the uninterrupted run's, step by step.
 """
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
 TINY = str(EXAMPLES / "pi05_tiny_config.json")
 DDP = str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")
 ZERO2 = str(EXAMPLES / "accelerate_cpu_deepspeed_config.yaml")
-SAMPLE_HOOK = Path(__file__).parent / "sample_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 STEPS, GLOBAL_BATCH = 9, 8
 SINGLE_YAML = "compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nnum_machines: 1\nmixed_precision: 'no'\n"
 
@@ -85,7 +85,7 @@ class Runs:
         out = self.tmp / "samples" / record
         out.mkdir(parents=True)
         env = {"HF_HOME": str(self.tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(self.cache),
-               "PYTHONPATH": os.pathsep.join([str(SAMPLE_HOOK), os.environ.get("PYTHONPATH", "")]),
+               "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
                "TEST_RECORD_SAMPLES": str(out)}
         return (run_cli_in_process if in_process else run_cli)(args, env=env)
 

@@ -1,7 +1,7 @@
 """Runs restart themselves (docs/ARCHITECTURE.md, "Restarts"): with distributed.max_restarts, torch's elastic agent
 restarts the ranks when one dies or hangs, and they continue from the run's `last` checkpoint with no person involved.
 
-Real 2-process launches of the installed CLI; tests/fault_hook makes rank 1 fail at an exact step of an exact attempt
+Real 2-process launches of the installed CLI; tests/hooks makes rank 1 fail at an exact step of an exact attempt
 (SIGKILL itself, SIGSTOP itself, raise, or raise a UserError), so the restarts resume from known checkpoints. The
 references are the same runs without a fault, compared by their metrics.jsonl and their saved weights (read with
 safetensors / torch.load, not with the product).
@@ -21,7 +21,7 @@ from opentau_cli.store.layout import CHECKPOINTS, METRICS
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.timeout(900)]
 
-FAULT_HOOK = Path(__file__).parent / "fault_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
 ZERO2 = EXAMPLES / "accelerate_cpu_deepspeed_config.yaml"
 ZERO3 = EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"
@@ -32,7 +32,7 @@ def train(tmp_path: Path, name: str, yaml: Path, *extra: str, fault: str | None 
     run = tmp_path / name
     env = {"HF_HOME": str(tmp_path / "hf_home")}
     if fault:
-        env.update(PYTHONPATH=str(FAULT_HOOK), TEST_FAULT=fault, TEST_FAULT_RANK="1")
+        env.update(PYTHONPATH=str(HOOKS), TEST_FAULT=fault, TEST_FAULT_RANK="1")
     result = run_cli(["train", f"--config_path={EXAMPLES / 'pi05_tiny_config.json'}", f"--output_dir={run}",
                       f"--accelerate-config={yaml}", f"--steps={STEPS}", "--save_freq=4", "--log_freq=1",
                       "--batch_size=4", "--validation.val_freq=0", *extra], env=env)
@@ -137,6 +137,6 @@ def test_the_same_step_failing_again_stops_the_run_without_burning_its_restarts(
 def test_bad_input_found_late_ends_a_restartable_run_at_once_with_exit_2(tmp_path):
     run, result = train(tmp_path, "bad", DDP, "--max-restarts=3", fault="user@3:*")
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1] == "Error: fault_hook: episode 3 of the dataset is unreadable."
+    assert result.stderr.strip().splitlines()[-1] == "Error: injected fault: episode 3 of the dataset is unreadable."
     assert "Traceback" not in result.stderr
     assert restarts_of(run) == [] and attempts_in_logs(run) == 1

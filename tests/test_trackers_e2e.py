@@ -21,7 +21,7 @@ from test_trackers import mlflow_metric, wandb_runs
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.timeout(900)]
 
-KILL_HOOK = Path(__file__).parent / "kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 REPO = "org/reach_v30"
 STEPS = 6
 
@@ -54,7 +54,7 @@ def tracked_run(tmp_path_factory):
             "--logging.trackers=tensorboard,wandb,mlflow", "--logging.project=reach", "--logging.run_name=tracked"]
     # The scheduler's SIGTERM reaches the launcher while the save of step 2 is written: a later step saves and stops.
     first = subprocess.run([opentau_bin(), *args], capture_output=True, text=True, timeout=600, start_new_session=True,
-                           env={**env, "PYTHONPATH": str(KILL_HOOK), "TEST_KILL_AT": "before_metadata@2",
+                           env={**env, "PYTHONPATH": str(HOOKS), "TEST_KILL_AT": "before_metadata@2",
                                 "TEST_KILL_SIGNAL": "SIGTERM"})
     assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
     preempted = last_checkpoint(run)

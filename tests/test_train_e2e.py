@@ -386,7 +386,7 @@ KILL_CHAIN = [
     ("before_last", 0, 4, "000004"),
     ("mid_retention", 0, 5, "000005"),
 ]
-KILL_HOOK = Path(__file__).parent / "kill_hook"
+HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 
 
 def test_sigkill_at_four_moments_of_real_2_rank_saves_keeps_checkpoints_sound_and_resume_exact(runs, tmp_path):
@@ -396,7 +396,7 @@ def test_sigkill_at_four_moments_of_real_2_rank_saves_keeps_checkpoints_sound_an
     reference = runs("zero2").full
     run = tmp_path / "run"
     ckpts = run / CHECKPOINTS
-    base_env = {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(KILL_HOOK)}
+    base_env = {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(HOOKS)}
     base_env.pop("OPENTAU_DEBUG", None)
     command = train_args("zero2", run, "--save_freq", "1", "--checkpoint.keep_last", "2")
     for moment, rank, step, newest in KILL_CHAIN:

@@ -15,13 +15,7 @@ machine, `$OPENTAU_CACHE_DIR/datasets`, shared by every process and run on it: w
 process holds, and each download is given its whole size on disk before it starts (a preallocated temporary file,
 renamed when complete), so concurrent downloads never add up past the cap. A store that does not answer is retried
 with backoff for `dataset.remote_wait_seconds` while the reader (and so training) waits; then `DataUnavailable`.
-
-    <cache>/.lock                      one flock for every change of what the cache holds
-    <cache>/.pressure                  touched when a process needs room: the others let go of what they keep open
-    <cache>/<id>/source.json           the dataset's URL (id: a digest of it)
-    <cache>/<id>/meta-<digest>/meta/   one version of its meta files: the root `read_meta` reads (never evicted)
-    <cache>/<id>/pins/<revision>.json  the files a run reads and their versions (never evicted)
-    <cache>/<id>/files/<path>.<tag>    fetched data and video files, <tag> naming their version (evicted LRU)
+The cache's files and folders are named in store/layout.py.
 """
 
 from __future__ import annotations
@@ -41,17 +35,21 @@ from pathlib import Path
 from opentau_cli.config.model import DatasetConfig, MixtureMember
 from opentau_cli.data.files import LOCAL, Lease, release_held
 from opentau_cli.errors import RunError, UserError
+from opentau_cli.store.layout import (
+    CACHE_LOCK,
+    CACHE_PRESSURE,
+    DATASET_CACHE,
+    DATASET_FILES,
+    DATASET_META,
+    DATASET_SOURCE,
+    DOWNLOAD_PART,
+    cached_meta_dir,
+    pins_file,
+)
 from opentau_cli.store.outputs import pid_alive
 from opentau_cli.store.storage import is_url
 
-CACHE_NAME = "datasets"
 GB = 1 << 30
-META = "meta"
-PINS = "pins"
-FILES = "files"
-_LOCK = ".lock"
-_PRESSURE = ".pressure"
-_PART = ".part"
 _REVISION = re.compile(r"^[0-9a-f]{32}$")
 # Each request to the store retries for a second only: the waiting (dataset.remote_wait_seconds) is this module's own
 # loop, which says in the rank's log at once that the store is away.
@@ -73,7 +71,7 @@ class DataChanged(DataUnavailable):
 def cache_root() -> Path:
     from opentau_cli.data.synth import cache_dir
 
-    return cache_dir() / CACHE_NAME
+    return cache_dir() / DATASET_CACHE
 
 
 def dataset_id(url: str) -> str:
@@ -106,9 +104,9 @@ def _shown_size(n: int) -> str:
 
 def _part_owner(name: str) -> int | None:
     """The pid in '<name>.<pid>.part', or None for another name."""
-    if not name.endswith(_PART):
+    if not name.endswith(DOWNLOAD_PART):
         return None
-    pid = name[: -len(_PART)].rpartition(".")[2]
+    pid = name[: -len(DOWNLOAD_PART)].rpartition(".")[2]
     return int(pid) if pid.isdigit() else None
 
 
@@ -143,12 +141,12 @@ class FileCache:
     def press(self) -> None:
         """Ask every process reading from this cache to let go of the files it only keeps open (`pressed`)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / _PRESSURE).touch()
+        (self.root / CACHE_PRESSURE).touch()
 
     def pressure(self) -> float:
         """When room was last asked for (0: never)."""
         try:
-            return (self.root / _PRESSURE).stat().st_mtime
+            return (self.root / CACHE_PRESSURE).stat().st_mtime
         except FileNotFoundError:
             return 0.0
 
@@ -156,7 +154,7 @@ class FileCache:
     def locked(self):
         """The cache's one lock, across processes (flock: released if the holder dies)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.root / CACHE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -180,7 +178,8 @@ class FileCache:
             for entry in entries:
                 try:
                     if entry.is_dir(follow_symlinks=False):
-                        stack.append((entry.path, fetched or (entry.name == FILES and os.path.dirname(folder) == root)))
+                        in_files = entry.name == DATASET_FILES and os.path.dirname(folder) == root
+                        stack.append((entry.path, fetched or in_files))
                         continue
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -194,7 +193,7 @@ class FileCache:
                     continue
                 used += st.st_blocks * 512
                 if owner is not None:
-                    busy.add(entry.path[: -len(_PART)].rpartition(".")[0])
+                    busy.add(entry.path[: -len(DOWNLOAD_PART)].rpartition(".")[0])
                 elif fetched:
                     files.append((st.st_mtime, entry.path, st.st_blocks * 512))
         return used, files, busy
@@ -217,11 +216,11 @@ class FileCache:
                 break
             if _evict(path):
                 home = self.root / Path(path).relative_to(self.root).parts[0]
-                used -= taken + _remove_empty_parents(Path(path).parent, home / FILES)
+                used -= taken + _remove_empty_parents(Path(path).parent, home / DATASET_FILES)
         if used + need > self.max_bytes:
             raise CacheFull(str(used + need - self.max_bytes))
         target.parent.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(f"{target.name}.{os.getpid()}{_PART}")
+        part = target.with_name(f"{target.name}.{os.getpid()}{DOWNLOAD_PART}")
         fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             if size:
@@ -297,7 +296,7 @@ class RemoteFiles:
         self.url, self.options, self.root, self.pins = url.rstrip("/"), dict(options), Path(root), pins
         self.cache, self.wait_seconds = cache, float(wait_seconds)
         self.store_totals = dict(store_totals or {})  # {"files", "bytes"}: the store's data and video files
-        self.objects = self.root.parent / FILES
+        self.objects = self.root.parent / DATASET_FILES
         self._store, self._pid, self._ahead = None, None, None
 
     def __getstate__(self):  # a DataLoader worker opens its own connection and reads ahead for itself
@@ -526,7 +525,7 @@ def resolve(member: MixtureMember, dataset: DatasetConfig, prefix: str = "datase
         raise UserError(f"{url}/meta/info.json is missing: '{url}' is not a LeRobot dataset (expected meta/info.json, "
                         "meta/episodes, data/).")
     cache = cache_for(dataset)
-    meta_files = {k: v for k, v in listing.items() if k.startswith(META + "/")}
+    meta_files = {k: v for k, v in listing.items() if k.startswith(DATASET_META + "/")}
     root = _cached_meta(cache, url, store, meta_files)
     from opentau_cli.data.hub import wanted_files
 
@@ -549,7 +548,7 @@ def resolve(member: MixtureMember, dataset: DatasetConfig, prefix: str = "datase
     store_files = {k: v for k, v in listing.items() if k.split("/", 1)[0] in ("data", "videos")}
     record = {"url": url, "meta": root.name, "files": pinned,
               "store": {"files": len(store_files), "bytes": sum(v["size"] for v in store_files.values())}}
-    pins = root.parent / PINS / f"{revision}.json"
+    pins = pins_file(root.parent, revision)
     if not pins.is_file():
         _write_json(cache, pins, record)
     return RemoteDataset(url, revision, RemoteFiles(url, member.remote_options, root, pinned, cache,
@@ -582,11 +581,11 @@ def _cached_meta(cache: FileCache, url: str, store, meta_files: dict[str, dict])
 
     home = cache.root / dataset_id(url)
     version = _digest(f"{rel}\t{pin['etag']}" for rel, pin in sorted(meta_files.items()))
-    root = home / f"{META}-{version}"
+    root = cached_meta_dir(home, version)
     if root.is_dir():
         return root
-    if not (home / "source.json").is_file():
-        _write_json(cache, home / "source.json", {"url": url})
+    if not (home / DATASET_SOURCE).is_file():
+        _write_json(cache, home / DATASET_SOURCE, {"url": url})
     staging = home / f".{root.name}.{os.getpid()}.dir"
     try:
         for rel, pin in sorted(meta_files.items()):
@@ -636,11 +635,11 @@ def open_files(member: MixtureMember, dataset: DatasetConfig, prefix: str = "dat
     no longer holds that version."""
     url = str(member.root).rstrip("/")
     revision = member.revision or ""
-    pins = cache_root() / dataset_id(url) / PINS / f"{revision}.json"
+    pins = pins_file(cache_root() / dataset_id(url), revision)
     if _REVISION.match(revision) and pins.is_file():
         record = json.loads(pins.read_text())
         root = pins.parent.parent / f"{record['meta']}"
-        if (root / META / "info.json").is_file():
+        if (root / DATASET_META / "info.json").is_file():
             return RemoteFiles(url, member.remote_options, root, record["files"], cache_for(dataset),
                                dataset.remote_wait_seconds, record["store"])
     return resolve(member, dataset, prefix).files

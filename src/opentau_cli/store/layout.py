@@ -1,4 +1,5 @@
-"""Where a run keeps its files: the one place that spells a run's or a checkpoint's file and directory names.
+"""Where a run keeps its files: the one place that spells a run's or a checkpoint's file and directory names, and
+those of the machine's cache of datasets in object storage (below).
 
 docs/ARCHITECTURE.md, "Checkpoint contract". A run directory holds:
 
@@ -62,6 +63,34 @@ ZERO_TO_FP32 = "zero_to_fp32.py"  # DeepSpeed copies its consolidation script in
 
 _SAVING = ".tmp-"
 _DELETING = ".old-"
+
+# A machine's cache of datasets in object storage (data/remote.py; docs/ARCHITECTURE.md, "Datasets in object
+# storage"), $OPENTAU_CACHE_DIR/datasets:
+#
+#     <cache>/.lock                      one flock for every change of what the cache holds
+#     <cache>/.pressure                  touched when a process needs room: the others let go of what they keep open
+#     <cache>/<id>/source.json           the dataset's URL (id: a digest of it)
+#     <cache>/<id>/meta-<digest>/meta/   one version of its meta files: the root `read_meta` reads (never evicted)
+#     <cache>/<id>/pins/<revision>.json  the files a run reads and their versions (never evicted)
+#     <cache>/<id>/files/<path>.<tag>    fetched data and video files, <tag> naming their version (evicted LRU)
+#     <file>.<pid>.part                  a file being written by process <pid>, its whole size allocated
+DATASET_CACHE = "datasets"
+CACHE_LOCK = ".lock"
+CACHE_PRESSURE = ".pressure"
+DATASET_SOURCE = "source.json"
+DATASET_META = "meta"  # a LeRobot dataset's meta/ folder
+DATASET_FILES = "files"
+DOWNLOAD_PART = ".part"
+
+
+def cached_meta_dir(dataset_home: Path, version: str) -> Path:
+    """Where one version of a cached dataset's meta/ is kept: <id>/meta-<version>."""
+    return dataset_home / f"{DATASET_META}-{version}"
+
+
+def pins_file(dataset_home: Path, revision: str) -> Path:
+    """The record of the files a run reads of a cached dataset, and their versions: <id>/pins/<revision>.json."""
+    return dataset_home / "pins" / f"{revision}.json"
 
 
 def rank_state_file(rank: int) -> str:

@@ -1,4 +1,4 @@
-"""Launch a real `opentau train` with tests/memory_hook on PYTHONPATH and read each rank's peak resident memory.
+"""Launch a real `opentau train` with tests/hooks' TEST_MEMORY_RECORD and read each rank's peak resident memory.
 
 Shared by tests/test_memory_plan_real.py and benchmarks/bench_memory_plan.py: the peak a rank's steps reached above
 what it held just before the policy was built (its VmHWM after the last step less its VmRSS at that moment), read by
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HOOK = Path(__file__).resolve().parent
+HOOKS = Path(__file__).resolve().parent / "hooks"
 # glibc hands every freed block above 128 KiB back to the kernel at once (a fixed mmap threshold: its dynamic one
 # rises to 32 MiB and keeps freed blocks under it in its heaps). The peak then counts what tensors hold, as
 # torch.cuda.max_memory_allocated does on a GPU without the caching allocator's reserve.
@@ -28,7 +28,7 @@ def launch(args: list[str], run_dir: Path, *, env: dict | None = None, returning
     `returning`: glibc returns freed blocks to the kernel at once (RETURNING)."""
     record = Path(run_dir).parent / (Path(run_dir).name + "_memory")
     record.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, **(env or {}), **(RETURNING if returning else {}), "PYTHONPATH": str(HOOK),
+    full_env = {**os.environ, **(env or {}), **(RETURNING if returning else {}), "PYTHONPATH": str(HOOKS),
                 "TEST_MEMORY_RECORD": str(record)}
     full_env.pop("OPENTAU_DEBUG", None)
     opentau = Path(sys.executable).parent / "opentau"

@@ -1,8 +1,8 @@
 """Benchmark-only: two processes take turns, one training step each, so that whatever else loads the machine falls
-on both alike (benchmarks/bench_overhead.py). Each holds the turn from the start of one step to the start of its
-next (its whole loop iteration: the step and everything the loop does around it) while the other waits in a blocking
-read of a pipe, using no CPU. The pipes are two FIFOs in one directory, named after the two sides; the benchmark
-puts the first turn in one of them."""
+on both alike (benchmarks/bench_overhead.py; in `opentau train` through tests/hooks' BENCH_TURNS). Each holds the
+turn from the start of one step to the start of its next (its whole loop iteration: the step and everything the loop
+does around it) while the other waits in a blocking read of a pipe, using no CPU. The pipes are two FIFOs in one
+directory, named after the two sides; the benchmark puts the first turn in one of them."""
 
 from __future__ import annotations
 
