@@ -322,3 +322,24 @@ def test_a_run_stopped_during_an_evaluation_leaves_no_half_record_and_the_resume
     logged = [r["step"] for r in rows if r.get("kind") == "eval"]
     assert sorted(logged) == sorted(int(n) for n, r in records.items() if r["status"] == "done")  # each once
     assert json.loads((out / "evals" / "queue.json").read_text()) == {"running": None, "waiting": []}
+
+
+def test_a_redone_evaluation_logs_its_result_once_in_metrics_jsonl_and_mlflow(tmp_path, offline_trackers):
+    """An evaluation killed after logging and before its record is redone: its row and MLflow points are not doubled."""
+    from opentau_cli.sim.watch import log_result
+    from opentau_cli.train.trackers import Trackers
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = cfg_for(run_dir)
+    trackers = Trackers.open(MAIN, cfg, run_dir)
+    run_id = trackers.state()["mlflow"]
+    trackers.close()
+    record = {"step": 4, "success_rate": 0.5, "mean_return": 3.25, "mean_steps": 40.0}
+    for _ in range(2):
+        log_result(run_dir, cfg, record)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 4, "kind": "eval", "eval/success_rate": 0.5, "eval/mean_return": 3.25,
+                     "eval/episode_length": 40.0}]
+    assert mlflow_metric(run_id, "eval/success_rate") == [(4, 0.5)]
+    assert mlflow_metric(run_id, "eval/episode_length") == [(4, 40.0)]
