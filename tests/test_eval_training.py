@@ -243,6 +243,32 @@ def test_the_remote_copy_holds_every_record_the_final_ones_included(tracked):
     assert rows == (out / "metrics.jsonl").read_bytes()
 
 
+def test_a_finished_runs_owed_evaluation_reaches_the_remote_copy_and_no_tracker_twice(tracked, monkeypatch):
+    """Last of the tracked launch's tests (it changes the run): the final evaluation owed (its record gone here and
+    in the store, as when Ctrl-C stopped the end of the run), `opentau resume RUN` evaluates it and stores it."""
+    import boto3
+
+    out, env, server = tracked
+    client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=server.env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+    before = _records(out)["000006"]
+    eval_rows = [(s, v) for r in wandb_runs(out) for s, v in r["history"] if "eval/success_rate" in v]
+    (out / "evals" / "000006.json").unlink()
+    client.delete_object(Bucket=server.bucket, Key="tracked/evals/000006.json")
+    (out / "evals" / "queue.json").write_text(json.dumps({"running": "000006", "waiting": []}))
+    done = run_cli(["resume", str(out)], env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    again = _records(out)["000006"]
+    assert again["episodes"] == before["episodes"]
+    stored = client.get_object(Bucket=server.bucket, Key="tracked/evals/000006.json")["Body"].read()
+    assert json.loads(stored) == again
+    assert [(s, v) for r in wandb_runs(out) for s, v in r["history"] if "eval/success_rate" in v] == eval_rows
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.setenv(key, env[key])
+    run_id = json.loads((out / "checkpoints" / "000006" / "training_state.json").read_text())["trackers"]["mlflow"]
+    assert mlflow_metric(run_id, "eval/success_rate") == [(r["step"], r["success_rate"]) for r in _done(out)]
+
+
 def _write_result(run_dir: Path, step: int, rate: float) -> None:
     """A done record as the evaluation process leaves it (written here by hand, store/evals.py's layout)."""
     (run_dir / "evals").mkdir(exist_ok=True)

@@ -560,15 +560,20 @@ def start_evals(plan: RunPlan, log_dir: Path):
 
 def evaluate_owed(plan: RunPlan, echo) -> None:
     """A finished run's evaluations that its launch did not finish (stopped by Ctrl-C, or a preemption at the end):
-    `opentau resume RUN` runs them, holding the run lock, and launches no rank."""
+    `opentau resume RUN` runs them, holding the run lock, and launches no rank; with checkpoint.remote their
+    records then go to the store (`uploader.push`, which stores the run's history)."""
     from opentau_cli.process.evaluator import Evaluator
+    from opentau_cli.process.uploader import push
 
     cfg = plan.config
     with runlock.held(cfg.output_dir):
         probe = Evaluator(Path(cfg.output_dir), save_freq=cfg.save_freq, every=cfg.eval.every, total_steps=cfg.steps,
                           log=Path(os.devnull))
-        if probe.owed():
-            finish_evals(start_evals(plan, new_log_dir(cfg.output_dir)), cfg, echo, wait=True)
+        if not probe.owed():
+            return
+        finish_evals(start_evals(plan, new_log_dir(cfg.output_dir)), cfg, echo, wait=True)
+    if cfg.checkpoint.remote:
+        push(cfg.output_dir, cfg.checkpoint.model_dump(), echo=echo)
 
 
 def log_late_evaluations(evaluator, cfg: TrainConfig, echo) -> None:
