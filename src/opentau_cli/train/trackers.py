@@ -16,9 +16,10 @@ records after the checkpoint's step has gone by: W&B drops a `log` at a step low
 logged at the step of the moment with `eval/step` (the checkpoint's step) as their x-axis (`define_metric`), one
 per W&B step (a second log of the same keys at one step replaces the first). Rank 0 looks for new records each time
 it logs (one listing of evals/, never waiting); what ends after the ranks (the final checkpoint's) the launcher logs
-once they are gone (`log_late_evaluations`), continuing the run past its last step, one step per result. trackers.json keeps, per checkpoint logged, the W&B step it went in at, so nothing is logged twice and a fork
-takes again what its parent got after the fork's step (docs/ARCHITECTURE.md, "Evaluation during training"). MLflow
-takes them from the evaluation process itself (sim/watch.py), by run id.
+once they are gone (`log_late_evaluations`), continuing the run past its last step, one step per result.
+trackers.json keeps, per checkpoint logged, the W&B step it went in at, so nothing is logged twice and a fork takes
+again what its parent got after the fork's step (docs/ARCHITECTURE.md, "Evaluation during training"). MLflow takes
+them from the evaluation process itself (sim/watch.py), by run id.
 """
 
 from __future__ import annotations
@@ -203,9 +204,10 @@ class Trackers:
         self.notes = notes
         if WANDB in trackers:
             _define_eval_axis(trackers[WANDB].run)
-            if recorded.get(WANDB) is not None:  # continued, or forked: the parent's up to the fork's step
-                had = logged.get(WANDB, {}).get("evals", {}) if logged.get(WANDB, {}).get("id") == recorded[WANDB] else {}
-                self._logged[WANDB]["evals"] = {n: s for n, s in had.items() if s <= step}
+            before = logged.get(WANDB, {})
+            if recorded.get(WANDB) is not None and before.get("id") == recorded[WANDB]:
+                # continued, or forked: what the run got up to the fork's step
+                self._logged[WANDB]["evals"] = {n: s for n, s in before.get("evals", {}).items() if s <= step}
         config = {k: v for k, v in cfg.to_json_dict().items() if k != "resume"}
         history = {"opentau.lineage": json.dumps(lineage)} if lineage else {}
         if resume_state is not None:
@@ -243,8 +245,8 @@ class Trackers:
         return dict(self.ids)
 
     def close(self) -> None:
-        if self.trackers:
-            self._log_evaluations(max(entry["step"] for entry in self._logged.values()))
+        if WANDB in self.trackers:  # a last look, at the last step logged
+            self._log_evaluations(self._logged[WANDB]["step"])
             self._write_logged()
         for tracker in self.trackers.values():
             tracker.finish()
@@ -337,7 +339,7 @@ def _copy_mlflow_history(source: str, target: str, step: int) -> None:
         client.log_batch(target, metrics=points[i:i + 1000])
 
 
-if __name__ == "__main__":  # the launcher's, once the ranks are gone: python -m opentau_cli.train.trackers RUN_DIR PROJECT
+if __name__ == "__main__":  # the launcher's, once the ranks are gone: python -m opentau_cli.train.trackers RUN PROJECT
     import sys
 
     log_late_evaluations(Path(sys.argv[1]), sys.argv[2])
