@@ -6,6 +6,11 @@ on) on the same synthetic MetaWorld expert data; steps/s is read from each run's
 samples_per_s, which counts training steps' time only; the first interval dropped as warm-up). With 2 cores or more the cores are split as on a GPU node's host (tests/hooks): the
 rank and its data workers on core 0, the launcher and the evaluation on core 1 (also eval.cpus=[1], which the
 evaluation process applies with os.sched_setaffinity). Target: >= 0.95x when the evaluation has a core of its own.
+The 1-minute load average before and after each launch is reported beside the ratio: with other work on the machine
+the split cores are not the runs' own, and the ratio measures that work too.
+
+    python benchmarks/bench_eval_training.py --results FILE   # 120 steps, a save every 20, 3 pairs of launches
+    python benchmarks/bench_eval_training.py --smoke          # 20 steps, 1 pair (CI)
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--rollouts", type=int, default=4)
-    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=3)  # a median that one disturbed pair cannot move
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.save_every, args.rollouts, args.pairs = 20, 10, 2, 1
@@ -58,12 +63,15 @@ def main() -> None:
     on_flags = [f"--eval.env={ENV}", f"--eval.rollouts={args.rollouts}", "--eval.max_steps=50",
                 *(["--eval.cpus=[1]"] if split else [])]
     rates: dict[str, list[float]] = {"off": [], "on": []}
+    loads: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}  # 1-minute load average before, after
     evaluated = []
     try:
         for pair in range(args.pairs):
             for side in ("off", "on"):
                 out = work / f"{side}-{pair}"
+                before = os.getloadavg()[0]
                 run([*common, f"--output_dir={out}", *(on_flags if side == "on" else [])], extra_env=variables)
+                loads[side].append((before, os.getloadavg()[0]))
                 rates[side].append(steps_per_second(out, batch_size))
                 if side == "on":
                     records = [json.loads(p.read_text()) for p in (out / "evals").glob("0*.json")]
@@ -73,12 +81,18 @@ def main() -> None:
         if not args.smoke:
             shutil.rmtree(work, ignore_errors=True)
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    pairs = [f"{a / b:.3f}x" for a, b in zip(rates["on"], rates["off"])]
     saves = args.steps // args.save_every
     where = "rank on core 0, launcher and evaluation on core 1" if split else "one core shared"
+    shown = {side: ", ".join(f"{a:.1f}-{b:.1f}" for a, b in loads[side]) for side in loads}
     rows = [("training steps/s, eval.env off", f"{off:.2f}"),
             ("training steps/s, eval.env on", f"{on:.2f} ({' and '.join(map(str, evaluated))} of {saves} checkpoints "
                                               f"evaluated, the rest skipped as newer ones arrived)"),
-            (f"on / off ({where})", f"{on / off:.3f}x (target >= 0.95x, {verdict(on / off, 0.95)})")]
+            (f"on / off ({where})", f"{on / off:.3f}x (target >= 0.95x, {verdict(on / off, 0.95)}); pair by pair "
+                                    f"{', '.join(pairs)}"),
+            ("machine load (1-min average, before-after each launch)",
+             f"off {shown['off']}; on {shown['on']} (on {os.cpu_count()} CPUs: above 2, other work shares the "
+             "cores the split gives each side)")]
     title = "Evaluation during training: training steps/s with eval.env on vs off"
     print_rows(title, rows)
     report(args, title, rows, [f"{args.steps} steps, save_freq {args.save_every}, {args.rollouts} rollouts of "

@@ -47,6 +47,7 @@ class Worker:
 
 
 TRAIN_WORKER = Worker("opentau_cli.train.worker", "Training")
+TRACKERS_MODULE = "opentau_cli.train.trackers"  # W&B's late evaluations (finish_evals)
 LOCAL_ONLY_EXIT = 3  # the launch ended as it should, but checkpoints are on this machine only: docs/configuration.md, "Exit codes"
 
 
@@ -417,6 +418,8 @@ def _run(plan: RunPlan, worker: Worker, echo, lease=None) -> int:
         local_only = finish_uploads(uploader, plan.config, echo) if uploader is not None else []
         if evaluator is not None:
             finish_evals(evaluator, plan.config, echo, wait=rc == 0 and not interrupted and not preempted)
+            if uploader is not None:
+                store_evals(uploader, plan.config, echo)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -557,15 +560,47 @@ def start_evals(plan: RunPlan, log_dir: Path):
 
 def evaluate_owed(plan: RunPlan, echo) -> None:
     """A finished run's evaluations that its launch did not finish (stopped by Ctrl-C, or a preemption at the end):
-    `opentau resume RUN` runs them, holding the run lock, and launches no rank."""
+    `opentau resume RUN` runs them, holding the run lock, and launches no rank; with checkpoint.remote their
+    records then go to the store (`uploader.push`, which stores the run's history)."""
     from opentau_cli.process.evaluator import Evaluator
+    from opentau_cli.process.uploader import push
 
     cfg = plan.config
     with runlock.held(cfg.output_dir):
         probe = Evaluator(Path(cfg.output_dir), save_freq=cfg.save_freq, every=cfg.eval.every, total_steps=cfg.steps,
                           log=Path(os.devnull))
-        if probe.owed():
-            finish_evals(start_evals(plan, new_log_dir(cfg.output_dir)), cfg, echo, wait=True)
+        if not probe.owed():
+            return
+        finish_evals(start_evals(plan, new_log_dir(cfg.output_dir)), cfg, echo, wait=True)
+    if cfg.checkpoint.remote:
+        push(cfg.output_dir, cfg.checkpoint.model_dump(), echo=echo)
+
+
+def log_late_evaluations(evaluator, cfg: TrainConfig, echo) -> None:
+    """W&B gets the evaluations that ended after the ranks, from a process of its own (train/trackers.py, run by
+    module name as the evaluations are: the launcher imports no tracker); one that cannot start says so."""
+    if "wandb" not in cfg.logging.trackers:
+        return
+    with open(evaluator.log, "a") as log:
+        rc = subprocess.run([sys.executable, "-m", TRACKERS_MODULE, str(cfg.output_dir), cfg.logging.project],
+                            stdout=log, stderr=log).returncode
+    if rc != 0:
+        echo(f"W&B did not take the last evaluations (see {evaluator.log}); they are in "
+             f"{Path(cfg.output_dir) / EVALS}, and the next `opentau resume {cfg.output_dir}` logs them.")
+
+
+def store_evals(uploader, cfg: TrainConfig, echo) -> None:
+    """The records of the evaluations that ended after the last commit (the final checkpoint's), into the store
+    with the rest of the run's history; a store that does not answer leaves them to the next commit."""
+    from opentau_cli.store.remote_run import history_files
+
+    if not uploader.commits or uploader.stopped is not None or not uploader.committed:
+        return
+    try:
+        uploader.remote.store_history(history_files(Path(cfg.output_dir)))
+    except Exception as e:  # noqa: BLE001 - the records are on this disk; the next commit carries them
+        echo(f"The last evaluations' records are not in {uploader.remote.url} ({type(e).__name__}); they are in "
+             f"{Path(cfg.output_dir) / EVALS}, and the next commit of this run stores them.")
 
 
 def finish_evals(evaluator, cfg: TrainConfig, echo, *, wait: bool) -> None:
@@ -578,6 +613,7 @@ def finish_evals(evaluator, cfg: TrainConfig, echo, *, wait: bool) -> None:
             echo(f"Evaluating the remaining checkpoints in {cfg.eval.env} (Ctrl-C leaves them for `opentau resume "
                  f"{cfg.output_dir}`)...")
         left = evaluator.finish()
+        log_late_evaluations(evaluator, cfg, echo)
     else:
         evaluator.stop()
         left = evaluator.pending()

@@ -429,6 +429,8 @@ def push(run_dir: Path, checkpoint: dict | None = None, *, break_lock: bool = Fa
                 if not todo:
                     echo(f"Every checkpoint of {run_dir} is in {remote.url} already"
                          + (f" (newest: {up.remote_last()})." if up.committed else "."))
+                    if up.committed:  # what the run recorded since its last commit (evaluations) goes up still
+                        remote.store_history(history_files(run_dir))
                 for name in todo:
                     echo(f"Uploading checkpoint {name} to {remote.url} ...")
                     up._upload(name)

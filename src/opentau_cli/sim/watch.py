@@ -93,14 +93,14 @@ def evaluate_checkpoint(run_dir: Path, ckpt: Path) -> dict:
               "seed": cfg.eval.seed, "rollouts": cfg.eval.rollouts, "max_steps": cfg.eval.max_steps,
               "weights": served.origin.get("weights"), **summary(episodes, served.action_width),
               "episodes": [e.record() for e in episodes]}
-    _log(run_dir, cfg, record)
+    log_result(run_dir, cfg, record)
     evals.write_record(run_dir, ckpt.name, record)
     if cfg.checkpoint.keep_best and cfg.checkpoint.best_metric == EVAL_SUCCESS:
         _point_best(run_dir, cfg)
     return record
 
 
-def _log(run_dir: Path, cfg: TrainConfig, record: dict) -> None:
+def log_result(run_dir: Path, cfg: TrainConfig, record: dict) -> None:
     """The result at the checkpoint's step: one metrics.jsonl row (once, even when a killed evaluation is redone),
     TensorBoard (an event file of its own beside the ranks'), MLflow's run by its id."""
     row = {"step": record["step"], "kind": "eval", **{key: record[field] for field, key in evals.LOGGED.items()}}
@@ -142,7 +142,8 @@ def _log_mlflow(run_dir: Path, cfg: TrainConfig, row: dict) -> None:
 
     client = MlflowClient()
     for key, value in row.items():
-        if key not in ("step", "kind"):
+        # once per step, as the metrics.jsonl row: a redone evaluation (killed before its record) finds its points
+        if key not in ("step", "kind") and all(m.step != row["step"] for m in client.get_metric_history(run_id, key)):
             client.log_metric(run_id, key, value, step=row["step"])
 
 

@@ -12,6 +12,7 @@ and they outlive retention (the run's history of success). Imports nothing heavy
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from opentau_cli.store.layout import EVALS
@@ -54,6 +55,17 @@ def records(run_dir: Path) -> dict[str, dict]:
             if record is not None:
                 out[path.stem] = record
     return out
+
+
+def new_records(run_dir: Path, known: set[str]) -> list[tuple[str, dict]]:
+    """The records whose checkpoint names are not in `known`, oldest first: one listing of evals/, reading only
+    those (a tracker's look at logging time, train/trackers.py)."""
+    try:
+        names = [e.name[:-5] for e in os.scandir(evals_dir(run_dir)) if e.name.endswith(".json")]
+    except OSError:
+        return []
+    found = ((n, read_record(run_dir, n)) for n in sorted(names) if n.isdigit() and n not in known)
+    return [(n, r) for n, r in found if r is not None]
 
 
 def success_rate(run_dir: Path, name: str) -> float | None:

@@ -253,10 +253,7 @@ class RemoteRun:
 
     def commit(self, name: str, manifest_file: Path, history: dict[str, Path], *, best: str | None = None) -> None:
         """Make checkpoint `name` count: the run's history as of now, its manifest, then `last` (and `best`)."""
-        self.fence()
-        for rel, local in sorted(history.items()):
-            if local.is_file():
-                self.storage.write_bytes(rel, local.read_bytes())
+        self.store_history(history)
         self.fence()
         key = f"{CHECKPOINTS}/{name}/{MANIFEST}"
         if self.storage.size(key) is None:
@@ -267,6 +264,14 @@ class RemoteRun:
         self.set_pointer(LAST, name)
         if best is not None:
             self.set_pointer(BEST, best)
+
+    def store_history(self, history: dict[str, Path]) -> None:
+        """The run's history as of now (history_files), fenced: with each commit, and once more after the run's last
+        evaluations (process/launch.py)."""
+        self.fence()
+        for rel, local in sorted(history.items()):
+            if local.is_file():
+                self.storage.write_bytes(rel, local.read_bytes())
 
     def set_pointer(self, link: str, name: str) -> None:
         """Point `checkpoints/<link>` (`last`, `best`) at `name`, fenced: every write of a pointer goes here."""

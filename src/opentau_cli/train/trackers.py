@@ -10,6 +10,16 @@ same run id. When that run already holds steps past the checkpoint (a rollback, 
 save), continuing it would repeat steps: the resume forks instead (W&B `fork_from` at the checkpoint's step; MLflow a
 new run holding the old one's metrics up to that step, tagged with where it came from). The last step each tracked
 run got is kept in `<output_dir>/trackers.json` for that decision.
+
+W&B also gets the evaluations in a simulator (eval.env, store/evals.py), which the launcher's evaluation process
+records after the checkpoint's step has gone by: W&B drops a `log` at a step lower than its last one, so they are
+logged at the step of the moment with `eval/step` (the checkpoint's step) as their x-axis (`define_metric`), one
+per W&B step (a second log of the same keys at one step replaces the first). Rank 0 looks for new records each time
+it logs (one listing of evals/, never waiting); what ends after the ranks (the final checkpoint's) the launcher logs
+once they are gone (`log_late_evaluations`), continuing the run past its last step, one step per result.
+trackers.json keeps, per checkpoint logged, the W&B step it went in at, so nothing is logged twice and a fork takes
+again what its parent got after the fork's step (docs/ARCHITECTURE.md, "Evaluation during training"). MLflow takes
+them from the evaluation process itself (sim/watch.py), by run id.
 """
 
 from __future__ import annotations
@@ -20,9 +30,12 @@ import os
 from pathlib import Path
 
 from opentau_cli.errors import UserError
+from opentau_cli.store import evals
 
 TENSORBOARD = "tensorboard"
-LOGGED = "trackers.json"  # in the run directory: {tracker: {"id": run id, "step": the last step it got}}
+WANDB = "wandb"
+EVAL_STEP = "eval/step"  # W&B's x-axis of the evaluations: the evaluated checkpoint's step
+LOGGED = "trackers.json"  # in the run directory: {tracker: {"id": run id, "step": the last step it got, W&B "evals"}}
 # What a tracker needs installed: the import name and the opentau-cli extra that installs it.
 EXTRAS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
@@ -90,6 +103,41 @@ def tracker_values(record: dict) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
 
 
+def eval_values(record: dict) -> dict:
+    """A done evaluation record (store/evals.py) as W&B logs it: metrics.jsonl's eval keys and its x-axis."""
+    return {EVAL_STEP: int(record["step"]), **{key: record[field] for field, key in evals.LOGGED.items()}}
+
+
+def _define_eval_axis(run) -> None:
+    run.define_metric(EVAL_STEP, hidden=True)
+    run.define_metric("eval/*", step_metric=EVAL_STEP)
+
+
+def log_late_evaluations(run_dir: Path, project: str) -> None:
+    """After the ranks are gone: the done evaluations W&B has not got yet (the final checkpoint's, evaluated after the
+    ranks ended), in the run trackers.json names, continued past its last step, one step each (see the module doc)."""
+    run_dir = Path(run_dir)
+    logged = _read_logged(run_dir)
+    entry = logged.get(WANDB)
+    if not entry or "evals" not in entry:
+        return
+    late = [(n, r) for n, r in evals.new_records(run_dir, set(entry["evals"])) if r.get("status") == evals.DONE]
+    if not late:
+        return
+    import wandb  # directly: this process has no Accelerator for Accelerate's tracker to log through
+
+    run = wandb.init(project=project, id=entry["id"], resume="must", dir=str(run_dir))
+    try:
+        _define_eval_axis(run)
+        for name, record in late:  # one step each: a second at the same step would replace the first's values
+            entry["step"] = int(entry["step"]) + 1
+            run.log(eval_values(record), step=entry["step"])
+            entry["evals"][name] = entry["step"]
+    finally:
+        run.finish()
+        _write_json(run_dir, logged)
+
+
 def flat_config(config: dict, prefix: str = "") -> dict:
     """The resolved config as flat key -> scalar (what trackers store as hyperparameters)."""
     out = {}
@@ -117,6 +165,9 @@ class Trackers:
         self.trackers = trackers or {}  # name -> accelerate GeneralTracker, started
         self.ids = ids or {}  # name -> the tracked run's id
         self._logged = {name: {"id": self.ids[name], "step": step} for name in self.trackers}
+        if WANDB in self.trackers:
+            self._logged[WANDB]["evals"] = {}  # checkpoint name -> the W&B step its evaluation went in at
+        self._looked: set[str] = set()  # evaluation records read and not for W&B (skipped, failed)
         self.notes: list[str] = []  # what open decided, for the console
 
     @classmethod
@@ -151,6 +202,12 @@ class Trackers:
                 notes.append(f"{name}: continuing run {old} at step {step}.")
         self = cls(run_dir, trackers, ids, step)
         self.notes = notes
+        if WANDB in trackers:
+            _define_eval_axis(trackers[WANDB].run)
+            before = logged.get(WANDB, {})
+            if recorded.get(WANDB) is not None and before.get("id") == recorded[WANDB]:
+                # continued, or forked: what the run got up to the fork's step
+                self._logged[WANDB]["evals"] = {n: s for n, s in before.get("evals", {}).items() if s <= step}
         config = {k: v for k, v in cfg.to_json_dict().items() if k != "resume"}
         history = {"opentau.lineage": json.dumps(lineage)} if lineage else {}
         if resume_state is not None:
@@ -169,6 +226,7 @@ class Trackers:
         values = tracker_values(record)
         for tracker in self.trackers.values():
             tracker.log(values, step=int(record["step"]))
+        self._log_evaluations(int(record["step"]))
         self._mark(int(record["step"]))
 
     def checkpoint(self, step: int, seconds_blocked: float, path: Path | None = None) -> None:
@@ -187,9 +245,27 @@ class Trackers:
         return dict(self.ids)
 
     def close(self) -> None:
+        if WANDB in self.trackers:  # a last look, at the last step logged
+            self._log_evaluations(self._logged[WANDB]["step"])
+            self._write_logged()
         for tracker in self.trackers.values():
             tracker.finish()
         self.trackers = {}
+
+    def _log_evaluations(self, step: int) -> None:
+        """W&B: the evaluation records that appeared since the last look, at `step` (see the module doc)."""
+        if WANDB not in self.trackers:
+            return
+        logged = self._logged[WANDB]["evals"]
+        if step in logged.values():
+            return  # one result per W&B step: a second at the same step would replace the first's values
+        for name, record in evals.new_records(self.run_dir, set(logged) | self._looked):
+            if record.get("status") != evals.DONE:
+                self._looked.add(name)
+                continue
+            self.trackers[WANDB].log(eval_values(record), step=step)
+            logged[name] = step
+            return  # the next one at the next logging
 
     def _mark(self, step: int) -> None:
         for entry in self._logged.values():
@@ -197,9 +273,13 @@ class Trackers:
         self._write_logged()
 
     def _write_logged(self) -> None:
-        tmp = self.run_dir / (LOGGED + ".tmp")
-        tmp.write_text(json.dumps(self._logged) + "\n")
-        tmp.replace(self.run_dir / LOGGED)
+        _write_json(self.run_dir, self._logged)
+
+
+def _write_json(run_dir: Path, logged: dict) -> None:
+    tmp = run_dir / (LOGGED + ".tmp")
+    tmp.write_text(json.dumps(logged) + "\n")
+    tmp.replace(run_dir / LOGGED)
 
 
 def _start(name: str, cfg, run_dir: Path, old: str | None, step: int, fork: bool):
@@ -257,3 +337,9 @@ def _copy_mlflow_history(source: str, target: str, step: int) -> None:
     points = [m for key in keys for m in client.get_metric_history(source, key) if m.step <= step]
     for i in range(0, len(points), 1000):  # MLflow's limit per batch
         client.log_batch(target, metrics=points[i:i + 1000])
+
+
+if __name__ == "__main__":  # the launcher's, once the ranks are gone: python -m opentau_cli.train.trackers RUN PROJECT
+    import sys
+
+    log_late_evaluations(Path(sys.argv[1]), sys.argv[2])
