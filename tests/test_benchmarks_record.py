@@ -61,6 +61,12 @@ def sections(text: str) -> list[str]:
     return [s.rstrip("\n") + "\n" for s in re.split(r"^(?=## )", text, flags=re.M)[1:]]
 
 
+def with_new_row(row: str, replaced: str) -> str:
+    """TABLE with `row` on top in place of the row of the benchmark `replaced`."""
+    head, rows = TABLE.splitlines()[:2], TABLE.splitlines()[2:]
+    return "\n".join([*head, row, *(line for line in rows if not line.startswith(f"| {replaced} |"))]) + "\n"
+
+
 @pytest.fixture
 def results(tmp_path):
     path = tmp_path / "BENCHMARKS.md"
@@ -85,9 +91,7 @@ def test_a_new_run_lands_on_top_the_old_one_moves_to_the_history_and_only_its_ta
     assert f"\n- commit: {commit}\n" in new_run
     cpus, gpu, load = re.search(r"^- machine: .*?(\d+ CPUs), (no GPU|GPU [^,;]+), load avg ([\d.]+)", new_run, re.M).groups()
     row = f"| Saving | 0.12x async / sync | <= 0.25x | yes | {date} | {commit} | {cpus}, {gpu}, load {load} |"
-    table = TABLE.replace(TABLE.splitlines()[2] + "\n", "")
-    table = table.replace("| --- |\n", f"| --- |\n{row}\n", 1)
-    assert after == HEAD + table + "\n" + new_run + "\n" + LOADING  # the row on top of the table, the run on top
+    assert after == HEAD + with_new_row(row, "Saving") + "\n" + new_run + "\n" + LOADING  # the row and the run on top
     history = (results.parent / "BENCHMARKS_HISTORY.md").read_text()
     assert history == HISTORY_HEAD + "\n" + SAVING + "\n" + OLDEST_SAVING  # moved verbatim, newest first
 
@@ -125,33 +129,25 @@ def record_by_hand(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_record_py_adds_a_section_written_elsewhere_as_a_script_records_its_own(results, tmp_path):
-    elsewhere = tmp_path / "h51.md"  # a file a script wrote with --results before this layout: header, no table
-    loading = LOADING.replace("2026-12-01 09:00", "2026-12-06 08:00").replace("3.00 s", "2.00 s")
-    elsewhere.write_text("# Benchmarks\n\nResults appended by the scripts.\n\n" + loading + "\n" + SAVING)
-    done = record_by_hand(str(elsewhere), "--title", "Loading", "--headline", "2.00 s per load", "--commit", "def5678",
-                          "--results", str(results))
-    assert done.returncode == 0, done.stderr
-    text = results.read_text()
-    assert sections(text) == [loading, SAVING]
-    row = "| Loading | 2.00 s per load | none | n/a | 2026-12-06 08:00 | def5678 | 2 CPUs, no GPU, load 2.0 |"
-    assert text == HEAD + TABLE.replace(TABLE.splitlines()[3] + "\n", "").replace("| --- |\n", f"| --- |\n{row}\n", 1) + \
-        "\n" + loading + "\n" + SAVING
-    history = (tmp_path / "BENCHMARKS_HISTORY.md").read_text()
-    assert history == HISTORY_HEAD + "\n" + LOADING + "\n" + OLDEST_SAVING
+LOADING_AGAIN = LOADING.replace("2026-12-01 09:00", "2026-12-06 08:00").replace("3.00 s", "2.00 s")
+LOADING_RENAMED = LOADING.replace("## Loading (2026-12-01 09:00", "## Loading, cold and warm (2026-12-06 08:00")
 
 
-def test_record_py_retires_an_earlier_title_of_the_benchmark_with_replaces(results, tmp_path):
-    renamed = LOADING.replace("## Loading (2026-12-01 09:00", "## Loading, cold and warm (2026-12-06 08:00")
-    elsewhere = tmp_path / "renamed.md"
-    elsewhere.write_text(renamed)
-    done = record_by_hand(str(elsewhere), "--headline", "3.00 s per load", "--replaces", "Loading", "--results", str(results))
+@pytest.mark.parametrize("elsewhere, args, run, row", [
+    # A file a script wrote with --results before this layout (a header, no table), two benchmarks in it.
+    ("# Benchmarks\n\nResults appended by the scripts.\n\n" + LOADING_AGAIN + "\n" + SAVING,
+     ["--title", "Loading", "--headline", "2.00 s per load", "--commit", "def5678"], LOADING_AGAIN,
+     "| Loading | 2.00 s per load | none | n/a | 2026-12-06 08:00 | def5678 | 2 CPUs, no GPU, load 2.0 |"),
+    # The benchmark renamed: its run under the old title goes to the history, its old row goes.
+    (LOADING_RENAMED, ["--headline", "3.00 s per load", "--replaces", "Loading"], LOADING_RENAMED,
+     "| Loading, cold and warm | 3.00 s per load | none | n/a | 2026-12-06 08:00 | not recorded | 2 CPUs, no GPU, load 2.0 |"),
+], ids=["picked-by-title", "renamed"])
+def test_record_py_adds_a_section_written_elsewhere_as_a_script_records_its_own(results, tmp_path, elsewhere, args, run,
+                                                                                row):
+    (tmp_path / "elsewhere.md").write_text(elsewhere)
+    done = record_by_hand(str(tmp_path / "elsewhere.md"), *args, "--results", str(results))
     assert done.returncode == 0, done.stderr
-    text = results.read_text()
-    assert sections(text) == [renamed, SAVING]
-    row = "| Loading, cold and warm | 3.00 s per load | none | n/a | 2026-12-06 08:00 | not recorded | 2 CPUs, no GPU, load 2.0 |"
-    assert text == HEAD + TABLE.replace(TABLE.splitlines()[3] + "\n", "").replace("| --- |\n", f"| --- |\n{row}\n", 1) + \
-        "\n" + renamed + "\n" + SAVING
+    assert results.read_text() == HEAD + with_new_row(row, "Loading") + "\n" + run + "\n" + SAVING
     assert (tmp_path / "BENCHMARKS_HISTORY.md").read_text() == HISTORY_HEAD + "\n" + LOADING + "\n" + OLDEST_SAVING
 
 
