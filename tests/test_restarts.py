@@ -3,8 +3,8 @@ restarts the ranks when one dies or hangs, and they continue from the run's `las
 
 Real 2-process launches of the installed CLI; tests/fault_hook makes rank 1 fail at an exact step of an exact attempt
 (SIGKILL itself, SIGSTOP itself, raise, or raise a UserError), so the restarts resume from known checkpoints. The
-references are the same runs without a fault, compared by their metrics.jsonl and their saved weights (read with
-safetensors / torch.load, not with the product).
+references are the same runs without a fault (for DDP the session's shared run, conftest.ddp_reference), compared by
+their metrics.jsonl and their saved weights (read with safetensors / torch.load, not with the product).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, run_cli
+from conftest import DDP_REFERENCE_ARGS, EXAMPLES, REFERENCE_STEPS, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, METRICS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -26,6 +26,9 @@ DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
 ZERO2 = EXAMPLES / "accelerate_cpu_deepspeed_config.yaml"
 ZERO3 = EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"
 STEPS = 12
+# The DDP restarts are compared with the session's shared DDP run (conftest.ddp_reference), launched once for every
+# module that compares with it; their run takes its length and warm-up.
+REFERENCE_WARMUP = DDP_REFERENCE_ARGS[DDP_REFERENCE_ARGS.index("--scheduler.warmup_steps") + 1]
 
 
 def train(tmp_path: Path, name: str, yaml: Path, *extra: str, fault: str | None = None):
@@ -54,15 +57,16 @@ def attempts_in_logs(run: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    """The uninterrupted DDP run, and the same run in which rank 1 is SIGKILLed at step 6 (after checkpoint 4) and,
-    once restarted, SIGSTOPped at step 10 (after checkpoint 8): a hang that the 10 s timeout turns into a restart."""
+def ddp(tmp_path_factory, ddp_reference):
+    """The session's uninterrupted DDP run (conftest.ddp_reference: 6 steps, batch 4, a warm-up of 2), and the same
+    run saving every 2 steps (its EMA and validation aside, which change no training loss) in which rank 1 is
+    SIGKILLed at step 4 (after checkpoint 2) and, once restarted, SIGSTOPped at step 6 (after checkpoint 4): a hang
+    that the 10 s timeout turns into a restart."""
     tmp = tmp_path_factory.mktemp("restarts_ddp")
-    timeout = "--distributed.timeout_minutes=0.17"
-    reference, ref = train(tmp, "reference", DDP, timeout)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    faulted, result = train(tmp, "faulted", DDP, timeout, "--max-restarts=2", fault="kill@6:0,stop@10:1")
-    return reference, faulted, result
+    faulted, result = train(tmp, "faulted", DDP, "--distributed.timeout_minutes=0.17", "--max-restarts=2",
+                            f"--steps={REFERENCE_STEPS}", "--save_freq=2", f"--scheduler.warmup_steps={REFERENCE_WARMUP}",
+                            fault="kill@4:0,stop@6:1")
+    return ddp_reference, faulted, result
 
 
 def test_a_killed_and_a_hung_rank_restart_the_run_which_ends_as_if_nothing_happened(ddp):
@@ -70,8 +74,8 @@ def test_a_killed_and_a_hung_rank_restart_the_run_which_ends_as_if_nothing_happe
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_records(faulted) == [{**r, "samples_per_s": a["samples_per_s"]}
                                       for r, a in zip(train_records(reference), train_records(faulted))]
-    assert [r["step"] for r in train_records(faulted)] == list(range(1, STEPS + 1))
-    final = "%06d" % STEPS
+    assert [r["step"] for r in train_records(faulted)] == list(range(1, REFERENCE_STEPS + 1))
+    final = "%06d" % REFERENCE_STEPS
     mine = load_file(faulted / CHECKPOINTS / final / "model.safetensors")
     theirs = load_file(reference / CHECKPOINTS / final / "model.safetensors")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -83,15 +87,15 @@ def test_each_restart_is_recorded_with_its_cause_and_its_checkpoint(ddp):
     _, faulted, result = ddp
     records = restarts_of(faulted)
     assert [(r["restart"], r["resumed_from"], r["step"], r["failed_at_step"], r["rank"]) for r in records] == [
-        (1, "000004", 4, 6, 1), (2, "000008", 8, 10, 1)]
+        (1, "000002", 2, 4, 1), (2, "000004", 4, 6, 1)]
     assert records[0]["cause"].startswith("rank 1 on machine 0 "), records[0]["cause"]
     assert "killed" in records[0]["cause"]
-    assert records[1]["cause"].startswith("rank 1 on machine 0 stopped responding at step 10 (hung: rank 0 reports"), records[1]["cause"]
+    assert records[1]["cause"].startswith("rank 1 on machine 0 stopped responding at step 6 (hung: rank 0 reports"), records[1]["cause"]
     shown = [line for line in result.stdout.splitlines() if line.startswith("Restart ")]
     assert [line.split(":")[0] for line in shown] == ["Restart 1 of 2", "Restart 2 of 2"], result.stdout[-3000:]
     inspected = run_cli(["checkpoint", "inspect", str(faulted)])
     assert inspected.returncode == 0, inspected.stderr
-    assert "restart 1" in inspected.stdout.lower() and "000004" in inspected.stdout and "000008" in inspected.stdout
+    assert "restart 1" in inspected.stdout.lower() and "000002" in inspected.stdout and "000004" in inspected.stdout
 
 
 def tensors_in(obj, path: str = "") -> dict[str, torch.Tensor]:
