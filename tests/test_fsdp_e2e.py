@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
-    DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, REPO, opentau_bin, refused, run_cli,
+    DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, REFERENCE_WARMUP, REPO, opentau_bin, refused, run_cli,
     run_cli_in_process, tree,
 )
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, TRAINING_STATE
@@ -262,9 +262,6 @@ FP32_STEPS = ["--validation.val_freq=0", "--logging.tensorboard=false"]
 # The DDP side is the session's shared DDP run (conftest.ddp_reference: this preset, steps, saves and batch; its EMA
 # and validation change no training loss), launched once for every module that compares with it. The FSDP2 side
 # takes its warm-up.
-REFERENCE_WARMUP = DDP_REFERENCE_ARGS[DDP_REFERENCE_ARGS.index("--scheduler.warmup_steps") + 1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_fp32(home) -> Path:
     fp32 = home / "fsdp2_fp32.yaml"

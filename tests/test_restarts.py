@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import DDP_REFERENCE_ARGS, EXAMPLES, REFERENCE_STEPS, run_cli
+from conftest import EXAMPLES, REFERENCE_STEPS, REFERENCE_WARMUP, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, METRICS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -26,9 +26,6 @@ DDP = EXAMPLES / "accelerate_cpu_ddp_config.yaml"
 ZERO2 = EXAMPLES / "accelerate_cpu_deepspeed_config.yaml"
 ZERO3 = EXAMPLES / "accelerate_cpu_deepspeed_zero3_config.yaml"
 STEPS = 12
-# The DDP restarts are compared with the session's shared DDP run (conftest.ddp_reference), launched once for every
-# module that compares with it; their run takes its length and warm-up.
-REFERENCE_WARMUP = DDP_REFERENCE_ARGS[DDP_REFERENCE_ARGS.index("--scheduler.warmup_steps") + 1]
 
 
 def train(tmp_path: Path, name: str, yaml: Path, *extra: str, fault: str | None = None):
