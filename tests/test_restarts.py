@@ -3,8 +3,9 @@ restarts the ranks when one dies or hangs, and they continue from the run's `las
 
 Real 2-process launches of the installed CLI; tests/fault_hook makes rank 1 fail at an exact step of an exact attempt
 (SIGKILL itself, SIGSTOP itself, raise, or raise a UserError), so the restarts resume from known checkpoints. The
-references are the same runs without a fault (for DDP the session's shared run, conftest.ddp_reference), compared by
-their metrics.jsonl and their saved weights (read with safetensors / torch.load, not with the product).
+references are the same runs without a fault (for DDP and ZeRO-3 the session's shared runs, conftest.ddp_reference
+and zero3_reference), compared by their metrics.jsonl and their saved weights (read with safetensors / torch.load,
+not with the product).
 """
 
 from __future__ import annotations
