@@ -270,7 +270,7 @@ SINGLE_PROCESS_ENV = {"OMP_NUM_THREADS": "1"}
 # module that compares with such a run or reads what it wrote: DDP (train end to end, several machines, the EMA) and
 # ZeRO-3 (train end to end, the EMA). Both keep an EMA of the weights and validate at each save (neither changes a
 # training loss: validation forks the random stream) and record their weights at every step (tests/hooks).
-REFERENCE_STEPS, REFERENCE_SAVE, REFERENCE_EMA_DECAY = 6, 3, 0.9
+REFERENCE_STEPS, REFERENCE_SAVE, REFERENCE_EMA_DECAY, REFERENCE_WARMUP = 6, 3, 0.9, 2
 # The shared runs are written under this umask (not the usual 022, so a mode that merely happens to be 0644 does not
 # pass): test_file_modes checks every file they hold against it.
 REFERENCE_UMASK = 0o027
@@ -279,8 +279,8 @@ DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE = REFERENCE_STEPS, REFERENCE_SAVE
 
 def _reference_args(accelerate_config: str, *extra: str) -> list[str]:
     return ["--config_path", str(EXAMPLES / "pi05_tiny_config.json"), "--steps", str(REFERENCE_STEPS), "--save_freq",
-            str(REFERENCE_SAVE), "--log_freq", "1", "--scheduler.warmup_steps", "2", "--batch_size", "4",
-            f"--accelerate-config={EXAMPLES / accelerate_config}", f"--ema.decay={REFERENCE_EMA_DECAY}",
+            str(REFERENCE_SAVE), "--log_freq", "1", "--scheduler.warmup_steps", str(REFERENCE_WARMUP), "--batch_size",
+            "4", f"--accelerate-config={EXAMPLES / accelerate_config}", f"--ema.decay={REFERENCE_EMA_DECAY}",
             "--validation.val_freq", str(REFERENCE_SAVE), "--validation.max_batches", "2", *extra]
 
 

@@ -4,9 +4,10 @@ compute with fp32 master parameters and gradient checkpointing; checkpoints are 
 atomic publish; a resume continues with == losses; the consolidated model equals torch's own dcp_to_torch_save; in
 fp32 it trains as DDP does.
 
-Launches are shared (module-scoped): the bf16 run, a resume of its middle checkpoint, and one fp32 run each of FSDP2
-and DDP. The bf16 run carries the rest of the recipe: an EMA kept sharded like the parameters, asynchronous saves, a
-mixture of two datasets and TensorBoard; its resume's == losses and == EMA cover their exact resume.
+Launches are shared (module-scoped): the bf16 run, a resume of its middle checkpoint, and one fp32 run of FSDP2
+compared with the session's DDP run (conftest.ddp_reference). The bf16 run carries the rest of the recipe: an EMA
+kept sharded like the parameters, asynchronous saves, a mixture of two datasets and TensorBoard; its resume's ==
+losses and == EMA cover their exact resume.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, REPO, opentau_bin, refused, run_cli, run_cli_in_process, tree
+from conftest import (
+    DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, REFERENCE_WARMUP, REPO, opentau_bin, refused, run_cli,
+    run_cli_in_process, tree,
+)
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, TRAINING_STATE
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
@@ -255,16 +259,22 @@ def test_an_fsdp2_checkpoint_resumed_under_ddp_is_refused_in_one_line(bf16_run, 
 FP32_STEPS = ["--validation.val_freq=0", "--logging.tensorboard=false"]
 
 
+# The DDP side is the session's shared DDP run (conftest.ddp_reference: this preset, steps, saves and batch; its EMA
+# and validation change no training loss), launched once for every module that compares with it. The FSDP2 side
+# takes its warm-up.
 @pytest.fixture(scope="module")
 def fsdp_fp32(home) -> Path:
     fp32 = home / "fsdp2_fp32.yaml"
     fp32.write_text(FSDP2.read_text().replace("mixed_precision: bf16", 'mixed_precision: "no"'))
-    return train(home, "fsdp_fp32", f"--accelerate-config={fp32}", *FP32_STEPS, f"--ema.decay={DECAY}")
+    return train(home, "fsdp_fp32", f"--accelerate-config={fp32}", *FP32_STEPS, f"--ema.decay={DECAY}",
+                 f"--scheduler.warmup_steps={REFERENCE_WARMUP}")
 
 
 @pytest.fixture(scope="module")
-def ddp_fp32(home) -> Path:
-    return train(home, "ddp_fp32", f"--accelerate-config={DDP}", *FP32_STEPS)
+def ddp_fp32(ddp_reference) -> Path:
+    """The shared DDP run (read only: the tests below copy its checkpoint before resuming it)."""
+    assert (DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE) == (STEPS, SAVE)
+    return ddp_reference
 
 
 def test_fsdp2_in_fp32_trains_as_ddp_does(fsdp_fp32, ddp_fp32):

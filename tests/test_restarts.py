@@ -3,8 +3,9 @@ restarts the ranks when one dies or hangs, and they continue from the run's `las
 
 Real 2-process launches of the installed CLI; tests/hooks makes rank 1 fail at an exact step of an exact attempt
 (SIGKILL itself, SIGSTOP itself, raise, or raise a UserError), so the restarts resume from known checkpoints. The
-references are the same runs without a fault, compared by their metrics.jsonl and their saved weights (read with
-safetensors / torch.load, not with the product).
+references are the same runs without a fault (for DDP and ZeRO-3 the session's shared runs, conftest.ddp_reference
+and zero3_reference), compared by their metrics.jsonl and their saved weights (read with safetensors / torch.load,
+not with the product).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, run_cli
+from conftest import EXAMPLES, REFERENCE_STEPS, REFERENCE_WARMUP, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, METRICS
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -54,15 +55,16 @@ def attempts_in_logs(run: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    """The uninterrupted DDP run, and the same run in which rank 1 is SIGKILLed at step 6 (after checkpoint 4) and,
-    once restarted, SIGSTOPped at step 10 (after checkpoint 8): a hang that the 10 s timeout turns into a restart."""
+def ddp(tmp_path_factory, ddp_reference):
+    """The session's uninterrupted DDP run (conftest.ddp_reference: 6 steps, batch 4, a warm-up of 2), and the same
+    run saving every 2 steps (its EMA and validation aside, which change no training loss) in which rank 1 is
+    SIGKILLed at step 4 (after checkpoint 2) and, once restarted, SIGSTOPped at step 6 (after checkpoint 4): a hang
+    that the 10 s timeout turns into a restart."""
     tmp = tmp_path_factory.mktemp("restarts_ddp")
-    timeout = "--distributed.timeout_minutes=0.17"
-    reference, ref = train(tmp, "reference", DDP, timeout)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    faulted, result = train(tmp, "faulted", DDP, timeout, "--max-restarts=2", fault="kill@6:0,stop@10:1")
-    return reference, faulted, result
+    faulted, result = train(tmp, "faulted", DDP, "--distributed.timeout_minutes=0.17", "--max-restarts=2",
+                            f"--steps={REFERENCE_STEPS}", "--save_freq=2", f"--scheduler.warmup_steps={REFERENCE_WARMUP}",
+                            fault="kill@4:0,stop@6:1")
+    return ddp_reference, faulted, result
 
 
 def test_a_killed_and_a_hung_rank_restart_the_run_which_ends_as_if_nothing_happened(ddp):
@@ -70,8 +72,8 @@ def test_a_killed_and_a_hung_rank_restart_the_run_which_ends_as_if_nothing_happe
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_records(faulted) == [{**r, "samples_per_s": a["samples_per_s"]}
                                       for r, a in zip(train_records(reference), train_records(faulted))]
-    assert [r["step"] for r in train_records(faulted)] == list(range(1, STEPS + 1))
-    final = "%06d" % STEPS
+    assert [r["step"] for r in train_records(faulted)] == list(range(1, REFERENCE_STEPS + 1))
+    final = "%06d" % REFERENCE_STEPS
     mine = load_file(faulted / CHECKPOINTS / final / "model.safetensors")
     theirs = load_file(reference / CHECKPOINTS / final / "model.safetensors")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -83,15 +85,15 @@ def test_each_restart_is_recorded_with_its_cause_and_its_checkpoint(ddp):
     _, faulted, result = ddp
     records = restarts_of(faulted)
     assert [(r["restart"], r["resumed_from"], r["step"], r["failed_at_step"], r["rank"]) for r in records] == [
-        (1, "000004", 4, 6, 1), (2, "000008", 8, 10, 1)]
+        (1, "000002", 2, 4, 1), (2, "000004", 4, 6, 1)]
     assert records[0]["cause"].startswith("rank 1 on machine 0 "), records[0]["cause"]
     assert "killed" in records[0]["cause"]
-    assert records[1]["cause"].startswith("rank 1 on machine 0 stopped responding at step 10 (hung: rank 0 reports"), records[1]["cause"]
+    assert records[1]["cause"].startswith("rank 1 on machine 0 stopped responding at step 6 (hung: rank 0 reports"), records[1]["cause"]
     shown = [line for line in result.stdout.splitlines() if line.startswith("Restart ")]
     assert [line.split(":")[0] for line in shown] == ["Restart 1 of 2", "Restart 2 of 2"], result.stdout[-3000:]
     inspected = run_cli(["checkpoint", "inspect", str(faulted)])
     assert inspected.returncode == 0, inspected.stderr
-    assert "restart 1" in inspected.stdout.lower() and "000004" in inspected.stdout and "000008" in inspected.stdout
+    assert "restart 1" in inspected.stdout.lower() and "000002" in inspected.stdout and "000004" in inspected.stdout
 
 
 def tensors_in(obj, path: str = "") -> dict[str, torch.Tensor]:
@@ -104,17 +106,24 @@ def tensors_in(obj, path: str = "") -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("yaml, extra", [(ZERO2, ("--checkpoint.async_save=true",)), (ZERO3, ())],
                          ids=["zero2-async-saves", "zero3"])
-def test_a_restarted_deepspeed_run_ends_as_if_nothing_happened(tmp_path, yaml, extra):
-    reference, ref = train(tmp_path, "reference", yaml, *extra)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    # At step 10 checkpoint 4 is published (an async save waits for the one in flight) and 8 may still be being written.
-    faulted, result = train(tmp_path, "faulted", yaml, *extra, "--max-restarts=1", fault="kill@10:0")
+def test_a_restarted_deepspeed_run_ends_as_if_nothing_happened(tmp_path, request, yaml, extra):
+    if yaml == ZERO3:  # the session's shared ZeRO-3 run (conftest.zero3_reference: its asynchronous saves, EMA and
+        # validation change no training): its length and warm-up, a save every 2 steps
+        reference, steps, save = request.getfixturevalue("zero3_reference"), REFERENCE_STEPS, 2
+        extra = (*extra, f"--steps={steps}", f"--save_freq={save}", f"--scheduler.warmup_steps={REFERENCE_WARMUP}")
+    else:
+        reference, ref = train(tmp_path, "reference", yaml, *extra)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        steps, save = STEPS, 4
+    # Two saves in, the first checkpoint is published (an async save waits for the one in flight) and the second may
+    # still be being written.
+    faulted, result = train(tmp_path, "faulted", yaml, *extra, "--max-restarts=1", fault=f"kill@{2 * save + 2}:0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(r["step"], r["loss"]) for r in train_records(faulted)] == [(r["step"], r["loss"]) for r in train_records(reference)]
     records = restarts_of(faulted)
-    assert len(records) == 1 and records[0]["resumed_from"] in ("000004", "000008")
+    assert len(records) == 1 and records[0]["resumed_from"] in ("%06d" % save, "%06d" % (2 * save))
     assert records[0]["step"] == int(records[0]["resumed_from"])
-    final = "%06d" % STEPS
+    final = "%06d" % steps
     # Every rank's fp32 master weights and AdamW moments, as DeepSpeed saved them.
     states = [{f"{f.name}{k}": v for f in sorted((run / CHECKPOINTS / final / "pytorch_model").glob("*optim_states.pt"))
                for k, v in tensors_in(torch.load(f, map_location="cpu", weights_only=False)).items()}
