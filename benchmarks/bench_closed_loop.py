@@ -7,11 +7,14 @@ initial weights with the data's statistics) from the same seeds. Prints the succ
 intervals and each stage's wall time; targets: trained >= 80% on reach, >= 50% on push, untrained <= 10%.
 
 Why the tiny preset: it is the only one that trains in minutes on two CPU cores, and MetaWorld's 4-d
-delta actions from a 4-d state and one camera need little capacity. Images at 64 px (the goal marker is then about
-one pixel: the state, as LeRobot's wrapper gives it, holds no goal, so the camera is the policy's only view of it;
-larger images cost CPU time); chunks of 10 actions executed whole (n_action_steps 10) as trained.
-Run on 2026-12-06 (BENCHMARKS.md): reach-v3 35% (7/20) after 3000 steps against 10% untrained; push-v3 (shortened:
-1000 steps) 10% against 0%: below the targets.
+delta actions need little capacity. Images at 64 px; chunks of 10 actions executed whole (n_action_steps 10) as
+trained. The state: `--state hand` is LeRobot's convention (hand xyz, gripper), which holds no goal, so the camera
+is the policy's only view of it, and at 64 px reach-v3's goal marker is about one pixel (reach-v3 35% (7/20) after
+3000 steps, push-v3 10% (1/10) after 1000: far below the targets). `--state full` (`metaworld:TASK?state=full`,
+MetaWorld's 39-d observation) holds the object and goal positions. `--policy-type pi0` reads the state through a
+linear projection; pi05 reads it as 256-bin tokens in the prompt, and a goal constant through an episode then falls,
+at eval, in bins that few or no training episodes filled (their token embeddings untrained) unless the data holds
+many more episodes than bins.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ UNTRAINED_TARGET = 0.1
 EVAL_SEED = 1000  # the data's seeds are 0..episodes-1
 
 
+def policy_args(policy_type: str, state: str) -> list[str]:
+    """The tiny preset's overrides for the policy family and the state's width (39 dims need room in max_state_dim
+    and, for pi05, 39 prompt tokens more)."""
+    out = [f"--policy.type={policy_type}"]
+    if state == "full":
+        out += ["--policy.max_state_dim=40"] + (["--policy.tokenizer_max_length=72"] if policy_type == "pi05" else [])
+    return out
+
+
 def train(data: Path, out: Path, steps: int, image_size: int, extra: list[str]) -> float:
     _, wall = run([opentau_bin(), "train", "--config_path", str(TINY_CONFIG), f"--dataset.root={data}",
                    f"--output_dir={out}", f"--steps={steps}", f"--save_freq={steps}", "--validation.val_split=0",
@@ -35,8 +47,8 @@ def train(data: Path, out: Path, steps: int, image_size: int, extra: list[str]) 
     return wall
 
 
-def evaluate(run_dir: Path, task: str, out: Path, rollouts: int, envs: int, max_steps: int) -> tuple[dict, float]:
-    _, wall = run([opentau_bin(), "eval", str(run_dir), "--env", f"metaworld:{task}", "--rollouts", str(rollouts),
+def evaluate(run_dir: Path, env: str, out: Path, rollouts: int, envs: int, max_steps: int) -> tuple[dict, float]:
+    _, wall = run([opentau_bin(), "eval", str(run_dir), "--env", env, "--rollouts", str(rollouts),
                    "--seed", str(EVAL_SEED), "--envs", str(envs), "--max-steps", str(max_steps), "--output", str(out)],
                   timeout=7200)
     return json.loads((out / "eval_info.json").read_text()), wall
@@ -56,6 +68,9 @@ def main() -> None:
     parser.add_argument("--envs", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--max-steps", type=int, default=200, help="Steps per evaluated episode (the experts need ~45-60).")
+    parser.add_argument("--state", choices=["hand", "full"], default="hand",
+                        help="hand: LeRobot's 4 dims; full: MetaWorld's 39-d observation (metaworld:TASK?state=full).")
+    parser.add_argument("--policy-type", choices=["pi05", "pi0"], default="pi05")
     args = parser.parse_args()
     if args.smoke:
         args.tasks, args.episodes, args.steps, args.rollouts, args.max_steps = "reach-v3", 3, 2, 2, 10
@@ -63,15 +78,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_closed_loop_") as tmp:
         tmp = Path(tmp)
         for task in args.tasks.split(","):
+            env = f"metaworld:{task}" + (f"?state={args.state}" if args.state != "hand" else "")
             data = tmp / f"{task}_data"
-            proc, synth_wall = run([opentau_bin(), "dataset", "synth", str(data), "--env", f"metaworld:{task}",
+            proc, synth_wall = run([opentau_bin(), "dataset", "synth", str(data), "--env", env,
                                     "--episodes", str(args.episodes), "--seed", "0", "--image-size", str(args.image_size)])
             frames = json.loads((data / "meta" / "info.json").read_text())["total_frames"]
-            train_wall = train(data, tmp / f"{task}_run", args.steps, args.image_size, [])
-            untrained_wall = train(data, tmp / f"{task}_untrained", 1, args.image_size, ["--optimizer.lr=1e-12"])
-            trained, eval_wall = evaluate(tmp / f"{task}_run", task, tmp / f"{task}_eval", args.rollouts, args.envs,
+            policy = policy_args(args.policy_type, args.state)
+            train_wall = train(data, tmp / f"{task}_run", args.steps, args.image_size, policy)
+            untrained_wall = train(data, tmp / f"{task}_untrained", 1, args.image_size, [*policy, "--optimizer.lr=1e-12"])
+            trained, eval_wall = evaluate(tmp / f"{task}_run", env, tmp / f"{task}_eval", args.rollouts, args.envs,
                                           args.max_steps)
-            untrained, _ = evaluate(tmp / f"{task}_untrained", task, tmp / f"{task}_eval0", args.rollouts, args.envs,
+            untrained, _ = evaluate(tmp / f"{task}_untrained", env, tmp / f"{task}_eval0", args.rollouts, args.envs,
                                     args.max_steps)
             target = TARGETS.get(task)
             rows += [
@@ -82,7 +99,9 @@ def main() -> None:
                 (f"{task}: eval (trained)", f"{args.rollouts} episodes, {trained['mean_steps']:.0f} steps on average, "
                                             f"{args.envs} envs, in {eval_wall:.0f} s"),
             ]
-    notes += [f"tiny preset (configs/examples/pi05_tiny_config.json), {args.image_size} px images, chunk 10 executed whole; "
+    notes += [f"tiny preset (configs/examples/pi05_tiny_config.json) as policy.type={args.policy_type}, state "
+              f"{'hand xyz and gripper (4 dims)' if args.state == 'hand' else 'MetaWorld 39-d observation (?state=full)'}, "
+              f"{args.image_size} px images, chunk 10 executed whole; "
               f"eval seeds {EVAL_SEED}.. (data seeds 0..{args.episodes - 1}); at most {args.max_steps} steps per episode",
               "untrained = the same preset and data statistics after one step at lr 1e-12",
               "wall times on a shared 2-core machine with other work running"]

@@ -3,10 +3,11 @@
 aspect ratio, makes a policy with a low loss fail in the simulator.
 
 What is checkable, and only where the training dataset is on this machine (a run's checkpoint names it; an export
-does not): the first frames of its first episodes, small and grey-level blurred by the resize, against the env's
-first frame as it is and flipped on each axis. A flip is named only when it brings the env's frame much closer to
-the training frames than the frame as rendered (under half the difference), so a scene unlike the training data's
-(another robot, another simulator) is not mistaken for a flip.
+does not): the first frames of its first episodes against the env's first frame as rendered and flipped on each
+axis, all resized to 32x32 (cheap, and blind to the few pixels a goal or an object moves between episodes). A flip
+is named only when it brings the env's frame much closer to the training frames than the frame as rendered (under
+half the difference), so a scene unlike the training data's (another robot, another simulator) is not mistaken for
+a flip.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-COMPARE_SIZE = (32, 32)  # both sides are resized to this before they are compared: cheap, and blind to small shifts
+COMPARE_SIZE = (32, 32)
 REFERENCE_EPISODES = 8
 FLIPS = {"flipped upside down": (0,), "mirrored left to right": (1,), "flipped on both axes": (0, 1)}
 CLEARLY_CLOSER = 0.5  # a flip must halve the difference to be named
