@@ -110,7 +110,9 @@ def test_a_camera_the_env_does_not_provide_is_refused_naming_the_mapping_option(
 
 
 @pytest.mark.parametrize("env, said", [("metaworld:fly-v3", "MetaWorld has no task 'fly-v3'"),
-                                       ("gazebo", "unknown simulator"), ("aloha:cook", "ALOHA's tasks are")])
+                                       ("gazebo", "unknown simulator"), ("aloha:cook", "ALOHA's tasks are"),
+                                       ("metaworld:reach-v3?state=half", "the one option is ?state=hand"),
+                                       ("pusht?state=full", "?state= is an option of metaworld:TASK only")])
 def test_an_unknown_env_or_task_is_one_sentence_and_nothing_written(tmp_path, env, said):
     out = tmp_path / "never"
     done = run_cli_in_process(["eval", "some/run", "--env", env, "--output", str(out)])
@@ -235,3 +237,21 @@ def test_egl_without_its_driver_is_one_sentence_naming_the_setup_script_and_noth
         assert done.returncode == 2 and len(lines) == 1, done.stderr
         assert "no EGL display opens" in lines[0] and "scripts/setup_sim.sh" in lines[0] and "libegl-mesa0" in lines[0]
         assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_metaworld_full_state_is_its_39_dim_observation_with_lerobots_4_dims_first_and_the_goal_last():
+    require_simulators()
+    from opentau_cli.sim.envs import make_env, parse_env
+
+    hand, full = make_env(parse_env("metaworld:reach-v3"), (32, 32)), make_env(parse_env("metaworld:reach-v3?state=full"), (32, 32))
+    try:
+        first, again = hand.reset(3), full.reset(3)
+        assert full.state_dim == 39 and again.state.shape == (39,) and hand.state_dim == 4
+        assert again.state[:4].tolist() == first.state.tolist()
+        # MetaWorld's own goal of this seeded episode (float32, as the state is handed over)
+        assert again.state[36:].tolist() == np.asarray(full.env._target_pos, np.float32).tolist()
+        assert np.array_equal(again.pixels["observation.image"], first.pixels["observation.image"])
+        assert parse_env("metaworld:reach-v3?state=full").scene == "metaworld:reach-v3"
+    finally:
+        hand.close()
+        full.close()

@@ -15,6 +15,7 @@ first steps' observations and actions (steps.npz) (docs/ARCHITECTURE.md, "Closed
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,7 +262,8 @@ def evaluate_in_sim(source, env: str, *, rollouts: int = 50, seed: int = 0, outp
         raise UserError("--rollouts must be at least 1, --videos and --record-steps at least 0.")
     prepare_rendering(spec)  # a missing GL library is said before the policy loads
     path = Path(str(source)).expanduser()
-    output = Path(output) if output is not None else Path("outputs") / "eval" / f"{path.name or 'model'}-{spec.name.replace(':', '-')}"
+    env_part = re.sub(r"[^\w.-]", "-", spec.name)  # metaworld:reach-v3?state=full -> metaworld-reach-v3-state-full
+    output = Path(output) if output is not None else Path("outputs") / "eval" / f"{path.name or 'model'}-{env_part}"
     check_target(output, force=force, source=path, command=COMMAND)
     writable_parent(output)
     if videos:
