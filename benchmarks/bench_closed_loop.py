@@ -15,6 +15,8 @@ The policy type is pi0 (`--policy-type pi0`), which reads the state through a li
 256-bin tokens in the prompt, and a goal constant through an episode then falls, at eval, in bins no training
 episode filled, whose token embeddings stay untrained: with 200 reach-v3 demonstrations, 3 of the 30 eval seeds
 had all three goal bins filled by the data.
+Run on 2026-12-06 (2 loaded cores): reach-v3 83% (25/30; 95% 66%-93%) after 1500 steps against 7% untrained; push-v3
+(2000 steps) 100% (20/20; 95% 84%-100%) against 0%.
 """
 
 from __future__ import annotations
