@@ -31,9 +31,10 @@ def training_camera_frames(served, overrides: dict | None, dataset: str | None, 
     from opentau_cli.data.video import VideoFrames
     from opentau_cli.store.layout import TRAIN_CONFIG
 
-    checkpoint = Path(str((served.origin.get("checkpoint") or {}).get("path", "")))
-    if not (checkpoint / TRAIN_CONFIG).is_file():
+    where = (served.origin.get("checkpoint") or {}).get("path")  # an export has none
+    if not where or not (Path(str(where)) / TRAIN_CONFIG).is_file():
         return None
+    checkpoint = Path(str(where))
     member = select_member(load_config(checkpoint / TRAIN_CONFIG, dict(overrides or {})), dataset)
     root = Path(member.root or "")
     if not member.root or not (root / "meta" / "info.json").is_file():
