@@ -110,7 +110,9 @@ def test_a_camera_the_env_does_not_provide_is_refused_naming_the_mapping_option(
 
 
 @pytest.mark.parametrize("env, said", [("metaworld:fly-v3", "MetaWorld has no task 'fly-v3'"),
-                                       ("gazebo", "unknown simulator"), ("aloha:cook", "ALOHA's tasks are")])
+                                       ("gazebo", "unknown simulator"), ("aloha:cook", "ALOHA's tasks are"),
+                                       ("metaworld:reach-v3?state=half", "the one option is ?state=hand"),
+                                       ("pusht?state=full", "?state= is an option of metaworld:TASK only")])
 def test_an_unknown_env_or_task_is_one_sentence_and_nothing_written(tmp_path, env, said):
     out = tmp_path / "never"
     done = run_cli_in_process(["eval", "some/run", "--env", env, "--output", str(out)])
@@ -181,3 +183,75 @@ def test_replaying_a_dataset_without_seeds_is_refused_in_one_sentence(tmp_path):
                                "--format", "v3.0"]).returncode == 0
     done = run_cli_in_process(["eval", "--replay", str(data), "--env", "metaworld:reach-v3"])
     assert done.returncode == 2 and "record no seed" in done.stderr and "Traceback" not in done.stderr
+
+
+def _mirrored_copy(data: Path, out: Path) -> Path:
+    """`data` as a recorder that flips MetaWorld's corner2 upside down only (the upstream tool's removed MetaWorld
+    generator's convention; ours flips both axes) would have written it: each video re-encoded with PyAV, mirrored
+    left to right, frame for frame."""
+    import shutil
+
+    import av
+
+    shutil.copytree(data, out)
+    for video in sorted(out.rglob("*.mp4")):
+        with av.open(str(data / video.relative_to(out))) as source:
+            stream = source.streams.video[0]
+            frames = [f.to_ndarray(format="rgb24") for f in source.decode(stream)]
+            rate = stream.average_rate
+        with av.open(str(video), "w") as target:
+            encoded = target.add_stream("libx264", rate=rate)
+            encoded.height, encoded.width = frames[0].shape[:2]
+            encoded.pix_fmt = "yuv420p"
+            for i, pixels in enumerate(frames):
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels[:, ::-1]), format="rgb24")
+                frame.pts = i
+                target.mux(encoded.encode(frame))
+            target.mux(encoded.encode())
+    return out
+
+
+def test_training_images_flipped_against_the_env_are_refused_before_any_rollout(run_dir, experts, tmp_path):
+    mirrored = _mirrored_copy(experts, tmp_path / "mirrored")
+    out = tmp_path / "never"
+    done = _eval(run_dir, out, f"--dataset.root={mirrored}")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "look mirrored left to right against the training images" in lines[0], lines
+    assert not out.exists()
+    # The data as recorded: no word about orientation, and the rollout runs.
+    done = _eval(run_dir, tmp_path / "e", f"--dataset.root={experts}")
+    assert done.returncode == 0 and "look " not in done.stderr and "aspect ratio" not in done.stderr, done.stderr
+
+
+def test_egl_without_its_driver_is_one_sentence_naming_the_setup_script_and_nothing_written(tmp_path):
+    # glvnd's libEGL finds no vendor library (Mesa's libegl-mesa0) when its vendor directory is empty: the display
+    # does not open, as on a machine without Mesa's EGL driver.
+    require_simulators()
+    env = {"MUJOCO_GL": "egl", "__EGL_VENDOR_LIBRARY_DIRS": str(tmp_path / "no_vendors")}
+    for args, out in ((["eval", "some/run", "--env", "metaworld:reach-v3"], tmp_path / "eval"),
+                      (["dataset", "synth", str(tmp_path / "data"), "--env", "metaworld:reach-v3", "--episodes", "1"],
+                       tmp_path / "data")):
+        done = run_cli([*args, "--output", str(out)] if args[0] == "eval" else args, env=env, cwd=tmp_path)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert "no EGL display opens" in lines[0] and "scripts/setup_sim.sh" in lines[0] and "libegl-mesa0" in lines[0]
+        assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_metaworld_full_state_is_its_39_dim_observation_with_lerobots_4_dims_first_and_the_goal_last():
+    require_simulators()
+    from opentau_cli.sim.envs import make_env, parse_env
+
+    hand, full = make_env(parse_env("metaworld:reach-v3"), (32, 32)), make_env(parse_env("metaworld:reach-v3?state=full"), (32, 32))
+    try:
+        first, again = hand.reset(3), full.reset(3)
+        assert full.state_dim == 39 and again.state.shape == (39,) and hand.state_dim == 4
+        assert again.state[:4].tolist() == first.state.tolist()
+        # MetaWorld's own goal of this seeded episode (float32, as the state is handed over)
+        assert again.state[36:].tolist() == np.asarray(full.env._target_pos, np.float32).tolist()
+        assert np.array_equal(again.pixels["observation.image"], first.pixels["observation.image"])
+        assert parse_env("metaworld:reach-v3?state=full").scene == "metaworld:reach-v3"
+    finally:
+        hand.close()
+        full.close()

@@ -5,7 +5,9 @@ The observation convention is LeRobot 0.4.4's env wrappers', so that a policy tr
 sees the same inputs in either eval:
 - MetaWorld: camera `corner2` (moved to (0.75, 0.075, 0.7) as LeRobot places it), the image flipped on both axes
   (MuJoCo renders that camera upside down and mirrored), under `observation.image`; state = the first 4 of the 39
-  dims (hand xyz, gripper) under `observation.state`; the episode ends at the first success.
+  dims (hand xyz, gripper) under `observation.state`; the episode ends at the first success. `?state=full`
+  (`metaworld:reach-v3?state=full`) gives the whole 39-d observation instead: it holds the object and goal
+  positions, which at a small image size cover a pixel or two (docs/ARCHITECTURE.md, "Closed-loop evaluation").
 - PushT: `pixels` -> `observation.image`, `agent_pos` -> `observation.state`.
 - ALOHA: `pixels.top` -> `observation.images.top`, `agent_pos` -> `observation.state`.
 Pixels stay uint8 (H, W, 3) here; `policy_inputs` gives what LeRobot's preprocessing is handed (float32 CHW in
@@ -28,6 +30,8 @@ STATE_KEY = "observation.state"
 METAWORLD_CAMERA = "corner2"
 METAWORLD_CAMERA_POSITION = (0.75, 0.075, 0.7)  # where LeRobot 0.4.4 places corner2
 METAWORLD_STATE_DIMS = 4
+METAWORLD_FULL_STATE_DIMS = 39
+STATE_CHOICES = ("hand", "full")  # metaworld:TASK?state=...: LeRobot's first 4 dims (the default) or all 39
 ALOHA_TASKS = {"transfer_cube": "gym_aloha/AlohaTransferCube-v0", "insertion": "gym_aloha/AlohaInsertion-v0"}
 ALOHA_TEXT = {"transfer_cube": "Pick up the cube with the right arm and transfer it to the left arm.",
               "insertion": "Insert the peg into the socket."}
@@ -96,21 +100,40 @@ class EnvSpec:
 
     family: str
     task: str | None
+    state: str = "hand"  # MetaWorld: "hand" (LeRobot's 4 dims) or "full" (the 39-d observation)
+
+    @property
+    def scene(self) -> str:
+        """The simulator and task, whatever the observation convention: what a recorded action replays in."""
+        return f"{self.family}:{self.task}" if self.task else self.family
 
     @property
     def name(self) -> str:
-        return f"{self.family}:{self.task}" if self.task else self.family
+        return self.scene + (f"?state={self.state}" if self.state != "hand" else "")
+
+
+def split_options(text: str) -> tuple[str, str]:
+    """`metaworld:reach-v3?state=full` -> ("metaworld:reach-v3", "full"); no option: "hand"."""
+    base, sep, option = text.strip().partition("?")
+    key, _, value = option.partition("=")
+    if sep and (key.strip() != "state" or value.strip() not in STATE_CHOICES):
+        raise UserError(f"--env {text}: the one option is ?state=hand (hand xyz and gripper, LeRobot's convention) or "
+                        "?state=full (MetaWorld's 39-d observation).")
+    return base, value.strip() if sep else "hand"
 
 
 def parse_env(text: str) -> EnvSpec:
     """`metaworld:push-v3` -> EnvSpec; an unknown family or task is one sentence naming the known ones."""
-    family, _, task = text.strip().partition(":")
+    base, state = split_options(text)
+    family, _, task = base.partition(":")
     family, task = family.lower(), task.strip() or None
+    if family != "metaworld" and state != "hand":
+        raise UserError(f"--env {text}: ?state= is an option of metaworld:TASK only.")
     if family == "metaworld":
         if task not in METAWORLD_TEXT:
             near = ", ".join(sorted(t for t in METAWORLD_TEXT if task and task.split("-")[0] in t)[:5]) or "reach-v3, push-v3, pick-place-v3"
             raise UserError(f"--env {text}: MetaWorld has no task '{task}' (for example {near}).")
-        return EnvSpec("metaworld", task)
+        return EnvSpec("metaworld", task, state)
     if family == "pusht":
         if task not in (None, "pusht"):
             raise UserError(f"--env {text}: PushT has one task; pass --env pusht.")
@@ -126,17 +149,54 @@ def parse_env(text: str) -> EnvSpec:
 
 
 # ------------------------------------------------------------------------------------------- rendering on a CPU
+GL_FIX = ("install the GL libraries MuJoCo renders with on a CPU (scripts/setup_sim.sh, or `apt-get install libegl1 "
+          "libegl-mesa0 libgbm1 libgl1-mesa-dri`)")
+GL_BACKENDS = ("egl", "osmesa", "glfw", "glx")
+_rendering_checked: set[str] = set()
+
+
 def prepare_rendering(spec: EnvSpec) -> None:
-    """MuJoCo renders offscreen through EGL (Mesa's llvmpipe on a CPU) unless the user chose MUJOCO_GL; a missing
-    EGL library is one sentence before any simulator starts."""
+    """MuJoCo renders offscreen through EGL (Mesa's llvmpipe on a CPU) unless the user chose MUJOCO_GL. Whether the
+    backend can render is checked here, once per process, before any simulator starts: a missing GL library (or EGL
+    without Mesa's driver) would otherwise be a traceback at the first frame, after the policy was loaded."""
     if spec.family not in ("metaworld", "aloha"):
         return
-    backend = os.environ.setdefault("MUJOCO_GL", "egl")
+    backend = os.environ.setdefault("MUJOCO_GL", "egl").strip().lower()
+    if backend in _rendering_checked:
+        return
+    if backend not in GL_BACKENDS:
+        raise UserError(f"MUJOCO_GL={backend} is not a MuJoCo rendering backend on Linux: unset it (EGL renders "
+                        "offscreen) or choose one of egl, osmesa.")
+    if backend in ("glfw", "glx") and not os.environ.get("DISPLAY"):
+        raise UserError(f"MUJOCO_GL={backend} needs a display and there is none: unset it, and MuJoCo renders "
+                        "offscreen with EGL.")
     if backend in ("egl", "osmesa"):  # PyOpenGL must load the same library MuJoCo renders with
         os.environ.setdefault("PYOPENGL_PLATFORM", backend)
-    if backend == "egl" and ctypes.util.find_library("EGL") is None:
-        raise UserError("MuJoCo renders with EGL here and libEGL is missing: install the GL libraries "
-                        "(scripts/setup_sim.sh, or `apt-get install libegl1 libgl1-mesa-dri`).")
+    if backend == "osmesa" and ctypes.util.find_library("OSMesa") is None:
+        raise UserError("MUJOCO_GL=osmesa but libOSMesa is missing: `apt-get install libosmesa6`, or unset MUJOCO_GL "
+                        "to render with EGL.")
+    if backend == "egl" and not _egl_display_opens():
+        raise UserError(f"MuJoCo renders with EGL here and no EGL display opens (libEGL or Mesa's EGL driver is "
+                        f"missing): {GL_FIX}.")
+    _rendering_checked.add(backend)
+
+
+def _egl_display_opens() -> bool:
+    """What MuJoCo's EGL context does first: load libEGL and initialize a display on a device."""
+    if ctypes.util.find_library("EGL") is None:
+        return False
+    try:
+        from mujoco.egl import EGL, create_initialized_egl_device_display
+    except ImportError as exc:
+        if (exc.name or "").startswith("mujoco"):
+            raise UserError(f"The simulator package 'mujoco' is not installed: {SIM_EXTRA_FIX}.") from None
+        return False
+    except Exception:  # PyOpenGL's loader raises its own errors where libEGL cannot load
+        return False
+    try:
+        return create_initialized_egl_device_display() != EGL.EGL_NO_DISPLAY
+    except Exception:
+        return False
 
 
 def _import(module: str):
@@ -209,7 +269,8 @@ class MetaWorldEnv(SimEnv):
         model.cam_pos[model.camera(METAWORLD_CAMERA).id] = METAWORLD_CAMERA_POSITION
         if fast:
             fast_render_settings(model)
-        self.cameras, self.state_dim, self.action_dim = [IMAGE_KEY], METAWORLD_STATE_DIMS, 4
+        self.state_dim = METAWORLD_FULL_STATE_DIMS if spec.state == "full" else METAWORLD_STATE_DIMS
+        self.cameras, self.action_dim = [IMAGE_KEY], 4
         self.action_low = self.env.action_space.low.astype(np.float32)
         self.action_high = self.env.action_space.high.astype(np.float32)
         self.max_steps = int(self.env.max_path_length)
@@ -218,7 +279,7 @@ class MetaWorldEnv(SimEnv):
     def _observe(self, raw, reward=0.0, success=False) -> Step:
         self.raw = raw
         image = np.ascontiguousarray(np.flip(self.env.render(), (0, 1)))
-        return Step({IMAGE_KEY: image}, np.asarray(raw[:METAWORLD_STATE_DIMS], np.float32), reward, success, success)
+        return Step({IMAGE_KEY: image}, np.asarray(raw[: self.state_dim], np.float32), reward, success, success)
 
     def reset(self, seed: int) -> Step:
         self.env.seed(int(seed))

@@ -17,20 +17,25 @@ from pathlib import Path
 import numpy as np
 
 from opentau_cli.errors import UserError
-from opentau_cli.sim.envs import IMAGE_KEY, METAWORLD_STATE_DIMS, make_env, parse_env
+from opentau_cli.sim.envs import IMAGE_KEY, make_env, parse_env, split_options
 
 SYNTH_COMMAND = "dataset synth"  # as data/synth.py names its outputs
 DEFAULT_IMAGE_SIZE = 64
-STATE_NAMES = ["hand_x", "hand_y", "hand_z", "gripper"][:METAWORLD_STATE_DIMS]
+_POSE = [f"{part}_{axis}" for part in ("obj1", "obj2") for axis in ("x", "y", "z", "qx", "qy", "qz", "qw")]
+_FRAME = ["hand_x", "hand_y", "hand_z", "gripper", *_POSE]  # 18 dims: hand, gripper, two objects' poses
+# MetaWorld's 39-d observation: this frame, the previous frame, the goal (metaworld:TASK?state=full).
+STATE_NAMES = {"hand": _FRAME[:4], "full": [*_FRAME, *(f"prev_{n}" for n in _FRAME), "goal_x", "goal_y", "goal_z"]}
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 
 
 def parse_tasks(env: str) -> list:
-    """`metaworld:reach-v3,push-v3` -> [EnvSpec, EnvSpec]; only MetaWorld ships scripted experts."""
-    family, _, tasks = env.partition(":")
+    """`metaworld:reach-v3,push-v3[?state=full]` -> [EnvSpec, EnvSpec]; only MetaWorld ships scripted experts."""
+    base, state = split_options(env)
+    family, _, tasks = base.partition(":")
     if family.strip().lower() != "metaworld":
         raise UserError(f"--env {env}: scripted experts exist for MetaWorld only (e.g. --env metaworld:reach-v3,push-v3).")
-    return [parse_env(f"metaworld:{task.strip()}") for task in tasks.split(",") if task.strip()] or [parse_env(env)]
+    option = f"?state={state}" if state != "hand" else ""
+    return [parse_env(f"metaworld:{task.strip()}{option}") for task in tasks.split(",") if task.strip()] or [parse_env(env)]
 
 
 def expert_episode(env, expert, seed: int, max_steps: int | None = None) -> dict:
@@ -85,7 +90,7 @@ def write_expert_dataset(out_dir, env: str, *, episodes: int, seed: int = 0, ima
         raise UserError(f"None of the {failed} expert episodes succeeded; pass --keep-failed to record them anyway.")
     with publishing(target, force=force, command=SYNTH_COMMAND) as staging:
         staging.mkdir()
-        write_v3_episodes(staging, recorded, fps=sim.fps, robot_type="metaworld_sawyer", state_names=STATE_NAMES,
+        write_v3_episodes(staging, recorded, fps=sim.fps, robot_type="metaworld_sawyer", state_names=STATE_NAMES[specs[0].state],
                           action_names=ACTION_NAMES,
                           extra_info={"opentau_synth": {"env": env, "seed": seed, "episodes_per_task": episodes,
                                                         "image_size": [image_size, image_size],

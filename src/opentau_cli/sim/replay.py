@@ -12,9 +12,10 @@ from opentau_cli.errors import UserError
 from opentau_cli.sim.envs import make_env, parse_env
 
 
-def recorded_episodes(root: Path, env_name: str) -> list[tuple[int, np.ndarray]]:
-    """(seed, actions) of every episode of a v3.0 dataset recorded in `env_name` (its meta/episodes rows carry
-    `seed` and `env`, as `dataset synth --env` writes them)."""
+def recorded_episodes(root: Path, scene: str) -> list[tuple[int, np.ndarray]]:
+    """(seed, actions) of every episode of a v3.0 dataset recorded in `scene` (EnvSpec.scene: whatever state it
+    recorded, the actions are the same; its meta/episodes rows carry `seed` and `env`, as `dataset synth --env`
+    writes them)."""
     import pyarrow.parquet as pq
 
     from opentau_cli.data.meta import read_meta
@@ -28,10 +29,10 @@ def recorded_episodes(root: Path, env_name: str) -> list[tuple[int, np.ndarray]]
     data = pq.read_table(sorted((root / "data").rglob("*.parquet")), columns=["episode_index", "action"])
     index = data.column("episode_index").to_numpy()
     actions = np.asarray(data.column("action").to_pylist(), np.float32)
-    picked = [r for r in rows if r.get("env", env_name) == env_name]
+    picked = [r for r in rows if str(r.get("env") or scene).partition("?")[0] == scene]
     if not picked:
         envs = sorted({str(r.get("env")) for r in rows})
-        raise UserError(f"{root}: no episode was recorded in {env_name} (its episodes are from {', '.join(envs)}).")
+        raise UserError(f"{root}: no episode was recorded in {scene} (its episodes are from {', '.join(envs)}).")
     return [(int(r["seed"]), actions[index == r["episode_index"]]) for r in picked]
 
 
@@ -44,7 +45,7 @@ def replay_dataset(root, env: str, *, progress=None) -> dict:
     root = Path(root).expanduser()
     if not (root / "meta" / "info.json").is_file():
         raise UserError(f"--replay {root}: not a LeRobot dataset (no meta/info.json).")
-    episodes = recorded_episodes(root, spec.name)
+    episodes = recorded_episodes(root, spec.scene)
     sim = make_env(spec, (32, 32))  # images are not looked at: the smallest cheap render
     out = []
     try:

@@ -15,6 +15,7 @@ first steps' observations and actions (steps.npz) (docs/ARCHITECTURE.md, "Closed
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from opentau_cli.errors import UserError
-from opentau_cli.sim.envs import ENV_FPS, EnvSpec, SimEnv, make_env, parse_env, policy_inputs
+from opentau_cli.sim.envs import ENV_FPS, EnvSpec, SimEnv, make_env, parse_env, policy_inputs, prepare_rendering
+from opentau_cli.sim.images import check_images
 
 EVAL_INFO = "eval_info.json"
 STEPS_FILE = "steps.npz"
@@ -113,10 +115,12 @@ class _Running:
 def run_episodes(served, spec: EnvSpec | str, seeds: list[int], *, envs: int = 1, camera_map: dict | None = None,
                  image_size: tuple[int, int] | None = None, max_steps: int | None = None, videos: int = 0,
                  record_steps: int = 0, fast_render: bool = True, progress=None, echo=None,
-                 announce: str | None = None) -> list[Episode]:
+                 announce: str | None = None, overrides: dict | None = None,
+                 dataset: str | None = None) -> list[Episode]:
     """Episodes from `seeds` driven by `served` (a tools.serve.ServedPolicy), `envs` at a time. `progress(done,
     total, successes)` after each episode; the warnings of the policy-against-env check, then `announce`, go to
-    `echo`."""
+    `echo`. `overrides` and `dataset` name the training data the env's images are held against, as they named it
+    when the policy was loaded."""
     import torch
 
     spec = parse_env(spec) if isinstance(spec, str) else spec
@@ -126,6 +130,7 @@ def run_episodes(served, spec: EnvSpec | str, seeds: list[int], *, envs: int = 1
     pool = [make_env(spec, size, fast_render)]
     try:
         mapping, notes = check_policy_env(served, pool[0], camera_map or {})
+        notes += check_images(served, pool[0], mapping, pool[0].reset(seeds[0]), overrides, dataset)
         for note in notes:
             (echo or warnings.warn)(f"Warning: {note}")
         if announce and echo:
@@ -255,8 +260,10 @@ def evaluate_in_sim(source, env: str, *, rollouts: int = 50, seed: int = 0, outp
     spec = parse_env(env)
     if rollouts < 1 or videos < 0 or record < 0:
         raise UserError("--rollouts must be at least 1, --videos and --record-steps at least 0.")
+    prepare_rendering(spec)  # a missing GL library is said before the policy loads
     path = Path(str(source)).expanduser()
-    output = Path(output) if output is not None else Path("outputs") / "eval" / f"{path.name or 'model'}-{spec.name.replace(':', '-')}"
+    env_part = re.sub(r"[^\w.-]", "-", spec.name)  # metaworld:reach-v3?state=full -> metaworld-reach-v3-state-full
+    output = Path(output) if output is not None else Path("outputs") / "eval" / f"{path.name or 'model'}-{env_part}"
     check_target(output, force=force, source=path, command=COMMAND)
     writable_parent(output)
     if videos:
@@ -269,7 +276,7 @@ def evaluate_in_sim(source, env: str, *, rollouts: int = 50, seed: int = 0, outp
                 f"{seed}, {envs} env(s) at a time...")
     episodes = run_episodes(served, spec, seeds, envs=envs, camera_map=camera_map, image_size=image_size,
                             max_steps=max_steps, videos=videos, record_steps=record, fast_render=fast_render,
-                            progress=progress, echo=echo, announce=announce)
+                            progress=progress, echo=echo, announce=announce, overrides=overrides, dataset=dataset)
     info = {
         "env": spec.name, "source": str(source), "seed": seed, "rollouts": rollouts,
         "weights": served.origin.get("weights"), "step": served.origin.get("step"),
