@@ -181,7 +181,14 @@ def with_row(preamble: str, titles: set[str], row: str) -> str:
     while end < len(lines) and lines[end].startswith("| "):
         end += 1
     others = [line for line in lines[start:end] if line.split(" | ", 1)[0].removeprefix("| ") not in titles]
-    return "\n".join([*lines[:start], row, *others, *lines[end:]]) + "\n"
+    rows = newest_first([row, *others], lambda line: line.split(" | ")[4])
+    return "\n".join([*lines[:start], *rows, *lines[end:]]) + "\n"
+
+
+def newest_first(items: list[str], date_of) -> list[str]:
+    """Newest first by date ("YYYY-MM-DD HH:MM"; "not recorded" last), ties kept in their order: a run recorded
+    after a newer one (from a file written earlier) goes below it."""
+    return sorted(items, key=lambda item: "" if date_of(item) == "not recorded" else date_of(item), reverse=True)
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -208,10 +215,12 @@ def record_section(section: str, headline: Headline, path: Path | None = None, *
         history = history_path(path)
         old_preamble, old_runs = split_runs(history.read_text() if history.exists()
                                             else HISTORY_HEADER.format(latest=path.name))
-        write_atomically(history, join_runs(old_preamble, [*older, *old_runs]))
+        write_atomically(history, join_runs(old_preamble, newest_first([*older, *old_runs],
+                                                                       lambda run: run_heading(run)[1])))
     kept = [run for run in runs if run_heading(run)[0] not in titles]
     row = table_row(section, headline, commit_of_run)
-    write_atomically(path, join_runs(with_row(preamble, titles, row), [section.rstrip("\n") + "\n", *kept]))
+    runs = newest_first([section.rstrip("\n") + "\n", *kept], lambda run: run_heading(run)[1])
+    write_atomically(path, join_runs(with_row(preamble, titles, row), runs))
     return path
 
 

@@ -111,7 +111,9 @@ def main() -> None:
               "untrained = the same preset and data statistics after one step at lr 1e-12",
               "wall times on a shared 2-core machine with other work running"]
     print_rows("closed loop (MetaWorld expert data -> train -> eval)", rows)
-    report(args, "Closed loop: expert data, train, eval in MetaWorld", rows, notes, combined(*headlines))
+    # One benchmark per task list: a run of reach-v3 alone does not replace the latest run of push-v3.
+    report(args, f"Closed loop: {', '.join(args.tasks.split(','))} (bench_closed_loop.py)", rows, notes,
+           combined(*headlines))
 
 
 if __name__ == "__main__":

@@ -106,6 +106,16 @@ def test_the_first_run_of_a_benchmark_adds_its_row_and_moves_nothing(results):
     assert (results.parent / "BENCHMARKS_HISTORY.md").read_text() == history
 
 
+def test_a_run_recorded_after_a_newer_one_goes_below_it_in_the_runs_and_the_table(results):
+    """A section written earlier and recorded by hand later (record.py) keeps the runs newest first."""
+    serving = "## Serving (2026-12-01 12:00 UTC)\n\n- machine: Linux, x86_64, 2 CPUs, no GPU, load avg 3.0/3.0/3.0\n"
+    _common.record_section(serving, _common.Headline("9.0 req/s"), results)
+    text = results.read_text()
+    assert sections(text) == [SAVING, serving, LOADING]
+    rows = [line for line in text.split("\n## ", 1)[0].splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[2:]] == ["| Saving", "| Serving", "| Loading"]
+
+
 def test_a_fresh_results_file_gets_the_header_the_table_and_no_history(tmp_path):
     path = tmp_path / "fresh.md"
     _common.record_result("Serving", [("req/s", "9.0")], ["a note"], _common.Headline("9.0 req/s"), path=path)
