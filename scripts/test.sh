@@ -21,6 +21,14 @@ export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"
 # opentau's own modules compiled once here, not in every process a test starts: where PYTHONDONTWRITEBYTECODE is set
 # (as on CI's machines) Python would compile them again in each (a few tenths of a second of CPU per launch).
 .venv/bin/python -m compileall -q src
+# DeepSpeed's CPU communication op, built here once per checkout before any test runs: a test that kills a rank while
+# that rank builds it would leave torch's build lock behind, and every later DeepSpeed launch would wait on it; a
+# folder per checkout also keeps other checkouts' builds (another .venv path rebuilds it) from taking turns with ours.
+mkdir -p .cache
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
+.venv/bin/python -c "from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder('ShareMemCommBuilder')
+builder and builder.load(verbose=False)" > .cache/deepspeed_op_build.log 2>&1 || { cat .cache/deepspeed_op_build.log; exit 1; }
 echo "set-up: $((SECONDS - setup_start)) s"
 tests_start=$SECONDS
 status=0
