@@ -17,6 +17,7 @@ batch, with glibc's defaults too, and records it in BENCHMARKS.md.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
