@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
+
 import pytest
 import torch
 
@@ -69,6 +73,38 @@ def test_restored_position_reproduces_the_remaining_batches_exactly(dataset, num
     started.load_state_dict({"epoch": 0, "batch": 1})
     assert [frames(next(started)) for _ in range(2)] == reference[1:3]
     started.close()
+
+
+class SlowOnceFlagged(torch.utils.data.Dataset):
+    """The dataset, each item taking 5 s once `flag` exists: a data worker busy reading when its stream closes."""
+
+    def __init__(self, dataset, flag):
+        self.dataset, self.flag = dataset, flag
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        if self.flag.exists():
+            time.sleep(5)
+        return self.dataset[i]
+
+
+def test_closing_a_stream_whose_data_worker_a_signal_stopped_raises_nothing(dataset, tmp_path):
+    # The launcher stops every rank's process group (data workers included) when one rank fails: a rank that is
+    # closing its stream meanwhile must report its own error, not its worker's end.
+    flag = tmp_path / "slow"
+    s = BatchStream(SlowOnceFlagged(dataset, flag), ResumableSampler(len(dataset), seed=2), 3, num_workers=1)
+    next(s)
+    flag.touch()
+    next(s), next(s)  # batches the worker prefetched before the flag; it now reads slowly
+    worker = s._loader._iterator._workers[0]
+    # From a process that is not this one's child (its end would be a SIGCHLD of its own), while close() waits for the
+    # worker: a worker exits quietly on its own parent's SIGTERM.
+    subprocess.run(["sh", "-c", f"(sleep 1; kill -TERM {worker.pid}) >/dev/null 2>&1 &"], check=True)
+    s.close()
+    assert worker.exitcode == -signal.SIGTERM
+    assert s._loader._iterator is None
 
 
 def test_each_epoch_delivers_a_new_order_of_the_same_samples(dataset):

@@ -208,6 +208,15 @@ def test_failed_log_names_the_rank_that_failed_first_not_the_one_that_lost_its_p
     assert log.name == "rank1.log" and last == "ValueError: bad shape"
 
 
+def test_failed_log_names_the_rank_whose_error_ended_the_launch_not_one_whose_data_worker_the_launcher_stopped(tmp_path):
+    # Seen in CI: rank 1 stopped with its sentence; the launcher's SIGTERM to rank 0's group ended its data worker.
+    (tmp_path / "rank0.log").write_text("Traceback (most recent call last):\n"
+                                        "RuntimeError: DataLoader worker (pid 30982) is killed by signal: Terminated. \n")
+    (tmp_path / "rank1.log").write_text("Error: The store of s3://b/ds did not answer for 17 s: step 8 is saved.\n")
+    log, last = failed_log(tmp_path)
+    assert log.name == "rank1.log" and last == "Error: The store of s3://b/ds did not answer for 17 s: step 8 is saved."
+
+
 def test_full_pi05_preset_on_a_machine_without_gpu_exits_2_and_suggests_the_tiny_config(tmp_path, published_pi05_hub):
     """The seed line `opentau-train --config_path=configs/examples/pi05_config.json` on CPU: refused, nothing written."""
     r = run_cli(["--config_path=configs/examples/pi05_config.json", f"--output_dir={tmp_path / 'out'}"],

@@ -234,7 +234,9 @@ def hold_upload(directory: str) -> None:
                 progress(n)
                 if first[0]:
                     first[0] = False
-                    (where / "held").write_text(name)
+                    # Written beside and renamed in: a test that sees `held` reads the whole name.
+                    (where / "held.tmp").write_text(name)
+                    os.replace(where / "held.tmp", where / "held")
                     while not (where / "release").exists():
                         time.sleep(0.05)
 

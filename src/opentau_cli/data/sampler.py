@@ -212,10 +212,16 @@ class BatchStream:
         return torch.stack([torch.full_like(local, epoch), local * self.sampler.world_size + self.sampler.rank], dim=1)
 
     def close(self) -> None:
-        """Stop worker processes now rather than at garbage collection."""
+        """Stop worker processes now rather than at garbage collection. A worker already stopped by a signal (the
+        launcher stops every rank's process group when one rank fails) is no error of closing: the rank's own error,
+        if it has one, stays the one it reports."""
         it, self._it = self._it, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        if getattr(self._loader, "_iterator", None) is not None:
-            self._loader._iterator._shutdown_workers()
-            self._loader._iterator = None
+        iterators = [it, getattr(self._loader, "_iterator", None)]
+        self._loader._iterator = None
+        for iterator in iterators:
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                try:
+                    iterator._shutdown_workers()
+                except RuntimeError as e:
+                    if "is killed by signal" not in str(e):
+                        raise

@@ -31,7 +31,9 @@ RESTARTS = "restarts.jsonl"  # <run>/logs/restarts.jsonl: one line per automatic
 STOPPED = "stopped"  # <run log dir>/stopped: why a restarted launch ended without using its remaining restarts
 GROUPS = "groups.jsonl"  # <run log dir>/groups.jsonl: each worker group of the launch (attempt, world size)
 # Errors a rank reports when another rank died first: never the root cause.
-KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "NCCL communicator was aborted")
+# A data worker stopped by SIGTERM: the launcher stopping the group after another rank failed.
+KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "NCCL communicator was aborted",
+            "is killed by signal: Terminated")
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
