@@ -182,23 +182,29 @@ print(json.dumps(out))
     assert out["error"] == "broken on purpose" and out["enabled_after_error"] and out["still_disabled"]
 
 
-def test_a_ranks_imports_leave_mlflow_to_the_run_that_logs_to_it():
-    """DeepSpeed's autotuner imports MLflow whenever it is installed (a second of CPU in every rank); the ranks import
-    DeepSpeed without it (runtime.UNUSED_IMPORTS), and MLflow still imports afterwards (docs/ARCHITECTURE.md "Start-up")."""
+def test_a_ranks_imports_leave_mlflow_and_boto3_to_the_run_that_uses_them():
+    """DeepSpeed's autotuner imports MLflow whenever it is installed (a second of CPU in every rank), Accelerate's
+    SageMaker settings import boto3; the ranks (and the launcher) import them without (runtime.UNUSED_IMPORTS), and
+    MLflow and boto3 still import afterwards (docs/ARCHITECTURE.md "Start-up")."""
     script = """
 import json, sys
-from opentau_cli.process.runtime import import_paused
-import_paused("torch", "deepspeed")
-out = {"after_deepspeed": sorted(m for m in sys.modules if m.split(".")[0] == "mlflow")}
+from opentau_cli.process.runtime import RANK_IMPORTS, import_paused
+import_paused(*RANK_IMPORTS[1:4])
+out = {"after_rank_imports": sorted(m for m in sys.modules if m.split(".")[0] in ("mlflow", "boto3", "botocore"))}
+import_paused("accelerate.commands.launch")
+out["after_launcher_imports"] = sorted(m for m in sys.modules if m.split(".")[0] in ("boto3", "botocore"))
 import deepspeed.autotuning.autotuner as autotuner
 import mlflow
-out.update(autotuner_has_mlflow=autotuner.has_mlflow, mlflow_imports=hasattr(mlflow, "log_metric"))
+import boto3
+out.update(autotuner_has_mlflow=autotuner.has_mlflow, mlflow_imports=hasattr(mlflow, "log_metric"),
+           boto3_imports=hasattr(boto3, "client"))
 print(json.dumps(out))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"after_deepspeed": [], "autotuner_has_mlflow": False, "mlflow_imports": True}
+    assert out == {"after_rank_imports": [], "after_launcher_imports": [], "autotuner_has_mlflow": False,
+                   "mlflow_imports": True, "boto3_imports": True}
 
 
 def test_failed_log_names_the_rank_that_failed_first_not_the_one_that_lost_its_peer(tmp_path):

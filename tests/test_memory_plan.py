@@ -5,6 +5,8 @@ comes to real training processes is tests/test_memory_plan_real.py's business.""
 
 from __future__ import annotations
 
+import os
+import subprocess
 
 import pytest
 from typer.testing import CliRunner
@@ -15,7 +17,7 @@ from opentau_cli.config.accelerate import AccelerateSetup
 from opentau_cli.errors import UserError
 from opentau_cli.plan.memory import (CPU_RETENTION, CUDA_CONTEXT, CUDA_FRAGMENTATION, NCCL_BUFFERS, check_fits, parse_size,
                                      plan_memory)
-from conftest import EXAMPLES
+from conftest import EXAMPLES, opentau_bin
 
 pytestmark = pytest.mark.quick
 
@@ -231,6 +233,58 @@ def test_the_step_measurement_cache_is_keyed_by_the_code_it_measures(monkeypatch
     monkeypatch.undo()
     monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
     assert memory_plan.step_bytes(*args) == first
+
+
+def test_the_policy_sizes_cache_is_keyed_by_the_code_and_libraries_that_build_it(monkeypatch, tmp_path):
+    from opentau_cli.plan import memory as memory_plan
+
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(memory_plan, "_SIZES", {})
+    cfg = TrainConfig(policy={"preset": "pi05_tiny", "lora": {"rank": 4}})
+    counts = memory_plan.parameter_counts(cfg.policy)
+    assert counts == {"total": counts["total"], "trainable": real_trainable(cfg.policy.model_dump())}
+    cached = list((tmp_path / "memory_plan").glob("sizes_*.json"))
+    assert len(cached) == 1
+    monkeypatch.setattr(memory_plan, "_SIZES", {})
+    monkeypatch.setattr(memory_plan, "sizes", lambda _cfg: pytest.fail("built again although cached"))
+    assert memory_plan.parameter_counts(cfg.policy) == counts  # read back, not built
+    monkeypatch.undo()
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
+    for changed in ("_code_version", "_library_versions"):  # an edit of the policies' code, another transformers
+        with monkeypatch.context() as m:
+            m.setattr(memory_plan, "_SIZES", {})
+            m.setattr(memory_plan, changed, lambda: "changed")
+            assert memory_plan.parameter_counts(cfg.policy) == counts
+    assert len(list((tmp_path / "memory_plan").glob("sizes_*.json"))) == 3  # built again each time, not read
+    cached[0].write_text('{"total": 1}')  # an entry of another format is built again, never misread
+    monkeypatch.setattr(memory_plan, "_SIZES", {})
+    assert memory_plan.parameter_counts(cfg.policy) == counts
+
+
+def test_a_policy_that_cannot_be_built_is_refused_by_every_launch_and_never_cached(monkeypatch, tmp_path):
+    from opentau_cli.plan import memory as memory_plan
+
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
+    bad = TrainConfig(policy={"preset": "pi05_tiny", "image_resolution": [36, 36]})  # not a multiple of the patch
+    for _ in range(2):
+        monkeypatch.setattr(memory_plan, "_SIZES", {})
+        with pytest.raises(UserError, match="multiple of the pi05_tiny patch size"):
+            memory_plan.parameter_counts(bad.policy)
+    assert not (tmp_path / "memory_plan").exists() or not list((tmp_path / "memory_plan").glob("sizes_*"))
+
+
+def test_a_second_plan_of_the_same_policy_does_not_import_transformers(tmp_path):
+    """Measured from outside: Python's own import log (-X importtime) of two `opentau config validate` commands."""
+    env = {**os.environ, "OPENTAU_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"}
+    command = [opentau_bin(), "config", "validate", str(EXAMPLES / "pi05_tiny_config.json"),
+               f"--output_dir={tmp_path / 'run'}"]
+    imported = []
+    for _ in range(2):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        imported.append({line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")})
+    assert "transformers" in imported[0] and "opentau_cli.policies" in imported[0]
+    assert "transformers" not in imported[1] and "opentau_cli.policies" not in imported[1]
 
 
 def test_the_example_pi05_config_fits_an_80gb_card_under_every_backend_with_the_margin_printed(tmp_path):

@@ -80,9 +80,9 @@ def summary_rows(plan: RunPlan) -> list[tuple[str, str]]:
     checked = plan.checked
     cfg, accel = checked.config, checked.accelerate
     source = str(accel.path) if accel.path else "none (single process)"
-    from opentau_cli.policies import count_parameters  # built on the meta device: no memory, no weights
+    from opentau_cli.plan.memory import parameter_counts  # built on the meta device once: no memory, no weights
 
-    counts = count_parameters(cfg.policy)
+    counts = parameter_counts(cfg.policy)
     rows = [
         ("backend", accel.label),
         ("accelerate config", source),

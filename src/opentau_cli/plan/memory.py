@@ -200,13 +200,28 @@ def measure_step(policy, inputs: dict, autocast: bool) -> StepBytes:
 
 
 def _code_version() -> str:
-    """What the step measurement depends on besides its inputs: this file and the policies' code."""
-    from opentau_cli import policies
+    """What the step measurement depends on besides its inputs: this file and the policies' code (found, not
+    imported: importing it imports transformers)."""
+    import importlib.util
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
-    for path in sorted(Path(policies.__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
+    for folder in importlib.util.find_spec("opentau_cli.policies").submodule_search_locations:
+        for path in sorted(Path(folder).rglob("*.py")):
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _library_versions() -> list[str | None]:
+    """The versions of what builds the policy (read from the installed metadata, nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return [torch.__version__, installed("transformers"), installed("peft")]
 
 
 def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: torch.dtype, autocast: bool) -> StepBytes:
@@ -475,10 +490,36 @@ _SIZES: dict[str, Sizes] = {}
 
 
 def cached_sizes(policy_cfg: PolicyConfig) -> Sizes:
+    """`sizes`, once per process and on disk per config, version of the policies' code and of the libraries that build
+    the policy: a launch of a policy built before plans without importing transformers (docs/ARCHITECTURE.md,
+    "Start-up"). A policy whose build reads a tokenizer directory is built every time (the key does not hold its
+    files), and a policy that cannot be built is never cached: its refusal comes from the build, every time."""
     key = policy_cfg.model_dump_json()
-    if key not in _SIZES:
-        _SIZES[key] = sizes(policy_cfg)
+    if key in _SIZES:
+        return _SIZES[key]
+    cache = None
+    if policy_cfg.tokenizer_path is None:
+        disk_key = json.dumps(["sizes", MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"),
+                               _library_versions()], sort_keys=True)
+        cache = cache_dir() / f"sizes_{hashlib.sha256(disk_key.encode()).hexdigest()[:20]}.json"
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            _SIZES[key] = Sizes(**json.loads(cache.read_text()))
+            return _SIZES[key]
+    _SIZES[key] = sizes(policy_cfg)
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            written = cache.with_name(f".{cache.name}.{os.getpid()}")
+            written.write_text(json.dumps(_SIZES[key].__dict__))
+            os.replace(written, cache)  # whole or absent for another launch that reads it meanwhile
     return _SIZES[key]
+
+
+def parameter_counts(policy_cfg: PolicyConfig) -> dict[str, int]:
+    """Total and trainable parameters of the configured policy (with policy.lora on, of the adapted policy: which also
+    checks that its targets exist), from a build on the meta device (`cached_sizes`)."""
+    s = cached_sizes(policy_cfg)
+    return {"total": s.total, "trainable": s.trainable}
 
 
 def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") -> MemoryPlan:

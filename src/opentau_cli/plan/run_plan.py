@@ -29,6 +29,7 @@ from opentau_cli.data.fingerprint import CHANGED_FLAG, FINGERPRINTS, check_uncha
 from opentau_cli.data.hub import asked_revisions, pin_for_resume, told_revision
 from opentau_cli.data.remote import unpin
 from opentau_cli.errors import UserError
+from opentau_cli.plan.memory import parameter_counts
 from opentau_cli.plan.remote import check_remote, check_remote_history, check_writer, local_copy, remote_last
 from opentau_cli.plan.resume import RESHARD_FLAG, ROLLBACK_FLAG, check_in_run, check_resumable, check_same_run
 from opentau_cli.process import runlock
@@ -45,17 +46,22 @@ def check_policy(cfg: TrainConfig) -> list[str]:
     its vocabulary), found by building it on the meta device (no memory, well under a second), and whether its
     weight and tokenizer sources exist (a path, or a Hugging Face repo id in the cache or on the Hub) and the weights
     fit it (read from their headers only). A resume loads the checkpoint's weights, not pretrained_path."""
-    # torch, transformers and huggingface_hub: only once the config itself loaded.
-    from opentau_cli.policies import check_pretrained, count_parameters
-    from opentau_cli.policies.hub import check_sources
-
+    # transformers and huggingface_hub (importing opentau_cli.policies imports both): only once the config itself
+    # loaded, and only where needed; a policy counted before is not built again (plan/memory.py parameter_counts).
     sources = {f"policy.{name}": getattr(cfg.policy, name) for name in ("pretrained_path", "tokenizer_path")}
-    errors = check_sources({name: source for name, source in sources.items() if source is not None})
-    if errors:  # building the policy loads the same tokenizer and would say the same again
-        return errors
+    sources = {name: source for name, source in sources.items() if source is not None}
+    if sources:
+        from opentau_cli.policies.hub import check_sources
+
+        errors = check_sources(sources)
+        if errors:  # building the policy loads the same tokenizer and would say the same again
+            return errors
+    errors = []
     try:
-        count_parameters(cfg.policy)
+        parameter_counts(cfg.policy)
         if cfg.policy.pretrained_path is not None and not cfg.resume:
+            from opentau_cli.policies import check_pretrained
+
             check_pretrained(cfg.policy)
     except UserError as e:
         errors.append(str(e))
@@ -65,6 +71,10 @@ def check_policy(cfg: TrainConfig) -> list[str]:
 def check_lora_resume(ckpt: Path, cfg: TrainConfig, state: dict, saved: dict) -> None:
     """The same LoRA setting as the checkpoint (`saved`: its train_config.json), and for a LoRA checkpoint the same
     base weights (their hashes)."""
+    from opentau_cli.config.model import LoraConfig
+
+    if LoraConfig(**saved.get("policy", {}).get("lora", {})) == cfg.policy.lora and not cfg.policy.lora.enabled:
+        return  # full fine-tuning then and now: nothing to check, and no transformers to import for it (Start-up)
     from opentau_cli.policies.lora import check_resume
 
     check_resume(ckpt, saved.get("policy", {}), state, cfg)

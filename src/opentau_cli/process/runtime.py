@@ -29,8 +29,9 @@ MACHINE_MARK = "opentau-machine: "  # the next line: the machine (its --machine_
 RANK_IMPORTS = ("opentau_cli.config", "torch", "accelerate", "deepspeed", "opentau_cli.policies")
 # What a library imports at its own import only for a feature opentau never uses, kept out while it imports
 # (docs/ARCHITECTURE.md, "Start-up"): DeepSpeed's autotuner imports MLflow whenever it is installed, a second of CPU in
-# every rank. A run that logs to MLflow imports it later as usual (train/trackers.py).
-UNUSED_IMPORTS = {"deepspeed": ("mlflow",)}
+# every rank; Accelerate's SageMaker settings import boto3 (a quarter of a second in the launcher and every rank). A run
+# that logs to MLflow or reads its data with boto3 imports it later as usual.
+UNUSED_IMPORTS = {"deepspeed": ("mlflow",), "accelerate": ("boto3",), "accelerate.commands.launch": ("boto3",)}
 
 
 def die_with_parent() -> None:
