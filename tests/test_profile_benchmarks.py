@@ -200,3 +200,19 @@ def test_data_remote_benchmark_smoke_compares_cold_and_warm_epochs_from_the_stor
     peak, cap = map(float, re.search(r"cache peak on disk\s+(\d+\.\d\d) MB, cap (\d+\.\d\d) MB \(within the cap\)", out).groups())
     assert 0 < peak <= cap
     assert re.search(r"cap = half the dataset\s+\d+\.\d samples/s .*\(within the cap\)", out), out
+
+
+def test_plan_benchmark_smoke_times_planning_with_the_policys_sizes_built_and_cached(tmp_path):
+    out = run_benchmark("bench_plan.py", tmp_path / "B.md")
+    for side in ("built", "cached"):
+        assert re.search(rf"{side}: CPU time\s+\d+\.\d\d s$", out, re.M)
+    assert re.search(r"cached / built: CPU time\s+\d+\.\d\dx$", out, re.M)
+
+
+def test_plan_rows_are_the_medians_of_each_side_and_their_ratios():
+    plan = _benchmark_module("bench_plan")
+    rows = dict(plan.compare_rows({"built": [{"wall_s": 6.0, "cpu_s": 4.0}, {"wall_s": 5.0, "cpu_s": 3.0}, {"wall_s": 9.0, "cpu_s": 5.0}],
+                                   "cached": [{"wall_s": 3.0, "cpu_s": 1.5}, {"wall_s": 2.0, "cpu_s": 2.0}, {"wall_s": 2.5, "cpu_s": 1.0}]}))
+    assert rows["built: wall time"] == "6.00 s" and rows["built: CPU time"] == "4.00 s"
+    assert rows["cached: wall time"] == "2.50 s" and rows["cached: CPU time"] == "1.50 s"
+    assert rows["cached / built: wall time"] == "0.42x" and rows["cached / built: CPU time"] == "0.38x"
