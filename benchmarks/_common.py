@@ -244,6 +244,12 @@ def record_result(title: str, rows: list[tuple[str, str]], notes: list[str], hea
     return record_section("\n".join(lines) + "\n", headline, path)
 
 
+def rounds_note(runs: dict[str, list[dict]]) -> str:
+    """A run's note listing every round of each side (its `wall_s` / `cpu_s`), for a benchmark that gives medians."""
+    return "every side's rounds (wall / CPU s): " + "; ".join(
+        f"{side}: " + ", ".join(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in rounds) for side, rounds in runs.items())
+
+
 def report(args, title: str, rows: list[tuple[str, str]], notes: list[str], headline: Headline) -> None:
     """Record the run in args.results unless --no-append; a --smoke run's first note says it is one."""
     if args.no_append:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Headline, base_parser, env, print_rows, report  # noqa: E402
+from _common import Headline, base_parser, env, print_rows, report, rounds_note  # noqa: E402
 
 from opentau_cli.process.runtime import RANK_IMPORTS as MODULES  # noqa: E402
 
@@ -97,8 +97,7 @@ def main() -> None:
     rows += compare_rows(runs)
     title = "Start-up imports: collector running vs paused, and MLflow kept out"
     print_rows(title, rows)
-    report(args, title, rows, ["every side's rounds (wall / CPU s): " + "; ".join(
-        f"{side}: " + ", ".join(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in rounds_) for side, rounds_ in runs.items())],
+    report(args, title, rows, [rounds_note(runs)],
            Headline(f"{dict(rows)['paused / running: wall time']} wall time, collector paused / running"))
 
 

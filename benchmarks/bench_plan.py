@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY_CONFIG, Headline, base_parser, env, opentau_bin, print_rows, report  # noqa: E402
+from _common import TINY_CONFIG, Headline, base_parser, env, opentau_bin, print_rows, report, rounds_note  # noqa: E402
 
 SIDES = ("built", "cached")
 
@@ -83,8 +83,7 @@ def main() -> None:
     rows += compare_rows(runs)
     title = "Planning a launch: the policy's sizes built vs cached"
     print_rows(title, rows)
-    report(args, title, rows, ["every side's rounds (wall / CPU s): " + "; ".join(
-        f"{side}: " + ", ".join(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in rounds_) for side, rounds_ in runs.items())],
+    report(args, title, rows, [rounds_note(runs)],
            Headline(f"{dict(rows)['cached / built: CPU time']} CPU time of planning a launch, sizes cached / built"))
 
 

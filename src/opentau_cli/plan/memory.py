@@ -17,6 +17,7 @@ caching allocator's fragmentation; on CPU (what a test can measure) glibc's rete
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -199,9 +200,10 @@ def measure_step(policy, inputs: dict, autocast: bool) -> StepBytes:
                      gradients=tracker.gradients)
 
 
+@functools.cache  # a process's code does not change while it runs: read once, not per measurement
 def _code_version() -> str:
-    """What the step measurement depends on besides its inputs: this file and the policies' code (found, not
-    imported: importing it imports transformers)."""
+    """What the measurements and the policy's sizes depend on besides their inputs: this file and the policies' code
+    (found, not imported: importing it imports transformers)."""
     import importlib.util
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
@@ -211,6 +213,7 @@ def _code_version() -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.cache
 def _library_versions() -> list[str | None]:
     """The versions of what builds the policy (read from the installed metadata, nothing imported)."""
     from importlib.metadata import PackageNotFoundError, version
