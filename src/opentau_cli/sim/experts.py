@@ -59,7 +59,8 @@ def write_expert_dataset(out_dir, env: str, *, episodes: int, seed: int = 0, ima
                          keep_failed: bool = False, max_steps: int | None = None, force: bool = False,
                          progress=None) -> dict:
     """Record `episodes` expert episodes per task into `out_dir`; returns {"kept", "failed", "path"}. Same arguments
-    -> the same bytes."""
+    -> the same data and metadata files, byte for byte, and the same rendered frames; the videos' H.264 bytes can
+    differ (data/video.py, `write_mp4`)."""
     from opentau_cli.data.synth import write_v3_episodes
     from opentau_cli.data.video import import_av
     from opentau_cli.store.outputs import check_target, publishing, writable_parent
@@ -71,7 +72,7 @@ def write_expert_dataset(out_dir, env: str, *, episodes: int, seed: int = 0, ima
     check_target(target, force=force, command=SYNTH_COMMAND)
     writable_parent(target)
     import_av()
-    policies = _import_experts()
+    policies = import_experts()
     recorded, failed = [], 0
     for spec in specs:
         sim = make_env(spec, (image_size, image_size))
@@ -99,7 +100,8 @@ def write_expert_dataset(out_dir, env: str, *, episodes: int, seed: int = 0, ima
     return {"kept": len(recorded), "failed": failed, "path": str(target)}
 
 
-def _import_experts():
+def import_experts():
+    """metaworld.policies (its scripted experts by task: `ENV_POLICY_MAP`), or one sentence to install it."""
     import warnings
 
     from opentau_cli.sim.envs import SIM_EXTRA_FIX
