@@ -70,7 +70,7 @@ def test_expert_demonstrations_are_the_same_data_twice_and_say_their_seeds(exper
     for name in videos:
         first, second = _decoded(experts / name), _decoded(again / name)
         assert [pts for pts, _ in first] == [pts for pts, _ in second], name
-        assert all(np.abs(a - b).mean() < 1.0 for (_, a), (_, b) in zip(first, second)), name
+        assert all(np.abs(a - b).mean() < 1.5 for (_, a), (_, b) in zip(first, second)), name
     rows = pq.read_table(experts / "meta" / "episodes" / "chunk-000" / "file-000.parquet").to_pylist()
     assert [r["seed"] for r in rows] == list(range(len(rows)))
     assert all(r["success"] and r["env"] == "metaworld:reach-v3" and r["tasks"] == ["Reach a goal position"] for r in rows)
