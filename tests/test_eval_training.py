@@ -258,6 +258,7 @@ def test_a_finished_runs_owed_evaluation_reaches_the_remote_copy_and_no_tracker_
     (out / "evals" / "queue.json").write_text(json.dumps({"running": "000006", "waiting": []}))
     done = run_cli(["resume", str(out)], env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr.count("Every checkpoint of") == 1, done.stderr  # said once, before the evaluation
     again = _records(out)["000006"]
     assert again["episodes"] == before["episodes"]
     stored = client.get_object(Bucket=server.bucket, Key="tracked/evals/000006.json")["Body"].read()

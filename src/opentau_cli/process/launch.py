@@ -561,7 +561,8 @@ def start_evals(plan: RunPlan, log_dir: Path):
 def evaluate_owed(plan: RunPlan, echo) -> None:
     """A finished run's evaluations that its launch did not finish (stopped by Ctrl-C, or a preemption at the end):
     `opentau resume RUN` runs them, holding the run lock, and launches no rank; with checkpoint.remote their
-    records then go to the store (`uploader.push`, which stores the run's history)."""
+    records then go to the store (`uploader.push`, which stores the run's history; the command pushed the
+    checkpoints and said so before the evaluations)."""
     from opentau_cli.process.evaluator import Evaluator
     from opentau_cli.process.uploader import push
 
@@ -573,7 +574,7 @@ def evaluate_owed(plan: RunPlan, echo) -> None:
             return
         finish_evals(start_evals(plan, new_log_dir(cfg.output_dir)), cfg, echo, wait=True)
     if cfg.checkpoint.remote:
-        push(cfg.output_dir, cfg.checkpoint.model_dump(), echo=echo)
+        push(cfg.output_dir, cfg.checkpoint.model_dump(), echo=echo, say_up_to_date=False)
 
 
 def log_late_evaluations(evaluator, cfg: TrainConfig, echo) -> None:

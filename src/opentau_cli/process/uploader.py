@@ -390,11 +390,12 @@ class StatusView:
 
 
 def push(run_dir: Path, checkpoint: dict | None = None, *, break_lock: bool = False,
-         echo: Callable[[str], None] = print) -> list[str]:
+         echo: Callable[[str], None] = print, say_up_to_date: bool = True) -> list[str]:
     """`opentau checkpoint push RUN` (and a resume with nothing left to train): upload and commit, oldest first, the
     run's published checkpoints newer than the store's newest committed one, holding the store's lease and the run
     directory's lock as a launch does. `checkpoint`: the run's checkpoint settings (default: those its `last`
-    checkpoint was trained with). Returns the names committed."""
+    checkpoint was trained with). `say_up_to_date`: say so when every checkpoint is in the store already (off for a
+    second push in one command). Returns the names committed."""
     from opentau_cli.errors import RunError, UserError
     from opentau_cli.process import lease as remote_lease
     from opentau_cli.process import runlock
@@ -426,11 +427,11 @@ def push(run_dir: Path, checkpoint: dict | None = None, *, break_lock: bool = Fa
                 up.committed = remote.committed()
                 newest = max((step_of(n) for n in up.committed), default=-1)
                 todo = [p.name for p in up._published() if step_of(p.name) > newest]
-                if not todo:
+                if not todo and say_up_to_date:
                     echo(f"Every checkpoint of {run_dir} is in {remote.url} already"
                          + (f" (newest: {up.remote_last()})." if up.committed else "."))
-                    if up.committed:  # what the run recorded since its last commit (evaluations) goes up still
-                        remote.store_history(history_files(run_dir))
+                if not todo and up.committed:  # what the run recorded since its last commit (evaluations) goes up still
+                    remote.store_history(history_files(run_dir))
                 for name in todo:
                     echo(f"Uploading checkpoint {name} to {remote.url} ...")
                     up._upload(name)
