@@ -42,8 +42,9 @@ def wait_for(condition, what: str, proc, seconds: float = 180) -> None:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / METRICS).read_text().splitlines():
+    """Train losses by step, from the complete lines only: a running launch may be half-way through appending one."""
+    out, text = {}, (run_dir / METRICS).read_text()
+    for line in text[:text.rfind("\n") + 1].splitlines():
         rec = json.loads(line)
         if rec.get("kind") == "train":
             out[rec["step"]] = rec["loss"]

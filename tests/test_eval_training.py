@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import EXAMPLES, opentau_bin, require_simulators, run_cli, run_cli_in_process
+from conftest import EXAMPLES, HOOKS, opentau_bin, require_simulators, run_cli, run_cli_in_process
 from remote_runs import wait_for
 from test_trackers import MAIN, cfg_for, mlflow_metric, offline_trackers, records, wandb_runs  # noqa: F401 (a fixture)
 
@@ -41,9 +41,14 @@ def _args(experts: Path, out: Path, *extra: str, env: str | None = ENV) -> list[
 
 @pytest.fixture(scope="module")
 def run(experts, tmp_path_factory):
+    """Training holds before step 3 until checkpoint 000002's evaluation has begun (the fault helper's `wait`): on a
+    loaded machine the launcher's evaluation thread can otherwise first look after 000004 is out, and skip 000002."""
     out = tmp_path_factory.mktemp("eval_run") / "run"
+    begun = {"PYTHONPATH": str(HOOKS), "TEST_FAULT": "wait@3:0", "TEST_FAULT_RANK": "any",
+             "TEST_FAULT_AFTER": f'{out / "evals" / "queue.json"}#"running": "000002"'}
     done = run_cli(["train", *_args(experts, out, "--checkpoint.keep_best=1",
-                                    "--checkpoint.best_metric=eval/success_rate", "--checkpoint.best_mode=max")])
+                                    "--checkpoint.best_metric=eval/success_rate", "--checkpoint.best_mode=max")],
+                   env=begun)
     assert done.returncode == 0, done.stdout + done.stderr
     return out, done
 

@@ -291,6 +291,19 @@ def test_when_restarts_run_out_the_error_names_the_rank_that_died_and_every_end_
 
 # 6. SIGTERM before the first step: said so, exit 0, at any moment of the start.
 
+def catching_sigterm(pid: int, timeout: float = 120) -> None:
+    """Wait until process `pid` has a SIGTERM handler (the SigCgt mask of /proc/PID/status): on a loaded machine the
+    interpreter's own start-up, before the command's first line, can take longer than any fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} set no SIGTERM handler within {timeout:g} s")
+
+
 @pytest.mark.parametrize("moment", ["importing", "planning", "ranks_starting"])
 def test_a_preemption_notice_before_the_first_step_stops_with_exit_0_and_says_training_had_not_begun(tmp_path, moment):
     run = tmp_path / "run"
@@ -300,7 +313,8 @@ def test_a_preemption_notice_before_the_first_step_stops_with_exit_0_and_says_tr
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = ""
     if moment in ("importing", "planning"):  # before the launch: the command imports, then builds and checks the plan
-        time.sleep(0.2 if moment == "importing" else 1.5)
+        catching_sigterm(proc.pid)  # from its first line of code on (the interpreter's start-up before it is not ours)
+        time.sleep(0 if moment == "importing" else 1.5)
     else:  # the launch has begun: its ranks import and build the policy
         while "Logs:" not in seen and proc.poll() is None:
             seen += proc.stderr.readline()

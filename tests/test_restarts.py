@@ -59,9 +59,9 @@ def ddp(tmp_path_factory, ddp_reference):
     """The session's uninterrupted DDP run (conftest.ddp_reference: 6 steps, batch 4, a warm-up of 2), and the same
     run saving every 2 steps (its EMA and validation aside, which change no training loss) in which rank 1 is
     SIGKILLed at step 4 (after checkpoint 2) and, once restarted, SIGSTOPped at step 6 (after checkpoint 4): a hang
-    that the 10 s timeout turns into a restart."""
+    that the 20 s timeout turns into a restart (10 s could let a slow save on a loaded machine pass for a hang)."""
     tmp = tmp_path_factory.mktemp("restarts_ddp")
-    faulted, result = train(tmp, "faulted", DDP, "--distributed.timeout_minutes=0.17", "--max-restarts=2",
+    faulted, result = train(tmp, "faulted", DDP, "--distributed.timeout_minutes=0.34", "--max-restarts=2",
                             f"--steps={REFERENCE_STEPS}", "--save_freq=2", f"--scheduler.warmup_steps={REFERENCE_WARMUP}",
                             fault="kill@4:0,stop@6:1")
     return ddp_reference, faulted, result

@@ -81,7 +81,8 @@ def fail_a_step(spec: str) -> None:
     `kill` SIGKILLs itself (a lost node, the OOM killer); `machine` SIGKILLs its launcher's process group (the whole
     machine leaves); `hold` waits for a SIGTERM (the agent re-forming the group) and then runs the step as a requested
     stop; `stop` SIGSTOPs itself (a hang); `raise` raises a RuntimeError (a crash in the step); `user` raises the
-    product's UserError (bad input found late). TEST_FAULT_AFTER=FILE: it first waits (up to 300 s) until FILE exists.
+    product's UserError (bad input found late); `wait` only waits for TEST_FAULT_AFTER. TEST_FAULT_AFTER=FILE[#TEXT]:
+    it first waits (up to 300 s) until FILE exists (and holds TEXT, whitespace aside).
     TEST_FAULT_TIMES=FILE: it appends the wall-clock time of each moment (its start, the fault, the start and end of
     each attempt's first step) to FILE as JSON lines (benchmarks/bench_restart.py times a restart with them)."""
     if os.environ.get("TEST_FAULT_RANK", "1") not in ("any", os.environ.get("RANK", "")):
@@ -100,7 +101,7 @@ def fail_a_step(spec: str) -> None:
 
     def act(action: str) -> bool:  # True: the step runs as a requested stop (`hold` got its signal)
         after, deadline = os.environ.get("TEST_FAULT_AFTER"), time.time() + 300
-        while after and not os.path.exists(after) and time.time() < deadline:
+        while after and not holds(*after.partition("#")[::2]) and time.time() < deadline:
             time.sleep(0.1)
         note(action)
         if action == "kill":
@@ -139,6 +140,13 @@ def fail_a_step(spec: str) -> None:
 
     note("start")
     after_import("opentau_cli.train.trainer", patch)
+
+
+def holds(path: str, text: str) -> bool:
+    try:
+        return "".join(text.split()) in "".join(Path(path).read_text().split())
+    except OSError:
+        return False
 
 
 def hold_until_sigterm() -> bool:
