@@ -126,8 +126,8 @@ def test_an_expired_lease_is_taken_over_and_a_released_one_at_once(store):
 
 def test_a_lease_whose_holder_missed_its_heartbeats_is_waited_out_and_taken(store):
     """A requeued job after its node was lost: not refused, it waits until the lease expires, saying so."""
-    a = lease.acquire(store, me("a", seconds=4))
-    time.sleep(2.5)  # two of its heartbeats (one per second) missed
+    a = lease.acquire(store, me("a", seconds=12))
+    time.sleep(7)  # two of its heartbeats (one per 3 s) missed; 5 s to spare before it expires, on a busy machine
     said = []
     b = lease.acquire(store, me("b"), echo=said.append)
     assert b.record["generation"] == 2 and len(said) == 1 and "missed its heartbeats" in said[0]
