@@ -101,6 +101,7 @@ def test_a_failing_store_is_retried_and_the_checkpoint_commits_once_it_answers(t
     assert read_status(run)["error"] is None
 
 
+@pytest.mark.timeout(120)  # a drain that waited for the store, which never answers here, fails instead of hanging
 def test_a_drain_against_a_store_that_stays_away_names_what_is_local_only(tmp_path):
     run, store = tmp_path / "run", Gate(tmp_path / "remote", failures=10**6)
     up = Uploader(run, RemoteRun(store), keep_last=None, poll_seconds=0.05)
@@ -109,9 +110,7 @@ def test_a_drain_against_a_store_that_stays_away_names_what_is_local_only(tmp_pa
     publish(run, 2)
     publish(run, 4)
     wait_for(lambda: (read_status(run) or {}).get("error"))  # it has tried (at a lower priority: a busy machine waits)
-    started = time.monotonic()
-    assert up.drain(1.0) == ["000002", "000004"]
-    assert time.monotonic() - started < 60  # gives up after its 1 s, not after the store's retries
+    assert up.drain(1.0) == ["000002", "000004"]  # gives up after its 1 s: the store never answers (the timeout mark)
     status = read_status(run)
     assert "ConnectionError" in status["error"] and status["checkpoints"] == {"000002": "local", "000004": "local"}
 

@@ -101,7 +101,7 @@ def fail_a_step(spec: str) -> None:
 
     def act(action: str) -> bool:  # True: the step runs as a requested stop (`hold` got its signal)
         after, deadline = os.environ.get("TEST_FAULT_AFTER"), time.time() + 300
-        while after and not holds(*after.partition("#")[::2]) and time.time() < deadline:
+        while after and not file_holds(*after.partition("#")[::2]) and time.time() < deadline:
             time.sleep(0.1)
         note(action)
         if action == "kill":
@@ -142,7 +142,8 @@ def fail_a_step(spec: str) -> None:
     after_import("opentau_cli.train.trainer", patch)
 
 
-def holds(path: str, text: str) -> bool:
+def file_holds(path: str, text: str) -> bool:
+    """FILE exists and holds TEXT (whitespace aside: a JSON file's spacing is not the point)."""
     try:
         return "".join(text.split()) in "".join(Path(path).read_text().split())
     except OSError:

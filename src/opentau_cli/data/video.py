@@ -50,8 +50,8 @@ def import_av():
 def write_mp4(path: Path, frames, fps: int, crf: int = 10, keyframe_every: int = 2) -> None:
     """Frames (uint8 (H, W, 3), even sides) as an H.264 mp4, frame i at t = i / fps; a keyframe every
     `keyframe_every` frames as LeRobot encodes. One encoder thread. The same frames usually give the same bytes,
-    but not always: x264 with one thread and the same settings was seen to choose differently in about one encode
-    in twenty on a heavily loaded 2-CPU machine, so reproducibility is promised for the frames, not the bitstream."""
+    but not always: x264 with one thread and the same settings was seen to choose differently now and then on a
+    heavily loaded 2-CPU machine, so reproducibility is promised for the frames, not the bitstream."""
     av = import_av()
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as container:
