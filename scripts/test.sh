@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the test suite. Prints what explains a slow run: the set-up time, the machine's
-# load before and after (a busy machine stretches every launch), and the 15 slowest tests and modules.
+# load before and after (a busy machine stretches every launch), the 15 slowest tests and modules, and how busy the
+# cores were while the tests ran.
 #   ./scripts/test.sh               the whole suite (what CI runs); extra arguments go to pytest
 #   ./scripts/test.sh --quick       the quick tier: the modules marked `quick` (each package's contracts on the tiny
 #                                   preset, a few minutes), for the inner loop; the whole suite before a merge
@@ -31,6 +32,8 @@ builder = get_accelerator().create_op_builder('ShareMemCommBuilder')
 builder and builder.load(verbose=False)" > .cache/deepspeed_op_build.log 2>&1 || { cat .cache/deepspeed_op_build.log; exit 1; }
 echo "set-up: $((SECONDS - setup_start)) s"
 tests_start=$SECONDS
+cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $6, $5}' /proc/stat 2>/dev/null; }  # busy, disk wait, idle
+read -r busy0 wait0 idle0 <<< "$(cpu_ticks)" || true
 status=0
 # Two workers (pytest-xdist), each taking whole modules so a module's shared runs are made once, in the order
 # tests/conftest.py gives (slow modules first): a 2-process launch leaves a core idle while it plans, starts and
@@ -39,4 +42,11 @@ status=0
 .venv/bin/python -m pytest -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder ${tier[@]+"${tier[@]}"} "$@" || status=$?
 echo "tests: $((SECONDS - tests_start)) s"
 echo "load after: $(cat /proc/loadavg 2>/dev/null || uptime)"
+# Where the cores' time went while the tests ran: CI's minutes are CPU seconds where busy is near 100%; an idle or
+# disk-wait share is time a worker waited (a sleep, a timeout, fsync) that another worker could have used.
+read -r busy1 wait1 idle1 <<< "$(cpu_ticks)" || true
+if [ -n "${busy0:-}" ] && [ -n "${busy1:-}" ]; then
+  all=$(( (busy1 - busy0) + (wait1 - wait0) + (idle1 - idle0) ))
+  [ "$all" -gt 0 ] && echo "cores during the tests: busy $(( 100 * (busy1 - busy0) / all ))%, waiting on disk $(( 100 * (wait1 - wait0) / all ))%, idle $(( 100 * (idle1 - idle0) / all ))%"
+fi
 exit $status
