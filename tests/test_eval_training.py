@@ -33,22 +33,24 @@ def experts(tmp_path_factory) -> Path:
     return out
 
 
-def _args(experts: Path, out: Path, *extra: str, env: str | None = ENV) -> list[str]:
+def _args(experts: Path, out: Path, *extra: str, env: str | None = ENV, steps: int = 6) -> list[str]:
     return ["--config_path", str(EXAMPLES / "pi05_tiny_config.json"), f"--dataset.root={experts}",
-            f"--output_dir={out}", "--steps=6", "--save_freq=2", "--validation.val_split=0", "--validation.val_freq=0",
+            f"--output_dir={out}", f"--steps={steps}", "--save_freq=2", "--validation.val_split=0", "--validation.val_freq=0",
             *([f"--eval.env={env}"] if env else []), "--eval.rollouts=2", "--eval.max_steps=6", *extra]
 
 
 @pytest.fixture(scope="module")
 def run(experts, tmp_path_factory):
-    """Training holds before step 3 until checkpoint 000002's evaluation has begun (the fault helper's `wait`): on a
+    """A 2-rank DDP launch: its checkpoints, saved from replicated ranks, are evaluated from the published files (the
+    sharded backends' launches are test_a_sharded_run_has_its_checkpoint_evaluated_from_the_published_files).
+    Training holds before step 3 until checkpoint 000002's evaluation has begun (the fault helper's `wait`): on a
     loaded machine the launcher's evaluation thread can otherwise first look after 000004 is out, and skip 000002."""
     out = tmp_path_factory.mktemp("eval_run") / "run"
     begun = {"PYTHONPATH": str(HOOKS), "TEST_FAULT": "wait@3:0", "TEST_FAULT_RANK": "any",
              "TEST_FAULT_AFTER": f'{out / "evals" / "queue.json"}#"running": "000002"'}
     done = run_cli(["train", *_args(experts, out, "--checkpoint.keep_best=1",
-                                    "--checkpoint.best_metric=eval/success_rate", "--checkpoint.best_mode=max")],
-                   env=begun)
+                                    "--checkpoint.best_metric=eval/success_rate", "--checkpoint.best_mode=max"),
+                    "--accelerate-config", str(EXAMPLES / "accelerate_cpu_ddp_config.yaml")], env=begun)
     assert done.returncode == 0, done.stdout + done.stderr
     return out, done
 
@@ -63,6 +65,7 @@ def test_every_published_checkpoint_is_evaluated_or_recorded_as_skipped_and_the_
     assert sorted(records) == ["000002", "000004", "000006"]
     assert {r["status"] for r in records.values()} <= {"done", "skipped"}
     assert records["000002"]["status"] == "done" and records["000006"]["status"] == "done"
+    assert all(r["episodes_run"] == 2 for r in records.values() if r["status"] == "done")
     final = records["000006"]
     assert final["env"] == ENV and final["rollouts"] == 2 and final["seed"] == 0 and final["episodes_run"] == 2
     assert [e["seed"] for e in final["episodes"]] == [0, 1]
@@ -111,21 +114,6 @@ def test_checkpoint_list_and_inspect_show_the_success_rates(run, tmp_path):
     assert plot.stat().st_size > 0 and "success rate:" in drawn.stdout
 
 
-def test_a_resume_finishes_an_evaluation_a_killed_launcher_left_running(run, tmp_path):
-    out, _ = run
-    copy = tmp_path / "run"
-    shutil.copytree(out, copy, symlinks=True)
-    before = _records(copy)["000006"]
-    (copy / "evals" / "000006.json").unlink()  # killed before its record was written
-    (copy / "evals" / "queue.json").write_text(json.dumps({"running": "000006", "waiting": []}))
-    done = run_cli(["resume", str(copy)])
-    assert done.returncode == 0, done.stdout + done.stderr
-    again = _records(copy)["000006"]
-    assert again["status"] == "done" and again["episodes"] == before["episodes"]
-    rows = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r.get("kind") == "eval"].count(6) == 1  # its row logged once
-
-
 @pytest.mark.parametrize("env, extra, said", [
     ("metaworld:no-such-task-v3", [], "no-such-task-v3"),
     ("aloha:transfer_cube", [], "camera"),
@@ -158,13 +146,11 @@ def test_the_model_card_reports_the_checkpoints_success_rate_with_env_seeds_and_
             and f"in `{ENV}`, episodes from seeds 0 to 1, evaluated during training at step 6" in card)
 
 
-@pytest.mark.parametrize("accelerate", ["accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_config.yaml",
-                                        "accelerate_cpu_deepspeed_zero3_config.yaml", "accelerate_cpu_fsdp2_config.yaml"])
-def test_a_sharded_or_replicated_run_has_its_checkpoint_evaluated_from_the_published_files(experts, tmp_path, accelerate):
+@pytest.mark.parametrize("accelerate", ["accelerate_cpu_deepspeed_config.yaml", "accelerate_cpu_deepspeed_zero3_config.yaml",
+                                        "accelerate_cpu_fsdp2_config.yaml"])  # DDP's: the `run` fixture's launch
+def test_a_sharded_run_has_its_checkpoint_evaluated_from_the_published_files(experts, tmp_path, accelerate):
     out = tmp_path / "run"
-    args = _args(experts, out)
-    args = [a for a in args if not a.startswith(("--steps=", "--save_freq="))] + ["--steps=2", "--save_freq=2"]
-    done = run_cli(["train", *args, "--accelerate-config", str(EXAMPLES / accelerate)])
+    done = run_cli(["train", *_args(experts, out, steps=2), "--accelerate-config", str(EXAMPLES / accelerate)])
     assert done.returncode == 0, done.stdout + done.stderr
     record = _records(out)["000002"]
     assert record["status"] == "done" and record["episodes_run"] == 2
@@ -248,9 +234,11 @@ def test_the_remote_copy_holds_every_record_the_final_ones_included(tracked):
     assert rows == (out / "metrics.jsonl").read_bytes()
 
 
-def test_a_finished_runs_owed_evaluation_reaches_the_remote_copy_and_no_tracker_twice(tracked, monkeypatch):
+def test_a_resume_finishes_the_evaluation_a_killed_launcher_left_running_logs_it_once_and_stores_it_remotely(
+        tracked, monkeypatch):
     """Last of the tracked launch's tests (it changes the run): the final evaluation owed (its record gone here and
-    in the store, as when Ctrl-C stopped the end of the run), `opentau resume RUN` evaluates it and stores it."""
+    in the store, as when the launcher was killed or Ctrl-C stopped the end of the run), `opentau resume RUN`
+    evaluates it, stores it, and logs it nowhere twice (metrics.jsonl, W&B, MLflow)."""
     import boto3
 
     out, env, server = tracked
@@ -265,7 +253,9 @@ def test_a_finished_runs_owed_evaluation_reaches_the_remote_copy_and_no_tracker_
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stderr.count("Every checkpoint of") == 1, done.stderr  # said once, before the evaluation
     again = _records(out)["000006"]
-    assert again["episodes"] == before["episodes"]
+    assert again["status"] == "done" and again["episodes"] == before["episodes"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "eval"].count(6) == 1  # its row logged once
     stored = client.get_object(Bucket=server.bucket, Key="tracked/evals/000006.json")["Body"].read()
     assert json.loads(stored) == again
     assert [(s, v) for r in wandb_runs(out) for s, v in r["history"] if "eval/success_rate" in v] == eval_rows
@@ -324,9 +314,11 @@ def test_wandb_takes_one_result_per_step_as_they_appear_the_rest_after_the_ranks
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
 def test_a_run_stopped_during_an_evaluation_leaves_no_half_record_and_the_resume_redoes_it(experts, tmp_path, stop):
     """SIGTERM to every process of the job (a scheduler's preemption) or SIGKILL (the machine lost) while an
-    evaluation process runs: no record of it, the queue names it, and `opentau resume` evaluates it first."""
+    evaluation process runs: no record of it, the queue names it, and `opentau resume` evaluates it first. Four steps:
+    the stop comes during 000002's evaluation while training goes on to 000004, which the resume trains and evaluates
+    (six steps would only add one more checkpoint of the same kind)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([opentau_bin(), "train", *_args(experts, out)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([opentau_bin(), "train", *_args(experts, out, steps=4)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     def evaluating() -> list:
@@ -348,8 +340,8 @@ def test_a_run_stopped_during_an_evaluation_leaves_no_half_record_and_the_resume
     done = run_cli(["resume", str(out)])
     assert done.returncode == 0, done.stdout + done.stderr
     records = _records(out)
-    assert records[name]["status"] == "done" and records["000006"]["status"] == "done"
-    assert records[name]["episodes_run"] == 2 and set(records) == {"000002", "000004", "000006"}
+    assert records[name]["status"] == "done" and records["000004"]["status"] == "done"
+    assert records[name]["episodes_run"] == 2 and set(records) == {"000002", "000004"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [r["step"] for r in rows if r.get("kind") == "eval"]
     assert sorted(logged) == sorted(int(n) for n, r in records.items() if r["status"] == "done")  # each once
