@@ -4,9 +4,9 @@ compute with fp32 master parameters and gradient checkpointing; checkpoints are 
 atomic publish; a resume continues with == losses; the consolidated model equals torch's own dcp_to_torch_save; in
 fp32 it trains as DDP does.
 
-Launches are shared (module-scoped): the bf16 run, a resume of its middle checkpoint, and one fp32 run of FSDP2
-compared with the session's DDP run (conftest.ddp_reference). The bf16 run carries the rest of the recipe: an EMA
-kept sharded like the parameters, asynchronous saves, a mixture of two datasets and TensorBoard; its resume's ==
+Launches are shared (module-scoped): the bf16 run, the same run preempted by SIGTERM and resumed, and one fp32 run
+of FSDP2 compared with the session's DDP run (conftest.ddp_reference). The bf16 run carries the rest of the recipe: an
+EMA kept sharded like the parameters, asynchronous saves, a mixture of two datasets and TensorBoard; the resume's ==
 losses and == EMA cover their exact resume.
 """
 
@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -109,15 +110,35 @@ def trainable_names() -> list[str]:
     return [name for name, p in build_policy(load_config(TINY, {}).policy).named_parameters() if p.requires_grad]
 
 
+class Preempted(NamedTuple):
+    run: Path
+    console: str  # what the preempted launch printed
+    returncode: int  # the preempted launch's
+    saved: list[str]  # the checkpoints it left
+    verified: int  # `checkpoint verify`'s exit code on what it left
+    continued: dict[int, float]  # the losses the resume logged (and only those)
+
+
 @pytest.fixture(scope="module")
-def resumed(home, bf16_run) -> Path:
-    """bf16_run's step-3 checkpoint copied into a run of its own and resumed to the end."""
-    run = home / "resumed"
-    (run / CHECKPOINTS).mkdir(parents=True)
-    shutil.copytree(bf16_run / CHECKPOINTS / "000003", run / CHECKPOINTS / "000003", symlinks=True)
+def preempted(home, bf16_args) -> Preempted:
+    """The bf16 run saving every step, preempted by SIGTERM (a scheduler's preemption) while rank 0 writes the
+    (asynchronous) save of step 1, then resumed in place to the end. One resume serves both the preemption test and the
+    exact-resume test: a resume from any step must continue with the uninterrupted run's losses and EMA."""
+    run = home / "sigterm"
+    env = {**os.environ, **env_for(home), "TEST_KILL_AT": "before_metadata@1", "TEST_KILL_SIGNAL": "SIGTERM",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("OPENTAU_DEBUG", None)
+    proc = subprocess.run([opentau_bin(), "train", *COMMON, *bf16_args, "--save_freq=1", f"--output_dir={run}"], env=env,
+                          capture_output=True, text=True, timeout=600, start_new_session=True)
+    saved = sorted(p.name for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit()) if (run / CHECKPOINTS).is_dir() else []
+    verified = run_cli_in_process(["checkpoint", "verify", str(run)]).returncode
+    logged = len((run / METRICS).read_text().splitlines()) if (run / METRICS).is_file() else 0
     result = run_cli(["resume", str(run)], env=env_for(home))
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return run
+    assert result.returncode == 0, (f"the preempted launch exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}\n"
+                                    f"the resume exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    records = [json.loads(line) for line in (run / METRICS).read_text().splitlines()[logged:]]
+    return Preempted(run, proc.stdout + proc.stderr, proc.returncode, saved, verified,
+                     {r["step"]: r["loss"] for r in records if r.get("kind") == "train"})
 
 
 def test_fsdp2_yaml_trains_with_a_unit_per_transformer_layer_and_the_root(bf16_run):
@@ -186,9 +207,10 @@ def test_fsdp2_checkpoint_holds_each_ranks_dcp_shard_of_fp32_master_weights_and_
     assert sorted(k for k in tensors if k.startswith("ema.")) == sorted(ema)
 
 
-def test_fsdp2_resume_continues_with_the_same_losses_ema_and_mixture_position(bf16_run, resumed, tmp_path):
-    uninterrupted, continued = losses(bf16_run), losses(resumed)
-    assert sorted(continued) == list(range(SAVE + 1, STEPS + 1))
+def test_fsdp2_resume_continues_with_the_same_losses_ema_and_mixture_position(bf16_run, preempted, tmp_path):
+    resumed, start = preempted.run, int(preempted.saved[-1])
+    uninterrupted, continued = losses(bf16_run), preempted.continued
+    assert sorted(continued) == list(range(start + 1, STEPS + 1))
     assert {s: uninterrupted[s] for s in continued} == continued
     # The EMA continued from the checkpoint's shards: the same at the end, bit for bit, and its validation loss.
     end = f"{STEPS:06d}"
@@ -204,29 +226,21 @@ def test_fsdp2_resume_continues_with_the_same_losses_ema_and_mixture_position(bf
     # Lineage: the resumed launch's first save descends from the checkpoint it resumed.
     import xxhash
 
-    parent = resumed / CHECKPOINTS / f"{SAVE:06d}"
-    lineage = json.loads((resumed / CHECKPOINTS / end / TRAINING_STATE).read_text())["lineage"]
-    assert lineage["parent"] == {"step": SAVE, "name": parent.name,
+    parent = resumed / CHECKPOINTS / f"{start:06d}"
+    lineage = json.loads((resumed / CHECKPOINTS / f"{start + 1:06d}" / TRAINING_STATE).read_text())["lineage"]
+    assert lineage["parent"] == {"step": start, "name": parent.name,
                                  "manifest_xxh3": xxhash.xxh3_128((parent / "manifest.json").read_bytes()).hexdigest()}
     assert lineage["launch"] != json.loads((parent / TRAINING_STATE).read_text())["lineage"]["launch"]
 
 
-def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_losses(bf16_run, bf16_args, home, tmp_path):
-    """SIGTERM (a scheduler's preemption) reaches the launcher while rank 0 writes the (asynchronous) save of step 1;
-    the run finishes its step, saves and exits 0; the resume logs the uninterrupted run's losses bit for bit. Every
-    step is saved: each checkpoint's EMA is decay * the previous one's + (1 - decay) * its weights, in fp32."""
-    run = home / "sigterm"
-    env = {**os.environ, **env_for(home), "TEST_KILL_AT": "before_metadata@1", "TEST_KILL_SIGNAL": "SIGTERM",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p)}
-    env.pop("OPENTAU_DEBUG", None)
-    proc = subprocess.run([opentau_bin(), "train", *COMMON, *bf16_args, "--save_freq=1", f"--output_dir={run}"], env=env,
-                          capture_output=True, text=True, timeout=600, start_new_session=True)
-    assert proc.returncode == 0 and "Preempted" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
-    saved = sorted(p.name for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit())
-    assert saved and int(saved[-1]) < STEPS
-    assert run_cli_in_process(["checkpoint", "verify", str(run)]).returncode == 0
-    result = run_cli(["resume", str(run)], env=env_for(home))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_losses(bf16_run, preempted, tmp_path):
+    """SIGTERM reaches the launcher while rank 0 writes the (asynchronous) save of step 1; the run finishes its step,
+    saves and exits 0; the resume logs the uninterrupted run's losses bit for bit. Every step is saved: each
+    checkpoint's EMA is decay * the previous one's + (1 - decay) * its weights, in fp32."""
+    run = preempted.run
+    assert preempted.returncode == 0 and "Preempted" in preempted.console, preempted.console[-3000:]
+    assert preempted.saved and int(preempted.saved[-1]) < STEPS
+    assert preempted.verified == 0
     assert losses(run) == losses(bf16_run)
     saved = [dcp_reference(run / CHECKPOINTS / f"{s:06d}", tmp_path) for s in range(1, STEPS + 1)]
     for before, now in zip(saved, saved[1:]):
