@@ -3,7 +3,7 @@
 Reports samples/s, step time, peak RSS per rank and the speedup vs DDP for the same training config (pi05_small).
 
     python benchmarks/bench_backends.py            # pi05_small, 3 warm-up + 10 measured steps per backend
-    python benchmarks/bench_backends.py --smoke    # tiny preset, 1 + 2 steps (CI)
+    python benchmarks/bench_backends.py --smoke    # tiny preset, 1 + 1 steps (CI)
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
-    if args.smoke:
-        args.steps, args.warmup = 2, 1
+    if args.smoke:  # one warm-up step (it counts the FLOPs) and one measured: every row and ratio is printed
+        args.steps, args.warmup = 1, 1
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         out = Path(tmp) / "compare.json"
         proc, wall = run([opentau_bin(), "profile", f"--config_path={config}", "--compare", ",".join(map(str, CONFIGS)),

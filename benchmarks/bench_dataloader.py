@@ -30,7 +30,7 @@ def mixture(workdir: Path, smoke: bool) -> tuple[list[dict], int]:
     if not smoke and (G1 / "meta" / "info.json").is_file():
         return [{"name": "g1_ep0-1", "root": str(G1), "episodes": [0, 1], "weight": 1.0},
                 {"name": "g1_ep2", "root": str(G1), "episodes": [2], "weight": 1.0}], 1
-    episodes = 4 if smoke else 20
+    episodes = 2 if smoke else 20  # smoke: 2 x 50 frames per member, more than its 1 + 2 batches of the tiny preset's 8
     v30 = write_synth(workdir / "reach_v30_video", episodes=episodes, steps_per_episode=50, cameras=2, fmt="v3.0", video=True, seed=1)
     v21 = write_synth(workdir / "reach_v21_video", episodes=episodes, steps_per_episode=50, video=True, seed=2)
     return [{"name": "reach_v21_video", "root": str(v21), "weight": 1.0},
@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     if args.smoke:
-        args.steps, args.warmup, args.workers = 3, 1, 1
+        args.steps, args.warmup, args.workers = 2, 1, 1
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:
         work = Path(tmp)
         members, cameras = mixture(work, args.smoke)

@@ -6,7 +6,7 @@ rank's peak memory per side, and the ratios LoRA / full of both (memory: the lar
 
     python benchmarks/bench_lora.py                            # pi05_small, DDP and ZeRO-2, 3 warm-up + 10 steps
     python benchmarks/bench_lora.py --warmup 2 --steps 5       # fewer steps on a loaded machine
-    python benchmarks/bench_lora.py --smoke                    # tiny preset, DDP only, 1 + 2 steps (CI)
+    python benchmarks/bench_lora.py --smoke                    # tiny preset, DDP only, 1 + 1 steps (CI)
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def main() -> None:
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     backends = {"DDP": BACKENDS["DDP"]} if args.smoke else BACKENDS
-    if args.smoke:
-        args.steps, args.warmup, args.repeats = 2, 1, 1
+    if args.smoke:  # one warm-up step (it counts the FLOPs) and one measured: every row and ratio is printed
+        args.steps, args.warmup, args.repeats = 1, 1, 1
     lora = [f"--policy.lora.rank={args.rank}"]
     reports: dict[tuple[str, str], list[dict]] = {(b, s): [] for b in backends for s in ("full", "lora")}
     with tempfile.TemporaryDirectory(prefix="opentau-bench-") as tmp:

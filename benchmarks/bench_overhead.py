@@ -155,8 +155,9 @@ def main() -> None:
     parser.add_argument("--no-phases", action="store_true", help="Skip the per-phase profile of both sides.")
     args = parser.parse_args()
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
-    if args.smoke:  # one variant: it shows the variants' path works (each costs a pair of launches)
-        args.steps, args.warmup, args.pairs, args.variants = "2,4", 2, 1, "ema"
+    if args.smoke:  # one variant: it shows the variants' path works (each costs a pair of launches); two run
+        # lengths, the shortest possible, show the per-length rows
+        args.steps, args.warmup, args.pairs, args.variants = "1,2", 1, 1, "ema"
     try:
         lengths = sorted({int(n) for n in str(args.steps).split(",") if n.strip()})
     except ValueError:

@@ -190,7 +190,8 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if args.smoke:
-        args.rounds, args.big_mb, args.steps, args.save_every = 1, 40, 4, 2
+        # the added file just over one 16 MiB part (PART): the large checkpoint still goes up in several parts
+        args.rounds, args.big_mb, args.steps, args.save_every = 1, 17, 4, 2
     config = args.config or (TINY_CONFIG if args.smoke else SMALL_CONFIG)
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)

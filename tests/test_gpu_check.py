@@ -30,18 +30,33 @@ def run_check(*args: str, tmp_path) -> subprocess.CompletedProcess:
                           text=True, env=env, cwd=REPO, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, object]:
+    """One CPU dry run of every check the tests below read (the full pi05's skip, DDP, FSDP2, inference, attention):
+    one gpu_check process and one table instead of one per test. Its runs are kept; a test that alters a checkpoint
+    alters a copy."""
+    home = tmp_path_factory.mktemp("gpu_check")
+    out = home / "check"
+    r = run_check("--cpu-dry-run", "--only", "pi05,ddp,fsdp2,inference,attention", "--out", str(out), "--keep-runs",
+                  tmp_path=home)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r, out
+
+
 def losses(path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "train"}
 
 
 @pytest.mark.e2e
-def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one_table(tmp_path):
-    out = tmp_path / "check"
-    r = run_check("--cpu-dry-run", "--only", "ddp", "--out", str(out), "--keep-runs", tmp_path=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one_table(dry_run, tmp_path):
+    r, out = dry_run
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["cpu_dry_run"] is True
-    assert [(row["check"], row["backend"], row["result"]) for row in report["rows"]] == [
+    # One table: every check's rows in the order of gpu_check.CHECKS.
+    assert [row["check"] for row in report["rows"]] == [
+        "one step", "memory plan vs peak", *["train + checkpoint", "exact resume", "restored state"] * 2,
+        "inference, eager", "inference, torch.compile", "attention kernel"]
+    assert [(row["check"], row["backend"], row["result"]) for row in report["rows"] if row["backend"] == "ddp"] == [
         ("train + checkpoint", "ddp", "PASS"), ("exact resume", "ddp", "PASS"), ("restored state", "ddp", "PASS"),
     ]
     for backend in ("ddp",):  # one backend: the others run the same code with another YAML
@@ -57,7 +72,8 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("## GPU self-check (CPU dry run) (")
     assert "| check | backend | result | key number | seconds |" in md
-    assert md.count("| PASS |") == 3 and "| exact resume | ddp | PASS | steps 3-4: losses equal |" in md
+    assert md.count("| PASS |") == 9 and md.count("| SKIP |") == 2  # ddp 3, fsdp2 3, inference 2, attention 1
+    assert "| exact resume | ddp | PASS | steps 3-4: losses equal |" in md
     assert "exact resume        ddp" in r.stdout
     # The restored state: the step-2 checkpoint restored on both ranks and saved again before any step, every tensor
     # compared (weights, AdamW moments, schedule, both ranks' random states).
@@ -67,8 +83,12 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
     assert f"| restored state | ddp | PASS | {tensors} tensors equal to the bit after the resume |" in md and tensors > 10
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"} <= set(
         gpu_check_restore.tensor_files(saved))
-    # A checkpoint one value off is told apart (the comparison can fail).
+    # A checkpoint one value off is told apart (the comparison can fail): a copy of it, the shared run's kept as is.
+    import shutil
+
     from safetensors.torch import load_file, save_file
+
+    again = shutil.copytree(again, tmp_path / "altered")
 
     weights = load_file(str(again / "model.safetensors"))
     name = next(k for k, t in weights.items() if t.is_floating_point())
@@ -80,13 +100,11 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
 
 
 @pytest.mark.e2e
-def test_cpu_dry_run_of_fsdp2_resumes_exactly_and_restores_every_dcp_shard_to_the_bit(tmp_path):
+def test_cpu_dry_run_of_fsdp2_resumes_exactly_and_restores_every_dcp_shard_to_the_bit(dry_run, tmp_path):
     """The FSDP2 rows on the CPU variant of the example YAML: train + checkpoint, exact resume, and the restored
     state read back from the DCP shards tensor by tensor (model, AdamW moments) next to the scheduler and RNG files."""
-    out = tmp_path / "check"
-    r = run_check("--cpu-dry-run", "--only", "fsdp2", "--out", str(out), "--keep-runs", tmp_path=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads((out / "gpu_check.json").read_text())["rows"]
+    _, out = dry_run
+    rows = [row for row in json.loads((out / "gpu_check.json").read_text())["rows"] if row["backend"] == "fsdp2"]
     assert [(row["check"], row["backend"], row["result"]) for row in rows] == [
         ("train + checkpoint", "fsdp2", "PASS"), ("exact resume", "fsdp2", "PASS"), ("restored state", "fsdp2", "PASS")]
     full = losses(out / "runs" / "fsdp2" / "full" / "metrics.jsonl")
@@ -148,11 +166,10 @@ def test_the_memory_plan_row_passes_only_within_10_percent_of_max_memory_allocat
     assert gpu_check.memory_row("pi05", 60 * gib, 50 * gib).result == "FAIL"  # a plan 20% high refuses runs that fit
 
 
-def test_cpu_dry_run_times_inference_eager_and_compiled_names_the_attention_kernel_and_skips_the_full_pi05(tmp_path):
-    out = tmp_path / "check"
-    r = run_check("--cpu-dry-run", "--only", "pi05,inference,attention", "--out", str(out), tmp_path=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads((out / "gpu_check.json").read_text())["rows"]
+@pytest.mark.e2e
+def test_cpu_dry_run_times_inference_eager_and_compiled_names_the_attention_kernel_and_skips_the_full_pi05(dry_run):
+    _, out = dry_run
+    rows = [row for row in json.loads((out / "gpu_check.json").read_text())["rows"] if row["backend"] not in ("ddp", "fsdp2")]
     assert [(row["check"], row["result"]) for row in rows] == [
         ("one step", "SKIP"), ("memory plan vs peak", "SKIP"), ("inference, eager", "PASS"),
         ("inference, torch.compile", "PASS"), ("attention kernel", "PASS")]
