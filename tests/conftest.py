@@ -287,6 +287,9 @@ def _reference_args(accelerate_config: str, *extra: str) -> list[str]:
 DDP_REFERENCE_ARGS = _reference_args("accelerate_cpu_ddp_config.yaml")
 # ZeRO-3 saves asynchronously: its EMA partitions are copied into host memory with the rest while training goes on.
 ZERO3_REFERENCE_ARGS = _reference_args("accelerate_cpu_deepspeed_zero3_config.yaml", "--checkpoint.async_save=true")
+# A third shared run, ZeRO-2 (train end to end, restarts), saves synchronously: the shared runs save both ways under
+# DeepSpeed.
+ZERO2_REFERENCE_ARGS = _reference_args("accelerate_cpu_deepspeed_config.yaml")
 HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 
 
@@ -333,6 +336,12 @@ def ddp_reference(tmp_path_factory) -> Path:
 def zero3_reference(tmp_path_factory) -> Path:
     """The run directory of the shared ZeRO-3 reference run (`ZERO3_REFERENCE_ARGS`). Read only, as ddp_reference."""
     return _reference(tmp_path_factory, "zero3_reference", ZERO3_REFERENCE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def zero2_reference(tmp_path_factory) -> Path:
+    """The run directory of the shared ZeRO-2 reference run (`ZERO2_REFERENCE_ARGS`). Read only, as ddp_reference."""
+    return _reference(tmp_path_factory, "zero2_reference", ZERO2_REFERENCE_ARGS)
 
 
 # A real S3-compatible server (SeaweedFS, tests/s3_server.py) for the remote-storage tests: one per test session and

@@ -1,9 +1,9 @@
 """End-to-end training through the installed CLI: real `accelerate launch`, 2 CPU processes, the pi05_tiny preset.
 
 Runs are shared between assertions (module-scoped fixtures): per backend one uninterrupted run and one resume of
-its middle checkpoint into the same run directory (so the resume also saves again over an existing step). The DDP
-and ZeRO-3 uninterrupted runs are the session's shared ones (conftest.ddp_reference, conftest.zero3_reference),
-copied before they are resumed into.
+its middle checkpoint into the same run directory (so the resume also saves again over an existing step). The DDP,
+ZeRO-2 and ZeRO-3 uninterrupted runs are the session's shared ones (conftest.ddp_reference, zero2_reference,
+zero3_reference), copied before they are resumed into.
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ def runs(tmp_path_factory, request):
             made[backend] = Run("ddp", tmp, *mixture_args(tmp), name="mixture")
         if backend == "ddp" and backend not in made:  # train_args("ddp", ..., *EMA), validated at each save
             made[backend] = Run("ddp", tmp, reference=request.getfixturevalue("ddp_reference"))
+        if backend == "zero2" and backend not in made:  # the same under ZeRO-2
+            made[backend] = Run("zero2", tmp, reference=request.getfixturevalue("zero2_reference"))
         if backend == "zero3" and backend not in made:  # the same, saving asynchronously
             made[backend] = Run("zero3", tmp, reference=request.getfixturevalue("zero3_reference"))
         if backend not in made:
@@ -135,7 +137,7 @@ def runs(tmp_path_factory, request):
     return get
 
 
-# Every run keeps an EMA (train/ema.py; the shared DDP reference too): nothing else about the run changes.
+# Every run keeps an EMA (train/ema.py; the shared references too): nothing else about the run changes.
 EMA = ("--ema.decay=0.9",)
 
 
