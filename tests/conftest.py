@@ -131,9 +131,9 @@ def isolated_env(tmp_path, monkeypatch):
     return tmp_path
 
 
-# Seconds each of the longest modules took in a recent whole-suite run (summed per module from its test times): they start longest
-# first, so the two workers end together instead of one finishing a long module alone. A module not listed keeps its
-# place; a stale figure costs only balance, never a test.
+# Seconds each of the longest modules took in a recent whole-suite run (summed per module from its test times): they
+# start longest first, so the two workers end together instead of one finishing a long module alone. A module not
+# listed keeps its place; a stale figure costs only balance, never a test.
 MODULE_SECONDS_LAST_CI = {  # each module's seconds in a whole-suite run here (2026-12-06 19:14, fresh clone, main 60e2fb7)
     "test_eval_training.py": 368, "test_restarts.py": 252, "test_profile_benchmarks.py": 213,
     "test_memory_plan_real.py": 208, "test_fsdp_e2e.py": 202, "test_checkpoint_fixtures.py": 171,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -85,8 +86,6 @@ def test_cpu_dry_run_of_ddp_resumes_with_the_uninterrupted_losses_and_writes_one
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"} <= set(
         gpu_check_restore.tensor_files(saved))
     # A checkpoint one value off is told apart (the comparison can fail): a copy of it, the shared run's kept as is.
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     again = shutil.copytree(again, tmp_path / "altered")
@@ -129,8 +128,6 @@ def test_cpu_dry_run_of_fsdp2_resumes_exactly_and_restores_every_dcp_shard_to_th
     name = next(k for k, v in state.items() if k.startswith("model.") and v.is_floating_point())
     state[name].view(-1)[-1] = torch.nextafter(state[name].view(-1)[-1], torch.tensor(float("inf")))
     moved = tmp_path / "moved"
-    import shutil
-
     shutil.copytree(again, moved)
     shutil.rmtree(moved / "fsdp_state")
     dcp.save(state, checkpoint_id=moved / "fsdp_state", no_dist=True)

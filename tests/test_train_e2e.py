@@ -116,6 +116,11 @@ class Run:
         self.resumed = losses(self.dir)
 
 
+# The session's shared runs (train_args(backend, ..., *EMA), validated at each save; ZeRO-3's saving asynchronously),
+# copied before they are resumed into.
+SHARED_RUNS = {"ddp": "ddp_reference", "zero2": "zero2_reference", "zero3": "zero3_reference"}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("train")
@@ -124,12 +129,8 @@ def runs(tmp_path_factory, request):
     def get(backend: str) -> Run:
         if backend == "mixture" and backend not in made:
             made[backend] = Run("ddp", tmp, *mixture_args(tmp), name="mixture")
-        if backend == "ddp" and backend not in made:  # train_args("ddp", ..., *EMA), validated at each save
-            made[backend] = Run("ddp", tmp, reference=request.getfixturevalue("ddp_reference"))
-        if backend == "zero2" and backend not in made:  # the same under ZeRO-2
-            made[backend] = Run("zero2", tmp, reference=request.getfixturevalue("zero2_reference"))
-        if backend == "zero3" and backend not in made:  # the same, saving asynchronously
-            made[backend] = Run("zero3", tmp, reference=request.getfixturevalue("zero3_reference"))
+        if backend in SHARED_RUNS and backend not in made:
+            made[backend] = Run(backend, tmp, reference=request.getfixturevalue(SHARED_RUNS[backend]))
         if backend not in made:
             made[backend] = Run(backend, tmp, *EMA)
         return made[backend]
