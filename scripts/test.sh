@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the test suite. Prints what explains a slow run: the set-up time, the machine's
 # load before and after (a busy machine stretches every launch), the 15 slowest tests and modules, and how busy the
-# cores were while the tests ran.
+# cores were while the tests ran, and the CPU by kind of process (scripts/cpu_by_process.py).
 #   ./scripts/test.sh               the whole suite (what CI runs); extra arguments go to pytest
 #   ./scripts/test.sh --quick       the quick tier: the modules marked `quick` (each package's contracts on the tiny
 #                                   preset, a few minutes), for the inner loop; the whole suite before a merge
@@ -35,12 +35,14 @@ tests_start=$SECONDS
 cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $6, $5}' /proc/stat 2>/dev/null; }  # busy, disk wait, idle
 read -r busy0 wait0 idle0 <<< "$(cpu_ticks)" || true
 status=0
+.venv/bin/python scripts/cpu_by_process.py & cpu_watch=$!
 # Two workers (pytest-xdist), each taking whole modules so a module's shared runs are made once, in the order
 # tests/conftest.py gives (slow modules first): a 2-process launch leaves a core idle while it plans, starts and
 # saves, and a single-process test uses one core of two. TEST_WORKERS=0 runs in this process. (Three workers on
 # two cores measured slower, 1315 s against 1108 s: the cores are then never idle but every launch waits longer.)
 .venv/bin/python -m pytest -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder ${tier[@]+"${tier[@]}"} "$@" || status=$?
 echo "tests: $((SECONDS - tests_start)) s"
+kill -TERM "$cpu_watch" 2>/dev/null && wait "$cpu_watch" || true
 echo "load after: $(cat /proc/loadavg 2>/dev/null || uptime)"
 # Where the cores' time went while the tests ran: CI's minutes are CPU seconds where busy is near 100%; an idle or
 # disk-wait share is time a worker waited (a sleep, a timeout, fsync) that another worker could have used.
