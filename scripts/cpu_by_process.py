@@ -101,7 +101,8 @@ class Watch:
             return ""
         lines = [f"CPU by kind of process, {total:.0f} CPU-s in all:"]
         for kind, seconds in cpu.most_common():
-            lines.append(f"{seconds:8.0f} s {100 * seconds / total:3.0f}%  {count[kind]:5d} x {seconds / count[kind]:5.1f} s  {kind}")
+            share, each = 100 * seconds / total, seconds / count[kind]
+            lines.append(f"{seconds:8.0f} s {share:3.0f}%  {count[kind]:5d} x {each:5.1f} s  {kind}")
         if modules:
             lines.append("the modules whose started processes used the most CPU:")
             lines += [f"{seconds:8.0f} s  {module}" for module, seconds in modules.most_common(10)]
