@@ -1,12 +1,11 @@
 """Where the test suite's CPU goes, by kind of process: scripts/test.sh starts this beside pytest and stops it with
-SIGTERM when the tests end; it then prints one table (docs/development.md, "How long the suite takes").
+SIGTERM when the tests end; it then prints one table (docs/development.md, "Reading the timing print").
 
 On CI's two cores the suite keeps both busy, so its minutes are CPU seconds; most of them are spent by the processes
 the tests start (ranks, launchers, `opentau` commands), which pytest's per-module times do not separate. Every
-process is read from /proc five times a second: its CPU (user + system) when last seen, counted from when this began
+process is read (psutil) five times a second: its CPU (user + system) when last seen, counted from when this began
 for a process that was already running, and the test that started it (PYTEST_CURRENT_TEST in its environment). A
-process that lives less than a fifth of a second may be missed: it costs less than that. Linux only; elsewhere it
-prints nothing.
+process that lives less than a fifth of a second may be missed: it costs less than that.
 
     python scripts/cpu_by_process.py     (until SIGTERM)
 """
@@ -19,8 +18,9 @@ import sys
 import time
 from collections import Counter
 
+import psutil
+
 PERIOD = 0.2
-TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # (kind, what its command line holds), first match wins: a launcher's names the ranks' module too.
 KINDS = [
     ("Accelerate's launchers", ("opentau_cli.process.accelerate_launcher", "accelerate.commands.launch")),
@@ -47,55 +47,43 @@ def kind_of(cmdline: str, comm: str) -> str:
 
 class Watch:
     def __init__(self):
-        self.me = os.getpid()
-        self.seen: dict[tuple[int, int], dict] = {}
-        self.first = True
+        self.started = time.time()
+        # psutil.Process compares by pid and creation time, so a reused pid is another process. None: not counted.
+        self.seen: dict[psutil.Process, dict | None] = {}
 
     def sample(self) -> None:
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) == self.me:
-                continue
+        for proc in psutil.process_iter():
             try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-                fields = stat[stat.rindex(")") + 2:].split()
-                ppid, cpu, start = int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK, int(fields[19])
-                if ppid == 2 or int(name) == 2:
-                    continue  # a kernel thread
-                key = (int(name), start)
-                proc = self.seen.get(key)
-                if proc is None:
-                    proc = self.seen[key] = self._describe(name, stat, cpu if self.first else 0.0)
-                proc["cpu"] = cpu
-            except (OSError, ValueError, IndexError):
+                if proc not in self.seen:
+                    self.seen[proc] = self._describe(proc)
+                record = self.seen[proc]
+                if record is not None:
+                    times = proc.cpu_times()
+                    record["cpu"] = times.user + times.system
+            except psutil.Error:
                 continue  # gone meanwhile
-        self.first = False
 
-    @staticmethod
-    def _describe(pid: str, stat: str, before: float) -> dict:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        test = ""
+    def _describe(self, proc: psutil.Process) -> dict | None:
+        if proc.pid in (2, os.getpid()) or proc.ppid() == 2:
+            return None  # this watcher, or a kernel thread
+        times = proc.cpu_times()
+        before = times.user + times.system if proc.create_time() < self.started else 0.0
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                for item in f.read().split(b"\0"):
-                    if item.startswith(b"PYTEST_CURRENT_TEST="):
-                        test = item.split(b"=", 1)[1].decode(errors="replace").split("::")[0]
-        except OSError:
-            pass
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        return {"kind": kind_of(cmdline, comm), "test": test, "before": before, "cpu": before}
+            test = proc.environ().get("PYTEST_CURRENT_TEST", "").split("::")[0]
+        except psutil.AccessDenied:
+            test = ""
+        return {"kind": kind_of(" ".join(proc.cmdline()), proc.name()), "test": test, "before": before, "cpu": before}
 
     def report(self) -> str:
         cpu, count, modules = Counter(), Counter(), Counter()
-        for proc in self.seen.values():
-            used = max(0.0, proc["cpu"] - proc["before"])
+        for record in filter(None, self.seen.values()):
+            used = max(0.0, record["cpu"] - record["before"])
             if used <= 0:
                 continue
-            cpu[proc["kind"]] += used
-            count[proc["kind"]] += 1
-            if proc["test"]:
-                modules[proc["test"]] += used
+            cpu[record["kind"]] += used
+            count[record["kind"]] += 1
+            if record["test"]:
+                modules[record["test"]] += used
         total = sum(cpu.values())
         if not total:
             return ""
@@ -110,8 +98,6 @@ class Watch:
 
 
 def main() -> int:
-    if not os.path.isdir("/proc/self"):
-        return 0
     watch = Watch()
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
