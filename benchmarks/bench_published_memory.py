@@ -39,7 +39,7 @@ def last_layer_per_sample(tokens: int) -> int:
     from transformers import GemmaConfig
     from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, GemmaRotaryEmbedding
 
-    from opentau_cli.plan.memory import LiveBytes
+    from opentau_cli.plan.measure import LiveBytes
 
     cfg = GemmaConfig(hidden_size=WIDTH, intermediate_size=16384, num_attention_heads=8, num_key_value_heads=1,
                       head_dim=256, num_hidden_layers=1, vocab_size=8)
@@ -76,16 +76,14 @@ def bf16_activations(run: list[str], n: int) -> int:
     """How much less the step keeps when the weights are bf16 (no autocast) instead of fp32 under bf16 autocast: our
     own policy measured both ways by the memory plan's fake-tensor step (plan/memory.py step_bytes). Under autocast the
     residual stream stays fp32 and the bf16 copies of the weights are kept for the backward."""
-    import torch
-
     from opentau_cli.config import load_config
     from opentau_cli.plan.memory import step_bytes
 
     overrides = [a for a in run[6:]]  # after --accelerate-config Y --gpus N --gpu-memory C
     cfg = load_config(REPO / "configs/examples/pi05_config.json",
                       ["--policy.pretrained_path=null", "--policy.tokenizer_path=null", *overrides], environ={})
-    autocast = step_bytes(cfg.policy, n, cfg.dataset.num_cameras, torch.float32, True)
-    bf16 = step_bytes(cfg.policy, n, cfg.dataset.num_cameras, torch.bfloat16, False)
+    autocast = step_bytes(cfg.policy, n, cfg.dataset.num_cameras, "float32", True)
+    bf16 = step_bytes(cfg.policy, n, cfg.dataset.num_cameras, "bfloat16", False)
     return max(bf16.forward, bf16.backward) - max(autocast.forward, autocast.backward)
 
 

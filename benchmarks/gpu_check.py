@@ -392,13 +392,13 @@ class Checker:
         import torch
 
         from opentau_cli.config.model import PolicyConfig
-        from opentau_cli.plan.memory import fake_inputs, policy_module
+        from opentau_cli.plan.measure import fake_inputs, policy_module
         from opentau_cli.policies.pi05.modeling import attention_kernels
 
         device = "cpu" if self.plan.cpu else "cuda"
         start = time.perf_counter()
         cfg = PolicyConfig(preset="pi05_tiny" if self.plan.cpu else "pi05_small")
-        policy = policy_module(cfg, torch.bfloat16).to(device)
+        policy = policy_module(cfg, "bfloat16").to(device)
         inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in fake_inputs(cfg, 2, 1).items()}
         used = attention_kernels(lambda: policy.loss(inputs)["loss"].backward())
         names = ", ".join(f"{name} x{count}" for name, count in sorted(used.items()))

@@ -222,7 +222,7 @@ def test_the_step_measurement_cache_is_keyed_by_the_code_it_measures(monkeypatch
 
     monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
     cfg = TrainConfig(policy={"preset": "pi05_tiny"}, batch_size=2)
-    args = (cfg.policy, 2, cfg.dataset.num_cameras, __import__("torch").float32, False)
+    args = (cfg.policy, 2, cfg.dataset.num_cameras, "float32", False)
     first = memory_plan.step_bytes(*args)
     cached = list((tmp_path / "memory_plan").iterdir())
     assert len(cached) == 1 and memory_plan.step_bytes(*args) == first
@@ -273,18 +273,24 @@ def test_a_policy_that_cannot_be_built_is_refused_by_every_launch_and_never_cach
     assert not (tmp_path / "memory_plan").exists() or not list((tmp_path / "memory_plan").glob("sizes_*"))
 
 
-def test_a_second_plan_of_the_same_policy_does_not_import_transformers(tmp_path):
-    """Measured from outside: Python's own import log (-X importtime) of two `opentau config validate` commands."""
+def test_a_second_plan_of_the_same_policy_imports_no_transformers_and_without_a_gpu_no_torch(tmp_path):
+    """Measured from outside: Python's own import log (-X importtime) of two `opentau config validate` commands. On a
+    machine with no GPU device file (no CUDA GPU for torch to find) the second imports no torch either, and prints
+    the same memory plan."""
     env = {**os.environ, "OPENTAU_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"}
     command = [opentau_bin(), "config", "validate", str(EXAMPLES / "pi05_tiny_config.json"),
-               f"--output_dir={tmp_path / 'run'}"]
-    imported = []
+               f"--accelerate-config={EXAMPLES / 'accelerate_cpu_ddp_config.yaml'}", f"--output_dir={tmp_path / 'run'}"]
+    imported, plans = [], []
     for _ in range(2):
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         imported.append({line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")})
-    assert "transformers" in imported[0] and "opentau_cli.policies" in imported[0]
+        plans.append([line for line in done.stdout.splitlines() if line.strip().startswith("memory plan")])
+    assert "transformers" in imported[0] and "opentau_cli.policies" in imported[0] and "torch" in imported[0]
     assert "transformers" not in imported[1] and "opentau_cli.policies" not in imported[1]
+    gpu_device_files = [f for f in os.listdir("/dev") if f.startswith("nvidia") and f[6:].isdigit() or f in ("dxg", "kfd")]
+    assert ("torch" in imported[1]) == bool(gpu_device_files), gpu_device_files
+    assert len(plans[0]) == 1 and "GiB peak per GPU (DDP on 2 GPUs" in plans[0][0] and plans[1] == plans[0]
 
 
 def test_the_example_pi05_config_fits_an_80gb_card_under_every_backend_with_the_margin_printed(tmp_path):

@@ -33,10 +33,11 @@ class Machine:
 
     @classmethod
     def this(cls) -> "Machine":
+        if not cuda_is_available():
+            return cls(cuda=False, gpus=0)
         import torch
 
-        cuda = torch.cuda.is_available()
-        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0)
+        return cls(cuda=True, gpus=torch.cuda.device_count())
 
     @classmethod
     def with_gpus(cls, gpus: int) -> "Machine":
@@ -67,7 +68,17 @@ class Validated:
         return self.config.batch_size * self.accelerate.world_size
 
 
+# The device files a GPU torch can use shows up as: NVIDIA's, WSL's GPU, AMD's (ROCm builds answer torch.cuda too).
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+
+
 def cuda_is_available() -> bool:
+    """torch.cuda.is_available(), without importing torch on a machine with no GPU device file: the `opentau` command
+    that plans a launch there never needs torch (a second of CPU; docs/ARCHITECTURE.md, "Start-up")."""
+    import glob
+
+    if not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        return False
     import torch
 
     return torch.cuda.is_available()

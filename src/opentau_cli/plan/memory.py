@@ -21,13 +21,8 @@ import functools
 import hashlib
 import json
 import os
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from opentau_cli.config import AccelerateSetup, TrainConfig
 from opentau_cli.config.accelerate import deepspeed_zero_section, zero_settings
@@ -74,56 +69,6 @@ def gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / MIB:.0f} MiB"
 
 
-class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storage created inside the mode and still alive, and their peaks: every op's outputs are
-    counted once per storage and released when the storage is freed. Storage that becomes a parameter's gradient
-    (`mark_gradients`) is counted apart, so that `peak_other` is the peak of everything else. Works on real and on
-    fake tensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = self.peak = 0
-        self.gradients = 0  # bytes of live gradients
-        self.peak_other = 0  # the peak of current - gradients
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> [nbytes, is a gradient]
-
-    def _free(self, entry: list) -> None:
-        self.current -= entry[0]
-        if entry[1]:
-            self.gradients -= entry[0]
-
-    def _track(self, storage) -> list:
-        if storage not in self._seen:
-            entry = [storage.nbytes(), False]
-            self._seen[storage] = entry
-            weakref.finalize(storage, self._free, entry)
-            self.current += entry[0]
-            self.peak = max(self.peak, self.current)
-            self.peak_other = max(self.peak_other, self.current - self.gradients)
-        return self._seen[storage]
-
-    def mark_gradients(self, parameters) -> None:
-        """Count each parameter's gradient, once the backward has accumulated it, as a gradient."""
-        def accumulated(p: torch.Tensor) -> None:
-            entry = self._track(p.grad.untyped_storage())
-            if not entry[1]:
-                entry[1] = True
-                self.gradients += entry[0]
-
-        for p in parameters:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(accumulated)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # Views and in-place results share an input's storage: nothing new (storage objects are preserved per storage).
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.is_meta}
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and not leaf.is_meta and id(leaf.untyped_storage()) not in inputs:
-                self._track(leaf.untyped_storage())
-        return out
-
-
 @dataclass(frozen=True)
 class StepBytes:
     """What one forward + backward allocates on top of the weights, measured (`step_bytes`)."""
@@ -134,79 +79,26 @@ class StepBytes:
     gradients: int  # every gradient, at the end
 
 
-def fake_inputs(policy_cfg: PolicyConfig, batch: int, cameras: int) -> dict:
-    """Prepared inputs of the configured shapes (the prompt at its full padded length, every action real)."""
-    h, w = policy_cfg.image_resolution
-    chunk, width, tokens = policy_cfg.chunk_size, policy_cfg.max_action_dim, policy_cfg.tokenizer_max_length
-    return {
-        "images": torch.zeros(batch, cameras, 3, h, w),
-        "image_masks": torch.ones(batch, cameras, dtype=torch.bool),
-        "state": torch.zeros(batch, policy_cfg.max_state_dim),
-        "input_ids": torch.zeros(batch, tokens, dtype=torch.long),
-        "text_valid": torch.ones(batch, tokens, dtype=torch.bool),
-        "batch_size": batch,
-        "actions": torch.zeros(batch, chunk, width),
-        "action_valid": torch.ones(batch, chunk, dtype=torch.bool),
-        "action_dim": width,
-        "action_dim_valid": torch.ones(batch, width, dtype=torch.bool),
-    }
+# Bytes per element of the weights' dtypes step_precision names.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def step_precision(setup: AccelerateSetup) -> tuple[torch.dtype, bool]:
-    """(dtype the weights are held in, whether bf16 autocast runs): DeepSpeed bf16 holds bf16 weights, Accelerate's
-    bf16 elsewhere is autocast over fp32 weights."""
+def step_precision(setup: AccelerateSetup) -> tuple[str, bool]:
+    """(dtype the weights are held in, "float32" or "bfloat16"; whether bf16 autocast runs): DeepSpeed bf16 holds bf16
+    weights, Accelerate's bf16 elsewhere is autocast over fp32 weights."""
     bf16 = setup.mixed_precision == "bf16"
     if setup.backend in ("deepspeed", "fsdp") and bf16:  # FSDP2 computes with bf16 copies of its fp32 shards
-        return torch.bfloat16, False
-    return torch.float32, bf16
-
-
-def policy_module(policy_cfg: PolicyConfig, weights_dtype: torch.dtype, meta: bool = False):
-    """The real policy module; `meta`: built on the meta device (no memory, no initialization)."""
-    from opentau_cli.policies import build_policy
-
-    with torch.device("meta") if meta else contextlib.nullcontext():
-        policy = build_policy(policy_cfg)
-        if policy_cfg.lora.enabled:
-            from opentau_cli.policies.lora import apply_lora
-
-            apply_lora(policy, policy_cfg.lora)
-    if policy_cfg.gradient_checkpointing:
-        policy.enable_gradient_checkpointing()
-    if weights_dtype != torch.float32:
-        for p in policy.parameters():  # as DeepSpeed's bf16 engine holds them: every parameter, buffers kept
-            p.data = p.data.to(weights_dtype)
-    return policy.train()
-
-
-def _forward(policy, inputs: dict, autocast: bool) -> torch.Tensor:
-    device = inputs["actions"].device.type
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        # Given noise and time: the Beta draw validates its arguments by value, which fake tensors do not have.
-        actions = inputs["actions"]
-        return policy.loss(inputs, noise=torch.zeros_like(actions), time=torch.full((len(actions),), 0.5))["loss"]
-
-
-def measure_step(policy, inputs: dict, autocast: bool) -> StepBytes:
-    """Run one forward + backward of `policy` under a LiveBytes tracker (real or fake tensors)."""
-    tracker = LiveBytes()
-    tracker.mark_gradients(policy.parameters())
-    with tracker:
-        loss = _forward(policy, inputs, autocast)
-        forward = tracker.peak_other
-        loss.backward()
-        del loss
-    return StepBytes(forward=forward, backward=tracker.peak_other, backward_with_gradients=tracker.peak,
-                     gradients=tracker.gradients)
+        return "bfloat16", False
+    return "float32", bf16
 
 
 @functools.cache  # a process's code does not change while it runs: read once, not per measurement
 def _code_version() -> str:
-    """What the measurements and the policy's sizes depend on besides their inputs: this file and the policies' code
-    (found, not imported: importing it imports transformers)."""
+    """What the measurements and the policy's sizes depend on besides their inputs: this file, plan/measure.py and the
+    policies' code (found, not imported: importing it imports transformers)."""
     import importlib.util
 
-    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest = hashlib.sha256(Path(__file__).read_bytes() + Path(__file__).with_name("measure.py").read_bytes())
     for folder in importlib.util.find_spec("opentau_cli.policies").submodule_search_locations:
         for path in sorted(Path(folder).rglob("*.py")):
             digest.update(path.read_bytes())
@@ -224,28 +116,21 @@ def _library_versions() -> list[str | None]:
         except PackageNotFoundError:
             return None
 
-    return [torch.__version__, installed("transformers"), installed("peft")]
+    return [installed("torch"), installed("transformers"), installed("peft")]
 
 
-def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: torch.dtype, autocast: bool) -> StepBytes:
-    """What one forward + backward of the full-size model allocates, on fake tensors (shapes only: no memory, no
-    arithmetic). Cached per shape, precision, torch version and version of the code measured."""
+def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: str, autocast: bool) -> StepBytes:
+    """What one forward + backward of the full-size model allocates, on fake tensors (plan/measure.py). Cached per
+    shape, precision, torch version and version of the code measured."""
     key = json.dumps([MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"), batch, cameras,
-                      str(weights_dtype), autocast, torch.__version__], sort_keys=True)
+                      weights_dtype, autocast, _library_versions()[0]], sort_keys=True)
     cache = cache_dir() / f"step_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if cache.is_file():
         with contextlib.suppress(ValueError, TypeError, KeyError):
             return StepBytes(**json.loads(cache.read_text()))
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from opentau_cli.plan import measure
 
-    torch_state = torch.random.get_rng_state()
-    try:
-        policy = policy_module(policy_cfg, weights_dtype, meta=True)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            policy.to_empty(device="cpu")
-            measured = measure_step(policy, fake_inputs(policy_cfg, batch, cameras), autocast)
-    finally:
-        torch.random.set_rng_state(torch_state)  # building draws random initial values
+    measured = StepBytes(**measure.step_bytes(policy_cfg, batch, cameras, weights_dtype, autocast))
     with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(measured.__dict__))
@@ -270,16 +155,9 @@ class Sizes:
 
 
 def sizes(policy_cfg: PolicyConfig) -> Sizes:
-    policy = policy_module(policy_cfg.model_copy(update={"gradient_checkpointing": False}), torch.float32, meta=True)
-    from opentau_cli.policies.pi05.configuration import hidden_size
-    from opentau_cli.train.fsdp import layer_groups
+    from opentau_cli.plan import measure
 
-    params = list(policy.parameters())
-    layers = [sum(p.numel() for p in layer.parameters()) for _, group in layer_groups(policy) for layer in group]
-    total = sum(p.numel() for p in params)
-    return Sizes(total=total, trainable=sum(p.numel() for p in params if p.requires_grad),
-                 largest_trainable=max((p.numel() for p in params if p.requires_grad), default=0),
-                 largest_layer=max(layers, default=0), root=total - sum(layers), hidden_size=hidden_size(policy_cfg))
+    return Sizes(**measure.sizes(policy_cfg))
 
 
 @dataclass(frozen=True)
@@ -302,51 +180,18 @@ class ModuleTrace:
         return forward + backward
 
 
-def record_trace(policy, inputs: dict, autocast: bool) -> ModuleTrace:
-    """Run the policy's loss once (real or fake tensors) and record its ModuleTrace."""
-    params = list(policy.parameters())
-    index = {id(p): i for i, p in enumerate(params)}
-    modules = [m for m in policy.modules() if any(True for _ in m.parameters(recurse=False))]
-    forward: list[int] = []
-    grad_out = [False] * len(modules)
-    handles = []
-    for i, module in enumerate(modules):
-        def pre(_module, _args, i=i):
-            forward.append(i + 1)
-
-        def post(_module, _args, out, i=i):
-            forward.append(-(i + 1))
-            grad_out[i] = grad_out[i] or any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
-
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
-        _forward(policy, inputs, autocast)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return ModuleTrace(numels=[p.numel() for p in params], forward=forward, grad_out=grad_out,
-                       module_params=[[index[id(p)] for p in m.parameters(recurse=False)] for m in modules])
-
-
 def module_trace(policy_cfg: PolicyConfig, cameras: int) -> ModuleTrace:
-    """The ModuleTrace of the full-size policy, from one forward on fake tensors of the configured shapes (batch 1).
-    Cached like step_bytes."""
+    """The ModuleTrace of the full-size policy, from one forward on fake tensors of the configured shapes (batch 1,
+    plan/measure.py). Cached like step_bytes."""
     key = json.dumps(["trace", MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"), cameras,
-                      torch.__version__], sort_keys=True)
+                      _library_versions()[0]], sort_keys=True)
     cache = cache_dir() / f"trace_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if cache.is_file():
         with contextlib.suppress(ValueError, TypeError, KeyError):
             return ModuleTrace(**json.loads(cache.read_text()))
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from opentau_cli.plan import measure
 
-    torch_state = torch.random.get_rng_state()
-    try:
-        policy = policy_module(policy_cfg, torch.float32, meta=True)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            policy.to_empty(device="cpu")
-            trace = record_trace(policy, fake_inputs(policy_cfg, 1, cameras), autocast=False)
-    finally:
-        torch.random.set_rng_state(torch_state)
+    trace = ModuleTrace(**measure.module_trace(policy_cfg, cameras))
     with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(trace.__dict__))
@@ -531,7 +376,7 @@ def plan_memory(cfg: TrainConfig, setup: AccelerateSetup, device: str = "cuda") 
     s = cached_sizes(cfg.policy)
     world = max(1, setup.world_size)
     weights_dtype, autocast = step_precision(setup)
-    w = torch.finfo(weights_dtype).bits // 8
+    w = DTYPE_BYTES[weights_dtype]
     batch = cfg.per_device_batch_size or cfg.batch_size
     step = step_bytes(cfg.policy, batch, cfg.dataset.num_cameras, weights_dtype, autocast)
     accumulates = cfg.gradient_accumulation_steps > 1
@@ -746,7 +591,11 @@ def card_memory(machine=None) -> int | None:
     torch's total_memory, the bytes nvidia-smi shows in MiB."""
     if _CARD.get("bytes"):
         return _CARD["bytes"]
-    if (machine is None or not machine.target) and torch.cuda.is_available():
+    from opentau_cli.config.rules import cuda_is_available
+
+    if (machine is None or not machine.target) and cuda_is_available():
+        import torch
+
         return torch.cuda.get_device_properties(0).total_memory
     return None
 

@@ -12,13 +12,6 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from opentau_cli.process.runtime import import_paused
-
-# Every plan asks torch for this machine's GPUs: torch is imported first, with the garbage collector paused
-# (docs/ARCHITECTURE.md "Start-up"; opentau_cli.policies does the same for transformers when a check builds the
-# policy, which `profile --dataloader-only` never imports).
-import_paused("torch")
-
 from opentau_cli.config import (
     AccelerateSetup, Machine, TrainConfig, Validated, load_config, parse_overrides, resolve_accelerate_config, setup_from_dict,
     validate, with_machine,
@@ -87,12 +80,13 @@ def check_mixture_resume(ckpt: Path, cfg: TrainConfig, saved: dict, overrides: d
     import copy
 
     from opentau_cli.config.paths import is_path_key, paths_base, resolve_paths
-    from opentau_cli.data.mixture import mixture_changes
 
     before = saved.get("dataset", {}).get("mixture")
     now = cfg.dataset.model_dump(mode="json")["mixture"]
     if before is None and now is None:
         return
+    from opentau_cli.data.mixture import mixture_changes  # imports torch: only for a mixture
+
     if before is not None:  # only the members' paths are compared: resolve those, not a copy of the whole config
         members = {"dataset": {"mixture": copy.deepcopy(before)}}
         before = resolve_paths(members, paths_base(ckpt / TRAIN_CONFIG))["dataset"]["mixture"]

@@ -22,11 +22,11 @@ def checkpoint_bytes(cfg: TrainConfig, setup: AccelerateSetup) -> int:
     are held in (a LoRA run saves only what trains, policies/lora.py), AdamW's two fp32 moments of what trains,
     ZeRO's fp32 master copy, and the EMA's fp32 copy. Every machine's share together: conservative for a machine
     that writes only its own."""
-    from opentau_cli.plan.memory import cached_sizes, step_precision
+    from opentau_cli.plan.memory import DTYPE_BYTES, cached_sizes, step_precision
 
     s = cached_sizes(cfg.policy)
     weights_dtype, _ = step_precision(setup)
-    w = weights_dtype.itemsize
+    w = DTYPE_BYTES[weights_dtype]
     total = w * (s.trainable if cfg.policy.lora.enabled else s.total) + 8 * s.trainable
     if setup.backend == "deepspeed":
         total += 4 * s.trainable

@@ -79,7 +79,8 @@ SETTINGS = {"mlflow": mlflow_setting}
 def check_trackers(cfg) -> list[str]:
     """Before launch: every tracker in logging.trackers is one Accelerate knows, is installed (one line each,
     naming the extra to install) and has the settings it needs to start (SETTINGS)."""
-    known = known_trackers()
+    # Accelerate's list imports torch (a second of CPU in the command): asked only for a tracker beyond the default
+    known = known_trackers() if set(cfg.logging.trackers) - {TENSORBOARD} else [TENSORBOARD]
     errors = []
     for name in cfg.logging.trackers:
         if name not in known:
