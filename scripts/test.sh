@@ -18,6 +18,11 @@ setup_start=$SECONDS
 ./scripts/setup_sim.sh    # the simulators of `opentau eval --env` (the [sim] extra) and the GL libraries they render with
 ./scripts/setup_slurm.sh  # Debian's SLURM and munge: tests/slurm_cluster.py starts a real cluster
 export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"
+# Two test workers share the cores, and a process whose torch computes on more than one thread (a single-process
+# launch, an evaluation, an in-process test) would otherwise spin in OpenMP's barriers waiting for threads the other
+# worker's processes hold: measured here, two concurrent 30-step single-process tiny trainings took 36 CPU-s and 18 s
+# with OpenMP's default wait policy, 16 CPU-s and 8 s with PASSIVE (docs/development.md). It changes no result.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 ./scripts/peer_envs.sh  # the peers' own packages the tests check against (built once, cached)
 # opentau's own modules compiled once here, not in every process a test starts: where PYTHONDONTWRITEBYTECODE is set
 # (as on CI's machines) Python would compile them again in each (a few tenths of a second of CPU per launch).
