@@ -31,10 +31,7 @@ RANK_IMPORTS = ("opentau_cli.config", "torch", "accelerate", "deepspeed", "opent
 # (docs/ARCHITECTURE.md, "Start-up"): DeepSpeed's autotuner imports MLflow whenever it is installed, a second of CPU in
 # every rank; Accelerate's SageMaker settings import boto3 (a quarter of a second in the launcher and every rank). A run
 # that logs to MLflow or reads its data with boto3 imports it later as usual.
-# transformers imports SciPy for its object-detection losses whenever SciPy is installed (a third of a second of CPU in
-# every process that builds a policy); it checks with find_spec, which a hidden module answers "not installed".
-UNUSED_IMPORTS = {"deepspeed": ("mlflow",), "accelerate": ("boto3",), "accelerate.commands.launch": ("boto3",),
-                  "opentau_cli.policies.pi05": ("scipy",)}
+UNUSED_IMPORTS = {"deepspeed": ("mlflow",), "accelerate": ("boto3",), "accelerate.commands.launch": ("boto3",)}
 
 
 def die_with_parent() -> None:
