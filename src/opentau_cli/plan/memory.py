@@ -10,8 +10,9 @@ DeepSpeed's buffers, each divided among the ranks as the ZeRO stage divides it):
 - optimizer: the gradients (or their partition), AdamW's temporaries and the EMA's update.
 What a step allocates is measured by running the real policy's loss and backward on fake tensors (no memory, no
 compute) at the configured per-device batch and shapes, under the backend's precision, with a tracker of live storage
-that tells gradients from everything else. Then the device's own costs: on CUDA the context, NCCL's buffers and the
-caching allocator's fragmentation; on CPU (what a test can measure) glibc's retention of freed memory.
+that tells gradients from everything else (plan/measure.py, the only part that needs torch; its results are kept on
+disk). Then the device's own costs: on CUDA the context, NCCL's buffers and the caching allocator's fragmentation; on
+CPU (what a test can measure) glibc's retention of freed memory.
 """
 
 from __future__ import annotations
