@@ -53,7 +53,8 @@ def differences(saved: Path, again: Path) -> tuple[list[str], int]:
             a = torch.load(saved / name, map_location="cpu", weights_only=False)
             b = torch.load(again / name, map_location="cpu", weights_only=False)
         _compare(a, b, name, found, count)
-    from opentau_cli.store.dcp import DCP_DIR, is_dcp_checkpoint, saved_entries
+    from opentau_cli.store.dcp import saved_entries
+    from opentau_cli.store.layout import DCP_DIR, is_dcp_checkpoint
 
     if is_dcp_checkpoint(saved) or is_dcp_checkpoint(again):  # FSDP2: the model, optimizer and EMA shards, by name
         if not (is_dcp_checkpoint(saved) and is_dcp_checkpoint(again)):

@@ -233,3 +233,21 @@ def test_list_and_inspect_mark_which_checkpoints_last_and_best_point_at(tmp_path
     text = [line.split() for line in cli(["checkpoint", "list", run]).stdout.splitlines() if "000030" in line]
     assert text[0][-3] == "last+best"
     assert "designated by:   checkpoints/last, checkpoints/best" in cli(["checkpoint", "inspect", root / "000030"]).stdout
+
+
+def test_list_inspect_and_verify_of_a_safetensors_run_never_import_torch(tmp_path):
+    """Measured from outside: Python's own import log (-X importtime) of the installed CLI. A DDP checkpoint's files are
+    JSON and safetensors headers: the tools read them without torch (a second of CPU per command)."""
+    import subprocess
+
+    from conftest import opentau_bin
+
+    run, root, _ = _run(tmp_path)
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    for args in (["list", run, "--verify"], ["inspect", run], ["inspect", root / "000030"], ["verify", run]):
+        done = subprocess.run([opentau_bin(), "checkpoint", *map(str, args)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
+        imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+        assert "opentau_cli.tools.info" in imported and "torch" not in imported, args
+    assert "000030" in done.stdout

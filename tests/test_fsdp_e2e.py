@@ -96,7 +96,7 @@ def dcp_reference(ckpt: Path, tmp_path: Path) -> dict:
     """The checkpoint's DCP state as torch's own dcp_to_torch_save writes it ({"model": ..., "ema": ...})."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from opentau_cli.store.dcp import DCP_DIR
+    from opentau_cli.store.layout import DCP_DIR
 
     out = tmp_path / f"reference_{ckpt.parent.parent.name}_{ckpt.name}.pt"
     dcp_to_torch_save(str(ckpt / DCP_DIR), str(out))
@@ -177,7 +177,8 @@ def test_fsdp2_checkpoint_holds_each_ranks_dcp_shard_of_fp32_master_weights_and_
 
     from opentau_cli.config import load_config
     from opentau_cli.policies import build_policy
-    from opentau_cli.store.dcp import DCP_DIR, read_metadata
+    from opentau_cli.store.dcp import read_metadata
+    from opentau_cli.store.layout import DCP_DIR
 
     ckpt = bf16_run / CHECKPOINTS / "000003"
     files = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
@@ -252,7 +253,8 @@ def test_sigterm_saves_an_fsdp2_checkpoint_that_resumes_to_the_uninterrupted_los
 def test_fsdp2_checkpoint_consolidates_to_what_dcp_to_torch_save_gives(bf16_run, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from opentau_cli.store.dcp import DCP_DIR, consolidate_model
+    from opentau_cli.store.dcp import consolidate_model
+    from opentau_cli.store.layout import DCP_DIR
 
     ckpt = bf16_run / CHECKPOINTS / "000006"
     before = tree(ckpt)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-DCP_DIR = "fsdp_state"  # the checkpoint's DCP directory (model + optimizer, sharded per rank)
-DCP_METADATA = ".metadata"
+from opentau_cli.store.layout import DCP_DIR, DCP_METADATA
 
 # The record types DCP's metadata pickle holds (torch.distributed.checkpoint.metadata / filesystem), and torch's
 # value types they name.
@@ -198,11 +197,6 @@ def register_with(accelerator, model, optimizer, keys: set | None = None) -> Sha
 def registered(accelerator) -> ShardedState | None:
     """The FSDP2 launch's save hook on `accelerator` (None: not an FSDP2 launch)."""
     return next((h for h in accelerator._save_model_state_pre_hook.values() if isinstance(h, ShardedState)), None)
-
-
-def is_dcp_checkpoint(ckpt_dir: Path) -> bool:
-    """Whether `ckpt_dir` holds an FSDP2 checkpoint's sharded state (DCP_DIR with its metadata)."""
-    return (Path(ckpt_dir) / DCP_DIR / DCP_METADATA).is_file()
 
 
 MODEL_PREFIX = "model."  # the model's entries in the saved state ({"model": ..., "optimizer": ...}, flattened)

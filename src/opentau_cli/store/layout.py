@@ -22,6 +22,8 @@ import os
 import re
 from pathlib import Path
 
+from opentau_cli.errors import UserError
+
 # The run directory.
 CHECKPOINTS = "checkpoints"
 LAST = "last"
@@ -60,6 +62,9 @@ DS_LATEST = "latest"
 DS_MODEL_STATES = "mp_rank_00_model_states.pt"
 DS_SHARD_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
 ZERO_TO_FP32 = "zero_to_fp32.py"  # DeepSpeed copies its consolidation script into each save
+# What an FSDP2 save writes (store/dcp.py): DCP's directory (model + optimizer, sharded per rank) and its metadata.
+DCP_DIR = "fsdp_state"
+DCP_METADATA = ".metadata"
 
 _SAVING = ".tmp-"
 _DELETING = ".old-"
@@ -224,3 +229,52 @@ def run_part(path: Path) -> str | None:
     if is_checkpoint_dir(path):
         return "the checkpoint"
     return None
+
+
+def is_dcp_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether `ckpt_dir` holds an FSDP2 checkpoint's sharded state (DCP_DIR with its metadata)."""
+    return (Path(ckpt_dir) / DCP_DIR / DCP_METADATA).is_file()
+
+
+def find_tag_dir(ckpt_dir: Path) -> Path:
+    """The directory holding DeepSpeed's *_model_states.pt: via `latest`, a single tag subdir, or ckpt_dir itself."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise UserError(f"{ckpt_dir} is not a directory.")
+
+    states = ds_shard_glob("model")
+
+    def has_states(d: Path) -> bool:
+        return any(d.glob(states))
+
+    for root in (ckpt_dir, ckpt_dir / DS_TAG):
+        latest = root / DS_LATEST
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if tag and "/" not in tag and has_states(root / tag):
+                return root / tag
+            raise UserError(f"{latest} names DeepSpeed tag '{tag}', but {root / tag} holds no {states} file.")
+    if has_states(ckpt_dir):
+        return ckpt_dir
+    candidates = sorted({p.parent for p in ckpt_dir.glob(f"*/{states}")} | {p.parent for p in ckpt_dir.glob(f"*/*/{states}")})
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        raise UserError(f"{ckpt_dir} holds several DeepSpeed tags ({', '.join(c.name for c in candidates)}) and no "
+                        f"'{DS_LATEST}' file; pass the tag directory itself.")
+    if (ckpt_dir / MODEL_WEIGHTS).exists():
+        raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint: its weights are already in {MODEL_WEIGHTS}.")
+    if (ckpt_dir / CHECKPOINTS).is_dir():
+        raise UserError(f"{ckpt_dir} is a run directory: pass one of its checkpoints, e.g. {ckpt_dir / CHECKPOINTS / LAST}.")
+    raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint (no {states} under it).")
+
+
+def rank_shard_files(tag_dir: Path, kind: str) -> dict[int, Path]:
+    """rank -> DeepSpeed's `kind` ("optim" or "model") states file in a tag directory (ZeRO-1/2's one model file: 0)."""
+    files = {}
+    for p in tag_dir.glob(ds_shard_glob(kind)):
+        m = DS_SHARD_RE.search(p.name)
+        if m and int(m.group(2)) != 0:
+            raise UserError(f"{p}: tensor/pipeline-parallel (mp_rank > 0) checkpoints are not supported.")
+        files[int(m.group(1)) if m else 0] = p
+    return files

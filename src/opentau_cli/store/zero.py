@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from opentau_cli.errors import UserError
-from opentau_cli.store.layout import CHECKPOINTS, DS_LATEST, DS_MODEL_STATES, DS_SHARD_RE, DS_TAG, LAST, MODEL_WEIGHTS, ds_shard_glob, ema_group_name, ema_rank_file
+from opentau_cli.store.layout import DS_MODEL_STATES, ds_shard_glob, ema_group_name, ema_rank_file, find_tag_dir, rank_shard_files
 from opentau_cli.store.safetensors_writer import FileSpan, TensorEntry
 from opentau_cli.store.shard_reader import LazyTensor, Opaque, ShardFormatError, load_shard
 
@@ -37,50 +37,6 @@ class ZeroCheckpoint:
     # optimizer's step count: what an elastic resume carries into another topology (train/reshard.py).
     moments: dict[str, dict[str, TensorEntry]] = field(default_factory=dict)
     optimizer_step: float | None = None
-
-
-def find_tag_dir(ckpt_dir: Path) -> Path:
-    """The directory holding DeepSpeed's *_model_states.pt: via `latest`, a single tag subdir, or ckpt_dir itself."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        raise UserError(f"{ckpt_dir} is not a directory.")
-
-    states = ds_shard_glob("model")
-
-    def has_states(d: Path) -> bool:
-        return any(d.glob(states))
-
-    for root in (ckpt_dir, ckpt_dir / DS_TAG):
-        latest = root / DS_LATEST
-        if latest.is_file():
-            tag = latest.read_text().strip()
-            if tag and "/" not in tag and has_states(root / tag):
-                return root / tag
-            raise UserError(f"{latest} names DeepSpeed tag '{tag}', but {root / tag} holds no {states} file.")
-    if has_states(ckpt_dir):
-        return ckpt_dir
-    candidates = sorted({p.parent for p in ckpt_dir.glob(f"*/{states}")} | {p.parent for p in ckpt_dir.glob(f"*/*/{states}")})
-    if len(candidates) == 1:
-        return candidates[0]
-    if candidates:
-        raise UserError(f"{ckpt_dir} holds several DeepSpeed tags ({', '.join(c.name for c in candidates)}) and no "
-                        f"'{DS_LATEST}' file; pass the tag directory itself.")
-    if (ckpt_dir / MODEL_WEIGHTS).exists():
-        raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint: its weights are already in {MODEL_WEIGHTS}.")
-    if (ckpt_dir / CHECKPOINTS).is_dir():
-        raise UserError(f"{ckpt_dir} is a run directory: pass one of its checkpoints, e.g. {ckpt_dir / CHECKPOINTS / LAST}.")
-    raise UserError(f"{ckpt_dir} is not a DeepSpeed checkpoint (no {states} under it).")
-
-
-def rank_shard_files(tag_dir: Path, kind: str) -> dict[int, Path]:
-    """rank -> DeepSpeed's `kind` ("optim" or "model") states file in a tag directory (ZeRO-1/2's one model file: 0)."""
-    files = {}
-    for p in tag_dir.glob(ds_shard_glob(kind)):
-        m = DS_SHARD_RE.search(p.name)
-        if m and int(m.group(2)) != 0:
-            raise UserError(f"{p}: tensor/pipeline-parallel (mp_rank > 0) checkpoints are not supported.")
-        files[int(m.group(1)) if m else 0] = p
-    return files
 
 
 def _zero_stage(value) -> int:

@@ -20,10 +20,11 @@ import torch
 
 from opentau_cli.errors import RunError, UserError
 from opentau_cli.store import manifest as mf
-from opentau_cli.store.dcp import is_dcp_checkpoint, model_entries
+from opentau_cli.store.dcp import model_entries
 from opentau_cli.store.format import check_readable, migrate_training_state
 from opentau_cli.store.layout import (
-    EMA_STATE, TRAINING_STATE, MANIFEST, MODEL_WEIGHTS, weights_index_path, weights_shard_path,
+    EMA_STATE, TRAINING_STATE, MANIFEST, MODEL_WEIGHTS, find_tag_dir, is_dcp_checkpoint, weights_index_path,
+    weights_shard_path,
 )
 from opentau_cli.store.lineage import archive_of
 from opentau_cli.store.faults import fault_point
@@ -31,7 +32,7 @@ from opentau_cli.store.outputs import check_target, make_parents, publishing, re
 from opentau_cli.store.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.store.shard_reader import ShardFormatError
 from opentau_cli.store.storage import fsync_dir
-from opentau_cli.store.zero import find_tag_dir, read_zero_checkpoint
+from opentau_cli.store.zero import read_zero_checkpoint
 from opentau_cli.units import parse_size
 
 CONSOLIDATE_COMMAND = "checkpoint consolidate"  # names its outputs (opentau_cli/store/outputs.py): --force replaces only those

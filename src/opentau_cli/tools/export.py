@@ -28,10 +28,10 @@ from opentau_cli.policies.layouts import (
     LEROBOT, OPENPI, OPENTAU, Layout, lerobot_image_features, opentau_stats_tensors, published_names, write_lerobot_stats,
     write_openpi_stats,
 )
-from opentau_cli.store.dcp import is_dcp_checkpoint, model_entries
+from opentau_cli.store.dcp import model_entries
 from opentau_cli.store.faults import fault_point
 from opentau_cli.store.format import check_readable
-from opentau_cli.store.layout import DS_TAG, EMA_WEIGHTS, MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX
+from opentau_cli.store.layout import DS_TAG, EMA_WEIGHTS, MODEL_WEIGHTS, TRAIN_CONFIG, WEIGHTS_INDEX, is_dcp_checkpoint
 from opentau_cli.store.outputs import check_target, publishing, writable_parent
 from opentau_cli.store.safetensors_writer import TensorEntry, write_safetensors
 from opentau_cli.store.shard_reader import ShardFormatError

@@ -1,7 +1,8 @@
 """Read-only views of checkpoints: `inspect` one or a run, `verify` one or a whole run, `list` a run's checkpoints.
 
 Nothing here unpickles anything but allow-listed data: JSON files, safetensors headers, and DeepSpeed shards through
-`shard_reader` (metadata only, never tensor data).
+`shard_reader` (metadata only, never tensor data). torch is imported only to read a DeepSpeed or FSDP2 checkpoint's
+metadata: `checkpoint list`, `inspect` and `verify` of safetensors checkpoints start without it (a second of CPU).
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ from pathlib import Path
 
 from opentau_cli.errors import UserError
 from opentau_cli.store import evals, manifest as mf
-from opentau_cli.store.dcp import is_dcp_checkpoint, summary as dcp_summary
 from opentau_cli.store.format import check_readable
 from opentau_cli.store.layout import (
     BEST, CHECKPOINTS, DS_SHARD_RE, DS_TAG, LAST, MANIFEST, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, WEIGHTS_INDEX, ds_shard_glob,
-    leftover_of, read_last, step_of,
+    find_tag_dir, is_dcp_checkpoint, leftover_of, rank_shard_files, read_last, step_of,
 )
 from opentau_cli.store.lineage import current_branch, lineage_in, lineage_of, newest_complete, rolled_back
-from opentau_cli.store.shard_reader import LazyTensor, load_shard
 
 
 def _read_json(path: Path) -> dict:
@@ -166,6 +165,8 @@ def inspect_checkpoint(ckpt_dir: Path) -> CheckpointInfo:
         info.parameters_source = "deepspeed shards (parameters only)"
         info.consolidated = bool(weights)
     elif is_dcp_checkpoint(ckpt_dir):  # FSDP2: the model's tensors as its DCP metadata lists them
+        from opentau_cli.store.dcp import summary as dcp_summary
+
         info.parameters, info.dtypes = dcp_summary(ckpt_dir)
         info.parameters_source = "DCP shards (parameters and buffers)"
         info.consolidated = bool(weights)
@@ -191,8 +192,6 @@ def links_to(ckpt_dir: Path) -> list[str]:
 
 def _deepspeed_summary(ckpt_dir: Path) -> dict | None:
     """Stage, world size, step and parameter counts from DeepSpeed's model-states file (metadata only)."""
-    from opentau_cli.store.zero import find_tag_dir, rank_shard_files
-
     try:
         tag_dir = find_tag_dir(ckpt_dir)
     except UserError:
@@ -201,6 +200,8 @@ def _deepspeed_summary(ckpt_dir: Path) -> dict | None:
     optims = rank_shard_files(tag_dir, "optim")
     if 0 not in models:
         return None
+    from opentau_cli.store.shard_reader import LazyTensor, load_shard
+
     m0 = load_shard(models[0])
     shapes = {k: v for group in (m0.get("param_shapes") or []) for k, v in group.items()}
     frozen = m0.get("frozen_param_shapes") or {}
