@@ -1,5 +1,6 @@
 """Benchmark: what the `opentau` command spends planning a launch, with the policy's sizes built on the meta device
-(transformers imported) vs read from the cache a launch of the same policy left (`plan/memory.py` `cached_sizes`).
+(transformers imported) vs read from the cache a launch of the same policy left (`plan/memory.py` `cached_sizes`;
+on a machine with no GPU device file the cached side imports no torch either).
 
 Each round runs `opentau config validate` of the tiny preset (the same planning `train` and `resume` do before
 they launch) in a fresh process on each side: "built" with a cache that holds the memory plan's step measurement but
