@@ -121,21 +121,32 @@ def _library_versions() -> list[str | None]:
 
 
 def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: str, autocast: bool) -> StepBytes:
-    """What one forward + backward of the full-size model allocates, on fake tensors (plan/measure.py). Cached per
-    shape, precision, torch version and version of the code measured."""
-    key = json.dumps([MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"), batch, cameras,
-                      weights_dtype, autocast, _library_versions()[0]], sort_keys=True)
-    cache = cache_dir() / f"step_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-    if cache.is_file():
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            return StepBytes(**json.loads(cache.read_text()))
-    from opentau_cli.plan import measure
+    """What one forward + backward of the full-size model allocates, on fake tensors (plan/measure.py). Kept on disk
+    per shape, precision, torch version and version of the code measured."""
+    def measured() -> StepBytes:
+        from opentau_cli.plan import measure
 
-    measured = StepBytes(**measure.step_bytes(policy_cfg, batch, cameras, weights_dtype, autocast))
+        return StepBytes(**measure.step_bytes(policy_cfg, batch, cameras, weights_dtype, autocast))
+
+    key = [policy_cfg.model_dump(mode="json"), batch, cameras, weights_dtype, autocast, _library_versions()[0]]
+    return _kept_on_disk("step", StepBytes, key, measured)
+
+
+def _kept_on_disk(kind: str, cls, key: list, measure):
+    """A result of `measure()` (a `cls`), kept in cache_dir() under a hash of `key`, MEASURE_VERSION and the measured
+    code's version: read back when whole and of `cls`'s fields, else measured again. Written under another name and
+    renamed into place, so a launch that reads it meanwhile finds it whole or absent."""
+    digest = hashlib.sha256(json.dumps([kind, MEASURE_VERSION, _code_version(), *key], sort_keys=True).encode())
+    cache = cache_dir() / f"{kind}_{digest.hexdigest()[:20]}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return cls(**json.loads(cache.read_text()))
+    result = measure()
     with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(measured.__dict__))
-    return measured
+        written = cache.with_name(f".{cache.name}.{os.getpid()}")
+        written.write_text(json.dumps(result.__dict__))
+        os.replace(written, cache)
+    return result
 
 
 def cache_dir() -> Path:
@@ -183,20 +194,14 @@ class ModuleTrace:
 
 def module_trace(policy_cfg: PolicyConfig, cameras: int) -> ModuleTrace:
     """The ModuleTrace of the full-size policy, from one forward on fake tensors of the configured shapes (batch 1,
-    plan/measure.py). Cached like step_bytes."""
-    key = json.dumps(["trace", MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"), cameras,
-                      _library_versions()[0]], sort_keys=True)
-    cache = cache_dir() / f"trace_{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
-    if cache.is_file():
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            return ModuleTrace(**json.loads(cache.read_text()))
-    from opentau_cli.plan import measure
+    plan/measure.py). Kept on disk like step_bytes."""
+    def measured() -> ModuleTrace:
+        from opentau_cli.plan import measure
 
-    trace = ModuleTrace(**measure.module_trace(policy_cfg, cameras))
-    with contextlib.suppress(OSError):
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(trace.__dict__))
-    return trace
+        return ModuleTrace(**measure.module_trace(policy_cfg, cameras))
+
+    return _kept_on_disk("trace", ModuleTrace, [policy_cfg.model_dump(mode="json"), cameras, _library_versions()[0]],
+                         measured)
 
 
 def zero3_gathered(trace: ModuleTrace, settings: dict[str, int]) -> tuple[int, int]:
@@ -344,23 +349,12 @@ def cached_sizes(policy_cfg: PolicyConfig) -> Sizes:
     "Start-up"). A policy whose build reads a tokenizer directory is built every time (the key does not hold its
     files), and a policy that cannot be built is never cached: its refusal comes from the build, every time."""
     key = policy_cfg.model_dump_json()
-    if key in _SIZES:
-        return _SIZES[key]
-    cache = None
-    if policy_cfg.tokenizer_path is None:
-        disk_key = json.dumps(["sizes", MEASURE_VERSION, _code_version(), policy_cfg.model_dump(mode="json"),
-                               _library_versions()], sort_keys=True)
-        cache = cache_dir() / f"sizes_{hashlib.sha256(disk_key.encode()).hexdigest()[:20]}.json"
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            _SIZES[key] = Sizes(**json.loads(cache.read_text()))
-            return _SIZES[key]
-    _SIZES[key] = sizes(policy_cfg)
-    if cache is not None:
-        with contextlib.suppress(OSError):
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            written = cache.with_name(f".{cache.name}.{os.getpid()}")
-            written.write_text(json.dumps(_SIZES[key].__dict__))
-            os.replace(written, cache)  # whole or absent for another launch that reads it meanwhile
+    if key not in _SIZES:
+        if policy_cfg.tokenizer_path is None:
+            _SIZES[key] = _kept_on_disk("sizes", Sizes, [policy_cfg.model_dump(mode="json"), _library_versions()],
+                                        lambda: sizes(policy_cfg))
+        else:
+            _SIZES[key] = sizes(policy_cfg)
     return _SIZES[key]
 
 
