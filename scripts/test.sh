@@ -45,7 +45,9 @@ status=0
 # tests/conftest.py gives (slow modules first): a 2-process launch leaves a core idle while it plans, starts and
 # saves, and a single-process test uses one core of two. TEST_WORKERS=0 runs in this process. (Three workers on
 # two cores measured slower, 1315 s against 1108 s: the cores are then never idle but every launch waits longer.)
-.venv/bin/python -m pytest -q --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder ${tier[@]+"${tier[@]}"} "$@" || status=$?
+# A passing test's tmp_path is removed as it ends, a failing one's kept to read (pytest's retention policy "failed"):
+# the whole suite's checkpoints would otherwise stay on a disk that other jobs may be filling too.
+.venv/bin/python -m pytest -q -o tmp_path_retention_policy=failed --durations=15 -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder ${tier[@]+"${tier[@]}"} "$@" || status=$?
 echo "tests: $((SECONDS - tests_start)) s"
 kill -TERM "$cpu_watch" 2>/dev/null && wait "$cpu_watch" || true
 echo "load after: $(cat /proc/loadavg 2>/dev/null || uptime)"
