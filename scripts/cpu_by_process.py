@@ -4,7 +4,8 @@ SIGTERM when the tests end; it then prints one table (docs/development.md, "Read
 On CI's two cores the suite keeps both busy, so its minutes are CPU seconds; most of them are spent by the processes
 the tests start (ranks, launchers, `opentau` commands), which pytest's per-module times do not separate. Every
 process is read (psutil) five times a second: its CPU (user + system) when last seen, counted from when this began
-for a process that was already running, and the test that started it (PYTEST_CURRENT_TEST in its environment). A
+for a process that was already running, the test that started it (PYTEST_CURRENT_TEST in its environment) and, for
+an `opentau` command, its subcommand. A
 process that lives less than a fifth of a second may be missed: it costs less than that.
 
     python scripts/cpu_by_process.py     (until SIGTERM)
@@ -27,9 +28,24 @@ KINDS = [
     ("ranks (train and profile workers)", ("opentau_cli.train.worker", "opentau_cli.profiling.worker")),
     ("evaluations during training", ("opentau_cli.sim.watch",)),
     ("asynchronous checkpoint writers", ("opentau_cli.train.async_save",)),
-    ("`opentau` commands (train, resume, eval, ...)", ("bin/opentau ", "bin/opentau-train ")),
+    (COMMANDS := "`opentau` commands (train, resume, eval, ...)", ("bin/opentau ", "bin/opentau-train ")),
     ("pytest and its workers (the tests that run in-process)", ("exec(eval(sys.stdin.readline()))", "-m pytest ")),
 ]
+
+
+# The commands that take a subcommand of their own (`opentau checkpoint list`).
+GROUPS = ("checkpoint", "config", "dataset")
+
+
+def subcommand(cmdline: list[str]) -> str:
+    """`train`, `checkpoint list`, ...: the words after the console script (python, then its path) up to the first
+    option; the script's name where none (`opentau-train`)."""
+    words = []
+    for word in cmdline[2:]:
+        if word.startswith("-") or (words and words[0] not in GROUPS) or len(words) == 2:
+            break
+        words.append(word)
+    return " ".join(words) or os.path.basename(cmdline[1] if len(cmdline) > 1 else cmdline[0])
 
 
 def kind_of(cmdline: str, comm: str) -> str:
@@ -72,10 +88,13 @@ class Watch:
             test = proc.environ().get("PYTEST_CURRENT_TEST", "").split("::")[0]
         except psutil.AccessDenied:
             test = ""
-        return {"kind": kind_of(" ".join(proc.cmdline()), proc.name()), "test": test, "before": before, "cpu": before}
+        cmdline = proc.cmdline()
+        kind = kind_of(" ".join(cmdline), proc.name())
+        return {"kind": kind, "test": test, "before": before, "cpu": before,
+                "command": subcommand(cmdline) if kind == COMMANDS else ""}
 
     def report(self) -> str:
-        cpu, count, modules = Counter(), Counter(), Counter()
+        cpu, count, modules, commands, command_count = Counter(), Counter(), Counter(), Counter(), Counter()
         for record in filter(None, self.seen.values()):
             used = max(0.0, record["cpu"] - record["before"])
             if used <= 0:
@@ -84,6 +103,9 @@ class Watch:
             count[record["kind"]] += 1
             if record["test"]:
                 modules[record["test"]] += used
+            if record["command"]:
+                commands[record["command"]] += used
+                command_count[record["command"]] += 1
         total = sum(cpu.values())
         if not total:
             return ""
@@ -91,6 +113,10 @@ class Watch:
         for kind, seconds in cpu.most_common():
             share, each = 100 * seconds / total, seconds / count[kind]
             lines.append(f"{seconds:8.0f} s {share:3.0f}%  {count[kind]:5d} x {each:5.1f} s  {kind}")
+        if commands:
+            lines.append("the `opentau` commands that used the most CPU:")
+            lines += [f"{seconds:8.0f} s  {command_count[name]:5d} x {seconds / command_count[name]:5.1f} s  {name}"
+                      for name, seconds in commands.most_common(10)]
         if modules:
             lines.append("the modules whose started processes used the most CPU:")
             lines += [f"{seconds:8.0f} s  {module}" for module, seconds in modules.most_common(10)]
