@@ -5,8 +5,8 @@ On CI's two cores the suite keeps both busy, so its minutes are CPU seconds; mos
 the tests start (ranks, launchers, `opentau` commands), which pytest's per-module times do not separate. Every
 process is read (psutil) five times a second: its CPU (user + system) when last seen, counted from when this began
 for a process that was already running, the test that started it (PYTEST_CURRENT_TEST in its environment) and, for
-an `opentau` command, its subcommand. A
-process that lives less than a fifth of a second may be missed: it costs less than that.
+an `opentau` command, its subcommand. A process that lives less than a fifth of a second may be missed: it costs
+less than that.
 
     python scripts/cpu_by_process.py     (until SIGTERM)
 """
