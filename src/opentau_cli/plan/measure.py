@@ -16,10 +16,6 @@ from torch.utils._pytree import tree_leaves
 
 from opentau_cli.config.model import PolicyConfig
 
-# The weights' dtypes the plan names (memory.step_precision).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage created inside the mode and still alive, and their peaks: every op's outputs are
     counted once per storage and released when the storage is freed. Storage that becomes a parameter's gradient
@@ -103,7 +99,7 @@ def policy_module(policy_cfg: PolicyConfig, weights_dtype: str, meta: bool = Fal
         policy.enable_gradient_checkpointing()
     if weights_dtype != "float32":
         for p in policy.parameters():  # as DeepSpeed's bf16 engine holds them: every parameter, buffers kept
-            p.data = p.data.to(DTYPES[weights_dtype])
+            p.data = p.data.to(getattr(torch, weights_dtype))  # a name of memory.DTYPE_BYTES
     return policy.train()
 
 
