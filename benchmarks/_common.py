@@ -11,6 +11,7 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -242,6 +243,19 @@ def record_result(title: str, rows: list[tuple[str, str]], notes: list[str], hea
         *[f"- {n}" for n in notes],
     ]
     return record_section("\n".join(lines) + "\n", headline, path)
+
+
+def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """Each side's median wall and CPU seconds over its rounds (`wall_s`, `cpu_s`), then the second side's over the
+    first's ("cached / built")."""
+    median = {side: {k: statistics.median(r[k] for r in rounds) for k in ("wall_s", "cpu_s")} for side, rounds in runs.items()}
+    rows = []
+    for side, m in median.items():
+        rows += [(f"{side}: wall time", f"{m['wall_s']:.2f} s"), (f"{side}: CPU time", f"{m['cpu_s']:.2f} s")]
+    (first, a), (second, b) = median.items()
+    rows.append((f"{second} / {first}: wall time", f"{b['wall_s'] / a['wall_s']:.2f}x"))
+    rows.append((f"{second} / {first}: CPU time", f"{b['cpu_s'] / a['cpu_s']:.2f}x"))
+    return rows
 
 
 def rounds_note(runs: dict[str, list[dict]]) -> str:

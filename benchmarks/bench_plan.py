@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TINY_CONFIG, Headline, base_parser, env, opentau_bin, print_rows, report, rounds_note  # noqa: E402
+from _common import (TINY_CONFIG, Headline, base_parser, compare_rows, env, opentau_bin, print_rows, report,  # noqa: E402
+                     rounds_note)
 
 SIDES = ("built", "cached")
 
@@ -50,18 +50,6 @@ def without_sizes(warm: Path, cache: Path) -> Path:
     for entry in (cache / "memory_plan").glob("sizes_*.json"):
         entry.unlink()
     return cache
-
-
-def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
-    """Each side's median wall and CPU seconds over its rounds, then cached / built."""
-    median = {side: {k: statistics.median(r[k] for r in rounds) for k in ("wall_s", "cpu_s")} for side, rounds in runs.items()}
-    rows = []
-    for side, m in median.items():
-        rows += [(f"{side}: wall time", f"{m['wall_s']:.2f} s"), (f"{side}: CPU time", f"{m['cpu_s']:.2f} s")]
-    built, cached = median[SIDES[0]], median[SIDES[1]]
-    rows.append(("cached / built: wall time", f"{cached['wall_s'] / built['wall_s']:.2f}x"))
-    rows.append(("cached / built: CPU time", f"{cached['cpu_s'] / built['cpu_s']:.2f}x"))
-    return rows
 
 
 def main() -> None:

@@ -209,6 +209,13 @@ def test_plan_benchmark_smoke_times_planning_with_the_policys_sizes_built_and_ca
     assert re.search(r"cached / built: CPU time\s+\d+\.\d\dx$", out, re.M)
 
 
+def test_omp_wait_benchmark_smoke_times_two_concurrent_trainings_under_each_wait_policy(tmp_path):
+    out = run_benchmark("bench_omp_wait.py", tmp_path / "B.md")
+    for side in ("default", "passive"):
+        assert re.search(rf"{side}: CPU time\s+\d+\.\d\d s$", out, re.M)
+    assert re.search(r"passive / default: CPU time\s+\d+\.\d\dx$", out, re.M)
+
+
 def test_plan_rows_are_the_medians_of_each_side_and_their_ratios():
     plan = _benchmark_module("bench_plan")
     rows = dict(plan.compare_rows({"built": [{"wall_s": 6.0, "cpu_s": 4.0}, {"wall_s": 5.0, "cpu_s": 3.0}, {"wall_s": 9.0, "cpu_s": 5.0}],
