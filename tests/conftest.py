@@ -159,12 +159,15 @@ def pytest_collection_modifyitems(items) -> None:
 # The whole suite's time by module, printed after pytest's slowest tests: where CI's minutes go, at a glance.
 # Under pytest-xdist, each worker's busy seconds and when it finished: an idle worker at the end shows as a gap.
 _MODULE_SECONDS: dict[str, float] = {}
+_FAILED_MODULES: set[str] = set()
 _WORKERS: dict[str, list[float]] = {}
 _STARTED = time.monotonic()
 
 
 def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::", 1)[0]
+    if report.failed:
+        _FAILED_MODULES.add(module)
     _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
     worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
     if worker is not None:
@@ -190,6 +193,27 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"worker {worker}: {busy:.0f} s in tests, its last one ended {finished:.0f} s in")
 
 
+# A session fixture's temporary directory is named session-*: it outlives the module that first asked for it.
+SESSION_TEMP = "session-"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_temp_removed_when_it_passes(request, tmp_path_factory):
+    """The temporary directories made while a module ran (its module fixtures' runs, servers' data, its tests'),
+    removed once its last test ended if none of its tests failed; a failed module's are kept to read. scripts/test.sh
+    removes a passing test's own directory as it ends; the module fixtures' runs (several GB in all) would otherwise
+    stay until the session ends, on a disk other jobs may be filling too. Set up before the module's other fixtures,
+    it is torn down after them."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(os.listdir(base))
+    yield
+    if request.node.nodeid.split("::", 1)[0] in _FAILED_MODULES:
+        return
+    for name in set(os.listdir(base)) - before:
+        if not name.startswith(SESSION_TEMP) and not (base / name).is_symlink():
+            shutil.rmtree(base / name, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def published_pi05_cache(tmp_path_factory) -> Path:
     """A Hugging Face cache holding what configs/examples/pi05_config.json starts from, laid out as `hf download`
@@ -197,9 +221,9 @@ def published_pi05_cache(tmp_path_factory) -> Path:
     a small word-level tokenizer standing in for google/paligemma-3b-pt-224."""
     from published import hub_cache, hub_cache_header_only, published_keys, save_word_tokenizer
 
-    cache = tmp_path_factory.mktemp("hf_cache")
+    cache = tmp_path_factory.mktemp(f"{SESSION_TEMP}hf_cache")
     hub_cache_header_only(cache, "lerobot/pi05_base", published_keys("pi05", "model.", embed_tokens=False))
-    tokenizer = tmp_path_factory.mktemp("paligemma_tokenizer")
+    tokenizer = tmp_path_factory.mktemp(f"{SESSION_TEMP}paligemma_tokenizer")
     save_word_tokenizer(tokenizer)
     hub_cache(cache, "google/paligemma-3b-pt-224", tokenizer)
     return cache
@@ -362,7 +386,7 @@ def start_s3_server(tmp_path_factory, name: str = "s3_server"):
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    server = start_s3_server(tmp_path_factory)
+    server = start_s3_server(tmp_path_factory, f"{SESSION_TEMP}s3_server")
     yield server
     server.kill()  # its data goes with the temp dir; a clean stop waits ~10 s on clients' idle connections
 

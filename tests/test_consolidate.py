@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from typer.testing import CliRunner
 
-from conftest import REPO, opentau_bin, run_cli
+from conftest import REPO, SESSION_TEMP, opentau_bin, run_cli
 from opentau_cli.cli.main import app
 from opentau_cli.store.layout import (
     CHECKPOINTS, DS_TAG, LAST, MODEL_WEIGHTS, WEIGHTS_INDEX, ds_shard_glob, weights_shard_path,
@@ -40,7 +40,7 @@ def ds_ckpts(tmp_path_factory):
 
     Two launches (1 and 2 ranks) each save a ZeRO-2 run, then a ZeRO-3 run in the same processes. z3r2_step3 is the
     z3r2 run saved one step later: the source of "a shard from another save"."""
-    root = tmp_path_factory.mktemp("ds")
+    root = tmp_path_factory.mktemp(f"{SESSION_TEMP}ds")
 
     def make(ranks):
         mp = "bf16" if ranks == 2 else "no"
