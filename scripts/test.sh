@@ -20,8 +20,8 @@ setup_start=$SECONDS
 export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"
 # Two test workers share the cores, and a process whose torch computes on more than one thread (a single-process
 # launch, an evaluation, an in-process test) would otherwise spin in OpenMP's barriers waiting for threads the other
-# worker's processes hold: measured here, two concurrent 30-step single-process tiny trainings took 36 CPU-s and 18 s
-# with OpenMP's default wait policy, 16 CPU-s and 8 s with PASSIVE (docs/development.md). It changes no result.
+# worker's processes hold: two concurrent single-process trainings take about a quarter of the CPU with PASSIVE
+# (benchmarks/bench_omp_wait.py, docs/development.md). It changes no result.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 ./scripts/peer_envs.sh  # the peers' own packages the tests check against (built once, cached)
 # opentau's own modules compiled once here, not in every process a test starts: where PYTHONDONTWRITEBYTECODE is set

@@ -38,11 +38,15 @@ REMOTE = "Remote checkpoints: upload, training time lost per save, resume from t
 REMOTE_TRAINING = "Remote checkpoints, training only"
 REMOTE_INTERFERENCE = "Remote checkpoints, interference only"
 SPLIT = "rank on core 0, uploader and store on core 1 (a GPU node's host)"
+OMP = "OpenMP's wait policy: two single-process trainings at once, default vs PASSIVE"
 
 
 # A page's figure -> where it comes from: (a pattern of the pages' prose whose group is the figure, the benchmark's
 # section title, the row of its table, a pattern of that row's value whose group is the measured number[, a conversion]).
 FIGURES = [
+    (r"tiny trainings took ([\d.]+) CPU-s with OpenMP's default", OMP, "default: CPU time", r"^([\d.]+) s"),
+    (r"default wait policy and ([\d.]+) with PASSIVE", OMP, "passive: CPU time", r"^([\d.]+) s"),
+    (r"with PASSIVE \(([\d.]+)x of the CPU\s+time", OMP, "passive / default: CPU time", r"^([\d.]+)x"),
     (r"pi05_small, ([\d.]+) samples/s against [\d.]+ for FSDP2", FSDP, "DDP", r"^([\d.]+) samples/s"),
     (r"samples/s against ([\d.]+) for FSDP2", FSDP, "FSDP2", r"^([\d.]+) samples/s"),
     (r"for FSDP2 and ([\d.]+) for ZeRO-3, `bench_fsdp.py`", FSDP, "ZeRO-3", r"^([\d.]+) samples/s"),
