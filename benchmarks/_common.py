@@ -258,6 +258,15 @@ def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
     return rows
 
 
+def report_compared(args, title: str, command: str, runs: dict[str, list[dict]], what: str) -> None:
+    """Print and record a run that compares two sides by their rounds (`wall_s`, `cpu_s`): the command row, then
+    compare_rows, every round in a note, and the headline: the second side's CPU time over the first's, `what`."""
+    rows = [("command", command), *compare_rows(runs)]
+    print_rows(title, rows)
+    first, second = runs
+    report(args, title, rows, [rounds_note(runs)], Headline(f"{dict(rows)[f'{second} / {first}: CPU time']} {what}"))
+
+
 def rounds_note(runs: dict[str, list[dict]]) -> str:
     """A run's note listing every round of each side (its `wall_s` / `cpu_s`), for a benchmark that gives medians."""
     return "every side's rounds (wall / CPU s): " + "; ".join(

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (TINY_CONFIG, Headline, base_parser, compare_rows, env, opentau_bin, print_rows, report,  # noqa: E402
-                     rounds_note)
+from _common import TINY_CONFIG, base_parser, env, opentau_bin, report_compared  # noqa: E402
 
 SIDES = {"default": None, "passive": "PASSIVE"}  # OMP_WAIT_POLICY: unset (OpenMP's default) / PASSIVE
 
@@ -66,14 +65,10 @@ def main() -> None:
         for _ in range(rounds):  # alternating, so a change in machine load hits both sides alike
             for side, policy in SIDES.items():
                 runs[side].append(two_trainings(work, steps, policy))
-    rows = [("command", f"two `opentau train {TINY_CONFIG.name} --steps={steps}` at once, one process each; "
-                        f"{rounds} round(s) per side, median; {os.cpu_count()} CPUs")]
-    rows += compare_rows(runs)
-    title = "OpenMP's wait policy: two single-process trainings at once, default vs PASSIVE"
-    print_rows(title, rows)
-    report(args, title, rows, [rounds_note(runs)],
-           Headline(f"{dict(rows)['passive / default: CPU time']} CPU time of two concurrent trainings, PASSIVE / default"))
-
+    report_compared(args, "OpenMP's wait policy: two single-process trainings at once, default vs PASSIVE",
+                    f"two `opentau train {TINY_CONFIG.name} --steps={steps}` at once, one process each; {rounds} round(s) "
+                    f"per side, median; {os.cpu_count()} CPUs", runs,
+                    "CPU time of two concurrent trainings, PASSIVE / default")
 
 if __name__ == "__main__":
     main()

@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (TINY_CONFIG, Headline, base_parser, compare_rows, env, opentau_bin, print_rows, report,  # noqa: E402
-                     rounds_note)
+from _common import TINY_CONFIG, base_parser, env, opentau_bin, report_compared  # noqa: E402
 
 SIDES = ("built", "cached")
 
@@ -67,14 +66,9 @@ def main() -> None:
         for _ in range(rounds):  # alternating, so a change in machine load hits both sides alike
             runs["built"].append(validate(without_sizes(warm, work / "built"), work / "run"))
             runs["cached"].append(validate(warm, work / "run"))
-    rows = [("command", f"opentau config validate {TINY_CONFIG.name}; {rounds} round(s) per side in fresh processes, "
-                        f"median; {os.cpu_count()} CPUs")]
-    rows += compare_rows(runs)
-    title = "Planning a launch: the policy's sizes built vs cached"
-    print_rows(title, rows)
-    report(args, title, rows, [rounds_note(runs)],
-           Headline(f"{dict(rows)['cached / built: CPU time']} CPU time of planning a launch, sizes cached / built"))
-
+    report_compared(args, "Planning a launch: the policy's sizes built vs cached",
+                    f"opentau config validate {TINY_CONFIG.name}; {rounds} round(s) per side in fresh processes, median; "
+                    f"{os.cpu_count()} CPUs", runs, "CPU time of planning a launch, sizes cached / built")
 
 if __name__ == "__main__":
     main()

@@ -216,9 +216,9 @@ def test_omp_wait_benchmark_smoke_times_two_concurrent_trainings_under_each_wait
     assert re.search(r"passive / default: CPU time\s+\d+\.\d\dx$", out, re.M)
 
 
-def test_plan_rows_are_the_medians_of_each_side_and_their_ratios():
-    plan = _benchmark_module("bench_plan")
-    rows = dict(plan.compare_rows({"built": [{"wall_s": 6.0, "cpu_s": 4.0}, {"wall_s": 5.0, "cpu_s": 3.0}, {"wall_s": 9.0, "cpu_s": 5.0}],
+def test_side_by_side_rows_are_the_medians_of_each_side_and_their_ratios():
+    common = _benchmark_module("_common")  # bench_plan's and bench_omp_wait's table
+    rows = dict(common.compare_rows({"built": [{"wall_s": 6.0, "cpu_s": 4.0}, {"wall_s": 5.0, "cpu_s": 3.0}, {"wall_s": 9.0, "cpu_s": 5.0}],
                                    "cached": [{"wall_s": 3.0, "cpu_s": 1.5}, {"wall_s": 2.0, "cpu_s": 2.0}, {"wall_s": 2.5, "cpu_s": 1.0}]}))
     assert rows["built: wall time"] == "6.00 s" and rows["built: CPU time"] == "4.00 s"
     assert rows["cached: wall time"] == "2.50 s" and rows["cached: CPU time"] == "1.50 s"
