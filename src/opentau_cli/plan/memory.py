@@ -21,6 +21,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -509,10 +510,18 @@ def _fsdp_phases(s: Sizes, step, world: int, w: int, accumulates: bool, cpu: boo
     grads = 4 * shard(s.trainable)
     held = grads if accumulates else 0  # the sharded gradients of the previous micro-batches
     forward = {"activations": step.forward, "gathered parameters": gathered, "gradient shards": held}
+    # The activations are freed as the gradients appear, each layer's kept as its fp32 shard: `k` times the bytes of
+    # the unsharded gradient the measured step holds. The peak of activations + k x gradients over the backward is at
+    # most the straight line between k = 0 (step.backward) and k = 1 (step.backward_with_gradients): a maximum of
+    # functions linear in k is convex in k. Under accumulation the earlier micro-batches' shards hold throughout.
+    k = 4 / (w * world)
+    grown = min(k, 1) * (step.backward_with_gradients - step.backward) + max(k - 1, 0) * step.gradients
+    shards = {"activations": step.backward, "gradient shards": grads} if accumulates else \
+        {"activations and gradient shards": step.backward + math.ceil(grown)}
     # A layer's unsharded gradients in the compute dtype, their fp32 copy for the reduction, and the root's, which
-    # are reduced last; the sharded fp32 gradients fill in as each layer is reduced.
-    backward = {"activations": step.backward, "gathered parameters": gathered,
-                "unsharded gradients": w * (s.root + s.largest_layer) + 4 * s.largest_layer, "gradient shards": grads}
+    # are reduced last.
+    backward = {**shards, "gathered parameters": gathered,
+                "unsharded gradients": w * (s.root + s.largest_layer) + 4 * s.largest_layer}
     adamw = 8 * shard(s.largest_trainable) if cpu else 4 * shard(s.trainable)
     optimizer = {"gradient shards": grads, **optimizer, "AdamW temporaries": adamw}
     return lives, forward, backward, optimizer
