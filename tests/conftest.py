@@ -50,6 +50,21 @@ def opentau_bin(name: str = "opentau") -> str:
     return found
 
 
+def live_descendants(pid: int, marker: str) -> list[list[str]]:
+    """The command lines of the live processes under `pid` whose command line holds `marker`. A process listed a moment
+    ago may have exited since (gone, or a zombie until its parent reaps it): it is skipped, not an error."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and marker in " ".join(cmdline := child.cmdline()):
+                found.append(cmdline)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def run_cli(args: list[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 600, script: str = "opentau",
             umask: int | None = None):
     """Run the installed CLI as a real subprocess (under `umask` when given); returns CompletedProcess with text

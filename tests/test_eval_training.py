@@ -12,10 +12,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import EXAMPLES, HOOKS, opentau_bin, require_simulators, run_cli, run_cli_in_process
+from conftest import EXAMPLES, HOOKS, live_descendants, opentau_bin, require_simulators, run_cli, run_cli_in_process
 from remote_runs import wait_for
 from test_trackers import MAIN, cfg_for, mlflow_metric, offline_trackers, records, wandb_runs  # noqa: F401 (a fixture)
 
@@ -321,12 +320,15 @@ def test_a_run_stopped_during_an_evaluation_leaves_no_half_record_and_the_resume
     proc = subprocess.Popen([opentau_bin(), "train", *_args(experts, out, steps=4)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    def evaluating() -> list:
-        return [p for p in psutil.Process(proc.pid).children(recursive=True) if "opentau_cli.sim.watch" in " ".join(p.cmdline())]
+    seen: list[list[str]] = []  # the command lines of the evaluation processes found last
+
+    def evaluating() -> list[list[str]]:
+        seen[:] = live_descendants(proc.pid, "opentau_cli.sim.watch")
+        return seen
 
     try:
         wait_for(evaluating, "an evaluation process", proc)
-        name = Path(evaluating()[0].cmdline()[-1]).name
+        name = Path(seen[0][-1]).name
         os.killpg(proc.pid, getattr(signal, stop))
         _, stderr = proc.communicate(timeout=300)
     finally:

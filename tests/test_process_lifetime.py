@@ -35,6 +35,14 @@ def _processes_of(run) -> list[psutil.Process]:
     return found
 
 
+def described(proc: psutil.Process) -> str | None:
+    """The start of a live process's command line; None once it has exited (a zombie has: only its reaping is owed)."""
+    try:
+        return None if proc.status() == psutil.STATUS_ZOMBIE else " ".join(proc.cmdline())[:120]
+    except psutil.NoSuchProcess:
+        return None
+
+
 @pytest.mark.parametrize("yaml, extra, whom", [
     ("accelerate_cpu_ddp_config.yaml", [], "group"),  # kill -9 -- -PGID: the CLI and Accelerate's launcher at once
     ("accelerate_cpu_deepspeed_config.yaml", ["--checkpoint.async_save=true"], "cli"),  # the CLI alone (an OOM kill)
@@ -52,8 +60,8 @@ def test_a_sigkill_of_the_launch_leaves_no_rank_and_the_run_resumes_from_last(tm
         while not (run / CHECKPOINTS / "000002").is_dir():
             assert launch.poll() is None and time.monotonic() < deadline, "the run ended or never saved"
             time.sleep(0.2)
-        ranks = [p for p in _processes_of(run) if "opentau_cli.train.worker" in " ".join(p.cmdline())
-                 and "accelerate_launcher" not in " ".join(p.cmdline())]  # the launcher names the worker module too
+        ranks = [p for p in _processes_of(run) if "opentau_cli.train.worker" in " ".join(p.info["cmdline"])
+                 and "accelerate_launcher" not in " ".join(p.info["cmdline"])]  # the launcher names the worker module too
         assert len(ranks) == 2
         # Everything the launch started (launcher, ranks, their data workers, an async writer), found from outside.
         descendants = psutil.Process(launch.pid).children(recursive=True)
@@ -64,7 +72,7 @@ def test_a_sigkill_of_the_launch_leaves_no_rank_and_the_run_resumes_from_last(tm
             launch.kill()
         launch.wait(timeout=30)
         gone, alive = psutil.wait_procs(descendants, timeout=5)
-        left = [(p.pid, " ".join(p.cmdline())[:120]) for p in alive]
+        left = [(p.pid, described(p)) for p in alive if described(p) is not None]
         assert left == [], f"processes of the run outlived their launcher: {left}"
     finally:
         for proc in _processes_of(run):  # whatever the assertion saw, nothing of this run keeps training
