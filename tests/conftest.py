@@ -50,19 +50,23 @@ def opentau_bin(name: str = "opentau") -> str:
     return found
 
 
-def live_descendants(pid: int, marker: str) -> list[list[str]]:
-    """The command lines of the live processes under `pid` whose command line holds `marker`. A process listed a moment
-    ago may have exited since (gone, or a zombie until its parent reaps it): it is skipped, not an error."""
+def command_line(proc) -> list[str] | None:
+    """A process's command line; None once it has exited (gone, or a zombie until its parent reaps it): a process
+    listed a moment ago may have exited since, which is no error."""
     import psutil
 
-    found = []
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and marker in " ".join(cmdline := child.cmdline()):
-                found.append(cmdline)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+    try:
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.cmdline()
+    except psutil.NoSuchProcess:  # ZombieProcess is one
+        return None
+
+
+def live_descendants(pid: int, marker: str) -> list[list[str]]:
+    """The command lines of the live processes under `pid` whose command line holds `marker`."""
+    import psutil
+
+    lines = (command_line(child) for child in psutil.Process(pid).children(recursive=True))
+    return [line for line in lines if line is not None and marker in " ".join(line)]
 
 
 def run_cli(args: list[str], *, cwd: Path | None = None, env: dict | None = None, timeout: float = 600, script: str = "opentau",

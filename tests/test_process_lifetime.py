@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import EXAMPLES, command_line, opentau_bin, run_cli
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, read_last
 
 pytestmark = [pytest.mark.quick, pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -33,14 +33,6 @@ def _processes_of(run) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
-
-
-def described(proc: psutil.Process) -> str | None:
-    """The start of a live process's command line; None once it has exited (a zombie has: only its reaping is owed)."""
-    try:
-        return None if proc.status() == psutil.STATUS_ZOMBIE else " ".join(proc.cmdline())[:120]
-    except psutil.NoSuchProcess:
-        return None
 
 
 @pytest.mark.parametrize("yaml, extra, whom", [
@@ -72,7 +64,7 @@ def test_a_sigkill_of_the_launch_leaves_no_rank_and_the_run_resumes_from_last(tm
             launch.kill()
         launch.wait(timeout=30)
         gone, alive = psutil.wait_procs(descendants, timeout=5)
-        left = [(p.pid, described(p)) for p in alive if described(p) is not None]
+        left = [(p.pid, " ".join(line)[:120]) for p in alive if (line := command_line(p)) is not None]
         assert left == [], f"processes of the run outlived their launcher: {left}"
     finally:
         for proc in _processes_of(run):  # whatever the assertion saw, nothing of this run keeps training
