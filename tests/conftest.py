@@ -139,6 +139,23 @@ def refused(result, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
+# The opentau cache every test shares unless it gives a run one of its own (scripts/test.sh sets it).
+SUITE_CACHE = Path(os.environ.get("OPENTAU_CACHE_DIR") or REPO / ".cache" / "opentau")
+
+
+def own_cache(path: Path) -> str:
+    """`path` as a run's own OPENTAU_CACHE_DIR (its demo data, its copies from a store, a machine's empty disk) that
+    shares the suite's memory-plan measurements: each is a function of the code and the run's config alone (the plan
+    keys it by both), and measuring it again costs a cold `opentau train` about 8 CPU-s of imports in the command
+    itself. tests/test_memory_plan*.py measure afresh where that is what they test."""
+    path.mkdir(parents=True, exist_ok=True)
+    shared = SUITE_CACHE / "memory_plan"
+    shared.mkdir(parents=True, exist_ok=True)
+    if not (path / "memory_plan").exists():
+        (path / "memory_plan").symlink_to(shared, target_is_directory=True)
+    return str(path)
+
+
 @pytest.fixture
 def isolated_env(tmp_path, monkeypatch):
     """No user Accelerate default config and no OPENTAU_* variables leak into a test."""
@@ -362,7 +379,7 @@ def _reference(tmp_path_factory, name: str, args: list[str]) -> Path:
 def _make_reference(home: Path, args: list[str]) -> None:
     run = home / "run"
     recorded_weights(run).mkdir()
-    env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "PYTHONPATH": str(HOOKS),
+    env = {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(home / "cache"), "PYTHONPATH": str(HOOKS),
            "TEST_RECORD_WEIGHTS": str(recorded_weights(run))}
     result = run_cli(["train", *args, f"--output_dir={run}"], env=env, umask=REFERENCE_UMASK)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-5000:]}"

@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import EXAMPLES, REPO, SINGLE_PROCESS_ENV, opentau_bin, run_cli
+from conftest import EXAMPLES, REPO, SINGLE_PROCESS_ENV, opentau_bin, own_cache, run_cli
 from opentau_cli.store.layout import METRICS
 from opentau_cli.store.remote_run import RemoteRun
 from opentau_cli.store.storage import open_storage
@@ -63,7 +63,7 @@ class Machine:
         self.root = root
         for part in ("home", "work", "cache"):
             (root / part).mkdir(parents=True, exist_ok=True)
-        self.env = {"HOME": str(root / "home"), "HF_HOME": str(root / "home" / "hf"), "OPENTAU_CACHE_DIR": str(root / "cache"),
+        self.env = {"HOME": str(root / "home"), "HF_HOME": str(root / "home" / "hf"), "OPENTAU_CACHE_DIR": own_cache(root / "cache"),
                     **server.env, "PYTHONPATH": HOOKS, "TEST_UPLOAD_DIR": str(root), "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS}
         if single:
             self.env.update(SINGLE_PROCESS_ENV)

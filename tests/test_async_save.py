@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import EXAMPLES, opentau_bin, run_cli, run_cli_in_process
+from conftest import EXAMPLES, opentau_bin, own_cache, run_cli, run_cli_in_process
 from opentau_cli.errors import RunError
 from opentau_cli.store import faults
 from opentau_cli.store.layout import (
@@ -330,7 +330,7 @@ def launch(args: list[str], env: dict, **hook: str) -> subprocess.CompletedProce
 def e2e_env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async_e2e")
     # Its own demo dataset: runs compared with each other read the same data whatever happens to the shared cache.
-    return tmp, {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache")}
+    return tmp, {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(tmp / "cache")}
 
 
 def logged(run_dir: Path) -> list[tuple[int, float]]:

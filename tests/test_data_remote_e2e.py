@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, SINGLE_PROCESS_ENV, run_cli
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, own_cache, run_cli
 from s3_server import ACCESS_KEY, SECRET_KEY, S3Server
 from test_data_remote import on_disk, upload
 
@@ -89,7 +89,7 @@ class Runs:
     def env(self, record: str, outage: Path | None = None) -> dict:
         out = self.tmp / "samples" / record
         out.mkdir(parents=True)
-        return {**self.server.env, "OPENTAU_CACHE_DIR": str(self.cache), "HF_HOME": str(self.tmp / "hf_home"),
+        return {**self.server.env, "OPENTAU_CACHE_DIR": own_cache(self.cache), "HF_HOME": str(self.tmp / "hf_home"),
                 "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
                 "TEST_RECORD_SAMPLES": str(out), "TEST_OUTAGE_DIR": str(outage or "")}
 
@@ -254,7 +254,7 @@ def test_a_resume_refuses_the_dataset_changed_in_the_store_unless_told_and_the_c
         assert (version["etag"], version["size"]) == (listing[rel]["ETag"], listing[rel]["Size"]), rel
         assert version["last_modified"] == listing[rel]["LastModified"].isoformat(), rel
 
-    env = {**runs.server.env, "OPENTAU_CACHE_DIR": str(runs.cache), "HF_HOME": str(runs.tmp / "hf_home")}
+    env = {**runs.server.env, "OPENTAU_CACHE_DIR": own_cache(runs.cache), "HF_HOME": str(runs.tmp / "hf_home")}
     same = run_cli_in_process(["resume", str(runs.run)], env=env)
     assert same.returncode == 0 and "Nothing to do" in same.stderr and "changed" not in same.stderr, same.stderr
     rel = "data/chunk-000/episode_000007.parquet"

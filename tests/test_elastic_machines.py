@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, opentau_bin, run_cli_in_process
+from conftest import (
+    DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, opentau_bin, own_cache, run_cli_in_process,
+)
 from opentau_cli.process.launch import free_port
 from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS, TRAINING_STATE
 
@@ -39,7 +41,7 @@ def elastic(tmp_path_factory, ddp_reference):
     run = tmp / "run"
     # One thread per process, as the one-machine reference's two processes get on this machine (the launcher gives a
     # machine's processes its cores): another thread count sums in another order.
-    env = {**os.environ, "HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(tmp / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("OPENTAU_DEBUG", None)
     machines = ["--distributed.machines=1:2", "--max-restarts=1", "--distributed.machine_wait_seconds=2",
                 "--num_machines=2", "--main_process_ip=127.0.0.1", f"--main_process_port={free_port()}"]

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
-    EXAMPLES, HOOKS, REFERENCE_EMA_DECAY, REFERENCE_SAVE, REFERENCE_STEPS, recorded_weights, run_cli, run_cli_in_process,
+    EXAMPLES, HOOKS, REFERENCE_EMA_DECAY, REFERENCE_SAVE, REFERENCE_STEPS, own_cache, recorded_weights, run_cli,
+    run_cli_in_process,
 )
 from opentau_cli.store.layout import (
     CHECKPOINTS, EMA_WEIGHTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE, ema_rank_file,
@@ -56,7 +57,7 @@ class EmaRun:
 
     def __init__(self, reference: Path, tmp: Path):
         self.dir, self.recorded = reference, recorded_weights(reference)
-        self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), "PYTHONPATH": str(HOOKS)}
+        self.env = {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(tmp / "cache"), "PYTHONPATH": str(HOOKS)}
 
     def ckpt(self, step: int) -> Path:
         return self.dir / CHECKPOINTS / f"{step:06d}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, refused, run_cli, run_cli_in_process, tree
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, own_cache, refused, run_cli, run_cli_in_process, tree
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, read_last
 from opentau_cli.store.manifest import read_manifest, verify_manifest
 
@@ -215,7 +215,7 @@ def test_a_consolidation_killed_after_the_manifest_vouched_is_restored_by_resume
     assert MODEL_WEIGHTS in read_manifest(ckpt)["files"] and not (ckpt / MODEL_WEIGHTS).exists()
     # `opentau resume` is the first command to look: it finds the run resumable (a --steps it has reached: the plan
     # runs in full and nothing is launched), having put the vouched file in its place.
-    resumed = run_cli_in_process(["resume", str(run), "--steps=6"], env={"OPENTAU_CACHE_DIR": str(tmp / "cache")})
+    resumed = run_cli_in_process(["resume", str(run), "--steps=6"], env={"OPENTAU_CACHE_DIR": own_cache(tmp / "cache")})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Nothing to do" in resumed.stderr
     assert (ckpt / MODEL_WEIGHTS).is_file() and hidden(ckpt) == [] and verify_manifest(ckpt) == []
@@ -339,7 +339,7 @@ def test_a_resume_refused_for_a_broken_newest_checkpoint_names_the_way_out_and_t
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    env = {"OPENTAU_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"OPENTAU_CACHE_DIR": own_cache(tmp_path / "cache")}
 
     before = tree(no_manifest)
     result = run_cli_in_process(["resume", str(no_manifest)], env=env)

@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
-    DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, REFERENCE_WARMUP, REPO, opentau_bin, refused, run_cli,
-    run_cli_in_process, tree,
+    DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, REFERENCE_WARMUP, REPO, opentau_bin, own_cache, refused,
+    run_cli, run_cli_in_process, tree,
 )
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, TRAINING_STATE
 
@@ -50,7 +50,7 @@ def home(tmp_path_factory) -> Path:
 
 def env_for(home: Path) -> dict:
     # This module's own demo data (runs compared with each other read the same), no user Accelerate default.
-    return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HUB_OFFLINE": "1"}
+    return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(home / "cache"), "HF_HUB_OFFLINE": "1"}
 
 
 BF16 = [f"--accelerate-config={FSDP2}", "--policy.gradient_checkpointing=true", "--validation.val_freq=3",

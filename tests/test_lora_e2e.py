@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli, run_cli_in_process
+from conftest import EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, own_cache, run_cli, run_cli_in_process
 from opentau_cli.config import load_config
 from opentau_cli.policies import build_policy, load_pretrained
 from opentau_cli.policies.lora import apply_lora, checkpoint_keys, restore_policy
@@ -45,7 +45,7 @@ def home(tmp_path_factory) -> Path:
 
 def env_for(home: Path) -> dict:
     # This module's own demo data (runs compared with each other read the same), no user Accelerate default.
-    return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": str(home / "cache"), "HF_HUB_OFFLINE": "1"}
+    return {"HF_HOME": str(home / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(home / "cache"), "HF_HUB_OFFLINE": "1"}
 
 
 def launch_env(home: Path, backend: str) -> dict:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, opentau_bin, run_cli_in_process
+from conftest import (
+    DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, opentau_bin, own_cache, run_cli_in_process,
+)
 from opentau_cli.errors import RunError
 from opentau_cli.process.launch import free_port
 from opentau_cli.store.layout import (
@@ -46,7 +48,7 @@ def mark_stale_past(run_dir: Path, step: int) -> None:
 
 
 def env_for(tmp: Path, **extra: str) -> dict:
-    env = {**os.environ, "HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(tmp / "cache"), **extra}
+    env = {**os.environ, "HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(tmp / "cache"), **extra}
     env.pop("OPENTAU_DEBUG", None)
     return env
 

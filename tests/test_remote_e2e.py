@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, opentau_bin, refused, run_cli_in_process
+from conftest import EXAMPLES, opentau_bin, own_cache, refused, run_cli_in_process
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST
 from remote_runs import TINY, backend_runs, ok
 
@@ -146,7 +146,7 @@ def test_the_kubernetes_jobs_command_starts_on_an_empty_store_and_continues_from
     assert container["command"] == ["/bin/bash", "-c"] and "--resume=auto" in script
     remote = s3_server.url("runs/k8s-job")
     env = {**os.environ, **s3_server.env, "REMOTE": remote, "HF_HOME": str(tmp_path / "hf_home"),
-           "OPENTAU_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "OPENTAU_CACHE_DIR": own_cache(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(opentau_bin()).parent}:{os.environ['PATH']}"}
     pods = []
     for pod, steps in (("pod-1", 2), ("pod-2", 4)):

@@ -21,6 +21,7 @@ from conftest import (
     DDP_REFERENCE_SAVE,
     DDP_REFERENCE_STEPS,
     EXAMPLES,
+    own_cache,
 )
 from test_elastic_machines import start, train_losses
 
@@ -37,7 +38,7 @@ def machine_env(root: Path, server) -> dict:
     """A machine of its own: HOME and opentau's cache on its disk, the store's endpoint and keys in its environment."""
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **server.env, "HOME": str(root / "home"), "HF_HOME": str(root / "home" / "hf"),
-           "OPENTAU_CACHE_DIR": str(root / "cache"), "OMP_NUM_THREADS": "1"}
+           "OPENTAU_CACHE_DIR": own_cache(root / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("OPENTAU_DEBUG", None)
     return env
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import SINGLE_PROCESS_ENV, refused, run_cli, run_cli_in_process, start_s3_server
+from conftest import SINGLE_PROCESS_ENV, own_cache, refused, run_cli, run_cli_in_process, start_s3_server
 from opentau_cli.store.layout import CHECKPOINTS, MANIFEST
 from remote_runs import HOOKS, TINY, ok
 
@@ -69,7 +69,7 @@ def run(store, tmp_path_factory):
     out = root / "run"
     url = store.url("runs/base")
     env = {**SINGLE_PROCESS_ENV, **store.env, "HOME": str(root / "home"), "HF_HOME": str(root / "hf"),
-           "OPENTAU_CACHE_DIR": str(root / "cache"), "PYTHONPATH": HOOKS, "TEST_UPLOAD_DIR": str(root),
+           "OPENTAU_CACHE_DIR": own_cache(root / "cache"), "PYTHONPATH": HOOKS, "TEST_UPLOAD_DIR": str(root),
            "TEST_UPLOAD_PACE": "000002"}
     result = run_cli(["train", f"--config_path={TINY}", f"--output_dir={out}", "--steps", "4", "--save_freq", "2",
                       "--log_freq", "1", "--batch_size", "8", "--scheduler.warmup_steps", "2",

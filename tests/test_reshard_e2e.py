@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, run_cli, run_cli_in_process
+from conftest import EXAMPLES, own_cache, run_cli, run_cli_in_process
 from opentau_cli.store.layout import CHECKPOINTS, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, TRAINING_STATE
 
 pytestmark = [pytest.mark.full, pytest.mark.e2e, pytest.mark.slow]
@@ -84,7 +84,7 @@ class Runs:
     def cli(self, args: list[str], record: str, in_process: bool = False):
         out = self.tmp / "samples" / record
         out.mkdir(parents=True)
-        env = {"HF_HOME": str(self.tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(self.cache),
+        env = {"HF_HOME": str(self.tmp / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(self.cache),
                "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ.get("PYTHONPATH", "")]),
                "TEST_RECORD_SAMPLES": str(out)}
         return (run_cli_in_process if in_process else run_cli)(args, env=env)

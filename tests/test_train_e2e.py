@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import (
-    DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, run_cli, run_cli_in_process,
+    DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, SINGLE_PROCESS_ENV, opentau_bin, own_cache, run_cli,
+    run_cli_in_process,
 )
 from opentau_cli.store.layout import (
     CHECKPOINTS, DS_TAG, LAST, LOGS, MANIFEST, METRICS, MODEL_WEIGHTS, OPTIMIZER, SCHEDULER, TENSORBOARD, TRAIN_CONFIG,
@@ -55,7 +56,7 @@ def private_demo_cache(tmp_path_factory):
 
 
 def env_for(tmp: Path) -> dict:
-    return {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": str(_CACHE[0])}  # HF_HOME: no user Accelerate default
+    return {"HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(_CACHE[0])}  # HF_HOME: no user Accelerate default
 
 
 def train_args(backend: str, out: Path, *extra: str) -> list[str]:
