@@ -59,6 +59,9 @@ torch.use_deterministic_algorithms(True, warn_only=True)
 torch.backends.cudnn.deterministic = True
 torch.backends.cudnn.benchmark = False
 """
+# The camera images of the CPU dry run's inference and attention checks: the tiny config's 32x32 rather than the
+# presets' 224x224, which costs pi05_tiny five times the CPU per chunk (the dry run checks the script).
+DRY_RUN_RESOLUTION = (32, 32)
 BACKENDS = ("single", "ddp", "zero2", "zero3", "fsdp2")
 FULL_CONFIG = EXAMPLES / "pi05_config.json"
 
@@ -326,9 +329,9 @@ class Checker:
     def inference(self) -> list[Row]:
         """One action chunk per request through `opentau serve`'s code (ServedPolicy.infer: images resized, state
         normalized and binned, the chunk sampled and un-normalized) at the upstream anchor's sizes: batch 1, 3
-        cameras, chunk 50, 10 denoising steps; the full pi05 in bf16 on CUDA (pi05_tiny in fp32 on the CPU dry run).
-        Eager, then with sampling's loop torch.compiled (`opentau serve --compile`); p50 / p99 over the requests
-        after a warm-up, next to the upstream tool's 152.9 ms."""
+        cameras, chunk 50, 10 denoising steps; the full pi05 in bf16 on CUDA (pi05_tiny in fp32 at 32x32 on the CPU
+        dry run). Eager, then with sampling's loop torch.compiled (`opentau serve --compile`); p50 / p99 over the
+        requests after a warm-up, next to the upstream tool's 152.9 ms."""
         import numpy as np
         import torch
 
@@ -342,7 +345,8 @@ class Checker:
         label = f"{preset}, {'fp32 CPU' if self.plan.cpu else 'bf16'}, {INFERENCE_CAMERAS} cameras"
         start = time.perf_counter()
         torch.manual_seed(0)
-        cfg = PolicyConfig(preset=preset, chunk_size=50, n_action_steps=50, num_inference_steps=10)
+        sizes = {"image_resolution": DRY_RUN_RESOLUTION} if self.plan.cpu else {}
+        cfg = PolicyConfig(preset=preset, chunk_size=50, n_action_steps=50, num_inference_steps=10, **sizes)
         with device:  # random weights, drawn where they run (speed does not depend on their values)
             policy = build_policy(cfg)
         width = 8
@@ -397,7 +401,8 @@ class Checker:
 
         device = "cpu" if self.plan.cpu else "cuda"
         start = time.perf_counter()
-        cfg = PolicyConfig(preset="pi05_tiny" if self.plan.cpu else "pi05_small")
+        cfg = (PolicyConfig(preset="pi05_tiny", image_resolution=DRY_RUN_RESOLUTION) if self.plan.cpu
+               else PolicyConfig(preset="pi05_small"))
         policy = policy_module(cfg, "bfloat16").to(device)
         inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in fake_inputs(cfg, 2, 1).items()}
         used = attention_kernels(lambda: policy.loss(inputs)["loss"].backward())
