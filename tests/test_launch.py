@@ -207,6 +207,25 @@ print(json.dumps(out))
                    "mlflow_imports": True, "boto3_imports": True}
 
 
+def test_importing_the_policy_leaves_scipy_to_what_uses_it():
+    """transformers' object-detection losses import scipy.optimize whenever scipy is installed (the simulators bring
+    it), half a second of CPU wherever the policy is imported; opentau imports the policy without it, and scipy still
+    imports afterwards (docs/ARCHITECTURE.md "Start-up")."""
+    script = """
+import json, sys
+import opentau_cli.policies
+out = {"after_policy_imports": sorted(m for m in sys.modules if m.split(".")[0] == "scipy")}
+from scipy.optimize import linear_sum_assignment
+rows, cols = linear_sum_assignment([[4, 1], [2, 3]])
+out["assignment"] = [rows.tolist(), cols.tolist()]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"after_policy_imports": [], "assignment": [[0, 1], [1, 0]]}
+
+
 def test_failed_log_names_the_rank_that_failed_first_not_the_one_that_lost_its_peer(tmp_path):
     (tmp_path / "rank0.log").write_text("Traceback (most recent call last):\nRuntimeError: [gloo] Connection closed by peer\n")
     (tmp_path / "rank1.log").write_text("Traceback (most recent call last):\nValueError: bad shape\n")
