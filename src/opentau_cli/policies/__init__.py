@@ -10,7 +10,7 @@ from opentau_cli.process.runtime import import_paused
 
 # torch and transformers' Gemma and PaliGemma, imported with the garbage collector paused (docs/ARCHITECTURE.md
 # "Start-up"): every command and rank that builds a policy starts here.
-import_paused("torch", "opentau_cli.policies.pi05")
+import_paused("torch", "transformers", "opentau_cli.policies.pi05")
 
 from opentau_cli.policies.build import build_policy
 from opentau_cli.policies.lora import apply_lora

@@ -30,10 +30,11 @@ RANK_IMPORTS = ("opentau_cli.config", "torch", "accelerate", "deepspeed", "opent
 # What a library imports at its own import only for a feature opentau never uses, kept out while it imports
 # (docs/ARCHITECTURE.md, "Start-up"): DeepSpeed's autotuner imports MLflow whenever it is installed, a second of CPU in
 # every rank; Accelerate's SageMaker settings import boto3 (a quarter of a second in the launcher and every rank);
-# transformers' object-detection losses import scipy.optimize (half a second wherever the policy is imported). A run
-# that logs to MLflow or reads its data with boto3 imports it later as usual, as a simulator does scipy.
+# transformers' object-detection losses import scipy.optimize (half a second wherever the policy is imported) when
+# transformers found scipy at its own import, which it asks once. A run that logs to MLflow or reads its data with
+# boto3 imports it later as usual, as a simulator does scipy.
 UNUSED_IMPORTS = {"deepspeed": ("mlflow",), "accelerate": ("boto3",), "accelerate.commands.launch": ("boto3",),
-                  "opentau_cli.policies.pi05": ("scipy",)}
+                  "transformers": ("scipy",)}
 
 
 def die_with_parent() -> None:
