@@ -249,5 +249,6 @@ def test_list_inspect_and_verify_of_a_safetensors_run_never_import_torch(tmp_pat
                               timeout=120)
         assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
         imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-        assert "opentau_cli.tools.info" in imported and "torch" not in imported, args
+        # torch's modules, not only its own line: a package importlib imports (runtime.import_paused) has none.
+        assert "opentau_cli.tools.info" in imported and not {m for m in imported if m.split(".")[0] == "torch"}, args
     assert "000030" in done.stdout

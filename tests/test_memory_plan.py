@@ -286,10 +286,15 @@ def test_a_second_plan_of_the_same_policy_imports_no_transformers_and_without_a_
         assert done.returncode == 0, done.stderr[-3000:]
         imported.append({line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")})
         plans.append([line for line in done.stdout.splitlines() if line.strip().startswith("memory plan")])
-    assert "transformers" in imported[0] and "opentau_cli.policies" in imported[0] and "torch" in imported[0]
-    assert "transformers" not in imported[1] and "opentau_cli.policies" not in imported[1]
+    # A package that importlib.import_module imports (runtime.import_paused) has no line of its own in the log, only
+    # what it imports with an import statement: a package shows as its modules.
+    def uses(modules: set[str], package: str) -> bool:
+        return any(m.split(".")[0] == package for m in modules)
+
+    assert uses(imported[0], "transformers") and "opentau_cli.policies" in imported[0] and uses(imported[0], "torch")
+    assert not uses(imported[1], "transformers") and "opentau_cli.policies" not in imported[1]
     gpu_device_files = [f for f in os.listdir("/dev") if f.startswith("nvidia") and f[6:].isdigit() or f in ("dxg", "kfd")]
-    assert ("torch" in imported[1]) == bool(gpu_device_files), gpu_device_files
+    assert uses(imported[1], "torch") == bool(gpu_device_files), gpu_device_files
     assert len(plans[0]) == 1 and "GiB peak per GPU (DDP on 2 GPUs" in plans[0][0] and plans[1] == plans[0]
 
 
