@@ -148,11 +148,13 @@ def own_cache(path: Path) -> str:
     shares the suite's memory-plan measurements: each is a function of the code and the run's config alone (the plan
     keys it by both), and measuring it again costs a cold `opentau train` about 8 CPU-s of imports in the command
     itself. tests/test_memory_plan*.py measure afresh where that is what they test."""
+    from opentau_cli.plan.memory import cache_dir
+
+    plans = cache_dir().name  # the plan's folder in any opentau cache
     path.mkdir(parents=True, exist_ok=True)
-    shared = SUITE_CACHE / "memory_plan"
-    shared.mkdir(parents=True, exist_ok=True)
-    if not (path / "memory_plan").exists():
-        (path / "memory_plan").symlink_to(shared, target_is_directory=True)
+    (SUITE_CACHE / plans).mkdir(parents=True, exist_ok=True)
+    if not (path / plans).exists():
+        (path / plans).symlink_to(SUITE_CACHE / plans, target_is_directory=True)
     return str(path)
 
 
