@@ -207,6 +207,45 @@ print(json.dumps(out))
                    "mlflow_imports": True, "boto3_imports": True}
 
 
+def test_only_a_deepspeed_launchs_ranks_import_deepspeed(tmp_path):
+    """Accelerate's unwrap_model and transformers import DeepSpeed whenever it is installed, 1.7 s of CPU per rank;
+    a rank of a DDP (or single, FSDP2) launch keeps it out and unwraps its prepared model as Accelerate does, a
+    DeepSpeed launch's rank imports it (docs/ARCHITECTURE.md "Start-up"). Each rank is run_rank in a process of its
+    own, as a launch starts it, with the resolved config and launch.json the launcher writes."""
+    script = """
+import json, sys
+from pathlib import Path
+from opentau_cli.process.runtime import run_rank
+
+def work(cfg, setup, launch, console):
+    import torch
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    unwrapped = accelerator.unwrap_model(accelerator.prepare(model)) is model
+    imported = sorted(m for m, module in sys.modules.items() if m.split(".")[0] == "deepspeed" and module is not None)
+    Path(sys.argv[-1]).write_text(json.dumps({"unwrapped": unwrapped, "deepspeed_modules": len(imported)}))
+    return 0
+
+run_rank(work, sys.argv[1:5])
+"""
+    config = tmp_path / "train_config.json"
+    config.write_text(json.dumps(load_config(EXAMPLES / "pi05_tiny_config.json", [], environ={}).model_dump(mode="json")))
+    seen = {}
+    for yaml_name in ("accelerate_cpu_ddp_config.yaml", "accelerate_cpu_deepspeed_config.yaml"):
+        launch = tmp_path / f"{yaml_name}.launch.json"
+        launch.write_text(json.dumps({"accelerate": read_accelerate_config(EXAMPLES / yaml_name).to_dict(),
+                                      "log_dir": str(tmp_path / yaml_name)}))
+        (tmp_path / yaml_name).mkdir()
+        out = tmp_path / f"{yaml_name}.json"
+        proc = subprocess.run([sys.executable, "-c", script, "--config", str(config), "--launch", str(launch), str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (tmp_path / yaml_name / "rank0.log").read_text()[-3000:]
+        seen[yaml_name] = json.loads(out.read_text())
+    assert seen["accelerate_cpu_ddp_config.yaml"] == {"unwrapped": True, "deepspeed_modules": 0}, seen
+    assert seen["accelerate_cpu_deepspeed_config.yaml"]["deepspeed_modules"] > 100, seen
+
+
 def test_importing_the_policy_leaves_scipy_to_what_uses_it():
     """transformers' object-detection losses import scipy.optimize whenever scipy is installed (the simulators bring
     it), half a second of CPU wherever the policy is imported; opentau imports the policy without it, and scipy still

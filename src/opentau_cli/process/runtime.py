@@ -75,7 +75,12 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     if restartable:
         mark_attempt(int(launch["accelerate"].get("machine_rank", 0) or 0))
     try:
-        import_paused(*RANK_IMPORTS)
+        if launch["accelerate"].get("backend") != "deepspeed":
+            # Accelerate's unwrap_model and transformers import DeepSpeed whenever it is installed, only to look for
+            # its engine: 1.7 s of CPU in every rank. A rank of any other launch keeps it out for good, so they find
+            # it not installed (docs/ARCHITECTURE.md, "Start-up").
+            sys.modules.setdefault("deepspeed", None)
+        import_paused(*[name for name in RANK_IMPORTS if sys.modules.get(name, "") is not None])
         from opentau_cli.config import TrainConfig, setup_from_dict
 
         cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
