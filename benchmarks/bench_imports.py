@@ -6,8 +6,10 @@ Each side imports the same modules in the same order in a fresh interpreter: wha
 builds anything (`runtime.RANK_IMPORTS`: opentau's config, torch, accelerate, DeepSpeed, opentau_cli.policies with
 transformers' Gemma and PaliGemma). "collector running" imports them with plain `importlib.import_module`, as before
 the change; "collector paused" through `import_paused` with every module its libraries import at their own import
-(as before MLflow was kept out of DeepSpeed's); "MLflow kept out" through `import_paused` as the ranks now do
-(`runtime.UNUSED_IMPORTS`: DeepSpeed's autotuner imports MLflow whenever it is installed). Each child reports the wall time and the process's CPU time (user + system) of the
+(as before MLflow was kept out of DeepSpeed's); "MLflow kept out" through `import_paused` as a DeepSpeed launch's
+ranks now do (`runtime.UNUSED_IMPORTS`: DeepSpeed's autotuner imports MLflow whenever it is installed); "DeepSpeed kept
+out" as a single, DDP or FSDP2 launch's ranks now do (`runtime.import_rank_libraries`: no DeepSpeed, which Accelerate's
+unwrap_model would import later). Each child reports the wall time and the process's CPU time (user + system) of the
 imports, and the full collections the collector made meanwhile. Sides alternate, so a change in the machine's load
 hits both alike; the table gives each side's median and the ratios.
 
@@ -28,7 +30,7 @@ from _common import Headline, base_parser, env, print_rows, report, rounds_note 
 
 from opentau_cli.process.runtime import RANK_IMPORTS as MODULES  # noqa: E402
 
-SIDES = ("collector running", "collector paused", "MLflow kept out")
+SIDES = ("collector running", "collector paused", "MLflow kept out", "DeepSpeed kept out")
 
 
 def child(side: str) -> None:
@@ -47,7 +49,10 @@ def child(side: str) -> None:
 
         if side == SIDES[1]:
             runtime.UNUSED_IMPORTS = {}
-        runtime.import_paused(*MODULES)
+        if side == SIDES[3]:
+            runtime.import_rank_libraries("ddp")
+        else:
+            runtime.import_paused(*MODULES)
     wall, after = time.perf_counter() - start, os.times()
     print(json.dumps({"wall_s": wall, "cpu_s": after.user + after.system - cpu.user - cpu.system,
                       "full_collections": gc.get_stats()[2]["collections"]}))
@@ -78,6 +83,10 @@ def compare_rows(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
         out = median[SIDES[2]]
         rows.append(("MLflow kept out / paused: wall time", f"{out['wall_s'] / new['wall_s']:.2f}x"))
         rows.append(("MLflow kept out / paused: CPU time", f"{out['cpu_s'] / new['cpu_s']:.2f}x"))
+    if SIDES[3] in median:
+        ddp, deepspeed = median[SIDES[3]], median[SIDES[2]]
+        rows.append(("DeepSpeed kept out / MLflow kept out: wall time", f"{ddp['wall_s'] / deepspeed['wall_s']:.2f}x"))
+        rows.append(("DeepSpeed kept out / MLflow kept out: CPU time", f"{ddp['cpu_s'] / deepspeed['cpu_s']:.2f}x"))
     return rows
 
 
@@ -93,12 +102,14 @@ def main() -> None:
     for _ in range(rounds):  # alternating, so a change in machine load hits both sides alike
         for side in SIDES:
             runs[side].append(measure(side))
-    rows = [("imports", f"{', '.join(MODULES)}; {rounds} round(s) per side in fresh processes, median")]
+    rows = [("imports", f"{', '.join(MODULES)} (DeepSpeed kept out: without deepspeed); {rounds} round(s) per side in "
+                        "fresh processes, median")]
     rows += compare_rows(runs)
     title = "Start-up imports: collector running vs paused, and MLflow kept out"
     print_rows(title, rows)
     report(args, title, rows, [rounds_note(runs)],
-           Headline(f"{dict(rows)['paused / running: wall time']} wall time, collector paused / running"))
+           Headline(f"{dict(rows)['DeepSpeed kept out / MLflow kept out: CPU time']} rank import CPU time, a DDP rank "
+                    "(DeepSpeed kept out) / a DeepSpeed rank"))
 
 
 if __name__ == "__main__":

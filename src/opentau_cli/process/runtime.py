@@ -75,12 +75,7 @@ def run_rank(work: Callable[..., int], argv: list[str] | None = None, *, descrip
     if restartable:
         mark_attempt(int(launch["accelerate"].get("machine_rank", 0) or 0))
     try:
-        if launch["accelerate"].get("backend") != "deepspeed":
-            # Accelerate's unwrap_model and transformers import DeepSpeed whenever it is installed, only to look for
-            # its engine: 1.7 s of CPU in every rank. A rank of any other launch keeps it out for good, so they find
-            # it not installed (docs/ARCHITECTURE.md, "Start-up").
-            sys.modules.setdefault("deepspeed", None)
-        import_paused(*[name for name in RANK_IMPORTS if sys.modules.get(name, "") is not None])
+        import_rank_libraries(launch["accelerate"].get("backend", "single"))
         from opentau_cli.config import TrainConfig, setup_from_dict
 
         cfg = TrainConfig.model_validate(json.loads(Path(args.config).read_text()))
@@ -157,6 +152,17 @@ def import_paused(*modules: str) -> None:
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+def import_rank_libraries(backend: str) -> None:
+    """What a rank of a `backend` launch imports before it builds anything (RANK_IMPORTS), through import_paused.
+
+    DeepSpeed only for a DeepSpeed launch: Accelerate's unwrap_model and transformers import it whenever it is
+    installed, only to look for its engine, about 1.7 s of CPU in every rank. A rank of any other launch keeps it out
+    for good (None in sys.modules), so they find it not installed (docs/ARCHITECTURE.md, "Start-up")."""
+    if backend != "deepspeed":
+        sys.modules.setdefault("deepspeed", None)
+    import_paused(*[name for name in RANK_IMPORTS if sys.modules.get(name, "") is not None])
 
 
 def rank_log(log_dir: Path, rank: int) -> Path:
