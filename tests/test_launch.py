@@ -208,7 +208,7 @@ print(json.dumps(out))
 
 
 def test_only_a_deepspeed_launchs_ranks_import_deepspeed(tmp_path):
-    """Accelerate's unwrap_model and transformers import DeepSpeed whenever it is installed, 1.7 s of CPU per rank;
+    """Accelerate's unwrap_model and transformers import DeepSpeed whenever it is installed, only to test for its engine;
     a rank of a DDP (or single, FSDP2) launch keeps it out and unwraps its prepared model as Accelerate does, a
     DeepSpeed launch's rank imports it (docs/ARCHITECTURE.md "Start-up"). Each rank is run_rank in a process of its
     own, as a launch starts it, with the resolved config and launch.json the launcher writes."""
