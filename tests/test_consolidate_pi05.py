@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from typer.testing import CliRunner
 
-from conftest import EXAMPLES, opentau_bin, run_cli
+from conftest import EXAMPLES, SUITE_CACHE, opentau_bin, run_cli
 from opentau_cli.cli.main import app
 from opentau_cli.store.layout import (
     CHECKPOINTS, LAST, METRICS, MODEL_WEIGHTS, TRAIN_CONFIG, leftover_of, rank_state_file, read_last,
@@ -49,7 +49,7 @@ def zero3_run(tmp_path_factory, isolated_env_module):
 @pytest.fixture(scope="module")
 def isolated_env_module(tmp_path_factory):
     home = tmp_path_factory.mktemp("hf_home")
-    return {"HF_HOME": str(home), "OPENTAU_CACHE_DIR": str(Path(__file__).resolve().parents[1] / ".cache" / "opentau")}
+    return {"HF_HOME": str(home), "OPENTAU_CACHE_DIR": str(SUITE_CACHE)}
 
 
 def test_pi05_zero3_checkpoint_consolidates_like_zero_to_fp32_and_loads_into_fresh_policy(zero3_run, tmp_path):

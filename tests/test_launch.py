@@ -13,7 +13,7 @@ import json
 import pytest
 import yaml
 
-from conftest import EXAMPLES, REPO, opentau_bin, run_cli
+from conftest import EXAMPLES, REPO, SUITE_CACHE, opentau_bin, run_cli
 from opentau_cli.config import load_config, read_accelerate_config
 from opentau_cli.errors import UserError
 from opentau_cli.process.launch import accelerate_yaml, build_command, failed_log, worker_env
@@ -298,8 +298,7 @@ def test_full_pi05_preset_on_a_machine_without_gpu_exits_2_and_suggests_the_tiny
 @pytest.mark.e2e
 def test_ctrl_c_stops_the_run_with_exit_130(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"),
-           "OPENTAU_CACHE_DIR": os.environ.get("OPENTAU_CACHE_DIR", str(REPO / ".cache" / "opentau"))}
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "OPENTAU_CACHE_DIR": str(SUITE_CACHE)}
     env.pop("OPENTAU_DEBUG", None)
     proc = subprocess.Popen(
         [opentau_bin(), "train", f"--config_path={TINY}", f"--output_dir={out}", "--steps", "500", "--log_freq", "1",
