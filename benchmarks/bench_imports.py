@@ -5,9 +5,9 @@ collector running as usual vs paused during the imports (`opentau_cli.runtime.im
 Each side imports the same modules in the same order in a fresh interpreter: what every rank imports before it
 builds anything (`runtime.RANK_IMPORTS`: opentau's config, torch, accelerate, DeepSpeed, opentau_cli.policies with
 transformers' Gemma and PaliGemma). "collector running" imports them with plain `importlib.import_module`, as before
-the change; "collector paused" through `import_paused` with every module its libraries import at their own import
-(as before MLflow was kept out of DeepSpeed's); "MLflow kept out" through `import_paused` as a DeepSpeed launch's
-ranks now do (`runtime.UNUSED_IMPORTS`: DeepSpeed's autotuner imports MLflow whenever it is installed); "DeepSpeed kept
+the change; "collector paused" as a DeepSpeed launch's rank (`runtime.import_rank_libraries`, through
+`import_paused`) with every module its libraries import at their own import (as before MLflow was kept out of
+DeepSpeed's); "MLflow kept out" as a DeepSpeed launch's ranks now do (`runtime.UNUSED_IMPORTS`: DeepSpeed's autotuner imports MLflow whenever it is installed); "DeepSpeed kept
 out" as a single, DDP or FSDP2 launch's ranks now do (`runtime.import_rank_libraries`: no DeepSpeed, which Accelerate's
 unwrap_model would import later). Each child reports the wall time and the process's CPU time (user + system) of the
 imports, and the full collections the collector made meanwhile. Sides alternate, so a change in the machine's load
@@ -49,10 +49,7 @@ def child(side: str) -> None:
 
         if side == SIDES[1]:
             runtime.UNUSED_IMPORTS = {}
-        if side == SIDES[3]:
-            runtime.import_rank_libraries("ddp")
-        else:
-            runtime.import_paused(*MODULES)
+        runtime.import_rank_libraries("ddp" if side == SIDES[3] else "deepspeed")  # what the ranks call
     wall, after = time.perf_counter() - start, os.times()
     print(json.dumps({"wall_s": wall, "cpu_s": after.user + after.system - cpu.user - cpu.system,
                       "full_collections": gc.get_stats()[2]["collections"]}))

@@ -98,7 +98,7 @@ def lerobot_export(run: Path, output: Path) -> Path:
     """`opentau checkpoint export --layout lerobot` in this process: it launches nothing, and this process has torch and
     the policy imported already (the start-up of a new interpreter, seconds each, is all a subprocess would add)."""
     done = run_cli_in_process(["checkpoint", "export", str(run / "checkpoints" / "000001"), "--layout", "lerobot",
-                    "--output", str(output)])
+                               "--output", str(output)])
     assert done.returncode == 0, done.stderr[-3000:]
     return output
 

@@ -24,8 +24,8 @@ from typing import IO, Callable, NoReturn
 USER_ERROR_MARK = "opentau-user-error: "
 ATTEMPT_MARK = "opentau-attempt: "  # a rank log line where each attempt of a restartable launch begins
 MACHINE_MARK = "opentau-machine: "  # the next line: the machine (its --machine_rank) and local rank of that attempt
-# What every rank imports before it builds anything, in this order. DeepSpeed on every backend: Accelerate's
-# unwrap_model imports it whenever it is installed.
+# What every rank imports before it builds anything, in this order; DeepSpeed only in a DeepSpeed launch's ranks
+# (import_rank_libraries).
 RANK_IMPORTS = ("opentau_cli.config", "torch", "accelerate", "deepspeed", "opentau_cli.policies")
 # What a library imports at its own import only for a feature opentau never uses, kept out while it imports
 # (docs/ARCHITECTURE.md, "Start-up"): DeepSpeed's autotuner imports MLflow whenever it is installed, a second of CPU in
