@@ -37,7 +37,8 @@ def _processes_of(run) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("yaml, extra, whom", [
     ("accelerate_cpu_ddp_config.yaml", [], "group"),  # kill -9 -- -PGID: the CLI and Accelerate's launcher at once
-    ("accelerate_cpu_deepspeed_config.yaml", ["--checkpoint.async_save=true"], "cli"),  # the CLI alone (an OOM kill)
+    # The CLI alone (an OOM kill). The whole suite only: a minute of two DeepSpeed launches, the quick tier's longest.
+    pytest.param("accelerate_cpu_deepspeed_config.yaml", ["--checkpoint.async_save=true"], "cli", marks=pytest.mark.full),
 ], ids=["ddp-sync-process-group", "zero2-async-the-cli-alone"])
 def test_a_sigkill_of_the_launch_leaves_no_rank_and_the_run_resumes_from_last(tmp_path, yaml, extra, whom):
     run = tmp_path / "run"

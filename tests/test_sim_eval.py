@@ -42,6 +42,18 @@ def _eval(run_dir: Path, output: Path, *extra: str):
                     "100", "--max-steps", "12", "--output", str(output), *extra])
 
 
+@pytest.fixture(scope="module")
+def evaluated_twice(run_dir, tmp_path_factory):
+    """Two evaluations of the same seeds, with videos and recorded steps: (first's output, second's, first's result).
+    Shared by every test that reads what a plain evaluation writes."""
+    out = tmp_path_factory.mktemp("sim_eval")
+    first, second = out / "a", out / "b"
+    done = _eval(run_dir, first, "--videos", "2", "--record-steps", "4")
+    assert done.returncode == 0, done.stderr
+    assert _eval(run_dir, second, "--videos", "2", "--record-steps", "4").returncode == 0
+    return first, second, done
+
+
 def _decoded(path: Path) -> list:
     import av
 
@@ -104,11 +116,8 @@ def test_replaying_the_expert_actions_from_their_seeds_succeeds(experts):
     assert "success rate 100.0%" in done.stdout
 
 
-def test_the_same_seeds_give_the_same_eval_info_with_videos_named_by_seed_and_outcome(run_dir, tmp_path):
-    first, second = tmp_path / "a", tmp_path / "b"
-    done = _eval(run_dir, first, "--videos", "2", "--record-steps", "4")
-    assert done.returncode == 0, done.stderr
-    assert _eval(run_dir, second, "--videos", "2", "--record-steps", "4").returncode == 0
+def test_the_same_seeds_give_the_same_eval_info_with_videos_named_by_seed_and_outcome(evaluated_twice):
+    first, second, done = evaluated_twice
     info = json.loads((first / "eval_info.json").read_text())
     assert (first / "eval_info.json").read_bytes() == (second / "eval_info.json").read_bytes()
     assert [e["seed"] for e in info["episodes"]] == [100, 101, 102]
@@ -121,9 +130,8 @@ def test_the_same_seeds_give_the_same_eval_info_with_videos_named_by_seed_and_ou
     assert "Success rate" in done.stdout and "action space" in done.stdout
 
 
-def test_steps_npz_holds_the_first_observations_and_actions_of_every_episode(run_dir, tmp_path):
-    assert _eval(run_dir, tmp_path / "e", "--record-steps", "4").returncode == 0
-    steps = np.load(tmp_path / "e" / "steps.npz")
+def test_steps_npz_holds_the_first_observations_and_actions_of_every_episode(evaluated_twice):
+    steps = np.load(evaluated_twice[0] / "steps.npz")
     assert sorted(steps.files) == sorted(f"ep{i}/{k}" for i in range(3) for k in
                                          ("obs/observation.image", "obs/observation.state", "action", "seed"))
     for i in range(3):
@@ -247,7 +255,8 @@ def _mirrored_copy(data: Path, out: Path) -> Path:
     return out
 
 
-def test_training_images_flipped_against_the_env_are_refused_before_any_rollout(run_dir, experts, tmp_path):
+def test_training_images_flipped_against_the_env_are_refused_before_any_rollout(run_dir, experts, evaluated_twice,
+                                                                                  tmp_path):
     mirrored = _mirrored_copy(experts, tmp_path / "mirrored")
     out = tmp_path / "never"
     done = _eval(run_dir, out, f"--dataset.root={mirrored}")
@@ -255,8 +264,8 @@ def test_training_images_flipped_against_the_env_are_refused_before_any_rollout(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "look mirrored left to right against the training images" in lines[0], lines
     assert not out.exists()
-    # The data as recorded: no word about orientation, and the rollout runs.
-    done = _eval(run_dir, tmp_path / "e", f"--dataset.root={experts}")
+    # The data as recorded (the run's own dataset, the experts): no word about orientation, and the rollout runs.
+    done = evaluated_twice[2]
     assert done.returncode == 0 and "look " not in done.stderr and "aspect ratio" not in done.stderr, done.stderr
 
 
