@@ -18,7 +18,9 @@ TORCH="${TORCH_SPEC:-torch==2.13.0}"
 EXTRAS="$(IFS=,; echo "${*:-dev}")"
 PIP=(-m pip install --quiet --disable-pip-version-check)
 
-key="$({ cat pyproject.toml; echo "$TORCH"; echo "$EXTRAS"; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)"
+# RECIPE names how build_cache builds (change it when build_cache changes, so that caches built otherwise are not used).
+RECIPE="deepspeed CPU communication op prebuilt"
+key="$({ cat pyproject.toml; echo "$TORCH"; echo "$EXTRAS"; echo "$RECIPE"; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)"
 VENVS="${OPENTAU_VENVS_DIR:-$HOME/.cache/opentau/venvs}"
 cache="$VENVS/$key"
 
@@ -36,9 +38,22 @@ build_cache() {  # the dependencies of opentau[EXTRAS] with torch, without opent
   "$cache.tmp/bin/python" "${PIP[@]}" "$TORCH" "setuptools>=68" wheel
   "$cache.tmp/bin/python" "${PIP[@]}" -e ".[$EXTRAS]"
   "$cache.tmp/bin/python" -m pip uninstall --quiet --yes opentau-cli
+  prebuild_deepspeed_op "$cache.tmp/bin/python"
   mv "$cache.tmp" "$cache"
   retarget "$cache.tmp" "$cache"
   touch "$cache/.complete"
+}
+
+prebuild_deepspeed_op() {  # PYTHON: DeepSpeed again, with its CPU communication op compiled into the package
+  # On a CPU torch every DeepSpeed launch needs this op (deepspeed_shm_comm); from PyPI DeepSpeed compiles it with the
+  # C++ compiler on first use, in every clone (about a minute on 2 cores). Built here once per cached environment,
+  # DeepSpeed imports it instead. Where this fails (no compiler) DeepSpeed still builds it on first use.
+  local version
+  version="$("$1" -c 'import importlib.metadata as m, torch
+print(m.version("deepspeed") if torch.version.cuda is None and torch.version.hip is None else "")' 2>/dev/null)" || return 0
+  [ -n "$version" ] || return 0  # no DeepSpeed, or a GPU torch (it communicates with NCCL, not this op)
+  DS_BUILD_SHM_COMM=1 "$1" "${PIP[@]}" --no-deps --no-build-isolation --force-reinstall --no-cache-dir \
+    "deepspeed==$version" || echo "setup: DeepSpeed's CPU communication op was not prebuilt; it is built on first use"
 }
 
 retarget() {  # retarget FROM TO: the scripts in TO/bin that name FROM (a script's first line names its interpreter)

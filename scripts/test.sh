@@ -27,9 +27,10 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # opentau's own modules compiled once here, not in every process a test starts: where PYTHONDONTWRITEBYTECODE is set
 # (as on CI's machines) Python would compile them again in each (a few tenths of a second of CPU per launch).
 .venv/bin/python -m compileall -q src
-# DeepSpeed's CPU communication op, built here once per checkout before any test runs: a test that kills a rank while
-# that rank builds it would leave torch's build lock behind, and every later DeepSpeed launch would wait on it; a
-# folder per checkout also keeps other checkouts' builds (another .venv path rebuilds it) from taking turns with ours.
+# DeepSpeed's CPU communication op, loaded here before any test runs: scripts/setup.sh compiles it into the cached
+# environment's DeepSpeed, so this only checks it loads. Where that prebuild failed it is built here once per checkout:
+# a test that kills a rank while that rank builds it would leave torch's build lock behind, and every later DeepSpeed
+# launch would wait on it; a folder per checkout also keeps other checkouts' builds from taking turns with ours.
 mkdir -p .cache
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 .venv/bin/python -c "from deepspeed.accelerator import get_accelerator

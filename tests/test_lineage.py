@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -215,22 +216,44 @@ def test_a_kill_between_publishing_and_repointing_last_resumes_the_published_chi
     assert newer_checkpoints(run, c20) == []
 
 
-def test_a_first_deepspeed_cpu_launch_says_it_builds_its_op_and_later_ones_do_not(tmp_path, monkeypatch):
+def test_a_first_deepspeed_cpu_launch_says_it_builds_its_op_and_later_ones_or_a_prebuilt_op_do_not(tmp_path):
+    """In fresh interpreters that find DeepSpeed where PYTHONPATH says: a package as PyPI's DeepSpeed installs it
+    (no compiled op), then the same package with the op compiled in; and the DeepSpeed scripts/setup.sh installed."""
+    import subprocess
     import sys
 
-    from opentau_cli.config import setup_from_dict
-    from opentau_cli.process.launch import deepspeed_op_note
+    extensions = tmp_path / "torch_extensions"
+    pypi, prebuilt = tmp_path / "pypi", tmp_path / "prebuilt"
+    for root in (pypi, prebuilt):
+        (root / "deepspeed" / "ops" / "comm").mkdir(parents=True)
+        (root / "deepspeed" / "__init__.py").write_text("")
+    (prebuilt / "deepspeed" / "ops" / "comm" / "deepspeed_shm_comm_op.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    script = """import json
+from opentau_cli.config import setup_from_dict
+from opentau_cli.process.launch import deepspeed_op_note
+zero2 = setup_from_dict({"backend": "deepspeed", "zero_stage": 2, "num_processes": 2})
+ddp = setup_from_dict({"backend": "ddp", "num_processes": 2})
+print(json.dumps([deepspeed_op_note(zero2, cuda=False), deepspeed_op_note(ddp, cuda=False),
+                  deepspeed_op_note(zero2, cuda=True)]))"""
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    zero2 = setup_from_dict({"backend": "deepspeed", "zero_stage": 2, "num_processes": 2})
-    ddp = setup_from_dict({"backend": "ddp", "num_processes": 2})
-    note = deepspeed_op_note(zero2, cuda=False)
-    assert note and "builds its CPU communication op" in note and "30-60 s" in note
-    assert deepspeed_op_note(ddp, cuda=False) is None and deepspeed_op_note(zero2, cuda=True) is None
-    built = tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
+    def notes(pythonpath: str) -> list:
+        env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "PYTHONPATH": pythonpath}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    first, ddp, cuda = notes(str(pypi))
+    assert first and "builds its CPU communication op" in first and "30-60 s" in first
+    assert ddp is None and cuda is None
+    assert notes(str(prebuilt)) == [None, None, None]
+    # An earlier launch built it into torch's extensions folder.
+    built = extensions / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
     built.mkdir(parents=True)
     (built / "deepspeed_shm_comm.so").write_bytes(b"")
-    assert deepspeed_op_note(zero2, cuda=False) is None
+    assert notes(str(pypi)) == [None, None, None]
+    # scripts/setup.sh compiles it into DeepSpeed on this CPU torch: no launch here says it builds.
+    shutil.rmtree(built)
+    assert notes("") == [None, None, None]
 
 
 def test_keep_best_keeps_the_best_by_a_metric_that_rises_and_falls_beside_the_newest(tmp_path):

@@ -10,6 +10,7 @@ exit codes: 0 done (or preempted and saved), 1 a worker failed (with the log pat
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -217,12 +218,16 @@ def describe_removal(paths: list[Path]) -> str:
 
 
 def deepspeed_op_note(setup: AccelerateSetup, cuda: bool) -> str | None:
-    """DeepSpeed compiles its CPU communication op with the C++ compiler on first use, silently: say so once."""
+    """DeepSpeed compiles its CPU communication op with the C++ compiler on first use, silently: say so once. Not
+    where the op is compiled into the DeepSpeed package (scripts/setup.sh does so on a CPU torch) or was built by an
+    earlier launch into torch's extensions folder."""
     if setup.backend != "deepspeed" or cuda:
         return None
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
     built = root / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm"
-    if any(built.glob("*.so")):
+    package = importlib.util.find_spec("deepspeed")  # where DeepSpeed is, without importing it (seconds)
+    installed = Path(package.origin).parent / "ops" / "comm" if package and package.origin else None
+    if any(built.glob("*.so")) or (installed and any(installed.glob("deepspeed_shm_comm_op*.so"))):
         return None
     return ("DeepSpeed builds its CPU communication op (deepspeed_shm_comm) with the C++ compiler on this first launch: "
             "usually 30-60 s on 2 cores, once; later launches reuse it.")
