@@ -18,9 +18,11 @@ TORCH="${TORCH_SPEC:-torch==2.13.0}"
 EXTRAS="$(IFS=,; echo "${*:-dev}")"
 PIP=(-m pip install --quiet --disable-pip-version-check)
 
-# RECIPE names how build_cache builds (change it when build_cache changes, so that caches built otherwise are not used).
-RECIPE="deepspeed CPU communication op prebuilt"
-key="$({ cat pyproject.toml; echo "$TORCH"; echo "$EXTRAS"; echo "$RECIPE"; "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)"
+# OPENTAU_PREBUILD_DEEPSPEED_OP=1 (scripts/test.sh sets it): compile DeepSpeed's CPU communication op into the cached
+# environment; an environment with it is cached under a key of its own.
+PREBUILD_OP="${OPENTAU_PREBUILD_DEEPSPEED_OP:-0}"
+key="$({ cat pyproject.toml; echo "$TORCH"; echo "$EXTRAS"; [ "$PREBUILD_OP" != 1 ] || echo "deepspeed CPU communication op prebuilt"
+        "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)"
 VENVS="${OPENTAU_VENVS_DIR:-$HOME/.cache/opentau/venvs}"
 cache="$VENVS/$key"
 
@@ -38,7 +40,7 @@ build_cache() {  # the dependencies of opentau[EXTRAS] with torch, without opent
   "$cache.tmp/bin/python" "${PIP[@]}" "$TORCH" "setuptools>=68" wheel
   "$cache.tmp/bin/python" "${PIP[@]}" -e ".[$EXTRAS]"
   "$cache.tmp/bin/python" -m pip uninstall --quiet --yes opentau-cli
-  prebuild_deepspeed_op "$cache.tmp/bin/python"
+  [ "$PREBUILD_OP" != 1 ] || prebuild_deepspeed_op "$cache.tmp/bin/python"
   mv "$cache.tmp" "$cache"
   retarget "$cache.tmp" "$cache"
   touch "$cache/.complete"
@@ -46,8 +48,10 @@ build_cache() {  # the dependencies of opentau[EXTRAS] with torch, without opent
 
 prebuild_deepspeed_op() {  # PYTHON: DeepSpeed again, with its CPU communication op compiled into the package
   # On a CPU torch every DeepSpeed launch needs this op (deepspeed_shm_comm); from PyPI DeepSpeed compiles it with the
-  # C++ compiler on first use, in every clone (about a minute on 2 cores). Built here once per cached environment,
-  # DeepSpeed imports it instead. Where this fails (no compiler) DeepSpeed still builds it on first use.
+  # C++ compiler on first use, in every clone (about a minute on 2 cores): the test suite's set-up paid it on every
+  # fresh clone. Built here once per cached environment, DeepSpeed imports it instead. Not by default: it costs the
+  # first set-up about 2.5 minutes (DeepSpeed built again), and a user's training seldom runs DeepSpeed on a CPU.
+  # Where this fails (no compiler) DeepSpeed still builds it on first use.
   local version
   version="$("$1" -c 'import importlib.metadata as m, torch
 print(m.version("deepspeed") if torch.version.cuda is None and torch.version.hip is None else "")' 2>/dev/null)" || return 0

@@ -14,7 +14,8 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 echo "load before: $(cat /proc/loadavg 2>/dev/null || uptime) on $(nproc) cores"
 setup_start=$SECONDS
-./scripts/setup.sh dev sim  # .venv from the dependency environment cached by version (~/.cache/opentau/venvs)
+# .venv from the dependency environment cached by version (~/.cache/opentau/venvs), DeepSpeed's CPU op compiled in
+OPENTAU_PREBUILD_DEEPSPEED_OP=1 ./scripts/setup.sh dev sim
 ./scripts/setup_sim.sh    # the simulators of `opentau eval --env` (the [sim] extra) and the GL libraries they render with
 ./scripts/setup_slurm.sh  # Debian's SLURM and munge: tests/slurm_cluster.py starts a real cluster
 export OPENTAU_CACHE_DIR="${OPENTAU_CACHE_DIR:-$PWD/.cache/opentau}"

@@ -218,7 +218,8 @@ def test_a_kill_between_publishing_and_repointing_last_resumes_the_published_chi
 
 def test_a_first_deepspeed_cpu_launch_says_it_builds_its_op_and_later_ones_or_a_prebuilt_op_do_not(tmp_path):
     """In fresh interpreters that find DeepSpeed where PYTHONPATH says: a package as PyPI's DeepSpeed installs it
-    (no compiled op), then the same package with the op compiled in; and the DeepSpeed scripts/setup.sh installed."""
+    (no compiled op), then the same package with the op compiled in; and the DeepSpeed scripts/test.sh's set-up
+    installed."""
     import subprocess
     import sys
 
@@ -251,7 +252,7 @@ print(json.dumps([deepspeed_op_note(zero2, cuda=False), deepspeed_op_note(ddp, c
     built.mkdir(parents=True)
     (built / "deepspeed_shm_comm.so").write_bytes(b"")
     assert notes(str(pypi)) == [None, None, None]
-    # scripts/setup.sh compiles it into DeepSpeed on this CPU torch: no launch here says it builds.
+    # scripts/test.sh's set-up compiles it into DeepSpeed on this CPU torch: no launch here says it builds.
     shutil.rmtree(built)
     assert notes("") == [None, None, None]
 

@@ -219,8 +219,8 @@ def describe_removal(paths: list[Path]) -> str:
 
 def deepspeed_op_note(setup: AccelerateSetup, cuda: bool) -> str | None:
     """DeepSpeed compiles its CPU communication op with the C++ compiler on first use, silently: say so once. Not
-    where the op is compiled into the DeepSpeed package (scripts/setup.sh does so on a CPU torch) or was built by an
-    earlier launch into torch's extensions folder."""
+    where the op is compiled into the DeepSpeed package (scripts/test.sh's set-up does so on a CPU torch) or was built
+    by an earlier launch into torch's extensions folder."""
     if setup.backend != "deepspeed" or cuda:
         return None
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
