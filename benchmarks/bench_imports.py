@@ -7,9 +7,9 @@ builds anything (`runtime.RANK_IMPORTS`: opentau's config, torch, accelerate, De
 transformers' Gemma and PaliGemma). "collector running" imports them with plain `importlib.import_module`, as before
 the change; "collector paused" as a DeepSpeed launch's rank (`runtime.import_rank_libraries`, through
 `import_paused`) with every module its libraries import at their own import (as before MLflow was kept out of
-DeepSpeed's); "MLflow kept out" as a DeepSpeed launch's ranks now do (`runtime.UNUSED_IMPORTS`: DeepSpeed's autotuner imports MLflow whenever it is installed); "DeepSpeed kept
-out" as a single, DDP or FSDP2 launch's ranks now do (`runtime.import_rank_libraries`: no DeepSpeed, which Accelerate's
-unwrap_model would import later). Each child reports the wall time and the process's CPU time (user + system) of the
+DeepSpeed's); "MLflow kept out" as a DeepSpeed launch's ranks now do (`runtime.UNUSED_IMPORTS`: DeepSpeed's
+autotuner imports MLflow whenever it is installed); "DeepSpeed kept out" as a single, DDP or FSDP2 launch's ranks now
+do (`runtime.import_rank_libraries`: no DeepSpeed, which Accelerate's unwrap_model would import later). Each child reports the wall time and the process's CPU time (user + system) of the
 imports, and the full collections the collector made meanwhile. Sides alternate, so a change in the machine's load
 hits both alike; the table gives each side's median and the ratios.
 

@@ -21,8 +21,9 @@ PIP=(-m pip install --quiet --disable-pip-version-check)
 # OPENTAU_PREBUILD_DEEPSPEED_OP=1 (scripts/test.sh sets it): compile DeepSpeed's CPU communication op into the cached
 # environment; an environment with it is cached under a key of its own.
 PREBUILD_OP="${OPENTAU_PREBUILD_DEEPSPEED_OP:-0}"
-key="$({ cat pyproject.toml; echo "$TORCH"; echo "$EXTRAS"; [ "$PREBUILD_OP" != 1 ] || echo "deepspeed CPU communication op prebuilt"
-        "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)"
+key="$({ cat pyproject.toml; echo "$TORCH"; echo "$EXTRAS"
+         if [ "$PREBUILD_OP" = 1 ]; then echo "deepspeed CPU communication op prebuilt"; fi
+         "$PY" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)"
 VENVS="${OPENTAU_VENVS_DIR:-$HOME/.cache/opentau/venvs}"
 cache="$VENVS/$key"
 
@@ -40,7 +41,7 @@ build_cache() {  # the dependencies of opentau[EXTRAS] with torch, without opent
   "$cache.tmp/bin/python" "${PIP[@]}" "$TORCH" "setuptools>=68" wheel
   "$cache.tmp/bin/python" "${PIP[@]}" -e ".[$EXTRAS]"
   "$cache.tmp/bin/python" -m pip uninstall --quiet --yes opentau-cli
-  [ "$PREBUILD_OP" != 1 ] || prebuild_deepspeed_op "$cache.tmp/bin/python"
+  if [ "$PREBUILD_OP" = 1 ]; then prebuild_deepspeed_op "$cache.tmp/bin/python"; fi
   mv "$cache.tmp" "$cache"
   retarget "$cache.tmp" "$cache"
   touch "$cache/.complete"
