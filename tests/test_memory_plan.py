@@ -17,7 +17,7 @@ from opentau_cli.config.accelerate import AccelerateSetup
 from opentau_cli.errors import UserError
 from opentau_cli.plan.memory import (CPU_RETENTION, CUDA_CONTEXT, CUDA_FRAGMENTATION, NCCL_BUFFERS, check_fits, parse_size,
                                      plan_memory)
-from conftest import EXAMPLES, opentau_bin
+from conftest import EXAMPLES, SUITE_CACHE, opentau_bin
 
 pytestmark = pytest.mark.quick
 
@@ -25,9 +25,11 @@ GIB = 2**30
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_own_cache(one_thread, tmp_path_factory, monkeypatch):
-    """One intra-op thread (conftest.one_thread says why) and this module's own step-measurement cache."""
-    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "memory_plan_cache"))
+def _one_thread_suite_cache(one_thread, monkeypatch):
+    """One intra-op thread (conftest.one_thread says why) and the suite's step-measurement cache: each measurement is
+    keyed by everything it depends on (the tests below on the keys hold that), so what another test measured is what
+    measuring again gives, and the launches' measurements are shared with this module's."""
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(SUITE_CACHE))
 
 
 def real_trainable(policy: dict) -> int:
@@ -217,7 +219,7 @@ def test_the_optimizer_row_prints_binary_units_once_not_bb():
     assert f"{8 * 2_832_000_000 / 8 / GIB:.2f} GiB per process, FSDP2 shards it over 8" in optimizer_row(counts, 8, None, "FSDP2")
 
 
-def test_the_step_measurement_cache_is_keyed_by_the_code_it_measures(monkeypatch, tmp_path):
+def test_the_step_measurement_cache_is_keyed_by_the_code_and_libraries_it_measures(monkeypatch, tmp_path):
     from opentau_cli.plan import memory as memory_plan
 
     monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))
@@ -229,6 +231,12 @@ def test_the_step_measurement_cache_is_keyed_by_the_code_it_measures(monkeypatch
     monkeypatch.setattr(memory_plan, "_code_version", lambda: "changed")  # as after an edit of the policy's code
     assert memory_plan.step_bytes(*args) == first
     assert len(list((tmp_path / "memory_plan").iterdir())) == 2  # measured again, not read from the old entry
+    real_versions = memory_plan._library_versions()
+    for library in range(3):  # another torch, transformers or peft: measured again
+        versions = [*real_versions[:library], "another", *real_versions[library + 1:]]
+        monkeypatch.setattr(memory_plan, "_library_versions", lambda versions=versions: versions)
+        assert memory_plan.step_bytes(*args) == first
+        assert len(list((tmp_path / "memory_plan").iterdir())) == 3 + library
     cached[0].write_text('{"bytes": 1}')  # an entry of an older format is measured again, never misread
     monkeypatch.undo()
     monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import EXAMPLES, run_cli_in_process
+from conftest import EXAMPLES, SUITE_CACHE, run_cli_in_process
 
 pytestmark = pytest.mark.full
 
@@ -14,8 +14,9 @@ TINY = str(EXAMPLES / "pi05_tiny_config.json")
 
 
 @pytest.fixture(autouse=True)
-def _own_cache(one_thread, tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "memory_plan_cli_cache"))
+def _suite_cache(one_thread, monkeypatch):
+    """The suite's step-measurement cache, as tests/test_memory_plan.py says why."""
+    monkeypatch.setenv("OPENTAU_CACHE_DIR", str(SUITE_CACHE))
 
 
 def files_under(path):

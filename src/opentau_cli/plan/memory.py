@@ -123,13 +123,14 @@ def _library_versions() -> list[str | None]:
 
 def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: str, autocast: bool) -> StepBytes:
     """What one forward + backward of the full-size model allocates, on fake tensors (plan/measure.py). Kept on disk
-    per shape, precision, torch version and version of the code measured."""
+    per shape, precision, version of the code measured and of the libraries that build the policy (torch, transformers,
+    peft: another transformers may lay out attention, and so its activations, otherwise)."""
     def measured() -> StepBytes:
         from opentau_cli.plan import measure
 
         return StepBytes(**measure.step_bytes(policy_cfg, batch, cameras, weights_dtype, autocast))
 
-    key = [policy_cfg.model_dump(mode="json"), batch, cameras, weights_dtype, autocast, _library_versions()[0]]
+    key = [policy_cfg.model_dump(mode="json"), batch, cameras, weights_dtype, autocast, _library_versions()]
     return _kept_on_disk("step", StepBytes, key, measured)
 
 
@@ -201,7 +202,7 @@ def module_trace(policy_cfg: PolicyConfig, cameras: int) -> ModuleTrace:
 
         return ModuleTrace(**measure.module_trace(policy_cfg, cameras))
 
-    return _kept_on_disk("trace", ModuleTrace, [policy_cfg.model_dump(mode="json"), cameras, _library_versions()[0]],
+    return _kept_on_disk("trace", ModuleTrace, [policy_cfg.model_dump(mode="json"), cameras, _library_versions()],
                          measured)
 
 
