@@ -9,9 +9,10 @@ the change; "collector paused" as a DeepSpeed launch's rank (`runtime.import_ran
 `import_paused`) with every module its libraries import at their own import (as before MLflow was kept out of
 DeepSpeed's); "MLflow kept out" as a DeepSpeed launch's ranks now do (`runtime.UNUSED_IMPORTS`: DeepSpeed's
 autotuner imports MLflow whenever it is installed); "DeepSpeed kept out" as a single, DDP or FSDP2 launch's ranks now
-do (`runtime.import_rank_libraries`: no DeepSpeed, which Accelerate's unwrap_model would import later). Each child reports the wall time and the process's CPU time (user + system) of the
-imports, and the full collections the collector made meanwhile. Sides alternate, so a change in the machine's load
-hits both alike; the table gives each side's median and the ratios.
+do (`runtime.import_rank_libraries`: no DeepSpeed, which Accelerate's unwrap_model would import later). Each child
+reports the wall time and the process's CPU time (user + system) of the imports, and the full collections the
+collector made meanwhile. Sides alternate, so a change in the machine's load hits both alike; the table gives each
+side's median and the ratios.
 
     python benchmarks/bench_imports.py            # 7 rounds per side
     python benchmarks/bench_imports.py --smoke    # 1 round (checks the script works)

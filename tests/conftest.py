@@ -355,6 +355,18 @@ ZERO2_REFERENCE_ARGS = _reference_args("accelerate_cpu_deepspeed_config.yaml")
 HOOKS = Path(__file__).parent / "hooks"  # the fault-injection helper: its variables choose the hooks
 
 
+def elastic_machines_args() -> list[str]:
+    """Two elastic "machines" on loopback (MIN 1, MAX 2, one restart, machine 0 hosting the rendezvous on a free port),
+    as test_elastic_machines and test_remote_machines run them. Both machines must be in the first group: its last
+    call (machine_wait_seconds) waits 10 s for machine 1 once machine 0 is there. 2 s was seen too short on two busy
+    cores (machine 1's launcher began 6 s after machine 0's, which trained alone first and spent its one restart
+    admitting it)."""
+    from opentau_cli.process.launch import free_port
+
+    return ["--distributed.machines=1:2", "--max-restarts=1", "--distributed.machine_wait_seconds=10", "--num_machines=2",
+            "--main_process_ip=127.0.0.1", f"--main_process_port={free_port()}"]
+
+
 def recorded_weights(reference: Path) -> Path:
     """Where a shared reference run recorded its weights: step_<k>.safetensors before step 1 (k=0) and after each."""
     return reference.parent / "weights"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, opentau_bin, own_cache, run_cli_in_process,
+    DDP_REFERENCE_ARGS, DDP_REFERENCE_SAVE, DDP_REFERENCE_STEPS, EXAMPLES, elastic_machines_args, opentau_bin, own_cache,
+    run_cli_in_process,
 )
-from opentau_cli.process.launch import free_port
 from opentau_cli.store.layout import CHECKPOINTS, LOGS, METRICS, TRAINING_STATE
 
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
@@ -43,11 +43,7 @@ def elastic(tmp_path_factory, ddp_reference):
     # machine's processes its cores): another thread count sums in another order.
     env = {**os.environ, "HF_HOME": str(tmp / "hf_home"), "OPENTAU_CACHE_DIR": own_cache(tmp / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("OPENTAU_DEBUG", None)
-    # Both machines must be in the first group: its last call (machine_wait_seconds) waits for machine 1 once machine 0
-    # is there. 2 s was seen too short on two busy cores (machine 1's launcher began 6 s after machine 0's, which
-    # trained alone first and spent its one restart admitting it).
-    machines = ["--distributed.machines=1:2", "--max-restarts=1", "--distributed.machine_wait_seconds=10",
-                "--num_machines=2", "--main_process_ip=127.0.0.1", f"--main_process_port={free_port()}"]
+    machines = elastic_machines_args()
     train = ["train", f"--output_dir={run}", *DDP_REFERENCE_ARGS, *machines]
     # Machine 0 holds step 5 of its second group (alone) until the agent stops it to admit machine 1.
     hook = {"PYTHONPATH": str(HOOKS), "TEST_FAULT_RANK": "any"}

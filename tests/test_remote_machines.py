@@ -21,11 +21,11 @@ from conftest import (
     DDP_REFERENCE_SAVE,
     DDP_REFERENCE_STEPS,
     EXAMPLES,
+    elastic_machines_args,
     own_cache,
 )
 from test_elastic_machines import start, train_losses
 
-from opentau_cli.process.launch import free_port
 from opentau_cli.store.layout import CHECKPOINTS, LOGS, MANIFEST
 
 STEPS, SAVE = DDP_REFERENCE_STEPS, DDP_REFERENCE_SAVE  # 6, 3
@@ -52,11 +52,7 @@ def machines(tmp_path_factory, ddp_reference, s3_server):
     url = s3_server.url("runs/machines")
     disk0, disk1 = tmp / "disk0", tmp / "disk1"
     run0, run1 = disk0 / "run", disk1 / "run"
-    # As in tests/test_elastic_machines.py: both machines must be in the first group, whose last call waits for
-    # machine 1 (2 s was seen too short on two busy cores).
-    settings = ["--distributed.machines=1:2", "--max-restarts=1", "--distributed.machine_wait_seconds=10",
-                "--num_machines=2", "--main_process_ip=127.0.0.1", f"--main_process_port={free_port()}",
-                f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=60"]
+    settings = [*elastic_machines_args(), f"--checkpoint.remote={url}", "--checkpoint.remote_drain_seconds=60"]
     hook = {"PYTHONPATH": str(HOOKS), "TEST_FAULT_RANK": "any"}
     env0 = machine_env(disk0, s3_server)
     os.environ.update(s3_server.env)  # this process reads the store too (the variables are the session server's)

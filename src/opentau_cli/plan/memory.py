@@ -123,22 +123,24 @@ def _library_versions() -> list[str | None]:
 
 def step_bytes(policy_cfg: PolicyConfig, batch: int, cameras: int, weights_dtype: str, autocast: bool) -> StepBytes:
     """What one forward + backward of the full-size model allocates, on fake tensors (plan/measure.py). Kept on disk
-    per shape, precision, version of the code measured and of the libraries that build the policy (torch, transformers,
-    peft: another transformers may lay out attention, and so its activations, otherwise)."""
+    per shape and precision (and code and library versions: _kept_on_disk)."""
     def measured() -> StepBytes:
         from opentau_cli.plan import measure
 
         return StepBytes(**measure.step_bytes(policy_cfg, batch, cameras, weights_dtype, autocast))
 
-    key = [policy_cfg.model_dump(mode="json"), batch, cameras, weights_dtype, autocast, _library_versions()]
+    key = [policy_cfg.model_dump(mode="json"), batch, cameras, weights_dtype, autocast]
     return _kept_on_disk("step", StepBytes, key, measured)
 
 
 def _kept_on_disk(kind: str, cls, key: list, measure):
-    """A result of `measure()` (a `cls`), kept in cache_dir() under a hash of `key`, MEASURE_VERSION and the measured
-    code's version: read back when whole and of `cls`'s fields, else measured again. Written under another name and
-    renamed into place, so a launch that reads it meanwhile finds it whole or absent."""
-    digest = hashlib.sha256(json.dumps([kind, MEASURE_VERSION, _code_version(), *key], sort_keys=True).encode())
+    """A result of `measure()` (a `cls`), kept in cache_dir() under a hash of `key`, MEASURE_VERSION, the measured
+    code's version and the versions of the libraries that build the policy (torch, transformers, peft: another
+    transformers may lay out attention, and so the activations, otherwise): read back when whole and of `cls`'s fields,
+    else measured again. Written under another name and renamed into place, so a launch that reads it meanwhile finds it
+    whole or absent."""
+    digest = hashlib.sha256(json.dumps([kind, MEASURE_VERSION, _code_version(), _library_versions(), *key],
+                                    sort_keys=True).encode())
     cache = cache_dir() / f"{kind}_{digest.hexdigest()[:20]}.json"
     with contextlib.suppress(OSError, ValueError, TypeError):
         return cls(**json.loads(cache.read_text()))
@@ -202,8 +204,7 @@ def module_trace(policy_cfg: PolicyConfig, cameras: int) -> ModuleTrace:
 
         return ModuleTrace(**measure.module_trace(policy_cfg, cameras))
 
-    return _kept_on_disk("trace", ModuleTrace, [policy_cfg.model_dump(mode="json"), cameras, _library_versions()],
-                         measured)
+    return _kept_on_disk("trace", ModuleTrace, [policy_cfg.model_dump(mode="json"), cameras], measured)
 
 
 def zero3_gathered(trace: ModuleTrace, settings: dict[str, int]) -> tuple[int, int]:
@@ -353,8 +354,7 @@ def cached_sizes(policy_cfg: PolicyConfig) -> Sizes:
     key = policy_cfg.model_dump_json()
     if key not in _SIZES:
         if policy_cfg.tokenizer_path is None:
-            _SIZES[key] = _kept_on_disk("sizes", Sizes, [policy_cfg.model_dump(mode="json"), _library_versions()],
-                                        lambda: sizes(policy_cfg))
+            _SIZES[key] = _kept_on_disk("sizes", Sizes, [policy_cfg.model_dump(mode="json")], lambda: sizes(policy_cfg))
         else:
             _SIZES[key] = sizes(policy_cfg)
     return _SIZES[key]
